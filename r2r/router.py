@@ -1,0 +1,135 @@
+"""The neural router: an MLP over the SLM's hidden state, its chosen token and its top-k logits.
+
+Architecture after the R2R paper (DESIGN §1): each input is projected to `dim`, the projections
+are concatenated and mixed, then `n_blocks` residual blocks (LayerNorm -> Linear -> GELU ->
+Linear) and a LayerNorm + Linear head give one logit: "this token should come from the LLM".
+
+The token embedding table is the SLM's own, frozen, and is never stored in a checkpoint: it is
+passed in at load time, and the checkpoint records a hash of it so a router cannot silently run
+with a different SLM. A checkpoint is a directory with `router.safetensors` and `router.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from r2r.errors import R2RError
+
+INPUTS = ("hidden", "token", "logits")
+
+
+@dataclass
+class RouterConfig:
+    hidden_size: int  # the SLM's last-layer hidden size
+    embed_size: int  # the SLM's token-embedding size
+    inputs: tuple[str, ...] = INPUTS  # any non-empty subset of INPUTS
+    top_k: int = 100  # how many of the SLM's largest log-probabilities the router reads
+    dim: int = 256
+    n_blocks: int = 3
+    dropout: float = 0.1
+
+    def __post_init__(self):
+        self.inputs = tuple(self.inputs)
+        unknown = set(self.inputs) - set(INPUTS)
+        if not self.inputs or unknown:
+            raise R2RError(f"router inputs must be a non-empty subset of {INPUTS}, got {self.inputs}")
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, dim: int, dropout: float):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return x + self.dropout(self.down(nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class Router(nn.Module):
+    def __init__(self, config: RouterConfig):
+        super().__init__()
+        self.config = config
+        in_sizes = {"hidden": config.hidden_size, "token": config.embed_size, "logits": config.top_k}
+        self.proj = nn.ModuleDict({name: nn.Linear(in_sizes[name], config.dim) for name in config.inputs})
+        self.mix = nn.Linear(len(config.inputs) * config.dim, config.dim)
+        self.blocks = nn.ModuleList(ResidualBlock(config.dim, config.dropout) for _ in range(config.n_blocks))
+        self.head = nn.Sequential(nn.LayerNorm(config.dim), nn.Linear(config.dim, 1))
+
+    def forward(self, hidden, token_embedding, logits):
+        """hidden [N, H], token_embedding [N, E], logits [N, V] (raw) -> routing logit [N]."""
+        features = {"hidden": hidden, "token": token_embedding}
+        if "logits" in self.config.inputs:
+            # Log-probabilities rather than raw logits: invariant to the logits' shift.
+            top = logits.float().topk(self.config.top_k, dim=-1).values
+            features["logits"] = top - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+        x = torch.cat([self.proj[name](features[name].float()) for name in self.config.inputs], dim=-1)
+        x = self.mix(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)[:, 0]
+
+
+def embedding_fingerprint(embedding: torch.Tensor) -> str:
+    """A hash of the SLM's token-embedding table (every 97th row: enough to tell models apart, cheap)."""
+    sample = embedding.detach()[::97].float().cpu().contiguous()
+    return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+
+
+@dataclass
+class RouterCheckpoint:
+    router: Router
+    threshold: float  # route to the LLM when sigmoid(logit) >= threshold
+    slm: dict = field(default_factory=dict)  # identity of the SLM it was trained on
+    extra: dict = field(default_factory=dict)  # training metadata, free-form
+
+
+def save_router(path: str | Path, ckpt: RouterCheckpoint) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in ckpt.router.state_dict().items()}
+    save_file(tensors, str(path / "router.safetensors"))
+    meta = {"architecture": asdict(ckpt.router.config), "threshold": ckpt.threshold, "slm": ckpt.slm, **ckpt.extra}
+    (path / "router.json").write_text(json.dumps(meta, indent=2))
+
+
+def slm_identity(name: str, hidden_size: int, embedding: torch.Tensor) -> dict:
+    return {
+        "name": name,
+        "hidden_size": hidden_size,
+        "vocab_size": embedding.shape[0],
+        "embedding_hash": embedding_fingerprint(embedding),
+    }
+
+
+def load_router(path: str | Path, slm: dict | None = None) -> RouterCheckpoint:
+    """Load a checkpoint; with `slm` (see `slm_identity`), refuse one trained for another SLM."""
+    path = Path(path)
+    if not (path / "router.json").exists() or not (path / "router.safetensors").exists():
+        raise R2RError(f"{path} is not a router checkpoint (needs router.json and router.safetensors)")
+    try:
+        meta = json.loads((path / "router.json").read_text())
+        config = RouterConfig(**meta["architecture"])
+        router = Router(config)
+        router.load_state_dict(load_file(str(path / "router.safetensors")))
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise R2RError(f"router checkpoint {path} is damaged or of another version: {e}") from None
+    trained_on = meta.get("slm", {})
+    if slm is not None:
+        for key in ("hidden_size", "vocab_size", "embedding_hash"):
+            if key in trained_on and trained_on[key] != slm.get(key):
+                raise R2RError(
+                    f"router {path} was trained for SLM {trained_on.get('name')!r} ({key}={trained_on[key]}), "
+                    f"but the SLM loaded is {slm.get('name')!r} ({key}={slm.get(key)}): train a router for this SLM"
+                )
+    router.eval()
+    extra = {k: v for k, v in meta.items() if k not in ("architecture", "threshold", "slm")}
+    return RouterCheckpoint(router, float(meta["threshold"]), trained_on, extra)
