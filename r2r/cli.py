@@ -48,9 +48,6 @@ def make_policy(choice: RouterChoice, threshold: float | None, router_path: Path
         return policies.RandomPolicy(0.1 if threshold is None else threshold, seed)
     if choice == RouterChoice.entropy:
         return policies.EntropyPolicy(DEFAULT_ENTROPY_THRESHOLD if threshold is None else threshold)
-    if router_path is None:
-        raise R2RError("no router checkpoint given: pass --router-path DIR (a trained router), "
-                       "or use --router entropy")
     embedding = slm.model.get_input_embeddings().weight
     checkpoint = load_router(router_path, slm_identity(slm.name, slm.hidden_size, embedding))
     return policies.NeuralPolicy(checkpoint, slm.embed, threshold, device=slm.device)
@@ -63,6 +60,9 @@ def build_engine(slm: str | None, llm: str | None, device: str, router: RouterCh
 
     if router != RouterChoice.router and router_path is not None:
         raise R2RError(f"--router-path goes with --router router, not --router {router.value}")
+    if router == RouterChoice.router and router_path is None:
+        raise R2RError("no router checkpoint given: pass --router-path DIR (a trained router), "
+                       "or use --router entropy")
     slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, need_llm=router != RouterChoice.slm)
     policy = make_policy(router, threshold, router_path, slm_backend, seed)
     return Engine(slm_backend, llm_backend, tokenizer, policy)
@@ -244,7 +244,16 @@ def bench_overhead(
         out.write_text(json.dumps(result, indent=2))
 
 
+def quiet_transformers():
+    """Our own progress bars and errors only: no per-load bars or advice from transformers."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 def main():
+    quiet_transformers()
     try:
         app()
     except R2RError as e:

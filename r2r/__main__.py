@@ -1,0 +1,3 @@
+from r2r.cli import main
+
+main()

@@ -1,0 +1,78 @@
+"""The command line on a tiny pair: JSON contract, highlighting, and one-line errors."""
+
+import json
+
+import pytest
+
+from tiny import save_pair, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    slm_dir, llm_dir = save_pair(tmp_path_factory.mktemp("pair"))
+    return ["--slm", slm_dir, "--llm", llm_dir, "--device", "cpu"]
+
+
+def test_generate_json_has_the_contract_keys(run_cli, pair):
+    code, out, err = run_cli("generate", "What is 48 / 2?", "--router", "random", "--threshold", "0.5",
+                             "--max-new-tokens", "12", "--seed", "3", "--json", *pair)
+    assert code == 0, err
+    result = json.loads(out)
+    for key in ("text", "token_ids", "sources", "llm_rate", "avg_params_b", "tokens_per_s"):
+        assert key in result
+    assert len(result["sources"]) == len(result["token_ids"]) <= 12
+    assert set(result["sources"]) <= {"slm", "llm"}
+
+
+def test_generate_raw_and_slm_only(run_cli, pair):
+    code, out, err = run_cli("generate", "def add(a, b):", "--raw", "--router", "slm", "--max-new-tokens", "5",
+                             "--json", *pair)
+    assert code == 0, err
+    assert json.loads(out)["llm_rate"] == 0.0
+
+
+def test_generate_prints_text_and_stats(run_cli, pair):
+    code, out, err = run_cli("generate", "Hello", "--router", "llm", "--max-new-tokens", "6", *pair)
+    assert code == 0, err
+    assert "LLM rate" in out and "100.0%" in out and "avg. activated params" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "   "], "prompt is empty"),
+        (["generate", "hi", "--max-new-tokens", "0"], "max new tokens"),
+        (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--router", "router"], "no router checkpoint"),
+        (["generate", "hi", "--router", "entropy", "--threshold", "-2"], "entropy threshold"),
+        (["generate", "hi", "--router-path", "x", "--router", "slm"], "--router-path goes with"),
+    ],
+)
+def test_bad_input_gives_one_line_error(run_cli, pair, args, message):
+    code, out, err = run_cli(*args, *pair)
+    assert code != 0
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_models_give_one_line_errors(run_cli, tmp_path, pair):
+    (tmp_path / "corrupt.gguf").write_bytes(b"not a gguf file at all")
+    other = save_pair(tmp_path / "other", llm_tokenizer=tiny_tokenizer(310, ("zebra quantum",)))
+    cases = [
+        (["--slm", tmp_path / "missing", "--llm", tmp_path / "missing"], "does not exist"),
+        (["--slm", other[0], "--llm", other[1]], "tokenizers differ"),
+        (["--slm", pair[1], "--llm", tmp_path / "corrupt.gguf"], "cannot load LLM"),
+    ]
+    for models_args, message in cases:
+        code, out, err = run_cli("generate", "hi", "--max-new-tokens", "2", "--device", "cpu", *models_args)
+        assert code != 0 and message in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_chat_streams_and_quits_on_empty_line(run_cli, pair, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is 48 / 2?\n\n"))
+    code, out, err = run_cli("chat", "--max-new-tokens", "5", "--router", "random", *pair)
+    assert code == 0, err
+    assert "LLM rate" in out

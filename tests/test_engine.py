@@ -1,0 +1,172 @@
+"""The decode loop on tiny models: exactness against transformers' generate, routing, sampling, stopping."""
+
+import pytest
+import torch
+
+from r2r.engine import Engine, SamplingParams, left_pad, sample
+from r2r.errors import R2RError
+from r2r.policies import AlwaysLLM, AlwaysSLM, RandomPolicy
+
+PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain."]
+
+
+def encode(engine, prompts=PROMPTS):
+    return [engine.encode_chat(p) for p in prompts]
+
+
+def hf_greedy(backend, engine, prompt_ids, n):
+    """transformers' own greedy generation for the same (left-padded) batch, cut after EOS."""
+    ids, mask = left_pad(prompt_ids, engine.pad_id, "cpu")
+    out = backend.model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=engine.pad_id
+    )
+    rows = []
+    for row in out[:, ids.shape[1] :].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in engine.eos_ids), len(row))
+        rows.append(row[:cut])
+    return rows
+
+
+@pytest.mark.parametrize("policy, role", [(AlwaysSLM(), "slm"), (AlwaysLLM(), "llm")])
+def test_always_one_model_equals_its_own_greedy_generation(slm, llm, tokenizer, policy, role):
+    engine = Engine(slm, llm, tokenizer, policy)
+    prompts = encode(engine)
+    reference_model = slm if role == "slm" else llm
+    params = SamplingParams(max_new_tokens=40)
+    for p in prompts:  # unbatched
+        gen = engine.generate([p], params)[0]
+        assert gen.token_ids == hf_greedy(reference_model, engine, [p], 40)[0]
+        assert gen.sources == [role] * len(gen.token_ids)
+    batched = engine.generate(prompts, params)  # batched, prompts of different lengths
+    assert [g.token_ids for g in batched] == hf_greedy(reference_model, engine, prompts, 40)
+
+
+def test_rows_that_finish_early_leave_the_batch_without_changing_the_others(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, AlwaysLLM())
+    prompts = encode(engine)
+    full = engine.generate(prompts, SamplingParams(max_new_tokens=30))
+    # Make a token that the first row produces early an end-of-sequence token.
+    engine.eos_ids = engine.eos_ids | {full[0].token_ids[3]}
+    cut = engine.generate(prompts, SamplingParams(max_new_tokens=30))
+    assert cut[0].finish_reason == "stop"
+    assert cut[0].token_ids == full[0].token_ids[: full[0].token_ids.index(full[0].token_ids[3]) + 1]
+    for before, after in zip(full[1:], cut[1:]):
+        n = len(after.token_ids)
+        assert after.token_ids == before.token_ids[:n]
+        assert after.finish_reason == "stop" or n == 30
+
+
+@torch.inference_mode()
+def full_forward_argmax(backend, ids):
+    """Next-token argmax from a forward over the whole sequence, no cache: the ground truth."""
+    return backend.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax().item()
+
+
+def test_mixed_routing_gives_each_token_to_the_model_that_was_asked(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=1))
+    prompts = encode(engine)
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=25))
+    assert sum(g.llm_tokens for g in gens) > 0 and sum(len(g.token_ids) - g.llm_tokens for g in gens) > 0
+    for prompt, gen in zip(prompts, gens):
+        for i, (token, source) in enumerate(zip(gen.token_ids, gen.sources)):
+            model = llm if source == "llm" else slm
+            assert token == full_forward_argmax(model, prompt + gen.token_ids[:i]), (i, source)
+
+
+def test_provenance_and_stats(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.5, seed=0))
+    gen = engine.generate(encode(engine)[:1], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+    assert len(gen.token_ids) == len(gen.sources) == len(gen.scores) == 20
+    assert gen.llm_tokens == gen.sources.count("llm")
+    assert gen.llm_rate == pytest.approx(gen.llm_tokens / len(gen.token_ids))
+    expected = (slm.num_params + gen.llm_rate * llm.num_params) / 1e9
+    assert gen.avg_params_b == pytest.approx(expected)
+    assert gen.tokens_per_s > 0 and gen.timings.slm_s > 0 and gen.timings.llm_s > 0
+    d = gen.to_dict()
+    for key in ("text", "token_ids", "sources", "llm_rate", "avg_params_b", "tokens_per_s"):
+        assert key in d
+    # The random policy's score is its draw; a draw under the rate routes the token.
+    assert [s < 0.5 for s in gen.scores] == [src == "llm" for src in gen.sources]
+
+
+def test_sampling_is_reproducible_with_a_seed_and_varies_without(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
+    prompts = encode(engine)
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    a = [g.token_ids for g in engine.generate(prompts, params)]
+    engine.policy = RandomPolicy(0.3, seed=0)
+    b = [g.token_ids for g in engine.generate(prompts, params)]
+    assert a == b
+    params.seed = 8
+    engine.policy = RandomPolicy(0.3, seed=0)
+    c = [g.token_ids for g in engine.generate(prompts, params)]
+    assert a != c
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    gen = torch.Generator().manual_seed(0)
+    assert all(sample(logits, SamplingParams(temperature=1.0, top_k=1), gen).item() == 1 for _ in range(20))
+    # top-p: the best token alone holds 0.64 of the mass, so top_p=0.5 keeps only it.
+    assert all(sample(logits, SamplingParams(temperature=1.0, top_p=0.5), gen).item() == 1 for _ in range(20))
+    # top_k=2 never draws outside the two best.
+    draws = {sample(logits, SamplingParams(temperature=5.0, top_k=2), gen).item() for _ in range(200)}
+    assert draws == {1, 3}
+    assert sample(logits, SamplingParams(), gen).item() == 1
+
+
+def test_stop_strings_and_max_new_tokens(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, AlwaysSLM())
+    prompt = encode(engine)[:1]
+    full = engine.generate(prompt, SamplingParams(max_new_tokens=30))[0]
+    assert len(full.token_ids) <= 30
+    text = full.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), "need a non-blank stop string from the middle of the text"
+    cut = engine.generate(prompt, SamplingParams(max_new_tokens=30, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[: text.find(stop)]
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+
+
+def test_ignore_eos_runs_to_max_new_tokens(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, AlwaysSLM())
+    prompt = encode(engine)[:1]
+    engine.eos_ids = {engine.generate(prompt, SamplingParams(max_new_tokens=5))[0].token_ids[1]}
+    assert len(engine.generate(prompt, SamplingParams(max_new_tokens=12))[0].token_ids) == 2
+    assert len(engine.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids) == 12
+
+
+def test_stream_yields_every_token_once(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
+    prompts = encode(engine)
+    results = []
+    seen = {i: [] for i in range(len(prompts))}
+    for steps in engine.stream(prompts, SamplingParams(max_new_tokens=15), results):
+        for s in steps:
+            seen[s.row].append((s.token_id, s.source))
+    for i, gen in enumerate(results):
+        assert seen[i] == list(zip(gen.token_ids, gen.sources))
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (SamplingParams(max_new_tokens=0), "max new tokens"),
+        (SamplingParams(temperature=-1), "temperature"),
+        (SamplingParams(top_p=0), "top-p"),
+        (SamplingParams(top_k=-1), "top-k"),
+        (SamplingParams(stop=("",)), "stop"),
+    ],
+)
+def test_bad_sampling_params_are_refused(slm, tokenizer, params, message):
+    engine = Engine(slm, None, tokenizer)
+    with pytest.raises(R2RError, match=message):
+        engine.generate([[1, 2, 3]], params)
+
+
+def test_empty_prompt_and_missing_llm_are_refused(slm, tokenizer):
+    with pytest.raises(R2RError, match="at least one token"):
+        Engine(slm, None, tokenizer).generate([[]], SamplingParams())
+    with pytest.raises(R2RError, match="no LLM"):
+        Engine(slm, None, tokenizer, AlwaysLLM()).generate([[1, 2]], SamplingParams())

