@@ -69,12 +69,25 @@ def build_engine(slm: str | None, llm: str | None, device: str, dtype: str, rout
 
 
 def render(tokenizer, generation) -> Text:
+    """The answer with the LLM's tokens highlighted; where output is not a terminal, in [[...]] instead."""
     from r2r.text import token_pieces
 
-    text = Text()
+    text, in_llm_span = Text(), False
     for piece, source in zip(token_pieces(tokenizer, generation.token_ids), generation.sources):
-        text.append(piece, style=LLM_STYLE if source == "llm" else None)
+        if console.is_terminal:
+            text.append(piece, style=LLM_STYLE if source == "llm" else None)
+            continue
+        if (source == "llm") != in_llm_span:
+            text.append("[[" if source == "llm" else "]]")
+            in_llm_span = source == "llm"
+        text.append(piece)
+    if in_llm_span:
+        text.append("]]")
     return text
+
+
+def marked_as() -> str:
+    return "highlighted" if console.is_terminal else "in [[ ]]"
 
 
 def stats_table(generation, policy) -> Table:
@@ -83,7 +96,7 @@ def stats_table(generation, policy) -> Table:
     rows = [
         ("policy", policy.name + (f" (threshold {threshold:g})" if threshold is not None else "")),
         ("tokens", f"{len(generation.token_ids)} ({generation.finish_reason})"),
-        ("LLM tokens", f"{generation.llm_tokens}  (highlighted)"),
+        ("LLM tokens", f"{generation.llm_tokens}  ({marked_as()})"),
         ("LLM rate", f"{generation.llm_rate:.1%}"),
         ("avg. activated params", f"{generation.avg_params_b:.3f} B"),
         ("speed", f"{generation.tokens_per_s:.1f} tokens/s"),
@@ -187,6 +200,8 @@ def chat(
                 gen = results[0]
                 pieces = token_pieces(engine.tokenizer, gen.token_ids[max(shown - 4, 0):])[min(shown, 4):]
                 for piece, source in zip(pieces, gen.sources[shown:]):
+                    if source == "llm" and not console.is_terminal:
+                        piece = f"[[{piece}]]"
                     console.print(piece, style=LLM_STYLE if source == "llm" else None, end="", markup=False,
                                   highlight=False)
                 shown = len(gen.token_ids)

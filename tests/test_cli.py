@@ -76,3 +76,24 @@ def test_chat_streams_and_quits_on_empty_line(run_cli, pair, monkeypatch):
     code, out, err = run_cli("chat", "--max-new-tokens", "5", "--router", "random", *pair)
     assert code == 0, err
     assert "LLM rate" in out
+
+
+def test_benchmarks_run_and_report_ratios(run_cli, pair, tmp_path):
+    slm_args = pair[:2] + pair[4:]
+    code, out, err = run_cli("bench", "overhead", "--tokens", "6", "--rounds", "1", "--out", tmp_path / "o.json",
+                             *slm_args)
+    assert code == 0, err
+    result = json.loads((tmp_path / "o.json").read_text())
+    assert result["ratio"] == pytest.approx(result["engine_tokens_per_s"] / result["bare_tokens_per_s"])
+    code, out, err = run_cli("bench", "batch", "--batch-size", "2", "--tokens", "4", "--out", tmp_path / "b.json",
+                             *pair)
+    assert code == 0, err
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["batched"]["tokens"] > 0 and result["speedup"] > 0
+
+
+def test_llm_tokens_are_marked_when_output_is_not_a_terminal(run_cli, pair):
+    code, out, err = run_cli("generate", "Hello", "--router", "random", "--threshold", "0.5", "--seed", "1",
+                             "--max-new-tokens", "12", *pair)
+    assert code == 0, err
+    assert "[[" in out and "]]" in out and "(in [[ ]])" in out
