@@ -298,10 +298,12 @@ def bench_batch(
 
 def quiet_transformers():
     """Our own progress bars and errors only: no per-load bars or advice from transformers."""
+    from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging
 
     logging.disable_progress_bar()
     logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()
 
 
 def main():

@@ -212,7 +212,8 @@ def _load_one(spec: str, role: str, device: str, dtype):
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except Exception as e:  # transformers raises OSError, ValueError, gguf reader errors...
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise R2RError(f"cannot load {role} model {spec!r}: {first_line}") from None
+        hint = "" if looks_local else " (not a local path, so it was tried as a hub id)"
+        raise R2RError(f"cannot load {role} model {spec!r}{hint}: {first_line}") from None
     return model.to(device), tokenizer
 
 
