@@ -6,7 +6,9 @@ A backend runs one causal LM over a batch of token streams that it caches itself
 
 `new_ids` are the columns of the streams the cache has not read yet; `attention_mask` covers
 every column up to and including them (0 marks left padding). `select_rows` keeps some rows
-of a cache (finished requests leave the batch) and `truncate` drops the newest columns.
+of a cache (finished requests leave the batch), `append_rows` adds another cache's rows (new
+requests join), `pad_left` prepends empty columns (a longer newcomer widens the batch) and
+`truncate` drops the newest columns.
 The PyTorch/transformers implementation lives here; others (llama.cpp, a remote engine) follow
 the same contract.
 """
@@ -70,6 +72,22 @@ class TorchBackend:
     def select_rows(self, cache: TorchCache, rows: torch.Tensor) -> None:
         if cache.length:
             cache.kv.batch_select_indices(rows.to(self.device))
+
+    def append_rows(self, cache: TorchCache, other: TorchCache) -> None:
+        assert cache.length == other.length, "caches must cover the same columns"
+        for layer, new in zip(cache.kv.layers, other.kv.layers):
+            layer.keys = torch.cat([layer.keys, new.keys])
+            layer.values = torch.cat([layer.values, new.values])
+
+    def pad_left(self, cache: TorchCache, n: int) -> None:
+        """Prepend n empty columns; the attention mask marks them as padding, so they are never read."""
+        if not cache.length:
+            return
+        for layer in cache.kv.layers:
+            b, h, _, d = layer.keys.shape
+            layer.keys = torch.cat([layer.keys.new_zeros(b, h, n, d), layer.keys], dim=2)
+            layer.values = torch.cat([layer.values.new_zeros(b, h, n, layer.values.shape[-1]), layer.values], dim=2)
+        cache.length += n
 
     def truncate(self, cache: TorchCache, length: int) -> None:
         if length < cache.length:

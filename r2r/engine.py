@@ -12,6 +12,8 @@ and each keeps its own KV cache. Per step:
 The LLM reads lazily: nothing until the first routed token, then everything since its last read.
 Because every row gains exactly one token per step, both caches stay rectangular: the SLM's
 always covers all columns but the newest, the LLM's whatever it has caught up on so far.
+`Batch` holds that state and does the steps; `Engine.stream` runs one batch to the end, and the
+server adds requests to a running batch between steps.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ class Generation:
 
 @dataclass
 class Step:
-    """What one decode step added to one row (yielded by `Engine.stream`)."""
+    """What one decode step added to one request (yielded by `Engine.stream`)."""
 
     row: int  # index of the prompt in the call
     token_id: int
@@ -137,19 +139,38 @@ class Step:
     finished: bool
 
 
+@dataclass
+class Request:
+    """One prompt being decoded: its settings and its growing result."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    force: str | None = None  # "slm" or "llm": this request bypasses the policy
+    threshold: float | None = None  # this request's own routing threshold (None: the policy's)
+    tag: object = None  # the caller's handle (the prompt's index in `Engine.stream`)
+    generation: Generation | None = None  # set when the request joins a batch
+    generator: torch.Generator | None = None
+    cancelled: bool = False  # set from anywhere; the request leaves at the next step
+    started: float = 0.0
+
+
 class Engine:
+    """The two models, the tokenizer and the routing policy; `Batch` does the decoding."""
+
     def __init__(self, slm, llm, tokenizer, policy: RoutingPolicy | None = None):
         self.slm, self.llm, self.tokenizer = slm, llm, tokenizer
         self.policy = policy or AlwaysSLM()
-        self.eos_ids = eos_token_ids(slm.model if hasattr(slm, "model") else None, tokenizer)
+        self.eos_ids = eos_token_ids(getattr(slm, "model", None), tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.sync = torch.cuda.synchronize if slm.device.type == "cuda" else (lambda: None)
 
     def encode_chat(self, message: str) -> list[int]:
         """A user message in the model's chat template, ready for the assistant's answer."""
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        return self.encode_messages([{"role": "user", "content": message}])
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
 
     def encode_raw(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -161,101 +182,160 @@ class Engine:
         return results
 
     def stream(self, prompts: list[list[int]], params: SamplingParams, results: list | None = None):
-        """Decode all prompts together, yielding the list of `Step`s each decode step adds.
+        """Decode all prompts as one batch, yielding the list of `Step`s each decode step adds.
 
         `results`, when given, is filled with one `Generation` per prompt (complete once the
         generator is exhausted)."""
-        params.validate()
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise R2RError("every prompt needs at least one token")
-        if self.llm is None and not isinstance(self.policy, AlwaysSLM):
-            raise R2RError(f"the {self.policy.name!r} policy routes to an LLM, but no LLM is loaded")
-        device = self.slm.device
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device).manual_seed(params.seed)
-        params_b = (
-            self.slm.num_params / 1e9,
-            self.policy.num_params / 1e9,
-            (self.llm.num_params if self.llm else 0) / 1e9,
-        )
-        timings = Timings()
-        gens = [Generation(prompt_ids=list(p), params_b=params_b, timings=timings) for p in prompts]
+        requests = [Request(list(p), params, tag=i) for i, p in enumerate(prompts)]
+        batch = Batch(self)
+        batch.add(requests)
         if results is not None:
-            results[:] = gens
+            results[:] = [r.generation for r in requests]
+        while batch.requests:
+            yield [Step(r.tag, *rest) for r, *rest in batch.step()]
 
-        ids, mask = left_pad(prompts, self.pad_id, device)
-        rows = list(range(len(prompts)))  # which prompt each live row of the batch is
-        slm_cache = self.slm.new_cache()
-        llm_cache = self.llm.new_cache() if self.llm else None
-        unread = ids  # the columns the SLM has not read yet
-        max_stop_len = max((len(s) for s in params.stop), default=0)
-        start = time.perf_counter()
 
-        for step in range(params.max_new_tokens):
-            # 1. The SLM proposes.
-            t0 = time.perf_counter()
-            logits, hidden = self.slm.forward(slm_cache, unread, mask)
-            proposal = sample(logits, params, generator)
-            self.sync()
-            t1 = time.perf_counter()
-            # 2. The policy decides which rows the LLM takes.
-            to_llm, scores = self.policy.route(logits, hidden, proposal)
-            routed = to_llm.tolist()
-            t2 = time.perf_counter()
-            # 3. The LLM catches up on every column since it last ran, then emits its token.
-            chosen = proposal
-            if any(routed):
-                llm_logits, _ = self.llm.forward(llm_cache, ids[:, llm_cache.length :], mask)
-                chosen = torch.where(to_llm, sample(llm_logits, params, generator), proposal)
-                self.sync()
-                timings.llm_calls += 1
-            t3 = time.perf_counter()
-            timings.slm_s += t1 - t0
-            timings.router_s += t2 - t1
-            timings.llm_s += t3 - t2
-            timings.steps += 1
+class Batch:
+    """Requests decoding in lockstep: one row each in both models' caches.
 
-            # 4. Append the new column and record each row's token.
-            ids = torch.cat([ids, chosen[:, None]], dim=1)
-            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-            unread = chosen[:, None]
-            now = time.perf_counter() - start
-            steps, keep = [], []
-            for i, (row, token, is_llm, score) in enumerate(zip(rows, chosen.tolist(), routed, scores.tolist())):
-                gen = gens[row]
-                gen.token_ids.append(token)
-                gen.sources.append("llm" if is_llm else "slm")
-                gen.scores.append(float(score))
-                gen.elapsed_s = now
-                finished = self._finished(gen, token, params, max_stop_len)
-                steps.append(Step(row, token, gen.sources[-1], float(score), finished))
-                if not finished:
-                    keep.append(i)
-            timings.total_s = now
-            yield steps
+    Requests can join between steps (continuous batching): a newcomer is left-padded to the
+    batch's width (or the batch to the newcomer's) and prefilled up to where each model's cache
+    already is, then its cache rows are appended. Finished and cancelled requests leave.
+    """
 
-            # Finished rows leave the batch, so they cost nothing from here on.
-            if not keep:
-                break
-            if len(keep) < len(rows):
-                index = torch.tensor(keep, device=device)
-                ids, mask, unread = ids[index], mask[index], unread[index]
-                self.slm.select_rows(slm_cache, index)
-                if llm_cache is not None:
-                    self.llm.select_rows(llm_cache, index)
-                rows = [rows[i] for i in keep]
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.requests: list[Request] = []
+        self.ids = self.mask = None  # [rows, columns]: token streams (left-padded) and their padding mask
+        self.slm_cache = engine.slm.new_cache()
+        self.llm_cache = engine.llm.new_cache() if engine.llm else None
+        self.timings = Timings()
 
-        for gen in gens:
-            gen.text = self._final_text(gen, params)
+    def add(self, requests: list[Request]) -> None:
+        engine = self.engine
+        for r in requests:
+            r.params.validate()
+            if not r.prompt_ids:
+                raise R2RError("every prompt needs at least one token")
+            routes_to_llm = r.force == "llm" or (r.force is None and not isinstance(engine.policy, AlwaysSLM))
+            if engine.llm is None and routes_to_llm:
+                raise R2RError(f"the {engine.policy.name!r} policy routes to an LLM, but no LLM is loaded")
+        params_b = (engine.slm.num_params / 1e9, engine.policy.num_params / 1e9,
+                    (engine.llm.num_params if engine.llm else 0) / 1e9)
+        now = time.perf_counter()
+        for r in requests:
+            r.generation = Generation(prompt_ids=r.prompt_ids, params_b=params_b, timings=self.timings)
+            r.started = now
+            if r.params.seed is not None:
+                r.generator = torch.Generator(engine.slm.device).manual_seed(r.params.seed)
+        ids, mask = left_pad([r.prompt_ids for r in requests], engine.pad_id, engine.slm.device)
+        if not self.requests:
+            # An empty batch: the newcomers are the batch; the next step reads their prompts.
+            self.ids, self.mask = ids, mask
+            self.slm_cache = engine.slm.new_cache()
+            self.llm_cache = engine.llm.new_cache() if engine.llm else None
+            self.requests = list(requests)
+            return
+        width = self.ids.shape[1]
+        if ids.shape[1] > width:
+            self._pad_left(ids.shape[1] - width)
+        elif ids.shape[1] < width:
+            ids, mask = pad_columns_left(ids, mask, width - ids.shape[1], engine.pad_id)
+        # Prefill the newcomers up to where each cache is, then append their rows.
+        for backend, cache in ((engine.slm, self.slm_cache), (engine.llm, self.llm_cache)):
+            if cache is not None and cache.length:
+                fresh = backend.new_cache()
+                backend.forward(fresh, ids[:, : cache.length], mask[:, : cache.length])
+                backend.append_rows(cache, fresh)
+        self.ids, self.mask = torch.cat([self.ids, ids]), torch.cat([self.mask, mask])
+        self.requests += requests
 
-    def _finished(self, gen: Generation, token: int, params: SamplingParams, max_stop_len: int) -> bool:
-        if token in self.eos_ids and not params.ignore_eos:
+    def _pad_left(self, n: int) -> None:
+        self.ids, self.mask = pad_columns_left(self.ids, self.mask, n, self.engine.pad_id)
+        self.engine.slm.pad_left(self.slm_cache, n)
+        if self.llm_cache is not None:
+            self.engine.llm.pad_left(self.llm_cache, n)
+
+    def step(self) -> list[tuple[Request, int, str, float, bool]]:
+        """One decode step for every request; returns (request, token, source, score, finished) per row."""
+        self._keep([i for i, r in enumerate(self.requests) if not r.cancelled])
+        if not self.requests:
+            return []
+        engine, timings, requests = self.engine, self.timings, self.requests
+        # 1. The SLM reads the columns it has not read yet and proposes a token per row.
+        t0 = time.perf_counter()
+        logits, hidden = engine.slm.forward(self.slm_cache, self.ids[:, self.slm_cache.length :], self.mask)
+        proposal = sample_rows(logits, requests)
+        engine.sync()
+        t1 = time.perf_counter()
+        # 2. The policy decides which rows the LLM takes (a request may force one model).
+        to_llm, scores = engine.policy.route(logits, hidden, proposal, self._thresholds())
+        routed = [r.force == "llm" if r.force else bool(x) for r, x in zip(requests, to_llm.tolist())]
+        t2 = time.perf_counter()
+        # 3. The LLM catches up on every column since it last ran, then emits its token.
+        chosen = proposal
+        if any(routed):
+            llm_logits, _ = engine.llm.forward(self.llm_cache, self.ids[:, self.llm_cache.length :], self.mask)
+            chosen = proposal.clone()
+            for i in (i for i, is_llm in enumerate(routed) if is_llm):
+                chosen[i] = sample_rows(llm_logits[i : i + 1], requests[i : i + 1])[0]
+            engine.sync()
+            timings.llm_calls += 1
+        t3 = time.perf_counter()
+        timings.slm_s += t1 - t0
+        timings.router_s += t2 - t1
+        timings.llm_s += t3 - t2
+        timings.steps += 1
+
+        # 4. Append the new column and record each row's token; finished rows leave the batch.
+        self.ids = torch.cat([self.ids, chosen[:, None]], dim=1)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(requests), 1)], dim=1)
+        now = time.perf_counter()
+        timings.total_s += now - t0
+        out, keep = [], []
+        for i, (r, token, is_llm, score) in enumerate(zip(requests, chosen.tolist(), routed, scores.tolist())):
+            gen = r.generation
+            gen.token_ids.append(token)
+            gen.sources.append("llm" if is_llm else "slm")
+            gen.scores.append(float(score))
+            gen.elapsed_s = now - r.started
+            finished = self._finished(r, token)
+            if finished:
+                gen.text = self._final_text(r)
+            else:
+                keep.append(i)
+            out.append((r, token, gen.sources[-1], float(score), finished))
+        self._keep(keep)
+        return out
+
+    def _thresholds(self) -> torch.Tensor | None:
+        if all(r.threshold is None for r in self.requests):
+            return None
+        default = getattr(self.engine.policy, "threshold", 0.0)
+        values = [default if r.threshold is None else r.threshold for r in self.requests]
+        return torch.tensor(values, device=self.ids.device)
+
+    def _keep(self, rows: list[int]) -> None:
+        if len(rows) == len(self.requests):
+            return
+        self.requests = [self.requests[i] for i in rows]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=self.ids.device)
+        self.ids, self.mask = self.ids[index], self.mask[index]
+        self.engine.slm.select_rows(self.slm_cache, index)
+        if self.llm_cache is not None:
+            self.engine.llm.select_rows(self.llm_cache, index)
+
+    def _finished(self, r: Request, token: int) -> bool:
+        gen, params = r.generation, r.params
+        if token in self.engine.eos_ids and not params.ignore_eos:
             gen.finish_reason = "stop"
             return True
-        if max_stop_len:
+        if params.stop:
             # Decode only the tail: enough tokens to hold the longest stop string.
-            tail = self.tokenizer.decode(gen.token_ids[-(max_stop_len + 2) :], skip_special_tokens=True)
+            longest = max(len(s) for s in params.stop)
+            tail = self.engine.tokenizer.decode(gen.token_ids[-(longest + 2) :], skip_special_tokens=True)
             if any(s in tail for s in params.stop):
                 gen.finish_reason = "stop"
                 return True
@@ -264,10 +344,24 @@ class Engine:
             return True
         return False
 
-    def _final_text(self, gen: Generation, params: SamplingParams) -> str:
-        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-        cuts = [text.find(s) for s in params.stop if s in text]
+    def _final_text(self, r: Request) -> str:
+        text = self.engine.tokenizer.decode(r.generation.token_ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in r.params.stop if s in text]
         return text[: min(cuts)] if cuts else text
+
+
+def sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """One token per row, each with its request's sampling settings (greedy rows in one argmax)."""
+    tokens = logits.argmax(-1)
+    for i, r in enumerate(requests):
+        if r.params.temperature > 0:
+            tokens[i] = sample(logits[i : i + 1], r.params, r.generator)[0]
+    return tokens
+
+
+def pad_columns_left(ids: torch.Tensor, mask: torch.Tensor, n: int, pad_id: int):
+    return (torch.cat([ids.new_full((ids.shape[0], n), pad_id), ids], dim=1),
+            torch.cat([mask.new_zeros((mask.shape[0], n)), mask], dim=1))
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

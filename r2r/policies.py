@@ -1,9 +1,10 @@
 """Routing policies: given what the SLM just computed, which rows should the LLM produce?
 
-Every policy answers `route(logits, hidden, tokens) -> (to_llm, scores)` for a batch of rows:
-`logits` [B, V] are the SLM's next-token logits, `hidden` [B, H] its last-layer hidden state,
-`tokens` [B] the token it chose. `scores` [B] is the number the decision was made on (kept as
-provenance); `to_llm` [B] is True where the LLM takes over this token.
+Every policy answers `route(logits, hidden, tokens, thresholds) -> (to_llm, scores)` for a batch
+of rows: `logits` [B, V] are the SLM's next-token logits, `hidden` [B, H] its last-layer hidden
+state, `tokens` [B] the token it chose, `thresholds` [B] per-row thresholds (None: the policy's
+own). `scores` [B] is the number the decision was made on (kept as provenance); `to_llm` [B] is
+True where the LLM takes over this token.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ class RoutingPolicy:
     name = "policy"
     num_params = 0  # parameters the policy itself activates per token
 
-    def route(self, logits, hidden, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, logits, hidden, tokens, thresholds=None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
 
 class AlwaysSLM(RoutingPolicy):
     name = "slm"
 
-    def route(self, logits, hidden, tokens):
+    def route(self, logits, hidden, tokens, thresholds=None):
         zeros = torch.zeros(tokens.shape[0], device=tokens.device)
         return zeros.bool(), zeros
 
@@ -33,7 +34,7 @@ class AlwaysSLM(RoutingPolicy):
 class AlwaysLLM(RoutingPolicy):
     name = "llm"
 
-    def route(self, logits, hidden, tokens):
+    def route(self, logits, hidden, tokens, thresholds=None):
         ones = torch.ones(tokens.shape[0], device=tokens.device)
         return ones.bool(), ones
 
@@ -46,12 +47,12 @@ class RandomPolicy(RoutingPolicy):
     def __init__(self, rate: float, seed: int | None = None):
         if not 0.0 <= rate <= 1.0:
             raise R2RError(f"random routing rate must be in [0, 1], got {rate}")
-        self.rate = rate
+        self.threshold = rate  # the rate is this policy's threshold: route when the draw is below it
         self.generator = torch.Generator().manual_seed(0 if seed is None else seed)
 
-    def route(self, logits, hidden, tokens):
+    def route(self, logits, hidden, tokens, thresholds=None):
         draws = torch.rand(tokens.shape[0], generator=self.generator).to(tokens.device)
-        return draws < self.rate, draws
+        return draws < (self.threshold if thresholds is None else thresholds), draws
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -70,9 +71,9 @@ class EntropyPolicy(RoutingPolicy):
             raise R2RError(f"entropy threshold is in nats and must be >= 0, got {threshold}")
         self.threshold = threshold
 
-    def route(self, logits, hidden, tokens):
+    def route(self, logits, hidden, tokens, thresholds=None):
         scores = entropy(logits)
-        return scores >= self.threshold, scores
+        return scores >= (self.threshold if thresholds is None else thresholds), scores
 
 
 class NeuralPolicy(RoutingPolicy):
@@ -89,6 +90,6 @@ class NeuralPolicy(RoutingPolicy):
         self.num_params = sum(p.numel() for p in self.router.parameters())
 
     @torch.inference_mode()
-    def route(self, logits, hidden, tokens):
+    def route(self, logits, hidden, tokens, thresholds=None):
         scores = torch.sigmoid(self.router(hidden, self.embed(tokens), logits))
-        return scores >= self.threshold, scores
+        return scores >= (self.threshold if thresholds is None else thresholds), scores

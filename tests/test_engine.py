@@ -170,3 +170,76 @@ def test_empty_prompt_and_missing_llm_are_refused(slm, tokenizer):
         Engine(slm, None, tokenizer).generate([[]], SamplingParams())
     with pytest.raises(R2RError, match="no LLM"):
         Engine(slm, None, tokenizer, AlwaysLLM()).generate([[1, 2]], SamplingParams())
+
+
+def run_with_joins(engine, prompts, join_after, params):
+    """Start with prompts[0]; add each later prompt after `join_after[i]` steps. Returns the requests."""
+    from r2r.engine import Batch, Request
+
+    batch = Batch(engine)
+    requests = [Request(p, params) for p in prompts]
+    batch.add(requests[:1])
+    steps = 0
+    while batch.requests:
+        for request, after in zip(requests[1:], join_after):
+            if after == steps:
+                batch.add([request])
+        batch.step()
+        steps += 1
+    return requests
+
+
+def test_requests_joining_a_running_batch_decode_as_if_alone(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=3))
+    short, long_ = engine.encode_raw("Hi"), engine.encode_chat("Bonjour! Paris is the capital of which country?" * 3)
+    prompts = [engine.encode_chat("What is 48 / 2?"), short, long_, engine.encode_chat("def add(a, b):")]
+    # A shorter newcomer (padded to the batch), a longer one (the batch is padded to it), one late.
+    requests = run_with_joins(engine, prompts, join_after=[3, 5, 9], params=SamplingParams(max_new_tokens=16))
+    assert sum(r.generation.llm_tokens for r in requests) > 0
+    for prompt, r in zip(prompts, requests):
+        gen = r.generation
+        assert len(gen.token_ids) > 0
+        for i, (token, source) in enumerate(zip(gen.token_ids, gen.sources)):
+            model = llm if source == "llm" else slm
+            assert token == full_forward_argmax(model, prompt + gen.token_ids[:i]), (i, source)
+
+
+def test_cancelled_request_leaves_and_others_continue(slm, llm, tokenizer):
+    from r2r.engine import Batch, Request
+
+    engine = Engine(slm, llm, tokenizer, AlwaysLLM())
+    prompts = encode(engine)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    alone = engine.generate(prompts, params)
+    batch = Batch(engine)
+    requests = [Request(p, params) for p in prompts]
+    batch.add(requests)
+    for _ in range(4):
+        batch.step()
+    requests[1].cancelled = True
+    while batch.requests:
+        batch.step()
+    assert len(requests[1].generation.token_ids) == 4
+    for i in (0, 2):
+        assert requests[i].generation.token_ids == alone[i].token_ids
+
+
+def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
+    from r2r.engine import Batch, Request
+    from r2r.policies import EntropyPolicy
+
+    engine = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0))
+    prompt = encode(engine)[0]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    requests = [Request(prompt, params, force="llm"), Request(prompt, params, force="slm"),
+                Request(prompt, params, threshold=0.0), Request(prompt, params, threshold=1e9)]
+    batch = Batch(engine)
+    batch.add(requests)
+    while batch.requests:
+        batch.step()
+    sources = [r.generation.sources for r in requests]
+    assert sources == [["llm"] * 10, ["slm"] * 10, ["llm"] * 10, ["slm"] * 10]
+    llm_only = Engine(slm, llm, tokenizer, AlwaysLLM()).generate([prompt], params)[0]
+    slm_only = Engine(slm, None, tokenizer).generate([prompt], params)[0]
+    assert requests[0].generation.token_ids == llm_only.token_ids
+    assert requests[1].generation.token_ids == slm_only.token_ids
