@@ -179,7 +179,7 @@ def chat(
     dtype: str = DTYPE_OPT,
 ):
     """Chat interactively; answers stream in with the LLM's tokens highlighted. Empty line or Ctrl-D quits."""
-    from r2r.text import token_pieces
+    from r2r.text import Detokenizer
 
     params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
     engine = build_engine(slm, llm, device, dtype, router, threshold, router_path, seed)
@@ -192,25 +192,52 @@ def chat(
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        prompt_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False)
-        results, shown = [], 0
+        prompt_ids = engine.encode_messages(messages)
+        results, detok = [], Detokenizer(engine.tokenizer)
         try:
             for steps in engine.stream([prompt_ids], params, results):
-                gen = results[0]
-                pieces = token_pieces(engine.tokenizer, gen.token_ids[max(shown - 4, 0):])[min(shown, 4):]
-                for piece, source in zip(pieces, gen.sources[shown:]):
-                    if source == "llm" and not console.is_terminal:
+                for step in steps:
+                    piece = detok.push(step.token_id, final=step.finished)
+                    if step.source == "llm" and piece and not console.is_terminal:
                         piece = f"[[{piece}]]"
-                    console.print(piece, style=LLM_STYLE if source == "llm" else None, end="", markup=False,
+                    console.print(piece, style=LLM_STYLE if step.source == "llm" else None, end="", markup=False,
                                   highlight=False)
-                shown = len(gen.token_ids)
         except KeyboardInterrupt:
             console.print("\n[dim](interrupted)[/]")
         console.print()
         if results:
             console.print(stats_table(results[0], engine.policy))
             messages.append({"role": "assistant", "content": results[0].text})
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    router: RouterChoice = ROUTER_OPT,
+    threshold: Optional[float] = THRESHOLD_OPT,
+    router_path: Optional[Path] = ROUTER_PATH_OPT,
+    slm: Optional[str] = SLM_OPT,
+    llm: Optional[str] = LLM_OPT,
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+    model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoding at once."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting for a slot (then 429)."),
+    max_tokens: int = typer.Option(4096, "--max-tokens", help="The most new tokens a request may ask for."),
+):
+    """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) and a playground at /."""
+    import uvicorn
+
+    from r2r.server import Limits, create_app
+
+    if min(max_batch, max_queue, max_tokens) < 1 or not 0 < port < 65536:
+        raise R2RError("--max-batch, --max-queue and --max-tokens must be at least 1, --port in 1..65535")
+    engine = build_engine(slm, llm, device, dtype, router, threshold, router_path, None)
+    server_app = create_app(engine, model_name, Limits(max_batch=max_batch, max_queue=max_queue,
+                                                         max_tokens=max_tokens))
+    console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
+    uvicorn.run(server_app, host=host, port=port, log_level="warning")
 
 
 @models_app.command("prepare")

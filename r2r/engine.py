@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from r2r.errors import R2RError
-from r2r.policies import AlwaysSLM, RoutingPolicy
+from r2r.policies import AlwaysSLM, RandomPolicy, RoutingPolicy
+
+RATE_WARMUP_TOKENS = 16  # a request aiming at an LLM rate uses the fixed threshold for its first tokens
 
 
 @dataclass
@@ -147,6 +149,7 @@ class Request:
     params: SamplingParams
     force: str | None = None  # "slm" or "llm": this request bypasses the policy
     threshold: float | None = None  # this request's own routing threshold (None: the policy's)
+    target_rate: float | None = None  # aim for this LLM rate instead of a fixed threshold (see _thresholds)
     tag: object = None  # the caller's handle (the prompt's index in `Engine.stream`)
     generation: Generation | None = None  # set when the request joins a batch
     generator: torch.Generator | None = None
@@ -309,11 +312,22 @@ class Batch:
         return out
 
     def _thresholds(self) -> torch.Tensor | None:
-        if all(r.threshold is None for r in self.requests):
+        """Per-row thresholds, or None when every row uses the policy's own."""
+        if all(r.threshold is None and r.target_rate is None for r in self.requests):
             return None
         default = getattr(self.engine.policy, "threshold", 0.0)
-        values = [default if r.threshold is None else r.threshold for r in self.requests]
-        return torch.tensor(values, device=self.ids.device)
+        return torch.tensor([self._threshold(r, default) for r in self.requests], device=self.ids.device)
+
+    def _threshold(self, r: Request, default: float) -> float:
+        if r.target_rate is None:
+            return default if r.threshold is None else r.threshold
+        if isinstance(self.engine.policy, RandomPolicy):
+            return r.target_rate  # its threshold is the rate
+        # A target rate: route when the score is in the top `rate` of this request's scores so far.
+        past = r.generation.scores
+        if len(past) < RATE_WARMUP_TOKENS:
+            return default if r.threshold is None else r.threshold
+        return torch.tensor(past).quantile(1 - r.target_rate).item()
 
     def _keep(self, rows: list[int]) -> None:
         if len(rows) == len(self.requests):

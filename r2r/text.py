@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 
-def token_pieces(tokenizer, token_ids: list[int]) -> list[str]:
-    """One string per token whose concatenation is `tokenizer.decode(token_ids)` (special tokens skipped).
+class Detokenizer:
+    """Incremental detokenization: `push(token)` returns the text that token adds.
 
-    A token that ends inside a multi-byte character gets "" and the character goes to the token
-    that completes it. Each piece is found by decoding a short window, so this is linear in length.
+    Decodes a short window rather than the whole sequence, so it stays linear in length. A token
+    that ends inside a multi-byte character adds "" and the character comes with the token that
+    completes it; a few tokens of left context keep tokenizers that strip leading spaces honest.
     """
-    pieces, done = [], 0  # `done`: tokens whose text is already in `pieces`
-    for i in range(len(token_ids)):
-        start = max(done - 4, 0)  # a little left context: some tokenizers strip a leading space otherwise
-        before = tokenizer.decode(token_ids[start:done], skip_special_tokens=True)
-        after = tokenizer.decode(token_ids[start : i + 1], skip_special_tokens=True)
-        if after.endswith("\ufffd") and i + 1 < len(token_ids):
-            pieces.append("")  # incomplete character: wait for the next token
-            continue
-        pieces.append(after[len(before) :] if after.startswith(before) else after)
-        done = i + 1
-    return pieces
+
+    def __init__(self, tokenizer, context: int = 4):
+        self.tokenizer, self.context = tokenizer, context
+        self.ids: list[int] = []
+        self.done = 0  # tokens whose text has been returned
+
+    def push(self, token_id: int, final: bool = False) -> str:
+        self.ids.append(token_id)
+        start = max(self.done - self.context, 0)
+        before = self.tokenizer.decode(self.ids[start : self.done], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[start:], skip_special_tokens=True)
+        if after.endswith("\ufffd") and not final:
+            return ""  # incomplete character: wait for the next token
+        self.done = len(self.ids)
+        return after[len(before) :] if after.startswith(before) else after
+
+
+def token_pieces(tokenizer, token_ids: list[int]) -> list[str]:
+    """One string per token whose concatenation is `tokenizer.decode(token_ids)` (special tokens skipped)."""
+    detok = Detokenizer(tokenizer)
+    return [detok.push(t, final=i == len(token_ids) - 1) for i, t in enumerate(token_ids)]

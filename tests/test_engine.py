@@ -243,3 +243,20 @@ def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
     slm_only = Engine(slm, None, tokenizer).generate([prompt], params)[0]
     assert requests[0].generation.token_ids == llm_only.token_ids
     assert requests[1].generation.token_ids == slm_only.token_ids
+
+
+def test_target_llm_rate_is_tracked_per_request(slm, llm, tokenizer):
+    from r2r.engine import Batch, Request
+    from r2r.policies import EntropyPolicy
+
+    engine = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1e9))  # on its own it would never route
+    prompt = encode(engine)[0]
+    params = SamplingParams(max_new_tokens=120, ignore_eos=True)
+    requests = [Request(prompt, params, target_rate=rate) for rate in (0.1, 0.3)]
+    batch = Batch(engine)
+    batch.add(requests)
+    while batch.requests:
+        batch.step()
+    for rate, r in zip((0.1, 0.3), requests):
+        after_warmup = r.generation.sources[16:]
+        assert after_warmup.count("llm") / len(after_warmup) == pytest.approx(rate, abs=0.08)

@@ -1,0 +1,190 @@
+"""The OpenAI-compatible server on a tiny pair, driven by the official openai client over loopback."""
+
+import concurrent.futures
+import json
+import os
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+import uvicorn
+
+from r2r.engine import Engine
+from r2r.policies import RandomPolicy
+from r2r.server import Limits, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=8, max_queue=64, max_tokens=64, context_length=256))
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield base
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(client, content, **kw):
+    return client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": content}],
+                                          temperature=0, **kw)
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["tiny-r2r"]
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+def test_chat_non_streaming_carries_provenance_and_usage(client):
+    out = chat(client, "What is 48 / 2?", max_tokens=20)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].finish_reason in ("stop", "length")
+    usage = out.usage.model_extra
+    assert {"llm_tokens", "llm_rate", "avg_activated_params_b"} <= set(usage)
+    r2r = out.model_extra["r2r"]
+    assert len(r2r["sources"]) == out.usage.completion_tokens
+    assert usage["llm_tokens"] == r2r["sources"].count("llm")
+
+
+def test_streamed_answer_equals_non_streamed_under_greedy(client):
+    for prompt in ("What is 48 / 2?", "def add(a, b):"):
+        whole = client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": prompt}],
+                                               temperature=0, max_tokens=30, extra_body={"r2r_policy": "llm"})
+        chunks = list(client.chat.completions.create(
+            model="tiny-r2r", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=30,
+            stream=True, stream_options={"include_usage": True}, extra_body={"r2r_policy": "llm"}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+        provenance = [c.model_extra["r2r"] for c in chunks if c.model_extra.get("r2r")]
+        assert [p["token_id"] for p in provenance] == whole.model_extra["r2r"]["token_ids"]
+        assert all(p["source"] == "llm" for p in provenance)
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        assert chunks[-1].usage.model_extra["llm_rate"] == 1.0
+
+
+def test_completions_streaming_and_not(client):
+    whole = client.completions.create(model="tiny-r2r", prompt="def add(a, b):", max_tokens=15, temperature=0,
+                                      extra_body={"r2r_policy": "slm"})
+    assert whole.model_extra["r2r"]["sources"] == ["slm"] * whole.usage.completion_tokens
+    streamed = list(client.completions.create(model="tiny-r2r", prompt="def add(a, b):", max_tokens=15,
+                                              temperature=0, stream=True, extra_body={"r2r_policy": "slm"}))
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    assert all(c.model_extra["r2r"]["source"] == "slm" for c in streamed)
+
+
+def test_stop_string_is_not_streamed(client):
+    whole = chat(client, "Bonjour!", max_tokens=40, extra_body={"r2r_policy": "slm"})
+    text = whole.choices[0].message.content
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = chat(client, "Bonjour!", max_tokens=40, stop=[stop], extra_body={"r2r_policy": "slm"})
+    streamed = list(chat(client, "Bonjour!", max_tokens=40, stop=[stop], stream=True,
+                         extra_body={"r2r_policy": "slm"}))
+    assert cut.choices[0].message.content == text[: text.find(stop)]
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut.choices[0].message.content
+
+
+def test_routing_knobs(client):
+    none = chat(client, "What is 48 / 2?", max_tokens=20, extra_body={"r2r_threshold": 0.0})
+    assert none.usage.model_extra["llm_tokens"] == 0  # random policy: route when the draw is below 0
+    every = chat(client, "What is 48 / 2?", max_tokens=20, extra_body={"r2r_threshold": 1.0})
+    assert every.usage.model_extra["llm_rate"] == 1.0
+    half = chat(client, "What is 48 / 2?", max_tokens=64, extra_body={"r2r_llm_rate": 0.5})
+    assert 0.2 < half.usage.model_extra["llm_rate"] < 0.8 or half.usage.completion_tokens < 20
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", b'{"model": "tiny-r2r", "messages": [', 400),
+    ("not an object", b'[1, 2]', 400),
+    ("wrong type", json.dumps({"model": "tiny-r2r", "messages": "hello"}).encode(), 400),
+    ("wrong type in field", json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": "many"}).encode(), 400),
+    ("unknown model", json.dumps({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404),
+    ("prompt longer than the context", json.dumps({"messages": [{"role": "user", "content": "48 / 2 " * 400}],
+                                                   "max_tokens": 5}).encode(), 400),
+    ("negative max_tokens", json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).encode(),
+     400),
+    ("too many max_tokens", json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}).encode(),
+     400),
+    ("bad routing knob", json.dumps({"messages": [{"role": "user", "content": "hi"}], "r2r_llm_rate": 2}).encode(),
+     400),
+]
+
+
+@pytest.mark.parametrize("name, body, status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, name, body, status):
+    response = httpx.post(server + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    assert chat(client, "What is 48 / 2?", max_tokens=3).choices[0].message.content is not None
+
+
+def test_disconnected_stream_frees_its_slot(server, client):
+    with httpx.stream("POST", server + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 64,
+                            "temperature": 0, "r2r_policy": "slm", "stop": None}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"r2r"' in line:
+                break  # one token, then hang up
+    for _ in range(100):
+        load = httpx.get(server + "/health").json()
+        if load["running"] == 0 and load["waiting"] == 0:
+            break
+        time.sleep(0.05)
+    assert load["running"] == 0 and load["waiting"] == 0
+
+
+def test_load_8_concurrent_streaming_clients(server, client):
+    """Bounded loopback load: 8 concurrent streaming clients, 40 requests, right content; no memory growth."""
+    prompts = [f"What is {n} / 2?" for n in range(40, 48)]
+
+    def expected(prompt):
+        return chat(client, prompt, max_tokens=24, extra_body={"r2r_policy": "llm"}).choices[0].message.content
+
+    answers = {p: expected(p) for p in prompts}
+
+    def one(i):
+        prompt = prompts[i % len(prompts)]
+        stream = chat(client, prompt, max_tokens=24, stream=True, extra_body={"r2r_policy": "llm"})
+        return prompt, "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    def run(n):
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            return list(pool.map(one, range(n)))
+
+    process = psutil.Process(os.getpid())  # the server runs in this process
+    run(20)
+    rss_after_20 = process.memory_info().rss
+    results = run(40)
+    assert len(results) == 40
+    for prompt, text in results:
+        assert text == answers[prompt]
+    for _ in range(7):
+        run(20)
+    rss_after_200 = process.memory_info().rss
+    assert rss_after_200 <= 1.10 * rss_after_20, (rss_after_20, rss_after_200)
