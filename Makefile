@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 DEMO_QUESTION := Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May? Reason step by step, then finish with 'The answer is N'.
 
-.PHONY: setup models demo test test-fast bench clean
+.PHONY: setup models browser demo test test-fast bench clean
 
 setup: $(INSTALLED)
 
@@ -21,10 +21,14 @@ $(INSTALLED): pyproject.toml
 models: setup
 	$(BIN)/r2r models prepare --install
 
+# Debian's Chromium, for the playground's browser test (playwright drives it; it downloads no browser).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
 demo: models
 	$(BIN)/r2r generate "$(DEMO_QUESTION)" --router entropy --max-new-tokens 384
 
-test: models
+test: models browser
 	$(BIN)/python -m pytest -v -rs
 
 # Unit tests on tiny models only: no model download, seconds.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from r2r.engine import Batch, Engine, Request, SamplingParams
@@ -178,6 +178,10 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     async def playground():
         page = importlib.resources.files("r2r").joinpath("playground.html").read_text()
         return page.replace("{{MODEL}}", model_name)
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon():
+        return Response(status_code=204)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
