@@ -76,3 +76,41 @@ def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshol
     seq, bat = summary(one_by_one, sequential_s), summary(batched, batched_s)
     return {"batch_size": batch_size, "dtype": dtype, "device": str(slm_backend.device), "threshold": threshold,
             "sequential": seq, "batched": bat, "speedup": bat["tokens_per_s"] / seq["tokens_per_s"]}
+
+
+def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold: float, clients: int,
+            n_tokens: int) -> dict:
+    """The server on GSM8K dev prompts: `clients` requests one at a time, then the same ones concurrently."""
+    import concurrent.futures
+
+    import openai
+
+    from r2r.datasets import gsm8k, gsm8k_prompt
+    from r2r.engine import Engine
+    from r2r.models import load_pair
+    from r2r.policies import EntropyPolicy
+    from r2r.server import BackgroundServer, Limits, create_app
+
+    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype)
+    engine = Engine(slm_backend, llm_backend, tokenizer, EntropyPolicy(threshold))
+    prompts = [gsm8k_prompt(item) for item in gsm8k()[:clients]]
+    with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=clients))) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+
+        def ask(prompt):
+            out = client.chat.completions.create(model="r2r", messages=[{"role": "user", "content": prompt}],
+                                                 temperature=0, max_tokens=n_tokens)
+            return out.usage.completion_tokens, out.usage.model_extra["llm_tokens"]
+
+        ask(prompts[0][:50])  # warm-up
+        phases = {}
+        for name, workers in (("one_at_a_time", 1), ("concurrent", clients)):
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                results = list(pool.map(ask, prompts))
+            seconds = time.perf_counter() - start
+            tokens = sum(r[0] for r in results)
+            phases[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                            "llm_rate": sum(r[1] for r in results) / max(tokens, 1)}
+    return {"clients": clients, "dtype": dtype, "device": str(slm_backend.device), "threshold": threshold,
+            **phases, "speedup": phases["concurrent"]["tokens_per_s"] / phases["one_at_a_time"]["tokens_per_s"]}

@@ -323,6 +323,35 @@ def bench_batch(
         out.write_text(json.dumps(result, indent=2))
 
 
+@bench_app.command("serve")
+def bench_serve(
+    clients: int = typer.Option(4, "--clients", help="Concurrent clients (and requests per phase)."),
+    tokens: int = typer.Option(128, "--tokens", help="max_tokens per request."),
+    threshold: float = typer.Option(DEFAULT_ENTROPY_THRESHOLD, "--threshold", help="Entropy threshold (nats)."),
+    slm: Optional[str] = SLM_OPT,
+    llm: Optional[str] = LLM_OPT,
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the figures as JSON here."),
+):
+    """Serving throughput: N clients at once vs one at a time, through the HTTP server (aggregate tokens/s)."""
+    from r2r.bench import serving
+
+    if clients < 1 or tokens < 1:
+        raise R2RError("--clients and --tokens must be at least 1")
+    result = serving(slm, llm, device, dtype, threshold, clients, tokens)
+    table = Table("mode", "tokens", "seconds", "tokens/s", "LLM rate")
+    for mode in ("one_at_a_time", "concurrent"):
+        r = result[mode]
+        table.add_row(mode.replace("_", " "), str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}",
+                      f"{r['llm_rate']:.1%}")
+    console.print(table)
+    console.print(f"concurrent / one at a time = {result['speedup']:.2f}x  ({clients} clients, {dtype}, "
+                  f"{result['device']})")
+    if out:
+        out.write_text(json.dumps(result, indent=2))
+
+
 def quiet_transformers():
     """Our own progress bars and errors only: no per-load bars or advice from transformers."""
     from huggingface_hub.utils import logging as hub_logging

@@ -336,3 +336,35 @@ def usage(gen) -> dict:
     n = len(gen.token_ids)
     return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": n, "total_tokens": len(gen.prompt_ids) + n,
             "llm_tokens": gen.llm_tokens, "llm_rate": gen.llm_rate, "avg_activated_params_b": gen.avg_params_b}
+
+
+class BackgroundServer:
+    """Run an app with uvicorn in a thread on a free loopback port (tests and benchmarks)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1"):
+        import socket
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "BackgroundServer":
+        import httpx
+
+        self.thread.start()
+        for _ in range(200):
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        raise RuntimeError("the server did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

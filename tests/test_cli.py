@@ -97,3 +97,10 @@ def test_llm_tokens_are_marked_when_output_is_not_a_terminal(run_cli, pair):
                              "--max-new-tokens", "12", *pair)
     assert code == 0, err
     assert "[[" in out and "]]" in out and "(in [[ ]])" in out
+
+
+def test_serving_benchmark_runs(run_cli, pair, tmp_path):
+    code, out, err = run_cli("bench", "serve", "--clients", "2", "--tokens", "4", "--out", tmp_path / "s.json", *pair)
+    assert code == 0, err
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert result["concurrent"]["tokens"] > 0 and result["speedup"] > 0

@@ -1,17 +1,12 @@
 """The playground page in headless Chromium: type a question, watch highlighted tokens stream in."""
 
 import shutil
-import socket
-import threading
-import time
 
-import httpx
 import pytest
-import uvicorn
 
 from r2r.engine import Engine
 from r2r.policies import RandomPolicy
-from r2r.server import Limits, create_app
+from r2r.server import BackgroundServer, Limits, create_app
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -20,22 +15,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def server(slm, llm, tokenizer):
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.5, seed=0))
     app = create_app(engine, "tiny-r2r", Limits(max_tokens=64, context_length=256))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield base
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with BackgroundServer(app) as srv:
+        yield srv.url
 
 
 def test_playground_streams_highlighted_tokens(server, tmp_path):

@@ -3,46 +3,24 @@
 import concurrent.futures
 import json
 import os
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import psutil
 import pytest
-import uvicorn
 
 from r2r.engine import Engine
 from r2r.policies import RandomPolicy
-from r2r.server import Limits, create_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from r2r.server import BackgroundServer, Limits, create_app
 
 
 @pytest.fixture(scope="module")
 def server(slm, llm, tokenizer):
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
     app = create_app(engine, "tiny-r2r", Limits(max_batch=8, max_queue=64, max_tokens=64, context_length=256))
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield base
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with BackgroundServer(app) as srv:
+        yield srv.url
 
 
 @pytest.fixture
