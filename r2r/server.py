@@ -132,13 +132,23 @@ class Scheduler:
             try:
                 if joining:
                     self.batch.add(joining)
-                for request, token, source, score, finished in self.batch.step():
-                    request.tag(("token", token, source, score, finished))
+                steps = self.batch.step()
             except Exception as e:  # keep serving: fail the requests in flight, start a fresh batch
                 message = str(e) if isinstance(e, R2RError) else f"internal error: {type(e).__name__}: {e}"
                 for request in {id(r): r for r in self.batch.requests + joining}.values():
-                    request.tag(("error", message))
+                    notify(request, ("error", message))
                 self.batch = Batch(self.engine)
+                continue
+            for request, token, source, score, finished in steps:
+                notify(request, ("token", token, source, score, finished))
+
+
+def notify(request: Request, event: tuple) -> None:
+    """Hand an event to the request's handler; a handler that is gone no longer wants its tokens."""
+    try:
+        request.tag(event)
+    except RuntimeError:  # its event loop has closed
+        request.cancelled = True
 
 
 # ---- the app ----------------------------------------------------------------------------------

@@ -166,3 +166,21 @@ def test_load_8_concurrent_streaming_clients(server, client):
         run(20)
     rss_after_200 = process.memory_info().rss
     assert rss_after_200 <= 1.10 * rss_after_20, (rss_after_20, rss_after_200)
+
+
+def test_an_engine_failure_fails_only_the_requests_in_flight(server, client, slm, monkeypatch):
+    original = slm.forward
+    calls = {"n": 0}
+
+    def failing_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device failure")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(slm, "forward", failing_once)
+    response = httpx.post(server + "/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert response.status_code == 500
+    assert "simulated device failure" in response.json()["error"]["message"]
+    assert chat(client, "What is 48 / 2?", max_tokens=3).usage.completion_tokens >= 1
