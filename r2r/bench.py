@@ -114,3 +114,32 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold
                             "llm_rate": sum(r[1] for r in results) / max(tokens, 1)}
     return {"clients": clients, "dtype": dtype, "device": str(slm_backend.device), "threshold": threshold,
             **phases, "speedup": phases["concurrent"]["tokens_per_s"] / phases["one_at_a_time"]["tokens_per_s"]}
+
+
+@torch.inference_mode()
+def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, context: int, new_tokens: list[int],
+               repeats: int = 3) -> dict:
+    """Milliseconds of one forward step per model, for k new tokens on top of a `context`-token cache
+    (the numbers behind DESIGN §3's cost model: an SLM step, and an LLM catch-up over k tokens)."""
+    from r2r.models import load_pair
+
+    slm_backend, llm_backend, _ = load_pair(slm, llm, device, dtype=dtype)
+    table = {}
+    for role, backend in (("slm", slm_backend), ("llm", llm_backend)):
+        cache = backend.new_cache()
+        ids = torch.randint(0, 1000, (1, context + max(new_tokens)), device=backend.device)
+        mask = torch.ones_like(ids)
+        backend.forward(cache, ids[:, :context], mask)
+        row = {}
+        for k in new_tokens:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                backend.forward(cache, ids[:, context:context + k], mask)
+                if backend.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1000)
+                backend.truncate(cache, context)
+            row[k] = statistics.median(times)
+        table[role] = row
+    return {"dtype": dtype, "device": str(slm_backend.device), "context": context, "ms": table}

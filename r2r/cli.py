@@ -352,6 +352,35 @@ def bench_serve(
         out.write_text(json.dumps(result, indent=2))
 
 
+@bench_app.command("steps")
+def bench_steps(
+    context: int = typer.Option(300, "--context", help="Tokens already in the KV cache."),
+    new_tokens: str = typer.Option("1,2,4,8,16,32", "--new-tokens", help="Comma-separated k values."),
+    slm: Optional[str] = SLM_OPT,
+    llm: Optional[str] = LLM_OPT,
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the figures as JSON here."),
+):
+    """Per-step cost of each model for k new tokens (the inputs of the cost model)."""
+    from r2r.bench import step_costs
+
+    try:
+        ks = [int(k) for k in new_tokens.split(",")]
+    except ValueError:
+        raise R2RError(f"--new-tokens takes comma-separated whole numbers, got {new_tokens!r}") from None
+    if context < 1 or not ks or min(ks) < 1:
+        raise R2RError("--context and every --new-tokens value must be at least 1")
+    result = step_costs(slm, llm, device, dtype, context, ks)
+    table = Table("model", *[f"k={k}" for k in ks], title=f"ms per forward step ({dtype}, {result['device']}, "
+                                                          f"{context}-token cache)")
+    for role, row in result["ms"].items():
+        table.add_row(role.upper(), *[f"{row[k]:.0f}" for k in ks])
+    console.print(table)
+    if out:
+        out.write_text(json.dumps(result, indent=2))
+
+
 def quiet_transformers():
     """Our own progress bars and errors only: no per-load bars or advice from transformers."""
     from huggingface_hub.utils import logging as hub_logging

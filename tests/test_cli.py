@@ -104,3 +104,13 @@ def test_serving_benchmark_runs(run_cli, pair, tmp_path):
     assert code == 0, err
     result = json.loads((tmp_path / "s.json").read_text())
     assert result["concurrent"]["tokens"] > 0 and result["speedup"] > 0
+
+
+def test_step_cost_benchmark_runs(run_cli, pair, tmp_path):
+    code, out, err = run_cli("bench", "steps", "--context", "8", "--new-tokens", "1,4", "--out", tmp_path / "t.json",
+                             *pair)
+    assert code == 0, err
+    ms = json.loads((tmp_path / "t.json").read_text())["ms"]
+    assert set(ms) == {"slm", "llm"} and all(v > 0 for row in ms.values() for v in row.values())
+    code, out, err = run_cli("bench", "steps", "--new-tokens", "1,x", *pair)
+    assert code != 0 and "comma-separated" in err
