@@ -127,7 +127,7 @@ def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, contex
     table = {}
     for role, backend in (("slm", slm_backend), ("llm", llm_backend)):
         cache = backend.new_cache()
-        ids = torch.randint(0, 1000, (1, context + max(new_tokens)), device=backend.device)
+        ids = torch.randint(0, min(1000, backend.vocab_size), (1, context + max(new_tokens)), device=backend.device)
         mask = torch.ones_like(ids)
         backend.forward(cache, ids[:, :context], mask)
         row = {}
