@@ -51,7 +51,7 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
 def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshold: float, batch_size: int,
              n_tokens: int) -> dict:
     """R2R (entropy routing) on `batch_size` GSM8K dev prompts: one at a time vs all in one batch."""
-    from r2r.datasets import gsm8k, gsm8k_prompt
+    from r2r.benchmarks import gsm8k, gsm8k_prompt
     from r2r.engine import Engine, SamplingParams
     from r2r.models import load_pair
     from r2r.policies import EntropyPolicy
@@ -85,7 +85,7 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold
 
     import openai
 
-    from r2r.datasets import gsm8k, gsm8k_prompt
+    from r2r.benchmarks import gsm8k, gsm8k_prompt
     from r2r.engine import Engine
     from r2r.models import load_pair
     from r2r.policies import EntropyPolicy

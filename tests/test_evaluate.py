@@ -1,0 +1,86 @@
+"""The evaluation harness on a tiny pair: files, resume, summary from the per-item file, report."""
+
+import json
+
+import pytest
+
+from r2r.evaluate import read_results, routing_profile, summarize, wilson
+from tiny import save_pair
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    slm_dir, llm_dir = save_pair(tmp_path_factory.mktemp("pair"))
+    return ["--slm", slm_dir, "--llm", llm_dir, "--device", "cpu"]
+
+
+def test_eval_writes_results_summary_plots_and_report(run_cli, pair, tmp_path):
+    code, out, err = run_cli("eval", "--benchmark", "gsm8k", "--systems", "slm,llm,entropy,random", "--ids", "0-2",
+                             "--max-new-tokens", "8", "--llm-rate", "0.3", "--sweep", "0.1,0.5", "--out", tmp_path,
+                             *pair)
+    assert code == 0, err
+    d = tmp_path / "gsm8k"
+    for name in ("slm", "llm", "entropy", "random", "entropy@0.1", "entropy@0.5"):
+        rows = read_results(d / f"{name}.jsonl")
+        assert [r["id"] for r in rows] == ["0", "1", "2"]
+        for r in rows:
+            assert len(r["sources"]) == len(r["token_ids"]) == r["tokens"] <= 8
+    assert all(c == "L" for r in read_results(d / "llm.jsonl") for c in r["sources"])
+    assert all(c == "S" for r in read_results(d / "slm.jsonl") for c in r["sources"])
+    summary = json.loads((d / "summary.json").read_text())["systems"]
+    for name, s in summary.items():  # the summary is exactly what the per-item file says
+        assert s == summarize(read_results(d / f"{name}.jsonl"))
+    rows = read_results(d / "random.jsonl")
+    assert summary["random"]["accuracy"] == sum(r["correct"] for r in rows) / 3
+    assert summary["random"]["llm_rate"] == sum(r["llm_tokens"] for r in rows) / sum(r["tokens"] for r in rows)
+    for name in ("pareto_params.png", "pareto_speed.png", "routing_by_position.png", "report.html"):
+        assert (d / name).stat().st_size > 0
+    report = (d / "report.html").read_text()
+    assert "entropy@0.5" in report and 'class="llm"' in report and "| system |" in out
+
+
+def test_eval_resumes_without_redoing_or_duplicating(run_cli, pair, tmp_path):
+    args = ["eval", "--benchmark", "gsm8k", "--systems", "slm", "--ids", "0-3", "--max-new-tokens", "6",
+            "--out", tmp_path, *pair]
+    assert run_cli(*args)[0] == 0
+    path = tmp_path / "gsm8k" / "slm.jsonl"
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0])
+    first["output"] = "KEPT"  # proves row 0 is not recomputed
+    # As if killed while writing item 3: its line is cut off, item 2's is gone.
+    path.write_text("\n".join([json.dumps(first), lines[1], lines[3][:20]]))
+    assert run_cli(*args)[0] == 0
+    rows = read_results(path)
+    assert sorted(r["id"] for r in rows) == ["0", "1", "2", "3"]
+    assert rows[0]["output"] == "KEPT"
+    code, _, err = run_cli(*args[:-len(pair)], "--max-new-tokens", "7", *pair)  # another configuration
+    assert code != 0 and "another configuration" in err
+
+
+def test_eval_humaneval_and_errors(run_cli, pair, tmp_path):
+    code, out, err = run_cli("eval", "--benchmark", "humaneval", "--systems", "slm", "--ids", "0-1",
+                             "--max-new-tokens", "4", "--out", tmp_path, *pair)
+    assert code == 0, err
+    rows = read_results(tmp_path / "humaneval" / "slm.jsonl")
+    assert [r["correct"] for r in rows] == [False, False]  # a 4-token random model does not pass tests
+    for args, message in [
+        (["--systems", "r2r"], "needs a trained router"),
+        (["--systems", "gpt"], "--systems"),
+        (["--benchmark", "mmlu"], "unknown benchmark"),
+        (["--ids", "0-99999"], "outside"),
+    ]:
+        base = {"--benchmark": "gsm8k", "--systems": "slm", "--ids": "0"}
+        for k, v in zip(args[::2], args[1::2]):
+            base[k] = v
+        flat = [x for kv in base.items() for x in kv]
+        code, _, err = run_cli("eval", *flat, "--max-new-tokens", "2", "--out", tmp_path, *pair)
+        assert code != 0 and message in err, err
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_statistics_helpers():
+    low, high = wilson(50, 100)
+    assert low == pytest.approx(0.404, abs=1e-3) and high == pytest.approx(0.596, abs=1e-3)
+    assert wilson(0, 0) == (0.0, 0.0)
+    profile = routing_profile([{"sources": "LSSSSSSSSL"}], bins=5)
+    assert profile == [0.5, 0.0, 0.0, 0.0, 0.5]
