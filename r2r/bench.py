@@ -28,6 +28,13 @@ def bare_loop(model, prompt_ids: list[int], n_tokens: int) -> float:
     return n_tokens / (time.perf_counter() - start)
 
 
+def phase(results: list[tuple[int, int]], seconds: float) -> dict:
+    """Aggregate throughput of (tokens, LLM tokens) per request over `seconds` of wall time."""
+    tokens = sum(r[0] for r in results)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "llm_rate": sum(r[1] for r in results) / max(tokens, 1)}
+
+
 def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: int) -> dict:
     from r2r.engine import Engine, SamplingParams
     from r2r.models import load_pair
@@ -68,12 +75,8 @@ def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshol
     batched = engine.generate(prompts, params)
     batched_s = time.perf_counter() - start
 
-    def summary(gens, seconds):
-        tokens = sum(len(g.token_ids) for g in gens)
-        return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                "llm_rate": sum(g.llm_tokens for g in gens) / tokens}
-
-    seq, bat = summary(one_by_one, sequential_s), summary(batched, batched_s)
+    seq = phase([(len(g.token_ids), g.llm_tokens) for g in one_by_one], sequential_s)
+    bat = phase([(len(g.token_ids), g.llm_tokens) for g in batched], batched_s)
     return {"batch_size": batch_size, "dtype": dtype, "device": str(slm_backend.device), "threshold": threshold,
             "sequential": seq, "batched": bat, "speedup": bat["tokens_per_s"] / seq["tokens_per_s"]}
 
@@ -108,10 +111,7 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(workers) as pool:
                 results = list(pool.map(ask, prompts))
-            seconds = time.perf_counter() - start
-            tokens = sum(r[0] for r in results)
-            phases[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                            "llm_rate": sum(r[1] for r in results) / max(tokens, 1)}
+            phases[name] = phase(results, time.perf_counter() - start)
     return {"clients": clients, "dtype": dtype, "device": str(slm_backend.device), "threshold": threshold,
             **phases, "speedup": phases["concurrent"]["tokens_per_s"] / phases["one_at_a_time"]["tokens_per_s"]}
 

@@ -344,14 +344,7 @@ def bench_batch(
     if batch_size < 1 or tokens < 1:
         raise R2RError("--batch-size and --tokens must be at least 1")
     result = batching(slm, llm, device, dtype, threshold, batch_size, tokens)
-    table = Table("mode", "tokens", "seconds", "tokens/s", "LLM rate")
-    for mode in ("sequential", "batched"):
-        r = result[mode]
-        table.add_row(mode, str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}", f"{r['llm_rate']:.1%}")
-    console.print(table)
-    console.print(f"batched / sequential = {result['speedup']:.2f}x  (batch {batch_size}, {dtype}, {result['device']})")
-    if out:
-        out.write_text(json.dumps(result, indent=2))
+    show_phases(result, ("sequential", "batched"), f"batch {batch_size}", out)
 
 
 @bench_app.command("serve")
@@ -371,13 +364,19 @@ def bench_serve(
     if clients < 1 or tokens < 1:
         raise R2RError("--clients and --tokens must be at least 1")
     result = serving(slm, llm, device, dtype, threshold, clients, tokens)
+    show_phases(result, ("one_at_a_time", "concurrent"), f"{clients} clients", out)
+
+
+def show_phases(result: dict, modes: tuple[str, str], setting: str, out: Path | None) -> None:
+    """Print a two-phase throughput comparison (baseline first) and its ratio; optionally save it."""
     table = Table("mode", "tokens", "seconds", "tokens/s", "LLM rate")
-    for mode in ("one_at_a_time", "concurrent"):
+    for mode in modes:
         r = result[mode]
         table.add_row(mode.replace("_", " "), str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}",
                       f"{r['llm_rate']:.1%}")
     console.print(table)
-    console.print(f"concurrent / one at a time = {result['speedup']:.2f}x  ({clients} clients, {dtype}, "
+    names = [m.replace("_", " ") for m in modes]
+    console.print(f"{names[1]} / {names[0]} = {result['speedup']:.2f}x  ({setting}, {result['dtype']}, "
                   f"{result['device']})")
     if out:
         out.write_text(json.dumps(result, indent=2))
