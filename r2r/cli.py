@@ -125,6 +125,8 @@ THRESHOLD_OPT = typer.Option(None, "--threshold", help="router: probability; ent
 ROUTER_PATH_OPT = typer.Option(None, "--router-path", help="Router checkpoint directory (for --router router).")
 DEVICE_OPT = typer.Option("auto", "--device", help="auto (CUDA when present), cpu or cuda.")
 DTYPE_OPT = typer.Option("bfloat16", "--dtype", help="Weights and compute: bfloat16, float16 or float32.")
+OUT_OPT = typer.Option(None, "--out", help="Also write the figures as JSON here.")
+ENTROPY_THRESHOLD_OPT = typer.Option(DEFAULT_ENTROPY_THRESHOLD, "--threshold", help="Entropy threshold (nats).")
 
 
 @app.command()
@@ -308,7 +310,7 @@ def bench_overhead(
     slm: Optional[str] = SLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write the figures as JSON here."),
+    out: Optional[Path] = OUT_OPT,
 ):
     """Engine overhead: R2R with the always-SLM policy against a bare SLM forward loop, same prompt."""
     from r2r.bench import overhead
@@ -331,12 +333,12 @@ def bench_overhead(
 def bench_batch(
     batch_size: int = typer.Option(4, "--batch-size"),
     tokens: int = typer.Option(128, "--tokens", help="Max new tokens per prompt."),
-    threshold: float = typer.Option(DEFAULT_ENTROPY_THRESHOLD, "--threshold", help="Entropy threshold (nats)."),
+    threshold: float = ENTROPY_THRESHOLD_OPT,
     slm: Optional[str] = SLM_OPT,
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write the figures as JSON here."),
+    out: Optional[Path] = OUT_OPT,
 ):
     """Batching: R2R on N GSM8K dev prompts one at a time vs in one batch (aggregate tokens/s)."""
     from r2r.bench import batching
@@ -351,12 +353,12 @@ def bench_batch(
 def bench_serve(
     clients: int = typer.Option(4, "--clients", help="Concurrent clients (and requests per phase)."),
     tokens: int = typer.Option(128, "--tokens", help="max_tokens per request."),
-    threshold: float = typer.Option(DEFAULT_ENTROPY_THRESHOLD, "--threshold", help="Entropy threshold (nats)."),
+    threshold: float = ENTROPY_THRESHOLD_OPT,
     slm: Optional[str] = SLM_OPT,
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write the figures as JSON here."),
+    out: Optional[Path] = OUT_OPT,
 ):
     """Serving throughput: N clients at once vs one at a time, through the HTTP server (aggregate tokens/s)."""
     from r2r.bench import serving
@@ -390,7 +392,7 @@ def bench_steps(
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write the figures as JSON here."),
+    out: Optional[Path] = OUT_OPT,
 ):
     """Per-step cost of each model for k new tokens (the inputs of the cost model)."""
     from r2r.bench import step_costs
