@@ -352,7 +352,7 @@ def label_run(
         if "prefill" in chosen:
             labels.step_prefill(slm_b, out, progress)
         if "continuations" in chosen:
-            labels.step_continuations(llm_engine, out, continuation_tokens, batch_size, progress)
+            labels.step_continuations(llm_engine, out, continuation_tokens, progress)
         if "judgements" in chosen:
             labels.step_judgements(make_judge(judge, llm_engine, judge_url, judge_model, device), out,
                                    progress=progress)

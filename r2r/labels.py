@@ -37,7 +37,6 @@ DOMAINS = {
     "qa": ["family_relationships", "aiw", "letter_counting", "time_intervals", "calendar_arithmetic"],
 }
 SENTENCE_END = re.compile(r"[.!?](?=\s|$)|\n")
-SENTENCE_STOPS = (". ", ".\n", "? ", "! ", "\n")
 
 
 # ---- prompt sets ---------------------------------------------------------------------------------
@@ -191,44 +190,70 @@ def step_prefill(slm, out: Path, progress=None) -> None:
             progress.advance(task, 1)
 
 
-def step_continuations(llm_engine, out: Path, max_new_tokens: int, batch_size: int, progress=None) -> None:
-    """From each differing position, the LLM continues the SLM's token to the end of the sentence."""
-    from r2r.engine import SamplingParams
+@torch.inference_mode()
+def continue_to_sentence_end(llm, cache, prefix_length: int, token: int, max_new_tokens: int, tokenizer,
+                             eos_ids: set[int]) -> list[int]:
+    """Greedy LLM continuation of `token` placed at `prefix_length` in a cached sequence, up to the
+    end of the sentence. The cache keeps the shared prefix: it is cut back, not recomputed."""
+    llm.truncate(cache, prefix_length)
+    out, next_token = [], token
+    for _ in range(max_new_tokens):
+        mask = torch.ones(1, cache.length + 1, dtype=torch.long, device=llm.device)
+        logits, _ = llm.forward(cache, torch.tensor([[next_token]], device=llm.device), mask)
+        next_token = logits.argmax(-1).item()
+        if next_token in eos_ids:
+            break
+        out.append(next_token)
+        if SENTENCE_END.search(tokenizer.decode([token] + out, skip_special_tokens=True)):
+            break
+    return out
 
-    tokenizer = llm_engine.tokenizer
+
+def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None) -> None:
+    """From each differing position, the LLM continues the SLM's token to the end of the sentence.
+
+    Per response the LLM reads prompt + response once; each position then costs only its own
+    continuation: positions are visited from last to first, cutting the cache back each time.
+    """
+    llm, tokenizer = llm_engine.slm, llm_engine.tokenizer  # the LLM runs alone in llm_engine
     responses = {r["id"]: r for r in Parts(out, "responses").rows()}
-    cases = [(p["id"], pos, tok) for p in Parts(out, "prefill").rows()
-             for pos, (tok, diff) in enumerate(zip(p["slm_tokens"], p["different"])) if diff]
+    prefill = Parts(out, "prefill").rows()
     parts = Parts(out, "continuations")
-    done = {(c["id"], c["position"]) for c in parts.rows()}
-    todo = [c for c in cases if (c[0], c[1]) not in done]
-    task = progress.add_task("2 continuations (LLM)", total=len(cases), completed=len(cases) - len(todo)) \
-        if progress else None
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop=SENTENCE_STOPS)
-    for i in range(0, len(todo), batch_size):
-        chunk = todo[i : i + batch_size]
-        prefixes = [responses[id_]["prompt_ids"] + responses[id_]["response_ids"][:pos] + [tok]
-                    for id_, pos, tok in chunk]
-        began = time.perf_counter()
-        gens = llm_engine.generate(prefixes, params)
-        log_throughput(out, "continuations", len(chunk), sum(len(g.token_ids) for g in gens),
-                       time.perf_counter() - began)
-        rows = []
-        for (id_, pos, tok), gen in zip(chunk, gens):
-            response = responses[id_]["response_ids"]
-            rows.append({
-                "id": id_, "position": pos, "slm_token": tok, "llm_token": response[pos],
-                "context": tokenizer.decode(response[:pos], skip_special_tokens=True),
-                "slm_branch": to_sentence_end(tokenizer.decode([tok] + gen.token_ids, skip_special_tokens=True)),
-                "llm_branch": to_sentence_end(tokenizer.decode(response[pos:], skip_special_tokens=True)),
-            })
-        parts.write(rows)
+    done = parts.done()
+    total = sum(sum(p["different"]) for p in prefill)
+    todo = [p for p in prefill if p["id"] not in done]
+    task = progress.add_task("2 continuations (LLM)", total=total, completed=total - sum(
+        sum(p["different"]) for p in todo)) if progress else None
+    for p in todo:
+        r = responses[p["id"]]
+        positions = [pos for pos, diff in enumerate(p["different"]) if diff]
+        began, generated, rows = time.perf_counter(), 0, []
+        if positions:
+            cache = llm.new_cache()
+            ids = r["prompt_ids"] + r["response_ids"][: positions[-1]]
+            llm.forward(cache, torch.tensor([ids], device=llm.device), torch.ones(1, len(ids), dtype=torch.long,
+                                                                                  device=llm.device))
+            for pos in reversed(positions):
+                tok = p["slm_tokens"][pos]
+                cont = continue_to_sentence_end(llm, cache, len(r["prompt_ids"]) + pos, tok, max_new_tokens,
+                                                tokenizer, llm_engine.eos_ids)
+                generated += len(cont) + 1
+                response = r["response_ids"]
+                rows.append({
+                    "id": r["id"], "position": pos, "slm_token": tok, "llm_token": response[pos],
+                    "context": tokenizer.decode(response[:pos], skip_special_tokens=True),
+                    "slm_branch": to_sentence_end(tokenizer.decode([tok] + cont, skip_special_tokens=True)),
+                    "llm_branch": to_sentence_end(tokenizer.decode(response[pos:], skip_special_tokens=True)),
+                })
+        # One part per response, so a response's positions are all there or none are.
+        parts.write(sorted(rows, key=lambda row: row["position"]) or [{"id": r["id"], "position": -1}])
+        log_throughput(out, "continuations", len(positions), generated, time.perf_counter() - began)
         if progress:
-            progress.advance(task, len(chunk))
+            progress.advance(task, len(positions))
 
 
 def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name: str = "judgements") -> None:
-    continuations = Parts(out, "continuations").rows()
+    continuations = [c for c in Parts(out, "continuations").rows() if c["position"] >= 0]
     parts = Parts(out, name)
     done = {(j["id"], j["position"]) for j in parts.rows()}
     todo = [c for c in continuations if (c["id"], c["position"]) not in done]

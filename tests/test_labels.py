@@ -47,7 +47,7 @@ def run_pipeline(out, slm, llm, tokenizer, judge=None):
     llm_engine = Engine(llm, None, tokenizer)
     labels.step_responses(PROMPTS, llm_engine, out, max_new_tokens=24, batch_size=2)
     labels.step_prefill(slm, out)
-    labels.step_continuations(llm_engine, out, max_new_tokens=8, batch_size=3)
+    labels.step_continuations(llm_engine, out, max_new_tokens=8)
     labels.step_judgements(judge or EveryOtherJudge(), out, batch_size=4)
     return labels.step_labels(out)
 
@@ -78,7 +78,20 @@ def test_pipeline_labels_every_response_token(tmp_path, slm, llm, tokenizer):
 
 def test_continuation_branches_end_at_the_sentence(tmp_path, slm, llm, tokenizer):
     run_pipeline(tmp_path, slm, llm, tokenizer)
-    for c in labels.Parts(tmp_path, "continuations").rows():
+    rows = [c for c in labels.Parts(tmp_path, "continuations").rows() if c["position"] >= 0]
+    assert rows
+    llm_engine = Engine(llm, None, tokenizer)
+    from r2r.engine import SamplingParams
+
+    responses = {r["id"]: r for r in labels.Parts(tmp_path, "responses").rows()}
+    for c in rows[:6]:  # the cache-reusing continuation equals a fresh greedy generation from the prefix
+        r = responses[c["id"]]
+        prefix = r["prompt_ids"] + r["response_ids"][: c["position"]] + [c["slm_token"]]
+        fresh = llm_engine.generate([prefix], SamplingParams(max_new_tokens=8))[0]
+        text = tokenizer.decode([c["slm_token"]] + fresh.token_ids, skip_special_tokens=True)
+        assert labels.to_sentence_end(text).startswith(c["slm_branch"]) or c["slm_branch"].startswith(
+            labels.to_sentence_end(text))
+    for c in rows:
         for branch in (c["slm_branch"], c["llm_branch"]):
             assert labels.to_sentence_end(branch) == branch
     assert labels.to_sentence_end("It is 24. Then we add") == "It is 24."
@@ -89,23 +102,24 @@ def test_a_killed_run_resumes_to_the_same_dataset(tmp_path, slm, llm, tokenizer,
     whole = pq.read_table(run_pipeline(tmp_path / "whole", slm, llm, tokenizer)).to_pylist()
 
     out = tmp_path / "killed"
-    real_generate = Engine.generate
-    calls = {"n": 0}
+    real_write = labels.Parts.write
+    writes = {"n": 0, "die_at": 0}
 
-    def dies_on_third_call(self, prompts, params):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt  # as if killed in the middle of a step
-        return real_generate(self, prompts, params)
+    def write_or_die(self, rows):
+        writes["n"] += 1
+        if writes["n"] == writes["die_at"]:
+            raise KeyboardInterrupt  # killed after computing a chunk, before saving it
+        return real_write(self, rows)
 
-    monkeypatch.setattr(Engine, "generate", dies_on_third_call)
-    with pytest.raises(KeyboardInterrupt):
-        run_pipeline(out, slm, llm, tokenizer)  # dies in step 0 (3 chunks of 2)
-    monkeypatch.setattr(Engine, "generate", dies_on_third_call)
-    calls["n"] = 0
-    with pytest.raises(KeyboardInterrupt):
-        run_pipeline(out, slm, llm, tokenizer)  # resumes step 0, dies in step 2
-    monkeypatch.setattr(Engine, "generate", real_generate)
+    monkeypatch.setattr(labels.Parts, "write", write_or_die)
+    steps_reached = []
+    for die_at in (3, 4, 5, 5):  # dies in step 0, then in step 1, then in step 2, then in step 3
+        writes.update(n=0, die_at=die_at)
+        with pytest.raises(KeyboardInterrupt):
+            run_pipeline(out, slm, llm, tokenizer)
+        steps_reached.append(sorted(p.name for p in out.iterdir() if p.is_dir() and any(p.iterdir())))
+    assert steps_reached[0] == ["responses"] and "continuations" in steps_reached[2]
+    monkeypatch.setattr(labels.Parts, "write", real_write)
     resumed = pq.read_table(run_pipeline(out, slm, llm, tokenizer)).to_pylist()
     assert resumed == whole
     ids = [r["id"] for r in labels.Parts(out, "responses").rows()]
