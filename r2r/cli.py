@@ -380,6 +380,33 @@ def label_prompts(
     console.print(f"{len(prompts)} prompts in {len(labels.DOMAINS)} domains -> {out}")
 
 
+@label_app.command("agree")
+def label_agree(
+    out: Path = typer.Argument(..., help="A label output directory whose judgements step has run."),
+    judge: str = typer.Option("semantic", "--judge", help="The second judge: local, remote or semantic."),
+    judge_url: Optional[str] = typer.Option(None, "--judge-url"),
+    judge_model: Optional[str] = typer.Option(None, "--judge-model"),
+    llm: Optional[str] = LLM_OPT,
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+):
+    """Run a second judge on the same differing positions and report how often it agrees with the first."""
+    from r2r import labels
+
+    if not (out / "judgements").exists():
+        raise R2RError(f"{out} has no judgements yet: run `r2r label PROMPTS --out {out}` first")
+    llm_engine = None
+    if judge == "local":
+        from r2r.engine import Engine
+        from r2r.models import load_pair
+
+        llm_b, _, tokenizer = load_pair(llm, None, device, need_llm=False, dtype=dtype)
+        llm_engine = Engine(llm_b, None, tokenizer)
+    name = f"judgements-{judge}"
+    labels.step_judgements(make_judge(judge, llm_engine, judge_url, judge_model, device), out, name=name)
+    print(json.dumps(labels.agreement(out, name)))
+
+
 @label_app.command("report")
 def label_report(
     dataset: Path = typer.Argument(..., help="A label output directory or its labels.parquet."),

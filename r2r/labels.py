@@ -318,3 +318,17 @@ def report(dataset: Path) -> dict:
 
     domains = sorted({r["domain"] for r in rows})
     return {"domains": {d: stats([r for r in rows if r["domain"] == d]) for d in domains}, "overall": stats(rows)}
+
+
+def agreement(out: Path, other: str) -> dict:
+    """How often the judge behind OUT/<other>/ agrees with the pipeline's judge on the same positions."""
+    first = {(j["id"], j["position"]): j["verdict"] for j in Parts(out, "judgements").rows()}
+    second = {(j["id"], j["position"]): j["verdict"] for j in Parts(out, other).rows()}
+    both = [k for k in first if k in second]
+    confusion: dict[str, int] = {}
+    for k in both:
+        key = f"{first[k]}/{second[k]}"
+        confusion[key] = confusion.get(key, 0) + 1
+    same = sum(first[k] == second[k] for k in both)
+    return {"positions": len(both), "agreement": same / len(both) if both else 0.0,
+            "confusion (pipeline judge/other judge)": confusion}

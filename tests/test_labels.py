@@ -187,3 +187,19 @@ def test_label_cli(run_cli, tmp_path):
     assert json.loads(out)["overall"]["queries"] == 2
     code, out, err = run_cli("label", tmp_path / "missing.jsonl", "--out", tmp_path / "e", *pair)
     assert code != 0 and "does not exist" in err
+
+
+def test_agreement_between_two_judges(tmp_path, slm, llm, tokenizer):
+    run_pipeline(tmp_path, slm, llm, tokenizer)
+    labels.step_judgements(EveryOtherJudge(), tmp_path, name="judgements-same")
+    same = labels.agreement(tmp_path, "judgements-same")
+    assert same["agreement"] == 1.0 and same["positions"] > 0
+
+    class Contrary:
+        name = "contrary"
+
+        def __call__(self, cases):
+            return [("neutral" if len(b) > len(a) else "divergent", "") for _, a, b in cases]
+
+    labels.step_judgements(Contrary(), tmp_path, name="judgements-contrary")
+    assert labels.agreement(tmp_path, "judgements-contrary")["agreement"] == 0.0
