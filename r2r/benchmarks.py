@@ -24,7 +24,6 @@ from r2r.errors import R2RError
 
 BENCHMARKS = ("gsm8k", "aime2025", "gpqa", "humaneval")
 MATH_INSTRUCTION = "Reason step by step, then finish with 'The answer is N'."
-GSM8K_INSTRUCTION = MATH_INSTRUCTION  # kept for the benchmarks that predate the harness
 GPQA_INSTRUCTION = "Think step by step, then finish with 'The answer is (X)' where X is A, B, C or D."
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Answer with the whole function in one ```python code block."
 

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import ProgressColumn
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperGroup
 
 from r2r.errors import R2RError
 
@@ -20,9 +21,6 @@ app = typer.Typer(help="R2R: token-level routing between a small and a large lan
                   pretty_exceptions_enable=False, no_args_is_help=True, add_completion=False)
 models_app = typer.Typer(help="Prepare and inspect the default model pair.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print ratios measured side by side in one run.", no_args_is_help=True)
-from typer.core import TyperGroup  # noqa: E402
-
-
 class DefaultRunGroup(TyperGroup):
     """`r2r label PROMPTS ...` means `r2r label run PROMPTS ...`; `r2r label report ...` stays itself."""
 
