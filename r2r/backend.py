@@ -103,3 +103,6 @@ class TorchBackend:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(token_ids.to(self.device))
+
+    def embedding_table(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight

@@ -56,14 +56,14 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
 
 
 def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshold: float, batch_size: int,
-             n_tokens: int) -> dict:
+             n_tokens: int, backend: str = "torch") -> dict:
     """R2R (entropy routing) on `batch_size` GSM8K dev prompts: one at a time vs all in one batch."""
     from r2r.benchmarks import gsm8k, gsm8k_prompt
     from r2r.engine import Engine, SamplingParams
     from r2r.models import load_pair
     from r2r.policies import EntropyPolicy
 
-    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype)
+    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
     engine = Engine(slm_backend, llm_backend, tokenizer, EntropyPolicy(threshold))
     prompts = [engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:batch_size]]
     params = SamplingParams(max_new_tokens=n_tokens)
@@ -77,12 +77,12 @@ def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshol
 
     seq = phase([(len(g.token_ids), g.llm_tokens) for g in one_by_one], sequential_s)
     bat = phase([(len(g.token_ids), g.llm_tokens) for g in batched], batched_s)
-    return {"batch_size": batch_size, "dtype": dtype, "device": str(slm_backend.device), "threshold": threshold,
+    return {"batch_size": batch_size, "dtype": dtype, "backend": backend, "device": str(slm_backend.device), "threshold": threshold,
             "sequential": seq, "batched": bat, "speedup": bat["tokens_per_s"] / seq["tokens_per_s"]}
 
 
 def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold: float, clients: int,
-            n_tokens: int) -> dict:
+            n_tokens: int, backend: str = "torch") -> dict:
     """The server on GSM8K dev prompts: `clients` requests one at a time, then the same ones concurrently."""
     import concurrent.futures
 
@@ -94,7 +94,7 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold
     from r2r.policies import EntropyPolicy
     from r2r.server import BackgroundServer, Limits, create_app
 
-    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype)
+    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
     engine = Engine(slm_backend, llm_backend, tokenizer, EntropyPolicy(threshold))
     prompts = [gsm8k_prompt(item) for item in gsm8k()[:clients]]
     with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=clients))) as server:
@@ -112,34 +112,169 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold
             with concurrent.futures.ThreadPoolExecutor(workers) as pool:
                 results = list(pool.map(ask, prompts))
             phases[name] = phase(results, time.perf_counter() - start)
-    return {"clients": clients, "dtype": dtype, "device": str(slm_backend.device), "threshold": threshold,
+    return {"clients": clients, "dtype": dtype, "backend": backend, "device": str(slm_backend.device), "threshold": threshold,
             **phases, "speedup": phases["concurrent"]["tokens_per_s"] / phases["one_at_a_time"]["tokens_per_s"]}
 
 
-@torch.inference_mode()
 def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, context: int, new_tokens: list[int],
-               repeats: int = 3) -> dict:
+               backend: str = "torch") -> dict:
     """Milliseconds of one forward step per model, for k new tokens on top of a `context`-token cache
     (the numbers behind DESIGN §3's cost model: an SLM step, and an LLM catch-up over k tokens)."""
     from r2r.models import load_pair
 
-    slm_backend, llm_backend, _ = load_pair(slm, llm, device, dtype=dtype)
-    table = {}
-    for role, backend in (("slm", slm_backend), ("llm", llm_backend)):
-        cache = backend.new_cache()
-        ids = torch.randint(0, min(1000, backend.vocab_size), (1, context + max(new_tokens)), device=backend.device)
-        mask = torch.ones_like(ids)
+    slm_backend, llm_backend, _ = load_pair(slm, llm, device, dtype=dtype, backend=backend)
+    table = {role: {k: step_ms(b, context, k) for k in new_tokens}
+             for role, b in (("slm", slm_backend), ("llm", llm_backend))}
+    return {"dtype": dtype, "backend": backend, "device": str(slm_backend.device), "context": context, "ms": table}
+
+
+def speculative_llamacpp(draft, target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
+                         k: int = 4) -> tuple[list[int], int]:
+    """Greedy speculative decoding on two llama.cpp backends: the draft proposes k tokens, the target
+    checks them in one call and keeps the longest agreeing prefix plus its own next token. Lossless:
+    the output is the target's greedy output. Returns (tokens, target calls)."""
+    draft_cache, target_cache = draft.new_cache(), target.new_cache()
+    # The target reads all but the last token it has emitted; the draft reads what it has not seen.
+    logits = target.forward_all(target_cache, prompt_ids)
+    out = [int(logits[-1].argmax())]
+    context = list(prompt_ids) + out
+    calls = 1
+    while len(out) < max_new_tokens and out[-1] not in eos_ids:
+        proposal = []
+        for _ in range(min(k, max_new_tokens - len(out))):
+            unseen = (context + proposal)[draft_cache.length :]
+            d_logits = draft.forward_all(draft_cache, unseen)[-1]
+            proposal.append(int(d_logits.argmax()))
+            if proposal[-1] in eos_ids:
+                break
+        checked = target.forward_all(target_cache, [context[-1]] + proposal).argmax(-1).tolist()
+        calls += 1
+        accepted = 0
+        while accepted < len(proposal) and checked[accepted] == proposal[accepted]:
+            accepted += 1
+        new = proposal[:accepted] + [checked[accepted]]
+        for token in new:
+            out.append(token)
+            if token in eos_ids or len(out) >= max_new_tokens:
+                break
+        context = list(prompt_ids) + out
+        target.truncate(target_cache, len(context) - 1)
+        draft.truncate(draft_cache, min(draft_cache.length, len(context) - 1))
+    return out, calls
+
+
+@torch.inference_mode()
+def speculative_torch(draft_model, target_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' assisted generation (greedy, lossless): the reference speculative decoder."""
+    ids = torch.tensor([prompt_ids], device=target_model.device)
+    out = target_model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft_model,
+                                do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: float | None, spec_k: int,
+            progress=None) -> dict:
+    """Every way to get answers from the pair on the same GSM8K dev prompts, one prompt at a time:
+    each model alone on each backend, speculative decoding, and R2R on each backend."""
+    from r2r.benchmarks import gsm8k, gsm8k_prompt
+    from r2r.engine import Engine, SamplingParams
+    from r2r.models import load_pair
+    from r2r.policies import EntropyPolicy, NeuralPolicy
+    from r2r.router import load_router, slm_identity
+
+    pairs = {name: load_pair(None, None, "cpu", dtype=dtype, backend=name) for name in ("torch", "llamacpp")}
+    tokenizer = pairs["torch"][2]
+    prompts = [Engine(pairs["torch"][0], None, tokenizer).encode_chat(gsm8k_prompt(item))
+               for item in gsm8k()[:n_prompts]]
+    params = SamplingParams(max_new_tokens=n_tokens)
+
+    def policy_for(slm_backend):
+        if router_path is None:
+            return EntropyPolicy(threshold if threshold is not None else 0.8)
+        checkpoint = load_router(router_path, slm_identity(slm_backend.name, slm_backend.hidden_size,
+                                                           slm_backend.embedding_table()))
+        return NeuralPolicy(checkpoint, slm_backend.embed, threshold, device=slm_backend.device)
+
+    systems = {}
+    for name, (slm_b, llm_b, _) in pairs.items():
+        systems[f"LLM alone ({name})"] = Engine(llm_b, None, tokenizer)
+        systems[f"SLM alone ({name})"] = Engine(slm_b, None, tokenizer)
+        systems[f"R2R ({name})"] = Engine(slm_b, llm_b, tokenizer, policy_for(slm_b))
+    eos = systems["LLM alone (torch)"].eos_ids
+    results = {}
+    task = progress.add_task("bench", total=len(systems) + 2) if progress else None
+    for name, engine in systems.items():
+        engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
+        tokens = llm_tokens = llm_calls = steps = 0
+        router_s = 0.0
+        start = time.perf_counter()
+        for p in prompts:
+            gen = engine.generate([p], params)[0]
+            tokens += len(gen.token_ids)
+            llm_tokens += gen.llm_tokens if engine.llm else 0
+            llm_calls += gen.timings.llm_calls
+            steps += gen.timings.steps
+            router_s += gen.timings.router_s
+        seconds = time.perf_counter() - start
+        results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                         "llm_rate": llm_tokens / tokens if engine.llm else None,
+                         "llm_calls": llm_calls, "router_ms": 1000 * router_s / max(steps, 1)}
+        if progress:
+            progress.advance(task)
+
+    slm_t, llm_t = pairs["torch"][0], pairs["torch"][1]
+    spec = [("speculative (transformers assisted)", lambda p: (speculative_torch(slm_t.model, llm_t.model, p, n_tokens), None)),
+            (f"speculative (llama.cpp, k={spec_k})",
+             lambda p: speculative_llamacpp(pairs["llamacpp"][0], pairs["llamacpp"][1], p, n_tokens, eos, spec_k))]
+    for name, run in spec:
+        run(prompts[0][:32])  # warm-up
+        tokens = 0
+        start = time.perf_counter()
+        for p in prompts:
+            tokens += len(run(p)[0])
+        seconds = time.perf_counter() - start
+        results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "llm_rate": None}
+        if progress:
+            progress.advance(task)
+
+    # The cost model (DESIGN §3) from per-step costs measured now, at this run's context length:
+    # per request, both prompts' prefill, then per token t_SLM(1) + t_router + c * t_LLM(1/c), where
+    # c = LLM calls per generated token (a call reads the 1/c tokens since the last one).
+    prompt = round(statistics.mean(len(p) for p in prompts))
+    context = int(prompt + n_tokens / 2)
+    for name, (slm_b, llm_b, _) in pairs.items():
+        r = results[f"R2R ({name})"]
+        calls_per_token = r["llm_calls"] / r["tokens"]
+        catch_up = max(1, round(1 / calls_per_token)) if calls_per_token else 1
+        m = {"prompt_tokens": prompt, "context": context, "t_slm_prompt_ms": step_ms(slm_b, 0, prompt),
+             "t_llm_prompt_ms": step_ms(llm_b, 0, prompt), "t_slm_ms": step_ms(slm_b, context, 1),
+             "t_router_ms": r["router_ms"], "catch_up_tokens": catch_up,
+             "t_llm_catch_up_ms": step_ms(llm_b, context, catch_up), "llm_calls_per_token": calls_per_token}
+        per_token_ms = m["t_slm_ms"] + m["t_router_ms"] + calls_per_token * m["t_llm_catch_up_ms"]
+        predicted_ms = len(prompts) * (m["t_slm_prompt_ms"] + m["t_llm_prompt_ms"]) + r["tokens"] * per_token_ms
+        m["predicted_tokens_per_s"] = 1000 * r["tokens"] / predicted_ms
+        r["cost_model"] = m
+    fastest_llm = max(("LLM alone (torch)", "LLM alone (llamacpp)"), key=lambda n: results[n]["tokens_per_s"])
+    for r in results.values():
+        r["vs_fastest_llm"] = r["tokens_per_s"] / results[fastest_llm]["tokens_per_s"]
+    return {"prompts": n_prompts, "max_new_tokens": n_tokens, "dtype": dtype, "router": str(router_path or "entropy"),
+            "baseline": fastest_llm, "systems": results}
+
+
+@torch.inference_mode()
+def step_ms(backend, context: int, k: int, repeats: int = 5) -> float:
+    """Median milliseconds of one forward over k new tokens on top of a `context`-token cache."""
+    cache = backend.new_cache()
+    ids = torch.randint(0, min(1000, backend.vocab_size), (1, context + k), device=backend.device)
+    mask = torch.ones_like(ids)
+    if context:
         backend.forward(cache, ids[:, :context], mask)
-        row = {}
-        for k in new_tokens:
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                backend.forward(cache, ids[:, context:context + k], mask)
-                if backend.device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append((time.perf_counter() - start) * 1000)
-                backend.truncate(cache, context)
-            row[k] = statistics.median(times)
-        table[role] = row
-    return {"dtype": dtype, "device": str(slm_backend.device), "context": context, "ms": table}
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.forward(cache, ids[:, context:], mask)
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1000)
+        backend.truncate(cache, context)
+    return statistics.median(times)

@@ -20,7 +20,9 @@ from r2r.errors import R2RError
 app = typer.Typer(help="R2R: token-level routing between a small and a large language model.",
                   pretty_exceptions_enable=False, no_args_is_help=True, add_completion=False)
 models_app = typer.Typer(help="Prepare and inspect the default model pair.", no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks that print ratios measured side by side in one run.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks that print ratios measured side by side in one run. Without a "
+                        "subcommand: every way to run the pair (each model alone, speculative, R2R) on each backend.",
+                        invoke_without_command=True)
 class DefaultRunGroup(TyperGroup):
     """`r2r label PROMPTS ...` means `r2r label run PROMPTS ...`; `r2r label report ...` stays itself."""
 
@@ -62,12 +64,11 @@ def make_policy(choice: RouterChoice, threshold: float | None, router_path: Path
         return policies.RandomPolicy(0.1 if threshold is None else threshold, seed)
     if choice == RouterChoice.entropy:
         return policies.EntropyPolicy(DEFAULT_ENTROPY_THRESHOLD if threshold is None else threshold)
-    embedding = slm.model.get_input_embeddings().weight
-    checkpoint = load_router(router_path, slm_identity(slm.name, slm.hidden_size, embedding))
+    checkpoint = load_router(router_path, slm_identity(slm.name, slm.hidden_size, slm.embedding_table()))
     return policies.NeuralPolicy(checkpoint, slm.embed, threshold, device=slm.device)
 
 
-def build_engine(slm: str | None, llm: str | None, device: str, dtype: str, router: RouterChoice,
+def build_engine(slm: str | None, llm: str | None, device: str, dtype: str, backend: str, router: RouterChoice,
                  threshold: float | None, router_path: Path | None, seed: int | None):
     from r2r.engine import Engine
     from r2r.models import load_pair
@@ -77,7 +78,8 @@ def build_engine(slm: str | None, llm: str | None, device: str, dtype: str, rout
     if router == RouterChoice.router and router_path is None:
         raise R2RError("no router checkpoint given: pass --router-path DIR (a trained router), "
                        "or use --router entropy")
-    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, need_llm=router != RouterChoice.slm, dtype=dtype)
+    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, need_llm=router != RouterChoice.slm, dtype=dtype,
+                                                    backend=backend)
     policy = make_policy(router, threshold, router_path, slm_backend, seed)
     return Engine(slm_backend, llm_backend, tokenizer, policy)
 
@@ -139,6 +141,8 @@ THRESHOLD_OPT = typer.Option(None, "--threshold", help="router: probability; ent
 ROUTER_PATH_OPT = typer.Option(None, "--router-path", help="Router checkpoint directory (for --router router).")
 DEVICE_OPT = typer.Option("auto", "--device", help="auto (CUDA when present), cpu or cuda.")
 DTYPE_OPT = typer.Option("bfloat16", "--dtype", help="Weights and compute: bfloat16, float16 or float32.")
+BACKEND_OPT = typer.Option("torch", "--backend", help="torch (transformers) or llamacpp (the GGUF files as shipped), "
+                           "for both models or per role: slm=llamacpp,llm=torch. --dtype and --device apply to torch.")
 OUT_OPT = typer.Option(None, "--out", help="Also write the figures as JSON here.")
 ENTROPY_THRESHOLD_OPT = typer.Option(DEFAULT_ENTROPY_THRESHOLD, "--threshold", help="Entropy threshold (nats).")
 
@@ -161,12 +165,13 @@ def generate(
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
+    backend: str = BACKEND_OPT,
 ):
     """Answer one prompt with R2R routing; the LLM's tokens are highlighted."""
     if not prompt.strip():
         raise R2RError("the prompt is empty: give the text to answer")
     params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
-    engine = build_engine(slm, llm, device, dtype, router, threshold, router_path, seed)
+    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, seed)
     prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
     generation = engine.generate([prompt_ids], params)[0]
     if as_json:
@@ -193,12 +198,13 @@ def chat(
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
+    backend: str = BACKEND_OPT,
 ):
     """Chat interactively; answers stream in with the LLM's tokens highlighted. Empty line or Ctrl-D quits."""
     from r2r.text import Detokenizer
 
     params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
-    engine = build_engine(slm, llm, device, dtype, router, threshold, router_path, seed)
+    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, seed)
     messages = []
     while True:
         try:
@@ -237,6 +243,7 @@ def serve(
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
+    backend: str = BACKEND_OPT,
     model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
     max_batch: int = typer.Option(8, "--max-batch", help="Requests decoding at once."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting for a slot (then 429)."),
@@ -249,7 +256,7 @@ def serve(
 
     if min(max_batch, max_queue, max_tokens) < 1 or not 0 < port < 65536:
         raise R2RError("--max-batch, --max-queue and --max-tokens must be at least 1, --port in 1..65535")
-    engine = build_engine(slm, llm, device, dtype, router, threshold, router_path, None)
+    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, None)
     server_app = create_app(engine, model_name, Limits(max_batch=max_batch, max_queue=max_queue,
                                                          max_tokens=max_tokens))
     console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
@@ -272,6 +279,7 @@ def eval_command(
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
+    backend: str = BACKEND_OPT,
 ):
     """Evaluate systems on a benchmark: accuracy with 95% CI, LLM rate, avg. params, speed; JSON, table, plots, HTML."""
     from r2r.evaluate import evaluate, markdown_table, parse_systems
@@ -282,7 +290,7 @@ def eval_command(
     except ValueError:
         raise R2RError(f"--sweep takes comma-separated numbers, got {sweep!r}") from None
     table = evaluate(benchmark, names, ids, max_new_tokens, out, slm, llm, device, dtype, router_path, threshold,
-                     llm_rate, sweep_values, batch_size, console)
+                     llm_rate, sweep_values, batch_size, console, backend)
     console.print(markdown_table(table), markup=False, highlight=False)
     console.print(f"results, summary.json, plots and report.html in {out / benchmark}")
 
@@ -324,6 +332,7 @@ def label_run(
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
+    backend: str = BACKEND_OPT,
 ):
     """Run the label pipeline (or some of its steps); re-running resumes where it stopped."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
@@ -340,7 +349,7 @@ def label_run(
         raise R2RError("--max-new-tokens, --continuation-tokens and --batch-size must be at least 1")
     prompt_set = labels.load_prompts(prompts) if "responses" in chosen else None
     out.mkdir(parents=True, exist_ok=True)
-    slm_b, llm_b, tokenizer = load_pair(slm, llm, device, dtype=dtype)
+    slm_b, llm_b, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
     llm_engine = Engine(llm_b, None, tokenizer)  # the LLM alone
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -387,6 +396,7 @@ def label_agree(
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
+    backend: str = BACKEND_OPT,
 ):
     """Run a second judge on the same differing positions and report how often it agrees with the first."""
     from r2r import labels
@@ -398,7 +408,7 @@ def label_agree(
         from r2r.engine import Engine
         from r2r.models import load_pair
 
-        llm_b, _, tokenizer = load_pair(llm, None, device, need_llm=False, dtype=dtype)
+        llm_b, _, tokenizer = load_pair(llm, None, device, need_llm=False, dtype=dtype, backend=backend)
         llm_engine = Engine(llm_b, None, tokenizer)
     name = f"judgements-{judge}"
     labels.step_judgements(make_judge(judge, llm_engine, judge_url, judge_model, device), out, name=name)
@@ -456,6 +466,50 @@ def models_status():
                       f"  sha256: {model.sha256}")
 
 
+@bench_app.callback()
+def bench_compare(
+    ctx: typer.Context,
+    prompts: int = typer.Option(4, "--prompts", help="GSM8K dev prompts (items 0..N-1), run one at a time."),
+    tokens: int = typer.Option(128, "--tokens", help="Max new tokens per prompt."),
+    router_path: Optional[Path] = typer.Option(None, "--router-path", help="R2R's router (default: entropy routing)."),
+    threshold: Optional[float] = typer.Option(None, "--threshold", help="R2R's threshold (default: the router's own)."),
+    spec_k: int = typer.Option(4, "--spec-k", help="Draft tokens per speculative round (llama.cpp)."),
+    dtype: str = DTYPE_OPT,
+    out: Optional[Path] = typer.Option(Path("runs/bench.json"), "--out", help="Write the figures as JSON here."),
+):
+    """Tokens/s of each model alone, speculative decoding and R2R, on torch and llama.cpp, in one run."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.progress import Progress
+
+    from r2r.bench import compare
+
+    if min(prompts, tokens, spec_k) < 1:
+        raise R2RError("--prompts, --tokens and --spec-k must be at least 1")
+    with Progress(console=console, transient=True) as progress:
+        result = compare(prompts, tokens, dtype, router_path, threshold, spec_k, progress)
+    base = result["baseline"]
+    table = Table("system", "tokens", "seconds", "tokens/s", "LLM rate", f"x {base}",
+                  title=f"{prompts} GSM8K dev prompts, <= {tokens} new tokens, greedy, one at a time ({dtype} torch)")
+    for name, r in result["systems"].items():
+        rate = "" if r["llm_rate"] is None else f"{r['llm_rate']:.1%}"
+        table.add_row(name, str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}", rate,
+                      f"{r['vs_fastest_llm']:.2f}")
+    console.print(table)
+    for name, r in result["systems"].items():
+        if "cost_model" in r:
+            m = r["cost_model"]
+            console.print(f"{name}: cost model: prompts ({m['prompt_tokens']} tokens) SLM {m['t_slm_prompt_ms']:.0f} ms "
+                          f"+ LLM {m['t_llm_prompt_ms']:.0f} ms; per token t_SLM {m['t_slm_ms']:.1f} ms + router "
+                          f"{m['t_router_ms']:.1f} ms + {m['llm_calls_per_token']:.3f} x t_LLM({m['catch_up_tokens']}) "
+                          f"{m['t_llm_catch_up_ms']:.1f} ms -> predicted {m['predicted_tokens_per_s']:.2f} tok/s, "
+                          f"measured {r['tokens_per_s']:.2f} ({r['tokens_per_s'] / m['predicted_tokens_per_s']:.0%})")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        console.print(f"JSON in {out}")
+
+
 @bench_app.command("overhead")
 def bench_overhead(
     tokens: int = typer.Option(256, "--tokens", help="New tokens per generation."),
@@ -491,6 +545,7 @@ def bench_batch(
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
+    backend: str = BACKEND_OPT,
     out: Optional[Path] = OUT_OPT,
 ):
     """Batching: R2R on N GSM8K dev prompts one at a time vs in one batch (aggregate tokens/s)."""
@@ -498,7 +553,7 @@ def bench_batch(
 
     if batch_size < 1 or tokens < 1:
         raise R2RError("--batch-size and --tokens must be at least 1")
-    result = batching(slm, llm, device, dtype, threshold, batch_size, tokens)
+    result = batching(slm, llm, device, dtype, threshold, batch_size, tokens, backend)
     show_phases(result, ("sequential", "batched"), f"batch {batch_size}", out)
 
 
@@ -511,6 +566,7 @@ def bench_serve(
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
+    backend: str = BACKEND_OPT,
     out: Optional[Path] = OUT_OPT,
 ):
     """Serving throughput: N clients at once vs one at a time, through the HTTP server (aggregate tokens/s)."""
@@ -518,7 +574,7 @@ def bench_serve(
 
     if clients < 1 or tokens < 1:
         raise R2RError("--clients and --tokens must be at least 1")
-    result = serving(slm, llm, device, dtype, threshold, clients, tokens)
+    result = serving(slm, llm, device, dtype, threshold, clients, tokens, backend)
     show_phases(result, ("one_at_a_time", "concurrent"), f"{clients} clients", out)
 
 
@@ -531,7 +587,7 @@ def show_phases(result: dict, modes: tuple[str, str], setting: str, out: Path | 
                       f"{r['llm_rate']:.1%}")
     console.print(table)
     names = [m.replace("_", " ") for m in modes]
-    console.print(f"{names[1]} / {names[0]} = {result['speedup']:.2f}x  ({setting}, {result['dtype']}, "
+    console.print(f"{names[1]} / {names[0]} = {result['speedup']:.2f}x  ({setting}, {result['backend']}, {result['dtype']}, "
                   f"{result['device']})")
     if out:
         out.write_text(json.dumps(result, indent=2))
@@ -545,6 +601,7 @@ def bench_steps(
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
+    backend: str = BACKEND_OPT,
     out: Optional[Path] = OUT_OPT,
 ):
     """Per-step cost of each model for k new tokens (the inputs of the cost model)."""
@@ -556,8 +613,8 @@ def bench_steps(
         raise R2RError(f"--new-tokens takes comma-separated whole numbers, got {new_tokens!r}") from None
     if context < 1 or not ks or min(ks) < 1:
         raise R2RError("--context and every --new-tokens value must be at least 1")
-    result = step_costs(slm, llm, device, dtype, context, ks)
-    table = Table("model", *[f"k={k}" for k in ks], title=f"ms per forward step ({dtype}, {result['device']}, "
+    result = step_costs(slm, llm, device, dtype, context, ks, backend)
+    table = Table("model", *[f"k={k}" for k in ks], title=f"ms per forward step ({backend}, {dtype}, {result['device']}, "
                                                           f"{context}-token cache)")
     for role, row in result["ms"].items():
         table.add_row(role.upper(), *[f"{row[k]:.0f}" for k in ks])

@@ -163,7 +163,9 @@ class Engine:
     def __init__(self, slm, llm, tokenizer, policy: RoutingPolicy | None = None):
         self.slm, self.llm, self.tokenizer = slm, llm, tokenizer
         self.policy = policy or AlwaysSLM()
-        self.eos_ids = eos_token_ids(getattr(slm, "model", None), tokenizer)
+        # The tokenizer's and generation config's EOS, plus what a backend itself knows ends a
+        # generation (llama.cpp's end-of-generation tokens).
+        self.eos_ids = eos_token_ids(getattr(slm, "model", None), tokenizer) | getattr(slm, "eos_ids", set())
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.sync = torch.cuda.synchronize if slm.device.type == "cuda" else (lambda: None)
 

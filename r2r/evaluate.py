@@ -277,7 +277,8 @@ def highlight(row: dict, tokenizer) -> str:
 
 def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_tokens: int, out: Path,
              slm: str | None, llm: str | None, device: str, dtype: str, router_path: Path | None,
-             threshold: float | None, llm_rate: float, sweep: list[float], batch_size: int, console) -> dict:
+             threshold: float | None, llm_rate: float, sweep: list[float], batch_size: int, console,
+             backend: str = "torch") -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
@@ -292,11 +293,11 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
     out_dir = out / benchmark
     out_dir.mkdir(parents=True, exist_ok=True)
     needs_llm = any(s != "slm" for s in system_names) or bool(sweep)
-    slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=needs_llm, dtype=dtype)
+    slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=needs_llm, dtype=dtype, backend=backend)
     checkpoint = None
     if router_path is not None:
         checkpoint = load_router(router_path, slm_identity(slm_b.name, slm_b.hidden_size,
-                                                           slm_b.model.get_input_embeddings().weight))
+                                                           slm_b.embedding_table()))
     params = SamplingParams(max_new_tokens=max_new_tokens)
     item_ids = {item.id for item in items}
 

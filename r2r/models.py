@@ -236,9 +236,48 @@ def pick_device(device: str) -> str:
 DTYPES = ("bfloat16", "float16", "float32")
 
 
+BACKENDS = ("torch", "llamacpp")
+
+
+def parse_backends(spec: str) -> dict[str, str]:
+    """`torch`, `llamacpp`, or per role: `slm=llamacpp,llm=torch` (a role left out stays torch)."""
+    roles = {"slm": "torch", "llm": "torch"}
+    for part in (p.strip() for p in spec.split(",")):
+        role, _, name = part.rpartition("=")
+        targets = [role] if role else list(roles)
+        if name not in BACKENDS or any(t not in roles for t in targets):
+            raise R2RError(f"bad --backend {spec!r}: use torch, llamacpp, or per role like slm=llamacpp,llm=torch")
+        for t in targets:
+            roles[t] = name
+    return roles
+
+
+def _load_llamacpp(spec: str | None, default: PackagedModel, role: str):
+    """(backend, tokenizer) for a GGUF file run by llama.cpp; the tokenizer comes from transformers."""
+    from transformers import AutoTokenizer
+
+    from r2r.llamacpp import LlamaCppBackend
+
+    if spec is None:
+        if not gguf_path(default).exists():
+            raise R2RError(f"default model {default.name} is not prepared. Run `r2r models prepare` (or `make models`).")
+        gguf_file, tokenizer_source = gguf_path(default), {"pretrained_model_name_or_path": str(converted_dir(default))}
+    else:
+        gguf_file = Path(spec).expanduser()
+        if gguf_file.suffix != ".gguf" or not gguf_file.is_file():
+            raise R2RError(f"{role} model {spec}: the llama.cpp backend runs GGUF files; give an existing .gguf file "
+                           "or use --backend torch")
+        tokenizer_source = {"pretrained_model_name_or_path": str(gguf_file.parent), "gguf_file": gguf_file.name}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**tokenizer_source)
+    except Exception as e:
+        raise R2RError(f"cannot read the tokenizer of {role} model {gguf_file}: {str(e).strip().splitlines()[0]}") from None
+    return LlamaCppBackend(gguf_file, name=spec or default.name), tokenizer
+
+
 def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True,
-              dtype: str = "bfloat16"):
-    """Load the SLM and (if `need_llm`) the LLM as torch backends; refuse pairs whose tokenizers differ.
+              dtype: str = "bfloat16", backend: str = "torch"):
+    """Load the SLM and (if `need_llm`) the LLM, each on its backend; refuse pairs whose tokenizers differ.
 
     Returns (slm_backend, llm_backend or None, tokenizer)."""
     import torch
@@ -247,15 +286,22 @@ def load_pair(slm: str | None = None, llm: str | None = None, device: str = "aut
 
     if dtype not in DTYPES:
         raise R2RError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    roles = parse_backends(backend)
     device, dtype = pick_device(device), getattr(torch, dtype)
-    slm_model, tokenizer = _load_one(resolve(slm, DEFAULT_SLM), "SLM", device, dtype)
-    slm_backend = TorchBackend(slm_model, name=slm or DEFAULT_SLM.name)
+
+    def load(spec, default, role):
+        if roles[role.lower()] == "llamacpp":
+            return _load_llamacpp(spec, default, role)
+        model, tokenizer = _load_one(resolve(spec, default), role, device, dtype)
+        return TorchBackend(model, name=spec or default.name), tokenizer
+
+    slm_backend, tokenizer = load(slm, DEFAULT_SLM, "SLM")
     if not need_llm:
         return slm_backend, None, tokenizer
-    llm_model, llm_tokenizer = _load_one(resolve(llm, DEFAULT_LLM), "LLM", device, dtype)
+    llm_backend, llm_tokenizer = load(llm, DEFAULT_LLM, "LLM")
     if not same_tokenizer(tokenizer, llm_tokenizer):
         raise R2RError(
             f"the SLM and LLM tokenizers differ ({len(tokenizer)} vs {len(llm_tokenizer)} tokens): "
             "R2R needs a pair that shares one tokenizer"
         )
-    return slm_backend, TorchBackend(llm_model, name=llm or DEFAULT_LLM.name), tokenizer
+    return slm_backend, llm_backend, tokenizer

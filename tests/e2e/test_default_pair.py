@@ -59,6 +59,44 @@ def test_always_one_model_equals_its_greedy_generation(pair, role):
     assert [g.token_ids for g in batch] == expected_batch
 
 
+@pytest.mark.parametrize("role", ["slm", "llm"])
+def test_always_one_model_on_llamacpp_equals_llamacpps_own_greedy_output(role):
+    """The same proof on the llama.cpp backend, against llama-cpp-python's own greedy generation."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from r2r.models import DEFAULT_LLM, DEFAULT_SLM, gguf_path
+
+    slm, llm, tokenizer = load_pair(None, None, "cpu", backend="llamacpp")
+    engine = Engine(slm, llm, tokenizer, AlwaysSLM() if role == "slm" else AlwaysLLM())
+    # flash_attn as llama.cpp's own default picks it on CPU (llama-cpp-python turns it off by default;
+    # the attention sums then round differently and near-ties flip).
+    reference = llama_cpp.Llama(str(gguf_path(DEFAULT_SLM if role == "slm" else DEFAULT_LLM)), n_ctx=1024,
+                                n_batch=512, flash_attn=True, verbose=False)
+    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True)
+    expected = []
+    for prompt in prompts:
+        reference.reset()
+        out = []
+        for token in reference.generate(prompt, temp=0.0, top_k=1, reset=True):
+            out.append(token)
+            if len(out) == N_TOKENS:
+                break
+        expected.append(out)
+    for prompt, want in zip(prompts, expected):
+        gen = engine.generate([prompt], params)[0]
+        assert gen.token_ids == want
+        assert gen.sources == [role] * N_TOKENS
+    # Batched rows run through llama.cpp's matrix-matrix kernels, which round differently from its
+    # one-row kernels: a row may leave the one-row greedy path, but only where two tokens nearly tie.
+    reference_backend = slm if role == "slm" else llm
+    for prompt, want, gen in zip(prompts, expected, engine.generate(prompts, params)):
+        split = next((i for i, (a, b) in enumerate(zip(gen.token_ids, want)) if a != b), None)
+        if split is not None:
+            logits, _ = reference_backend.prefill(prompt + want[:split])
+            margin = (logits[-1, want[split]] - logits[-1, gen.token_ids[split]]).item()
+            assert abs(margin) < 0.5, (split, margin)
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "r2r", *args], capture_output=True, text=True, timeout=900)
 

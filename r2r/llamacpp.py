@@ -1,0 +1,229 @@
+"""The backend contract (see backend.py) on llama.cpp, running the GGUF files as shipped.
+
+llama.cpp keeps one KV cache per context, shared by numbered sequences. A batch row is one
+sequence; `LlamaCache` records which sequence each row owns and how many left-padding columns
+precede its first real token (llama.cpp has no padding: a row's column c is its position
+c - pad). The context is made with `embeddings=True` and no pooling, so one `llama_decode`
+gives both the logits and the last hidden state (`result_norm`: after the final norm, before
+the output head, the same tensor the torch backend's trunk returns) at the positions asked for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from r2r.errors import R2RError
+
+try:
+    import llama_cpp
+except ImportError as e:  # the wheel is built from source at install time; it may have failed
+    llama_cpp = None
+    IMPORT_ERROR = str(e)
+
+
+@dataclass
+class LlamaCache:
+    seqs: list[int] = field(default_factory=list)  # row -> llama.cpp sequence id
+    pads: list[int] = field(default_factory=list)  # row -> left-padding columns before its first token
+    length: int = 0  # columns of the token streams already read
+
+
+class LlamaCppBackend:
+    device = torch.device("cpu")  # tensors handed to the engine live on the CPU
+
+    def __init__(self, gguf_file: str | Path, name: str = "model", n_ctx: int = 8192, max_rows: int = 16,
+                 n_threads: int | None = None, n_batch: int = 512):
+        if llama_cpp is None:
+            raise R2RError(f"the llama.cpp backend is not available ({IMPORT_ERROR}); install it with "
+                           "`pip install llama-cpp-python` (it compiles llama.cpp) or use --backend torch")
+        path = Path(gguf_file).expanduser()
+        if not path.is_file() or path.suffix != ".gguf":
+            raise R2RError(f"the llama.cpp backend needs a .gguf file, got {gguf_file}")
+        self.name, self.path, self.n_batch = name, path, n_batch
+        llama_cpp.llama_backend_init()
+        llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+        if not self._model:
+            raise R2RError(f"llama.cpp cannot load {path}: not a valid GGUF model file")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
+        params.n_seq_max = max_rows
+        params.n_threads = params.n_threads_batch = n_threads or os.cpu_count() or 1
+        params.embeddings = True
+        params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
+        params.kv_unified = True  # every sequence may use the whole context, not n_ctx / n_seq_max
+        self._ctx = llama_cpp.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            raise R2RError(f"llama.cpp cannot create a context for {path} (n_ctx={n_ctx})")
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.vocab_size = llama_cpp.llama_vocab_n_tokens(vocab)
+        self.hidden_size = llama_cpp.llama_model_n_embd(self._model)
+        self.num_params = llama_cpp.llama_model_n_params(self._model)
+        self.n_ctx = n_ctx
+        self.eos_ids = {t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+        self._free_seqs = list(range(max_rows))[::-1]
+        self._embedding_table = None
+
+    # --- caches: rows are llama.cpp sequences -------------------------------------------------
+    def new_cache(self) -> LlamaCache:
+        cache = LlamaCache()
+        # A cache dropped by its batch gives its sequences back (CPython frees it at once).
+        weakref.finalize(cache, self._release, cache.seqs)
+        return cache
+
+    def _release(self, seqs: list[int]) -> None:
+        for s in seqs:
+            llama_cpp.llama_memory_seq_rm(self._memory, s, -1, -1)
+            self._free_seqs.append(s)
+        seqs.clear()
+
+    def _ensure_rows(self, cache: LlamaCache, rows: int) -> None:
+        while len(cache.seqs) < rows:
+            if not self._free_seqs:
+                raise R2RError(f"the llama.cpp backend of {self.name} holds at most "
+                               f"{len(cache.seqs)} sequences at once: lower the batch size")
+            cache.seqs.append(self._free_seqs.pop())
+            cache.pads.append(0)
+
+    def select_rows(self, cache: LlamaCache, rows: torch.Tensor) -> None:
+        keep = rows.tolist()
+        dropped = [s for i, s in enumerate(cache.seqs) if i not in set(keep)]
+        cache.seqs[:] = [cache.seqs[i] for i in keep]
+        cache.pads[:] = [cache.pads[i] for i in keep]
+        self._release(dropped)
+
+    def append_rows(self, cache: LlamaCache, other: LlamaCache) -> None:
+        assert cache.length == other.length, "caches must cover the same columns"
+        cache.seqs += other.seqs
+        cache.pads += other.pads
+        other.seqs.clear()  # now owned by `cache`
+        other.pads.clear()
+
+    def pad_left(self, cache: LlamaCache, n: int) -> None:
+        if cache.length:
+            cache.pads[:] = [p + n for p in cache.pads]
+            cache.length += n
+
+    def truncate(self, cache: LlamaCache, length: int) -> None:
+        if length < cache.length:
+            for seq, pad in zip(cache.seqs, cache.pads):
+                llama_cpp.llama_memory_seq_rm(self._memory, seq, max(0, length - pad), -1)
+            cache.length = length
+
+    # --- forward passes -------------------------------------------------------------------------
+    def forward(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """Feed the new columns of every row in one llama_decode (chunked by n_batch); logits [B, V] f32
+        and hidden [B, H] at each row's last real token (zeros for a row with none yet)."""
+        start, n_new = cache.length, new_ids.shape[1]
+        rows = new_ids.shape[0]
+        self._ensure_rows(cache, rows)
+        mask = attention_mask[:, : start + n_new].cpu()
+        ids = new_ids.cpu().tolist()
+        tokens = []  # (token, position, sequence, wants output, row)
+        for b in range(rows):
+            pad = int((mask[b] == 0).sum())
+            cache.pads[b] = pad
+            real = [(c, ids[b][c - start]) for c in range(max(start, pad), start + n_new)]
+            for j, (c, token) in enumerate(real):
+                tokens.append((token, c - pad, cache.seqs[b], j == len(real) - 1, b))
+        logits = torch.zeros(rows, self.vocab_size)
+        hidden = torch.zeros(rows, self.hidden_size)
+        for out_index, row in self._decode(tokens):
+            logits[row] = self._logits(out_index)
+            hidden[row] = self._hidden(out_index)
+        cache.length = start + n_new
+        return logits, hidden
+
+    def forward_all(self, cache: LlamaCache, ids: list[int]) -> torch.Tensor:
+        """One row (no padding): feed `ids` after the cached ones; logits [n, V] at every new position
+        (what a speculative verifier needs)."""
+        self._ensure_rows(cache, 1)
+        seq, start = cache.seqs[0], cache.length
+        logits = torch.empty(len(ids), self.vocab_size)
+        for out_index, j in self._decode([(t, start + j, seq, True, j) for j, t in enumerate(ids)]):
+            logits[j] = self._logits(out_index)
+        cache.length = start + len(ids)
+        return logits
+
+    def prefill(self, ids: list[int]):
+        """Logits [T, V] (float32) and last hidden states [T, H] at every position of one sequence, no cache kept."""
+        cache = self.new_cache()
+        self._ensure_rows(cache, 1)
+        seq = cache.seqs[0]
+        logits = torch.empty(len(ids), self.vocab_size)
+        hidden = torch.empty(len(ids), self.hidden_size)
+        for out_index, position in self._decode([(t, p, seq, True, p) for p, t in enumerate(ids)]):
+            logits[position] = self._logits(out_index)
+            hidden[position] = self._hidden(out_index)
+        return logits, hidden
+
+    def _decode(self, tokens: list[tuple[int, int, int, bool, int]]):
+        """Run llama_decode over (token, position, sequence, wants output, tag) in chunks of n_batch;
+        yield (output index in its chunk, tag) for each output, right after its chunk ran."""
+        batch = self._batch
+        for lo in range(0, len(tokens), self.n_batch):
+            chunk = tokens[lo : lo + self.n_batch]
+            for i, (token, position, seq, wants, _) in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = position
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = wants
+            batch.n_tokens = len(chunk)
+            status = llama_cpp.llama_decode(self._ctx, batch)
+            if status != 0:
+                raise R2RError(f"llama.cpp decode failed on {self.name} (status {status}): the KV cache "
+                               f"(n_ctx={self.n_ctx}) is full or the batch is invalid")
+            for i, (*_, wants, tag) in enumerate(chunk):
+                if wants:
+                    yield i, tag
+
+    def _logits(self, i: int) -> torch.Tensor:
+        pointer = llama_cpp.llama_get_logits_ith(self._ctx, i)
+        return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(self.vocab_size,)))
+
+    def _hidden(self, i: int) -> torch.Tensor:
+        pointer = llama_cpp.llama_get_embeddings_ith(self._ctx, i)
+        return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(self.hidden_size,)))
+
+    # --- the token-embedding table, for the router ----------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the token-embedding table, dequantized from the GGUF file on demand."""
+        table = self.embedding_table()
+        return table[token_ids.cpu()]
+
+    def embedding_table(self) -> torch.Tensor:
+        if self._embedding_table is None:
+            from gguf import GGUFReader
+            from gguf.quants import dequantize
+
+            tensor = next(t for t in GGUFReader(str(self.path)).tensors if t.name == "token_embd.weight")
+            table = dequantize(tensor.data, tensor.tensor_type).reshape(self.vocab_size, self.hidden_size)
+            # bf16, as the torch backend loads it: the router's embedding hash must agree across backends.
+            self._embedding_table = torch.from_numpy(np.array(table, dtype=np.float32)).to(torch.bfloat16)
+        return self._embedding_table
+
+    def __del__(self):
+        if llama_cpp is not None and getattr(self, "_ctx", None):
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._ctx)
+            llama_cpp.llama_model_free(self._model)
+            self._ctx = None
+
+
+if llama_cpp is not None:
+    @llama_cpp.llama_log_callback
+    def _quiet_log(level, text, user_data):
+        if level == 4:  # GGML_LOG_LEVEL_ERROR; the rest (model loading chatter) stays quiet
+            os.write(2, text)
+else:
+    _quiet_log = None
