@@ -68,16 +68,29 @@ def make_policy(choice: RouterChoice, threshold: float | None, router_path: Path
     return policies.NeuralPolicy(checkpoint, slm.embed, threshold, device=slm.device)
 
 
+def default_router(router: RouterChoice | None, router_path: Path | None, slm: str | None):
+    """The policy to use: as asked, else the router shipped for the default SLM, else entropy."""
+    from r2r.models import shipped_router
+
+    if router is None:
+        router = RouterChoice.router if router_path is not None or (slm is None and shipped_router()) else \
+            RouterChoice.entropy
+    if router != RouterChoice.router and router_path is not None:
+        raise R2RError(f"--router-path goes with --router router, not --router {router.value}")
+    if router == RouterChoice.router and router_path is None:
+        router_path = shipped_router() if slm is None else None
+        if router_path is None:
+            raise R2RError("no router checkpoint given: pass --router-path DIR (a trained router, see `r2r train`), "
+                           "or use --router entropy")
+    return router, router_path
+
+
 def build_engine(slm: str | None, llm: str | None, device: str, dtype: str, backend: str, router: RouterChoice,
                  threshold: float | None, router_path: Path | None, seed: int | None):
     from r2r.engine import Engine
     from r2r.models import load_pair
 
-    if router != RouterChoice.router and router_path is not None:
-        raise R2RError(f"--router-path goes with --router router, not --router {router.value}")
-    if router == RouterChoice.router and router_path is None:
-        raise R2RError("no router checkpoint given: pass --router-path DIR (a trained router), "
-                       "or use --router entropy")
+    router, router_path = default_router(router, router_path, slm)
     slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, need_llm=router != RouterChoice.slm, dtype=dtype,
                                                     backend=backend)
     policy = make_policy(router, threshold, router_path, slm_backend, seed)
@@ -136,7 +149,8 @@ def sampling(max_new_tokens, temperature, top_p, top_k, stop, seed):
 # Options shared by generate and chat.
 SLM_OPT = typer.Option(None, "--slm", help="SLM: local dir, .gguf file or hub id (default: the prepared Qwen2.5-Coder-0.5B)")
 LLM_OPT = typer.Option(None, "--llm", help="LLM: local dir, .gguf file or hub id (default: the prepared Qwen2.5-Coder-1.5B)")
-ROUTER_OPT = typer.Option(RouterChoice.entropy, "--router", help="Routing policy.")
+ROUTER_OPT = typer.Option(None, "--router", help="Routing policy (default: the shipped router for the default "
+                          "pair, entropy for other pairs).", show_default=False)
 THRESHOLD_OPT = typer.Option(None, "--threshold", help="router: probability; entropy: nats; random: LLM rate")
 ROUTER_PATH_OPT = typer.Option(None, "--router-path", help="Router checkpoint directory (for --router router).")
 DEVICE_OPT = typer.Option("auto", "--device", help="auto (CUDA when present), cpu or cuda.")
@@ -151,7 +165,7 @@ ENTROPY_THRESHOLD_OPT = typer.Option(DEFAULT_ENTROPY_THRESHOLD, "--threshold", h
 def generate(
     prompt: str = typer.Argument(..., help="The user's chat message (or plain text with --raw)."),
     raw: bool = typer.Option(False, "--raw", help="Plain completion: no chat template."),
-    router: RouterChoice = ROUTER_OPT,
+    router: Optional[RouterChoice] = ROUTER_OPT,
     threshold: Optional[float] = THRESHOLD_OPT,
     router_path: Optional[Path] = ROUTER_PATH_OPT,
     max_new_tokens: int = typer.Option(512, "--max-new-tokens"),
@@ -186,7 +200,7 @@ def generate(
 
 @app.command()
 def chat(
-    router: RouterChoice = ROUTER_OPT,
+    router: Optional[RouterChoice] = ROUTER_OPT,
     threshold: Optional[float] = THRESHOLD_OPT,
     router_path: Optional[Path] = ROUTER_PATH_OPT,
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens"),
@@ -236,7 +250,7 @@ def chat(
 def serve(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
-    router: RouterChoice = ROUTER_OPT,
+    router: Optional[RouterChoice] = ROUTER_OPT,
     threshold: Optional[float] = THRESHOLD_OPT,
     router_path: Optional[Path] = ROUTER_PATH_OPT,
     slm: Optional[str] = SLM_OPT,
@@ -298,6 +312,151 @@ def eval_command(
 class RateColumn(ProgressColumn):
     def render(self, task):
         return Text(f"{task.speed:.2f} it/s" if task.speed else "– it/s", style="progress.data.speed")
+
+
+RATES = (0.05, 0.10, 0.15, 0.20, 0.25)
+ABLATION_INPUTS = ("hidden", "hidden,token", "hidden,token,logits")
+
+
+@app.command()
+def train(
+    dataset: Path = typer.Argument(..., help="A label dataset: the output directory of `r2r label`."),
+    out: Path = typer.Option(Path("runs/router"), "--out", help="Checkpoint directory (router.safetensors + router.json)."),
+    objective: str = typer.Option("divergent", "--objective", help="divergent (the judge's verdict) or different (any mismatch)."),
+    inputs: str = typer.Option("hidden,token,logits", "--inputs", help="Comma-separated router inputs."),
+    dim: int = typer.Option(256, "--dim", help="Router width."),
+    blocks: int = typer.Option(3, "--blocks", help="Residual blocks."),
+    target_rate: float = typer.Option(0.12, "--target-rate", help="Calibrate the threshold to this LLM rate on validation."),
+    seed: int = typer.Option(0, "--seed"),
+    epochs: int = typer.Option(40, "--epochs", help="At most this many epochs (early stopping on validation AUC)."),
+    ablations: bool = typer.Option(False, "--ablations", help="Also train every input set x objective and print the table."),
+    slm: Optional[str] = SLM_OPT,
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+    backend: str = BACKEND_OPT,
+):
+    """Train the router on a label dataset (SLM features recomputed by prefill), calibrate, save, report."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from r2r import train as training
+    from r2r.models import load_pair
+    from r2r.router import RouterConfig, save_router
+
+    if not 0 < target_rate < 1:
+        raise R2RError("--target-rate is a share of tokens, strictly between 0 and 1")
+    slm_b, _, _ = load_pair(slm, None, device, need_llm=False, dtype=dtype, backend=backend)
+    embed = slm_b.embedding_table().float().cpu()
+
+    def lookup(tokens):
+        return embed[tokens]
+
+    runs = [(inputs, objective)]
+    if ablations:
+        runs += [(i, o) for o in training.OBJECTIVES for i in ABLATION_INPUTS if (i, o) != (inputs, objective)]
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        data = training.features(dataset, slm_b, progress=progress)
+        for run_inputs, run_objective in runs:
+            config = RouterConfig(slm_b.hidden_size, embed.shape[1], tuple(run_inputs.split(",")), dim=dim,
+                                  n_blocks=blocks)
+            router, val, info = training.train(data, lookup, config, run_objective, seed=seed, epochs=epochs,
+                                               progress=progress)
+            scores = training.router_scores(router, val, lookup)
+            divergent = val.target("divergent")
+            results.append({"inputs": run_inputs, "objective": run_objective, "params": sum(
+                p.numel() for p in router.parameters()), "val_auc_divergent": training.roc_auc(scores, divergent),
+                "recall": training.recall_at_rates(scores, divergent, RATES), **info,
+                "threshold": training.threshold_at_rate(scores, target_rate)})
+            if (run_inputs, run_objective) == (inputs, objective):
+                entropy = {"val_auc_divergent": training.roc_auc(val.entropy, divergent),
+                           "recall": training.recall_at_rates(val.entropy, divergent, RATES)}
+                metrics = {"objective": objective, "target_rate": target_rate, "val_tokens": len(val.labels),
+                           "val_prompts": int(val.prompt.unique().numel()), "val_auc": results[-1]["val_auc_divergent"],
+                           "recall_at_rate": results[-1]["recall"], "entropy_baseline": entropy,
+                           "dataset": str(dataset), "seed": seed}
+                save_router(out, training.checkpoint(router, results[-1]["threshold"], slm_b, {"training": metrics}))
+    table = Table("inputs", "objective", "params", "val ROC-AUC", *[f"recall@{r:.0%}" for r in RATES],
+                  title=f"validation: {metrics['val_tokens']} tokens of {metrics['val_prompts']} held-out prompts "
+                        "(recall of divergent tokens at an LLM rate)")
+    for r in results:
+        table.add_row(r["inputs"], r["objective"], f"{r['params'] / 1e6:.2f}M", f"{r['val_auc_divergent']:.3f}",
+                      *[f"{r['recall'][x]:.1%}" for x in RATES])
+    table.add_row("entropy", "-", "0", f"{entropy['val_auc_divergent']:.3f}",
+                  *[f"{entropy['recall'][x]:.1%}" for x in RATES])
+    console.print(table)
+    console.print(f"router saved to {out} (threshold {results[0]['threshold']:.4f} for {target_rate:.0%} LLM tokens)")
+    (out / "training.json").write_text(json.dumps({"runs": results, "entropy": entropy}, indent=2))
+
+
+@app.command()
+def calibrate(
+    router_path: Path = typer.Argument(..., help="A router checkpoint directory."),
+    dataset: Path = typer.Argument(..., help="The label dataset it was trained on (its validation prompts are used)."),
+    target_rate: Optional[float] = typer.Option(None, "--target-rate", help="Set the threshold for this LLM rate."),
+    target_recall: Optional[float] = typer.Option(None, "--target-recall", help="Set it for this recall of divergent tokens."),
+    write: bool = typer.Option(False, "--write", help="Store the chosen threshold in the checkpoint."),
+    slm: Optional[str] = SLM_OPT,
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+    backend: str = BACKEND_OPT,
+):
+    """Sweep thresholds on validation data: recall of divergent tokens vs LLM rate (table + plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    from r2r import train as training
+    from r2r.models import load_pair
+    from r2r.router import load_router, save_router, slm_identity
+
+    if (target_rate is None) == (target_recall is None) and write:
+        raise R2RError("--write needs exactly one of --target-rate or --target-recall")
+    for name, v in (("--target-rate", target_rate), ("--target-recall", target_recall)):
+        if v is not None and not 0 < v < 1:
+            raise R2RError(f"{name} must be strictly between 0 and 1")
+    slm_b, _, _ = load_pair(slm, None, device, need_llm=False, dtype=dtype, backend=backend)
+    ckpt = load_router(router_path, slm_identity(slm_b.name, slm_b.hidden_size, slm_b.embedding_table()))
+    embed = slm_b.embedding_table().float().cpu()
+    seed = ckpt.extra.get("training", {}).get("seed", 0)
+    data = training.features(dataset, slm_b)
+    data = data.subset(torch.tensor([lab != "unparseable" for lab in data.labels]))
+    _, val = training.split_by_prompt(data, 0.15, seed)
+    scores = training.router_scores(ckpt.router, val, lambda t: embed[t])
+    divergent = val.target("divergent")
+    rates = [x / 100 for x in range(1, 41)]
+    recall = training.recall_at_rates(scores, divergent, rates)
+    entropy = training.recall_at_rates(val.entropy, divergent, rates)
+    table = Table("LLM rate", "threshold", "router recall", "entropy recall")
+    for r in rates[4::5]:
+        table.add_row(f"{r:.0%}", f"{training.threshold_at_rate(scores, r):.4f}", f"{recall[r]:.1%}", f"{entropy[r]:.1%}")
+    console.print(table)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([100 * r for r in rates], [100 * recall[r] for r in rates], label="router")
+    ax.plot([100 * r for r in rates], [100 * entropy[r] for r in rates], label="entropy", linestyle="--")
+    ax.set(xlabel="LLM rate (% of tokens)", ylabel="recall of divergent tokens (%)",
+           title=f"{len(val.labels)} validation tokens")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    plot_path = router_path / "calibration.png"
+    fig.savefig(plot_path, dpi=120, bbox_inches="tight")
+    console.print(f"plot: {plot_path}")
+    if target_rate is not None or target_recall is not None:
+        if target_rate is not None:
+            threshold = training.threshold_at_rate(scores, target_rate)
+        else:
+            # The highest threshold that still catches the target share of divergent tokens.
+            threshold = float(scores[divergent > 0.5].sort(descending=True).values[
+                max(0, round(target_recall * int(divergent.sum())) - 1)])
+        rate = float((scores >= threshold).float().mean())
+        console.print(f"threshold {threshold:.4f}: LLM rate {rate:.1%}, recall "
+                      f"{float(((scores >= threshold) & (divergent > 0.5)).sum() / max(divergent.sum(), 1)):.1%}")
+        if write:
+            ckpt.threshold = threshold
+            save_router(router_path, ckpt)
+            console.print(f"threshold written to {router_path / 'router.json'}")
 
 
 def make_judge(kind: str, llm_engine, remote_url: str | None, remote_model: str | None, device: str):

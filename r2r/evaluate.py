@@ -282,7 +282,7 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
-    from r2r.models import load_pair
+    from r2r.models import load_pair, shipped_router
     from r2r.router import load_router, slm_identity
 
     items = benchmarks.select(benchmarks.load(benchmark), ids)
@@ -295,6 +295,8 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
     needs_llm = any(s != "slm" for s in system_names) or bool(sweep)
     slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=needs_llm, dtype=dtype, backend=backend)
     checkpoint = None
+    if router_path is None and slm is None:
+        router_path = shipped_router()  # the default pair's own router, when one is shipped
     if router_path is not None:
         checkpoint = load_router(router_path, slm_identity(slm_b.name, slm_b.hidden_size,
                                                            slm_b.embedding_table()))

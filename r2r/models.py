@@ -186,6 +186,12 @@ def prepare(model: PackagedModel, progress=None) -> Path:
     return out
 
 
+def shipped_router() -> Path | None:
+    """The router trained for the default SLM and shipped with the package, if there is one."""
+    path = Path(__file__).parent / "routers" / DEFAULT_SLM.name
+    return path if (path / "router.json").exists() else None
+
+
 def resolve(spec: str | None, default: PackagedModel) -> str:
     """Turn a user's model spec (None, local dir, .gguf file, hub id) into something from_pretrained reads."""
     if spec is None:

@@ -66,11 +66,18 @@ class Router(nn.Module):
 
     def forward(self, hidden, token_embedding, logits):
         """hidden [N, H], token_embedding [N, E], logits [N, V] (raw) -> routing logit [N]."""
-        features = {"hidden": hidden, "token": token_embedding}
+        top = None
         if "logits" in self.config.inputs:
             # Log-probabilities rather than raw logits: invariant to the logits' shift.
-            top = logits.float().topk(self.config.top_k, dim=-1).values
-            features["logits"] = top - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+            logits = logits.float()
+            top = logits.topk(self.config.top_k, dim=-1).values - torch.logsumexp(logits, dim=-1, keepdim=True)
+        return self.forward_features(hidden, token_embedding, top)
+
+    def forward_features(self, hidden, token_embedding, top_logprobs):
+        """As `forward`, with the top-k log-probabilities (sorted, descending) already taken (training)."""
+        features = {"hidden": hidden, "token": token_embedding, "logits": top_logprobs}
+        if top_logprobs is not None:
+            features["logits"] = top_logprobs[:, : self.config.top_k]
         x = torch.cat([self.proj[name](features[name].float()) for name in self.config.inputs], dim=-1)
         x = self.mix(x)
         for block in self.blocks:

@@ -1,0 +1,108 @@
+"""Router training on a synthetic label dataset with a planted rule; calibration; the CLI."""
+
+import json
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from r2r import train as training
+from r2r.labels import Parts
+from r2r.router import RouterConfig, load_router, save_router
+
+
+def planted_dataset(path, slm, tokenizer, n_prompts=60, length=40, seed=0):
+    """Responses of random tokens; a token is 'divergent' exactly when the first coordinate of the SLM's
+    proposed token's embedding is in its top 30% over the vocabulary (the rule), 'neutral' in the next 20%."""
+    rng = random.Random(seed)
+    coordinate = slm.embedding_table()[:, 0].detach().float()
+    high, mid = coordinate.quantile(0.7), coordinate.quantile(0.5)
+    responses, rows = [], []
+    vocab = len(tokenizer)
+    for i in range(n_prompts):
+        prompt = [rng.randrange(3, vocab) for _ in range(5)]
+        response = [rng.randrange(3, vocab) for _ in range(length)]
+        logits, _ = slm.prefill(prompt + response)
+        proposals = logits[len(prompt) - 1 : len(prompt) - 1 + length].argmax(-1).tolist()
+        responses.append({"id": f"p{i}", "domain": "synthetic", "prompt_ids": prompt, "response_ids": response})
+        for pos, (token, proposal) in enumerate(zip(response, proposals)):
+            value = coordinate[proposal]
+            label = "divergent" if value > high else ("neutral" if value > mid else "identical")
+            rows.append({"id": f"p{i}", "domain": "synthetic", "position": pos, "token": token,
+                         "slm_token": proposal, "entropy": rng.random(), "label": label, "judge_raw": None})
+    Parts(path, "responses").write(responses)
+    pq.write_table(pa.Table.from_pylist(rows), path / "labels.parquet")
+    return path
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, slm, tokenizer):
+    return planted_dataset(tmp_path_factory.mktemp("labels"), slm, tokenizer)
+
+
+def lookup(slm):
+    table = slm.embedding_table().detach().float()
+    return lambda tokens: table[tokens]
+
+
+def test_training_learns_a_planted_rule_and_is_reproducible(dataset, slm):
+    data = training.features(dataset, slm, top_k=20)
+    assert len(data.labels) == 60 * 40 and data.hidden.shape[1] == slm.hidden_size
+    config = RouterConfig(slm.hidden_size, slm.hidden_size, ("hidden", "token", "logits"), top_k=20, dim=64, n_blocks=2)
+    router, val, info = training.train(data, lookup(slm), config, "divergent", seed=1, epochs=30, batch_size=64)
+    scores = training.router_scores(router, val, lookup(slm))
+    divergent = val.target("divergent")
+    assert training.roc_auc(scores, divergent) > 0.95
+    share = float(divergent.mean())
+    assert training.recall_at_rates(scores, divergent, [share + 0.05])[share + 0.05] > 0.9
+    # The entropy here is noise: the router must beat it by far.
+    assert training.roc_auc(val.entropy, divergent) < 0.65
+    # Validation holds whole prompts, none of which the training split saw.
+    train_set, val_set = training.split_by_prompt(data.subset(torch.ones(len(data.labels), dtype=torch.bool)), 0.15, 1)
+    assert not set(train_set.prompt.tolist()) & set(val_set.prompt.tolist())
+    again, _, _ = training.train(data, lookup(slm), config, "divergent", seed=1, epochs=30, batch_size=64)
+    assert all(torch.equal(a, b) for a, b in zip(router.state_dict().values(), again.state_dict().values()))
+
+
+def test_metrics_on_known_scores():
+    scores = torch.tensor([0.9, 0.8, 0.7, 0.1, 0.2, 0.3])
+    target = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    assert training.roc_auc(scores, target) == pytest.approx(7 / 9)
+    assert training.roc_auc(torch.tensor([0.5, 0.5]), torch.tensor([1.0, 0.0])) == 0.5
+    recall = training.recall_at_rates(scores, target, [1 / 6, 2 / 6, 0.5, 1.0])
+    assert list(recall.values()) == pytest.approx([1 / 3, 2 / 3, 2 / 3, 1.0])
+    assert training.threshold_at_rate(scores, 0.5) == pytest.approx(0.7)
+
+
+def test_train_and_calibrate_cli(run_cli, dataset, tmp_path):
+    from tiny import save_pair
+
+    slm_dir, _ = save_pair(tmp_path)
+    code, out, err = run_cli("train", dataset, "--out", tmp_path / "router", "--slm", slm_dir, "--dim", "32",
+                             "--epochs", "3", "--target-rate", "0.3", "--ablations")
+    assert code == 0, err
+    runs = json.loads((tmp_path / "router" / "training.json").read_text())["runs"]
+    assert {(r["inputs"], r["objective"]) for r in runs} == {
+        (i, o) for i in ("hidden", "hidden,token", "hidden,token,logits") for o in ("divergent", "different")}
+    assert "entropy" in out and "recall@10%" in out
+    ckpt = load_router(tmp_path / "router")
+    assert ckpt.extra["training"]["target_rate"] == 0.3
+    code, out, err = run_cli("calibrate", tmp_path / "router", dataset, "--slm", slm_dir, "--target-rate", "0.2",
+                             "--write")
+    assert code == 0, err
+    assert (tmp_path / "router" / "calibration.png").exists()
+    assert load_router(tmp_path / "router").threshold != ckpt.threshold
+    code, out, err = run_cli("train", tmp_path, "--slm", slm_dir)
+    assert code == 2 and "not a label dataset" in err
+
+
+def test_router_checkpoint_round_trip_keeps_the_calibrated_threshold(slm, tmp_path):
+    config = RouterConfig(slm.hidden_size, slm.hidden_size, top_k=10, dim=16, n_blocks=1)
+    router = training.Router(config)
+    ckpt = training.checkpoint(router, 0.4321, slm, {"training": {"seed": 3}})
+    save_router(tmp_path / "r", ckpt)
+    loaded = load_router(tmp_path / "r")
+    assert loaded.threshold == 0.4321 and loaded.extra["training"]["seed"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(router.state_dict().values(), loaded.router.state_dict().values()))
