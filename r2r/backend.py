@@ -105,4 +105,4 @@ class TorchBackend:
         return self.model.get_input_embeddings()(token_ids.to(self.device))
 
     def embedding_table(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight
+        return self.model.get_input_embeddings().weight.detach()

@@ -178,10 +178,11 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
     each model alone on each backend, speculative decoding, and R2R on each backend."""
     from r2r.benchmarks import gsm8k, gsm8k_prompt
     from r2r.engine import Engine, SamplingParams
-    from r2r.models import load_pair
+    from r2r.models import load_pair, shipped_router
     from r2r.policies import EntropyPolicy, NeuralPolicy
     from r2r.router import load_router, slm_identity
 
+    router_path = router_path or shipped_router()
     pairs = {name: load_pair(None, None, "cpu", dtype=dtype, backend=name) for name in ("torch", "llamacpp")}
     tokenizer = pairs["torch"][2]
     prompts = [Engine(pairs["torch"][0], None, tokenizer).encode_chat(gsm8k_prompt(item))

@@ -350,40 +350,43 @@ def train(
     def lookup(tokens):
         return embed[tokens]
 
-    runs = [(inputs, objective)]
-    if ablations:
-        runs += [(i, o) for o in training.OBJECTIVES for i in ABLATION_INPUTS if (i, o) != (inputs, objective)]
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         data = training.features(dataset, slm_b, progress=progress)
+        # Recall is measured on divergent tokens once the judge has run; before, on different ones.
+        judged = "different" not in data.labels
+        measured = "divergent" if judged else "different"
+        runs = [(inputs, objective)]
+        if ablations:
+            objectives = training.OBJECTIVES if judged else ("different",)
+            runs += [(i, o) for o in objectives for i in ABLATION_INPUTS if (i, o) != (inputs, objective)]
         for run_inputs, run_objective in runs:
             config = RouterConfig(slm_b.hidden_size, embed.shape[1], tuple(run_inputs.split(",")), dim=dim,
                                   n_blocks=blocks)
             router, val, info = training.train(data, lookup, config, run_objective, seed=seed, epochs=epochs,
                                                progress=progress)
             scores = training.router_scores(router, val, lookup)
-            divergent = val.target("divergent")
+            positives = val.target(measured)
             results.append({"inputs": run_inputs, "objective": run_objective, "params": sum(
-                p.numel() for p in router.parameters()), "val_auc_divergent": training.roc_auc(scores, divergent),
-                "recall": training.recall_at_rates(scores, divergent, RATES), **info,
+                p.numel() for p in router.parameters()), "val_auc": training.roc_auc(scores, positives),
+                "recall": training.recall_at_rates(scores, positives, RATES), **info,
                 "threshold": training.threshold_at_rate(scores, target_rate)})
             if (run_inputs, run_objective) == (inputs, objective):
-                entropy = {"val_auc_divergent": training.roc_auc(val.entropy, divergent),
-                           "recall": training.recall_at_rates(val.entropy, divergent, RATES)}
-                metrics = {"objective": objective, "target_rate": target_rate, "val_tokens": len(val.labels),
-                           "val_prompts": int(val.prompt.unique().numel()), "val_auc": results[-1]["val_auc_divergent"],
-                           "recall_at_rate": results[-1]["recall"], "entropy_baseline": entropy,
-                           "dataset": str(dataset), "seed": seed}
+                entropy = {"val_auc": training.roc_auc(val.entropy, positives),
+                           "recall": training.recall_at_rates(val.entropy, positives, RATES)}
+                metrics = {"objective": objective, "recall_of": measured, "target_rate": target_rate,
+                           "val_tokens": len(val.labels), "val_prompts": int(val.prompt.unique().numel()),
+                           "val_auc": results[-1]["val_auc"], "recall_at_rate": results[-1]["recall"],
+                           "entropy_baseline": entropy, "dataset": str(dataset), "seed": seed}
                 save_router(out, training.checkpoint(router, results[-1]["threshold"], slm_b, {"training": metrics}))
     table = Table("inputs", "objective", "params", "val ROC-AUC", *[f"recall@{r:.0%}" for r in RATES],
                   title=f"validation: {metrics['val_tokens']} tokens of {metrics['val_prompts']} held-out prompts "
-                        "(recall of divergent tokens at an LLM rate)")
+                        f"(ROC-AUC and recall of {measured} tokens at an LLM rate)")
     for r in results:
-        table.add_row(r["inputs"], r["objective"], f"{r['params'] / 1e6:.2f}M", f"{r['val_auc_divergent']:.3f}",
+        table.add_row(r["inputs"], r["objective"], f"{r['params'] / 1e6:.2f}M", f"{r['val_auc']:.3f}",
                       *[f"{r['recall'][x]:.1%}" for x in RATES])
-    table.add_row("entropy", "-", "0", f"{entropy['val_auc_divergent']:.3f}",
-                  *[f"{entropy['recall'][x]:.1%}" for x in RATES])
+    table.add_row("entropy", "-", "0", f"{entropy['val_auc']:.3f}", *[f"{entropy['recall'][x]:.1%}" for x in RATES])
     console.print(table)
     console.print(f"router saved to {out} (threshold {results[0]['threshold']:.4f} for {target_rate:.0%} LLM tokens)")
     (out / "training.json").write_text(json.dumps({"runs": results, "entropy": entropy}, indent=2))
@@ -425,18 +428,19 @@ def calibrate(
     data = data.subset(torch.tensor([lab != "unparseable" for lab in data.labels]))
     _, val = training.split_by_prompt(data, 0.15, seed)
     scores = training.router_scores(ckpt.router, val, lambda t: embed[t])
-    divergent = val.target("divergent")
+    measured = "different" if "different" in val.labels else "divergent"  # before the judge has run: different
+    divergent = val.target(measured)
     rates = [x / 100 for x in range(1, 41)]
     recall = training.recall_at_rates(scores, divergent, rates)
     entropy = training.recall_at_rates(val.entropy, divergent, rates)
-    table = Table("LLM rate", "threshold", "router recall", "entropy recall")
+    table = Table("LLM rate", "threshold", "router recall", "entropy recall", title=f"recall of {measured} tokens")
     for r in rates[4::5]:
         table.add_row(f"{r:.0%}", f"{training.threshold_at_rate(scores, r):.4f}", f"{recall[r]:.1%}", f"{entropy[r]:.1%}")
     console.print(table)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([100 * r for r in rates], [100 * recall[r] for r in rates], label="router")
     ax.plot([100 * r for r in rates], [100 * entropy[r] for r in rates], label="entropy", linestyle="--")
-    ax.set(xlabel="LLM rate (% of tokens)", ylabel="recall of divergent tokens (%)",
+    ax.set(xlabel="LLM rate (% of tokens)", ylabel=f"recall of {measured} tokens (%)",
            title=f"{len(val.labels)} validation tokens")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -630,7 +634,7 @@ def bench_compare(
     ctx: typer.Context,
     prompts: int = typer.Option(4, "--prompts", help="GSM8K dev prompts (items 0..N-1), run one at a time."),
     tokens: int = typer.Option(128, "--tokens", help="Max new tokens per prompt."),
-    router_path: Optional[Path] = typer.Option(None, "--router-path", help="R2R's router (default: entropy routing)."),
+    router_path: Optional[Path] = typer.Option(None, "--router-path", help="R2R's router (default: the shipped one, else entropy routing)."),
     threshold: Optional[float] = typer.Option(None, "--threshold", help="R2R's threshold (default: the router's own)."),
     spec_k: int = typer.Option(4, "--spec-k", help="Draft tokens per speculative round (llama.cpp)."),
     dtype: str = DTYPE_OPT,

@@ -40,6 +40,9 @@ class Features:
     def target(self, objective: str) -> torch.Tensor:
         if objective not in OBJECTIVES:
             raise R2RError(f"unknown objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
+        if objective == "divergent" and "different" in self.labels:
+            raise R2RError("this dataset is not judged yet (no labels.parquet): train --objective different, "
+                           "or run the label pipeline's judgements and labels steps")
         bad = "identical" if objective == "different" else None
         return torch.tensor([(lab != bad) if bad else (lab == "divergent") for lab in self.labels], dtype=torch.float32)
 
@@ -50,13 +53,23 @@ class Features:
 
 
 def load_dataset(dataset: Path) -> tuple[list[dict], dict[str, dict]]:
-    """The labelled rows and the responses they come from (a label output directory)."""
-    labels_file = dataset / "labels.parquet"
-    if not labels_file.exists() or not (dataset / "responses").exists():
-        raise R2RError(f"{dataset} is not a label dataset: it needs labels.parquet and responses/ "
+    """The labelled rows and the responses they come from (a label output directory).
+
+    Before the judge has run, the prefill step alone gives rows labelled `identical` / `different`:
+    enough for the "different" objective."""
+    if not (dataset / "responses").exists():
+        raise R2RError(f"{dataset} is not a label dataset: it needs responses/ and labels.parquet "
                        "(the output directory of `r2r label`)")
-    rows = pq.read_table(labels_file).to_pylist()
     responses = {r["id"]: r for r in Parts(dataset, "responses").rows()}
+    if (dataset / "labels.parquet").exists():
+        return pq.read_table(dataset / "labels.parquet").to_pylist(), responses
+    prefill = Parts(dataset, "prefill").rows()
+    if not prefill:
+        raise R2RError(f"{dataset} has no labels.parquet and no prefill step yet: run `r2r label` first")
+    rows = [{"id": p["id"], "position": pos, "slm_token": slm_token, "entropy": ent,
+             "label": "different" if diff else "identical"}
+            for p in prefill for pos, (slm_token, ent, diff) in enumerate(zip(p["slm_tokens"], p["entropy"],
+                                                                             p["different"]))]
     return rows, responses
 
 

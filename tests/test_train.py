@@ -69,7 +69,7 @@ def test_training_learns_a_planted_rule_and_is_reproducible(dataset, slm):
 def test_metrics_on_known_scores():
     scores = torch.tensor([0.9, 0.8, 0.7, 0.1, 0.2, 0.3])
     target = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
-    assert training.roc_auc(scores, target) == pytest.approx(7 / 9)
+    assert training.roc_auc(scores, target) == pytest.approx(8 / 9)  # 8 of 9 (positive, negative) pairs ordered
     assert training.roc_auc(torch.tensor([0.5, 0.5]), torch.tensor([1.0, 0.0])) == 0.5
     recall = training.recall_at_rates(scores, target, [1 / 6, 2 / 6, 0.5, 1.0])
     assert list(recall.values()) == pytest.approx([1 / 3, 2 / 3, 2 / 3, 1.0])
@@ -83,10 +83,11 @@ def test_train_and_calibrate_cli(run_cli, dataset, tmp_path):
     code, out, err = run_cli("train", dataset, "--out", tmp_path / "router", "--slm", slm_dir, "--dim", "32",
                              "--epochs", "3", "--target-rate", "0.3", "--ablations")
     assert code == 0, err
-    runs = json.loads((tmp_path / "router" / "training.json").read_text())["runs"]
+    report = json.loads((tmp_path / "router" / "training.json").read_text())
+    runs = report["runs"]
     assert {(r["inputs"], r["objective"]) for r in runs} == {
         (i, o) for i in ("hidden", "hidden,token", "hidden,token,logits") for o in ("divergent", "different")}
-    assert "entropy" in out and "recall@10%" in out
+    assert set(report["entropy"]["recall"]) == set(runs[0]["recall"]) and "saved to" in out
     ckpt = load_router(tmp_path / "router")
     assert ckpt.extra["training"]["target_rate"] == 0.3
     code, out, err = run_cli("calibrate", tmp_path / "router", dataset, "--slm", slm_dir, "--target-rate", "0.2",
@@ -96,6 +97,28 @@ def test_train_and_calibrate_cli(run_cli, dataset, tmp_path):
     assert load_router(tmp_path / "router").threshold != ckpt.threshold
     code, out, err = run_cli("train", tmp_path, "--slm", slm_dir)
     assert code == 2 and "not a label dataset" in err
+
+
+def test_an_unjudged_dataset_trains_the_different_objective(dataset, slm, tmp_path):
+    import shutil
+
+    from r2r.errors import R2RError
+
+    unjudged = tmp_path / "unjudged"
+    shutil.copytree(dataset / "responses", unjudged / "responses")
+    prefill = []
+    for r in Parts(dataset, "responses").rows():
+        logits, _ = slm.prefill(r["prompt_ids"] + r["response_ids"])
+        start = len(r["prompt_ids"]) - 1
+        slm_tokens = logits[start : start + len(r["response_ids"])].argmax(-1).tolist()
+        prefill.append({"id": r["id"], "slm_tokens": slm_tokens, "entropy": [0.0] * len(slm_tokens),
+                        "different": [a != b for a, b in zip(slm_tokens, r["response_ids"])]})
+    Parts(unjudged, "prefill").write(prefill)
+    data = training.features(unjudged, slm, top_k=20)
+    assert set(data.labels) == {"identical", "different"}
+    assert int(data.target("different").sum()) == sum(sum(p["different"]) for p in prefill)
+    with pytest.raises(R2RError, match="not judged yet"):
+        data.target("divergent")
 
 
 def test_router_checkpoint_round_trip_keeps_the_calibrated_threshold(slm, tmp_path):
