@@ -174,6 +174,9 @@ class Engine:
         return self.encode_messages([{"role": "user", "content": message}])
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise R2RError("the model's tokenizer has no chat template: give the prompt as plain text (--raw, "
+                           "or /v1/completions on the server)")
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False)
 

@@ -1,5 +1,7 @@
 """The llama.cpp backend on tiny GGUF files holding the same weights as the tiny torch models."""
 
+import json
+
 import pytest
 import torch
 
@@ -94,3 +96,27 @@ def test_bad_files_are_refused_clearly(tmp_path):
     broken.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(R2RError, match="cannot load"):
         LlamaCppBackend(broken)
+
+
+def test_cli_runs_each_backend_and_per_role_mixes(run_cli, tokenizer, tmp_path):
+    from tiny import save_pair
+
+    slm_dir, llm_dir = save_pair(tmp_path, tokenizer)
+    from transformers import AutoModelForCausalLM
+
+    for name, folder in (("slm", slm_dir), ("llm", llm_dir)):
+        save_gguf(AutoModelForCausalLM.from_pretrained(folder), tokenizer, tmp_path / f"{name}.gguf")
+    runs = {
+        "llamacpp": (tmp_path / "slm.gguf", tmp_path / "llm.gguf"),
+        "slm=llamacpp,llm=torch": (tmp_path / "slm.gguf", llm_dir),
+    }
+    for backend, (slm_spec, llm_spec) in runs.items():
+        code, out, err = run_cli("generate", "What is 48 / 2?", "--slm", slm_spec, "--llm", llm_spec, "--backend",
+                                 backend, "--router", "random", "--threshold", "0.5", "--max-new-tokens", "8", "--json")
+        assert code == 0, (backend, err)
+        result = json.loads(out)
+        assert len(result["token_ids"]) == 8 and {"slm", "llm"} <= set(result["sources"])
+    code, out, err = run_cli("generate", "hi", "--slm", slm_dir, "--llm", llm_dir, "--backend", "llamacpp")
+    assert code == 2 and "GGUF" in err
+    code, out, err = run_cli("generate", "hi", "--slm", slm_dir, "--llm", llm_dir, "--backend", "onnx")
+    assert code == 2 and "bad --backend" in err

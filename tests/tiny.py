@@ -98,6 +98,7 @@ def save_gguf(model: Qwen2ForCausalLM, tokenizer, path) -> None:
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_pad_token_id(tokenizer.pad_token_id)
     writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
