@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from r2r.errors import R2RError
 
 VERDICTS = ("neutral", "divergent", "unparseable")
-JUDGE_PROMPT = """Below is the start of a text and two ways it could continue, up to the end of the sentence.
+# The question comes first and the text so far next, so that consecutive judgements on one response
+# share a long prompt prefix (the local judge reuses its cache over it).
+JUDGE_PROMPT = """Two continuations of a text are compared up to the end of the sentence. Do they differ in \
+meaning, logic or conclusion (DIVERGENT), or only in wording, style or abbreviation (NEUTRAL)?
 
-Text so far (end):
+Text so far:
 {context}
 
 Continuation A: {a}
 Continuation B: {b}
 
-Do A and B differ in meaning, logic or conclusion (DIVERGENT), or only in wording, style or abbreviation (NEUTRAL)?
-Answer with one word: NEUTRAL or DIVERGENT."""
-CONTEXT_CHARS = 600  # how much of the text so far the judge sees
+Answer with one word, NEUTRAL or DIVERGENT:"""
+CONTEXT_CHARS = 4000  # how much of the text so far the judge sees (its end)
 WORDS = {"neutral": "neutral", "divergent": "divergent", "divergence": "divergent", "diverge": "divergent",
          "diverges": "divergent", "diverging": "divergent"}
 
@@ -39,23 +43,50 @@ def judge_prompt(context: str, a: str, b: str) -> str:
 
 
 class LocalJudge:
-    """The pair's own LLM answers the comparison prompt (greedy, a few tokens)."""
+    """The pair's own LLM answers the comparison prompt (greedy, a few tokens).
+
+    Judgements run one at a time on one cached sequence: each prompt is cut back to the longest
+    prefix it shares with the previous one (the question and the text so far, when consecutive
+    cases come from one response), so the LLM reads only what is new. On a CPU, where reading a
+    token costs about as much as writing one, this is several times faster than batching."""
 
     name = "local"
+    ANSWER_TOKENS = 4
 
-    def __init__(self, engine, batch_size: int = 4):
-        self.engine, self.batch_size = engine, batch_size
+    def __init__(self, engine):
+        self.engine, self.llm = engine, engine.slm  # the LLM runs alone in `engine`
+        self.cache, self.cached = None, []  # the KV cache and the tokens it holds
 
     def __call__(self, cases: list[tuple[str, str, str]]) -> list[tuple[str, str]]:
-        from r2r.engine import SamplingParams
-
-        params = SamplingParams(max_new_tokens=6)
         out = []
-        for i in range(0, len(cases), self.batch_size):
-            prompts = [self.engine.encode_chat(judge_prompt(*c)) for c in cases[i : i + self.batch_size]]
-            for gen in self.engine.generate(prompts, params):
-                out.append((parse_verdict(gen.text), gen.text))
+        for case in cases:
+            raw = self.engine.tokenizer.decode(self.answer(self.engine.encode_chat(judge_prompt(*case))),
+                                               skip_special_tokens=True)
+            out.append((parse_verdict(raw), raw))
         return out
+
+    @torch.inference_mode()
+    def answer(self, ids: list[int]) -> list[int]:
+        llm = self.llm
+        if self.cache is None:
+            self.cache = llm.new_cache()
+        shared = 0
+        while shared < min(len(self.cached), len(ids) - 1) and self.cached[shared] == ids[shared]:
+            shared += 1
+        llm.truncate(self.cache, shared)
+        fed, new = ids[:shared], ids[shared:]
+        answer = []
+        for _ in range(self.ANSWER_TOKENS):
+            fed = fed + new
+            mask = torch.ones(1, len(fed), dtype=torch.long, device=llm.device)
+            logits, _ = llm.forward(self.cache, torch.tensor([new], device=llm.device), mask)
+            token = int(logits[0].argmax())
+            if token in self.engine.eos_ids:
+                break
+            answer.append(token)
+            new = [token]
+        self.cached = fed
+        return answer
 
 
 class RemoteJudge:

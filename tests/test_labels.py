@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from r2r import judges, labels
-from r2r.engine import Engine
+from r2r.engine import Engine, SamplingParams
 from r2r.errors import R2RError
 
 PROMPTS = [
@@ -146,6 +146,20 @@ def test_local_judge_records_raw_answers(slm, llm, tokenizer):
     out = judge([("ctx", "It is 24.", "It is 25."), ("ctx", "Yes.", "Yes.")])
     assert len(out) == 2 and all(v in judges.VERDICTS for v, _ in out)
     assert all(v == judges.parse_verdict(raw) for v, raw in out)
+
+
+def test_local_judge_reusing_its_cache_answers_as_a_fresh_one(llm, tokenizer):
+    engine = Engine(llm, None, tokenizer)
+    text = "Natalia sold clips to 48 of her friends in April. Then she sold half as many in May."
+    cases = [(text[:n], "It is 24.", b) for n, b in ((20, "It is 25."), (40, "So 24."), (60, "Yes."), (10, "No."))]
+    shared = judges.LocalJudge(engine)
+    reused = shared(cases)
+    assert shared.cached  # the cache was kept between cases
+    fresh = [judges.LocalJudge(engine)([case])[0] for case in cases]
+    assert reused == fresh
+    greedy = engine.generate([engine.encode_chat(judges.judge_prompt(*cases[0]))],
+                             SamplingParams(max_new_tokens=judges.LocalJudge.ANSWER_TOKENS))[0]
+    assert fresh[0][1] == greedy.text
 
 
 def test_semantic_judge():
