@@ -38,7 +38,7 @@ class LlamaCache:
 class LlamaCppBackend:
     device = torch.device("cpu")  # tensors handed to the engine live on the CPU
 
-    def __init__(self, gguf_file: str | Path, name: str = "model", n_ctx: int = 8192, max_rows: int = 16,
+    def __init__(self, gguf_file: str | Path, name: str = "model", n_ctx: int = 16384, max_rows: int = 16,
                  n_threads: int | None = None, n_batch: int = 512):
         if llama_cpp is None:
             raise R2RError(f"the llama.cpp backend is not available ({IMPORT_ERROR}); install it with "
@@ -58,7 +58,8 @@ class LlamaCppBackend:
         params.n_threads = params.n_threads_batch = n_threads or os.cpu_count() or 1
         params.embeddings = True
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
-        params.kv_unified = True  # every sequence may use the whole context, not n_ctx / n_seq_max
+        # One KV pool shared by all rows: any row may grow to n_ctx, as long as the batch fits in it.
+        params.kv_unified = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, params)
         if not self._ctx:
             raise R2RError(f"llama.cpp cannot create a context for {path} (n_ctx={n_ctx})")
@@ -96,7 +97,8 @@ class LlamaCppBackend:
 
     def select_rows(self, cache: LlamaCache, rows: torch.Tensor) -> None:
         keep = rows.tolist()
-        dropped = [s for i, s in enumerate(cache.seqs) if i not in set(keep)]
+        kept = set(keep)
+        dropped = [s for i, s in enumerate(cache.seqs) if i not in kept]
         cache.seqs[:] = [cache.seqs[i] for i in keep]
         cache.pads[:] = [cache.pads[i] for i in keep]
         self._release(dropped)
