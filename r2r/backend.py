@@ -70,10 +70,11 @@ class TorchBackend:
         return logits, hidden[:, 0]
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int]):
-        """Logits [T, V] (float32) and last hidden states [T, H] at every position of one sequence, no cache."""
+    def prefill(self, ids: list[int], start: int = 0):
+        """Logits [T - start, V] (float32) and last hidden states [T - start, H] at positions start.. of one
+        sequence, no cache kept (positions before `start` are read but give no output)."""
         out = self.trunk(input_ids=torch.tensor([ids], device=self.device), use_cache=False)
-        hidden = out.last_hidden_state[0]
+        hidden = out.last_hidden_state[0, start:]
         return self.head(hidden).float(), hidden
 
     def select_rows(self, cache: TorchCache, rows: torch.Tensor) -> None:

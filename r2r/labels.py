@@ -177,10 +177,9 @@ def step_prefill(slm, out: Path, progress=None) -> None:
     for r in todo:
         ids = r["prompt_ids"] + r["response_ids"]
         began = time.perf_counter()
-        logits, _ = slm.prefill(ids)
-        # logits[t] predicts token t+1: response token j sits at len(prompt) + j
+        # Position t predicts token t+1: response token j is predicted at len(prompt) - 1 + j.
         start = len(r["prompt_ids"]) - 1
-        predicted = logits[start : start + len(r["response_ids"])]
+        predicted, _ = slm.prefill(ids[:-1], start)
         slm_tokens = predicted.argmax(-1).tolist()
         entropies = entropy(predicted).tolist()
         log_throughput(out, "prefill", 1, len(ids), time.perf_counter() - began)

@@ -156,16 +156,17 @@ class LlamaCppBackend:
         cache.length = start + len(ids)
         return logits
 
-    def prefill(self, ids: list[int]):
-        """Logits [T, V] (float32) and last hidden states [T, H] at every position of one sequence, no cache kept."""
+    def prefill(self, ids: list[int], start: int = 0):
+        """Logits [T - start, V] (float32) and last hidden states [T - start, H] at positions start.. of one
+        sequence, no cache kept (positions before `start` are read but give no output)."""
         cache = self.new_cache()
         self._ensure_rows(cache, 1)
         seq = cache.seqs[0]
-        logits = torch.empty(len(ids), self.vocab_size)
-        hidden = torch.empty(len(ids), self.hidden_size)
-        for out_index, position in self._decode([(t, p, seq, True, p) for p, t in enumerate(ids)]):
-            logits[position] = self._logits(out_index)
-            hidden[position] = self._hidden(out_index)
+        logits = torch.empty(len(ids) - start, self.vocab_size)
+        hidden = torch.empty(len(ids) - start, self.hidden_size)
+        for out_index, row in self._decode([(t, p, seq, p >= start, p - start) for p, t in enumerate(ids)]):
+            logits[row] = self._logits(out_index)
+            hidden[row] = self._hidden(out_index)
         return logits, hidden
 
     def _decode(self, tokens: list[tuple[int, int, int, bool, int]]):

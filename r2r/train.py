@@ -93,9 +93,11 @@ def features(dataset: Path, slm, top_k: int = 100, progress=None, cache: Path | 
         if r is None:
             raise R2RError(f"labels.parquet has {rid!r} but responses/ does not: the dataset is incomplete")
         labelled = sorted(by_id[rid], key=lambda x: x["position"])
-        logits, states = slm.prefill(r["prompt_ids"] + r["response_ids"])
-        # The state after reading token t-1 proposes token t: response token j sits at len(prompt) + j.
-        at = torch.tensor([len(r["prompt_ids"]) - 1 + x["position"] for x in labelled])
+        # The state after reading token t-1 proposes token t: response token j is proposed at
+        # len(prompt) - 1 + j, so outputs start there.
+        start = len(r["prompt_ids"]) - 1
+        logits, states = slm.prefill(r["prompt_ids"] + r["response_ids"][:-1], start)
+        at = torch.tensor([x["position"] for x in labelled])
         hidden.append(states[at].float())
         tokens.append(torch.tensor([x["slm_token"] for x in labelled]))
         top.append(torch.log_softmax(logits[at].float(), -1).topk(top_k, dim=-1).values)

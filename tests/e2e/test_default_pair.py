@@ -1,5 +1,6 @@
 """End-to-end on the real default pair (Qwen2.5-Coder 0.5B + 1.5B). Needs `r2r models prepare`."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -122,6 +123,21 @@ def test_entropy_routing_mixes_both_models_into_a_coherent_answer():
     trigrams = [tuple(words[i:i + 3]) for i in range(len(words) - 2)]
     assert len(set(trigrams)) / len(trigrams) > 0.7
     assert "16" in text and "the answer is" in text.lower()
+
+
+def test_the_shipped_router_is_the_default_policy():
+    """`r2r generate` on the default pair routes with the router shipped in the package."""
+    from r2r.models import shipped_router
+
+    assert shipped_router() is not None, "no router shipped in r2r/routers/"
+    backend = "llamacpp" if importlib.util.find_spec("llama_cpp") else "torch"
+    result = run_cli("generate", gsm8k_prompt(gsm8k()[0]), "--max-new-tokens", "200", "--json", "--device", "cpu",
+                     "--backend", backend)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["policy"] == "router"
+    assert 0.02 <= out["llm_rate"] <= 0.35, out["llm_rate"]
+    assert {"slm", "llm"} <= set(out["sources"])
 
 
 @pytest.mark.parametrize(
