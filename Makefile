@@ -30,7 +30,7 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
 demo: models
-	$(BIN)/r2r generate "$(DEMO_QUESTION)" --router entropy --max-new-tokens 384
+	$(BIN)/r2r generate "$(DEMO_QUESTION)" --max-new-tokens 384
 
 test: models browser
 	$(BIN)/python -m pytest -v -rs
