@@ -143,8 +143,9 @@ def speculative_llamacpp(draft, target, prompt_ids: list[int], max_new_tokens: i
         proposal = []
         for _ in range(min(k, max_new_tokens - len(out))):
             unseen = (context + proposal)[draft_cache.length :]
-            d_logits = draft.forward_all(draft_cache, unseen)[-1]
-            proposal.append(int(d_logits.argmax()))
+            mask = torch.ones(1, draft_cache.length + len(unseen), dtype=torch.long)
+            d_logits, _ = draft.forward(draft_cache, torch.tensor([unseen]), mask)  # logits at the last one only
+            proposal.append(int(d_logits[0].argmax()))
             if proposal[-1] in eos_ids:
                 break
         checked = target.forward_all(target_cache, [context[-1]] + proposal).argmax(-1).tolist()
