@@ -107,3 +107,21 @@ class TorchBackend:
 
     def embedding_table(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight.detach()
+
+
+@torch.inference_mode()
+def greedy(backend, cache, new_ids: list[int], max_new_tokens: int, eos_ids: set[int], stop=None) -> list[int]:
+    """One row, greedy: read `new_ids` after what `cache` holds, then write up to `max_new_tokens`
+    tokens, stopping before an EOS or after a token for which `stop(tokens_so_far)` is true."""
+    out = []
+    for _ in range(max_new_tokens):
+        mask = torch.ones(1, cache.length + len(new_ids), dtype=torch.long, device=backend.device)
+        logits, _ = backend.forward(cache, torch.tensor([new_ids], device=backend.device), mask)
+        token = int(logits[0].argmax())
+        if token in eos_ids:
+            break
+        out.append(token)
+        if stop is not None and stop(out):
+            break
+        new_ids = [token]
+    return out

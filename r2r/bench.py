@@ -180,8 +180,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
     from r2r.benchmarks import gsm8k, gsm8k_prompt
     from r2r.engine import Engine, SamplingParams
     from r2r.models import load_pair, shipped_router
-    from r2r.policies import EntropyPolicy, NeuralPolicy
-    from r2r.router import load_router, slm_identity
+    from r2r.policies import EntropyPolicy, router_policy
 
     router_path = router_path or shipped_router()
     pairs = {name: load_pair(None, None, "cpu", dtype=dtype, backend=name) for name in ("torch", "llamacpp")}
@@ -193,9 +192,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
     def policy_for(slm_backend):
         if router_path is None:
             return EntropyPolicy(threshold if threshold is not None else 0.8)
-        checkpoint = load_router(router_path, slm_identity(slm_backend.name, slm_backend.hidden_size,
-                                                           slm_backend.embedding_table()))
-        return NeuralPolicy(checkpoint, slm_backend.embed, threshold, device=slm_backend.device)
+        return router_policy(router_path, slm_backend, threshold)
 
     systems = {}
     for name, (slm_b, llm_b, _) in pairs.items():

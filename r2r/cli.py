@@ -54,7 +54,6 @@ class RouterChoice(str, Enum):
 
 def make_policy(choice: RouterChoice, threshold: float | None, router_path: Path | None, slm, seed: int | None):
     from r2r import policies
-    from r2r.router import load_router, slm_identity
 
     if choice == RouterChoice.slm:
         return policies.AlwaysSLM()
@@ -64,8 +63,7 @@ def make_policy(choice: RouterChoice, threshold: float | None, router_path: Path
         return policies.RandomPolicy(0.1 if threshold is None else threshold, seed)
     if choice == RouterChoice.entropy:
         return policies.EntropyPolicy(DEFAULT_ENTROPY_THRESHOLD if threshold is None else threshold)
-    checkpoint = load_router(router_path, slm_identity(slm.name, slm.hidden_size, slm.embedding_table()))
-    return policies.NeuralPolicy(checkpoint, slm.embed, threshold, device=slm.device)
+    return policies.router_policy(router_path, slm, threshold)
 
 
 def default_router(router: RouterChoice | None, router_path: Path | None, slm: str | None):
@@ -421,7 +419,7 @@ def calibrate(
         if v is not None and not 0 < v < 1:
             raise R2RError(f"{name} must be strictly between 0 and 1")
     slm_b, _, _ = load_pair(slm, None, device, need_llm=False, dtype=dtype, backend=backend)
-    ckpt = load_router(router_path, slm_identity(slm_b.name, slm_b.hidden_size, slm_b.embedding_table()))
+    ckpt = load_router(router_path, slm_identity(slm_b))
     embed = slm_b.embedding_table().float().cpu()
     seed = ckpt.extra.get("training", {}).get("seed", 0)
     data = training.features(dataset, slm_b)

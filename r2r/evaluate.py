@@ -298,8 +298,7 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
     if router_path is None and slm is None:
         router_path = shipped_router()  # the default pair's own router, when one is shipped
     if router_path is not None:
-        checkpoint = load_router(router_path, slm_identity(slm_b.name, slm_b.hidden_size,
-                                                           slm_b.embedding_table()))
+        checkpoint = load_router(router_path, slm_identity(slm_b))
     params = SamplingParams(max_new_tokens=max_new_tokens)
     item_ids = {item.id for item in items}
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import re
 
-import torch
 
+from r2r.backend import greedy
 from r2r.errors import R2RError
 
 VERDICTS = ("neutral", "divergent", "unparseable")
@@ -65,7 +65,6 @@ class LocalJudge:
             out.append((parse_verdict(raw), raw))
         return out
 
-    @torch.inference_mode()
     def answer(self, ids: list[int]) -> list[int]:
         llm = self.llm
         if self.cache is None:
@@ -74,18 +73,8 @@ class LocalJudge:
         while shared < min(len(self.cached), len(ids) - 1) and self.cached[shared] == ids[shared]:
             shared += 1
         llm.truncate(self.cache, shared)
-        fed, new = ids[:shared], ids[shared:]
-        answer = []
-        for _ in range(self.ANSWER_TOKENS):
-            fed = fed + new
-            mask = torch.ones(1, len(fed), dtype=torch.long, device=llm.device)
-            logits, _ = llm.forward(self.cache, torch.tensor([new], device=llm.device), mask)
-            token = int(logits[0].argmax())
-            if token in self.engine.eos_ids:
-                break
-            answer.append(token)
-            new = [token]
-        self.cached = fed
+        answer = greedy(llm, self.cache, ids[shared:], self.ANSWER_TOKENS, self.engine.eos_ids)
+        self.cached = (ids + answer)[: self.cache.length]  # what the cache holds now
         return answer
 
 

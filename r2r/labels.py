@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from r2r.backend import greedy
 from r2r.errors import R2RError
 
 STEPS = ("responses", "prefill", "continuations", "judgements", "labels")
@@ -195,17 +196,8 @@ def continue_to_sentence_end(llm, cache, prefix_length: int, token: int, max_new
     """Greedy LLM continuation of `token` placed at `prefix_length` in a cached sequence, up to the
     end of the sentence. The cache keeps the shared prefix: it is cut back, not recomputed."""
     llm.truncate(cache, prefix_length)
-    out, next_token = [], token
-    for _ in range(max_new_tokens):
-        mask = torch.ones(1, cache.length + 1, dtype=torch.long, device=llm.device)
-        logits, _ = llm.forward(cache, torch.tensor([[next_token]], device=llm.device), mask)
-        next_token = logits.argmax(-1).item()
-        if next_token in eos_ids:
-            break
-        out.append(next_token)
-        if SENTENCE_END.search(tokenizer.decode([token] + out, skip_special_tokens=True)):
-            break
-    return out
+    return greedy(llm, cache, [token], max_new_tokens, eos_ids,
+                  stop=lambda out: SENTENCE_END.search(tokenizer.decode([token] + out, skip_special_tokens=True)))
 
 
 def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None) -> None:

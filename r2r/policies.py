@@ -93,3 +93,10 @@ class NeuralPolicy(RoutingPolicy):
     def route(self, logits, hidden, tokens, thresholds=None):
         scores = torch.sigmoid(self.router(hidden, self.embed(tokens), logits))
         return scores >= (self.threshold if thresholds is None else thresholds), scores
+
+
+def router_policy(path, slm, threshold: float | None = None) -> NeuralPolicy:
+    """The router checkpoint at `path` as a policy for the SLM backend `slm` (refused if trained for another)."""
+    from r2r.router import load_router, slm_identity
+
+    return NeuralPolicy(load_router(path, slm_identity(slm)), slm.embed, threshold, device=slm.device)

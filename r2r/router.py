@@ -108,10 +108,12 @@ def save_router(path: str | Path, ckpt: RouterCheckpoint) -> None:
     (path / "router.json").write_text(json.dumps(meta, indent=2))
 
 
-def slm_identity(name: str, hidden_size: int, embedding: torch.Tensor) -> dict:
+def slm_identity(slm) -> dict:
+    """What a router is tied to: the SLM backend's name, hidden size and token-embedding table."""
+    embedding = slm.embedding_table()
     return {
-        "name": name,
-        "hidden_size": hidden_size,
+        "name": slm.name,
+        "hidden_size": slm.hidden_size,
         "vocab_size": embedding.shape[0],
         "embedding_hash": embedding_fingerprint(embedding),
     }

@@ -217,4 +217,4 @@ def train(data: Features, embed, config: RouterConfig, objective: str = "diverge
 
 
 def checkpoint(router: Router, threshold: float, slm, metrics: dict) -> RouterCheckpoint:
-    return RouterCheckpoint(router, threshold, slm_identity(slm.name, slm.hidden_size, slm.embedding_table()), metrics)
+    return RouterCheckpoint(router, threshold, slm_identity(slm), metrics)

@@ -33,7 +33,7 @@ def make_checkpoint(slm, threshold=0.5):
     embedding = slm.model.get_input_embeddings().weight
     config = RouterConfig(hidden_size=slm.hidden_size, embed_size=embedding.shape[1], top_k=16, dim=32, n_blocks=2)
     torch.manual_seed(0)
-    return RouterCheckpoint(Router(config), threshold, slm_identity(slm.name, slm.hidden_size, embedding))
+    return RouterCheckpoint(Router(config), threshold, slm_identity(slm))
 
 
 def test_router_save_load_round_trips_bit_exactly(slm, tmp_path):
@@ -53,7 +53,7 @@ def test_router_save_load_round_trips_bit_exactly(slm, tmp_path):
 
 def test_router_refuses_another_slm(slm, llm, tmp_path):
     save_router(tmp_path / "r", make_checkpoint(slm))
-    other = slm_identity(llm.name, llm.hidden_size, llm.model.get_input_embeddings().weight)
+    other = slm_identity(llm)
     with pytest.raises(R2RError, match="trained for SLM"):
         load_router(tmp_path / "r", other)
 
