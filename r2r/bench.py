@@ -128,6 +128,59 @@ def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, contex
     return {"dtype": dtype, "backend": backend, "device": str(slm_backend.device), "context": context, "ms": table}
 
 
+def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_threshold: float, dtype: str,
+                      progress=None) -> dict:
+    """Does one router serve both backends? The SLM on torch and on llama.cpp reads the same GSM8K
+    dev answers (written by the SLM on llama.cpp); at every answer position compare their last hidden
+    states, their argmax, and the routing decisions the entropy policy and the router take on each."""
+    import torch.nn.functional as F
+
+    from r2r.benchmarks import gsm8k, gsm8k_prompt
+    from r2r.engine import Engine, SamplingParams
+    from r2r.models import load_pair, shipped_router
+    from r2r.policies import entropy, router_policy
+
+    router_path = router_path or shipped_router()
+    slms = {name: load_pair(None, None, "cpu", need_llm=False, dtype=dtype, backend=name) for name in ("torch", "llamacpp")}
+    tokenizer = slms["torch"][2]
+    writer = Engine(slms["llamacpp"][0], None, tokenizer)
+    policies = {name: router_policy(router_path, b) for name, (b, _, _) in slms.items()} if router_path else {}
+    task = progress.add_task("backends", total=n_prompts) if progress else None
+    found = {name: {"hidden": [], "argmax": [], "entropy": [], "router": []} for name in slms}
+    for item in gsm8k()[:n_prompts]:
+        prompt = writer.encode_chat(gsm8k_prompt(item))
+        answer = writer.generate([prompt], SamplingParams(max_new_tokens=n_tokens))[0].token_ids
+        ids = prompt + answer
+        for name, (slm, _, _) in slms.items():
+            logits, hidden = slm.prefill(ids[:-1], start=len(prompt) - 1)  # the positions that propose answer tokens
+            logits, hidden = logits.float().cpu(), hidden.float().cpu()
+            argmax = logits.argmax(-1)
+            f = found[name]
+            f["hidden"].append(hidden)
+            f["argmax"].append(argmax)
+            f["entropy"].append(entropy(logits))
+            if name in policies:
+                f["router"].append(policies[name].route(logits.to(slm.device), hidden.to(slm.device),
+                                                        argmax.to(slm.device))[1].float().cpu())
+        if progress:
+            progress.advance(task)
+    t, l = ({k: torch.cat(v) if v else None for k, v in found[name].items()} for name in ("torch", "llamacpp"))
+    cosine = F.cosine_similarity(t["hidden"], l["hidden"], dim=-1)
+    result = {"prompts": n_prompts, "positions": len(cosine), "dtype": dtype,
+              "hidden_cosine_mean": cosine.mean().item(), "hidden_cosine_min": cosine.min().item(),
+              "argmax_agreement": (t["argmax"] == l["argmax"]).float().mean().item(),
+              "entropy_threshold": entropy_threshold,
+              "entropy_decision_agreement": ((t["entropy"] >= entropy_threshold) ==
+                                             (l["entropy"] >= entropy_threshold)).float().mean().item()}
+    if policies:
+        threshold = policies["torch"].threshold
+        gap = (t["router"] - l["router"]).abs()
+        result |= {"router": str(router_path), "router_threshold": threshold,
+                   "router_decision_agreement": ((t["router"] >= threshold) == (l["router"] >= threshold)).float().mean().item(),
+                   "router_score_gap_mean": gap.mean().item(), "router_score_gap_max": gap.max().item()}
+    return result
+
+
 def speculative_llamacpp(draft, target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
                          k: int = 4) -> tuple[list[int], int]:
     """Greedy speculative decoding on two llama.cpp backends: the draft proposes k tokens, the target

@@ -671,6 +671,39 @@ def bench_compare(
         console.print(f"JSON in {out}")
 
 
+@bench_app.command("backends")
+def bench_backends(
+    prompts: int = typer.Option(3, "--prompts", help="GSM8K dev prompts (items 0..N-1)."),
+    tokens: int = typer.Option(128, "--tokens", help="Answer tokens per prompt (written by the SLM on llama.cpp)."),
+    router_path: Optional[Path] = typer.Option(None, "--router-path", help="Router to compare (default: the shipped one)."),
+    threshold: float = ENTROPY_THRESHOLD_OPT,
+    dtype: str = DTYPE_OPT,
+    out: Optional[Path] = OUT_OPT,
+):
+    """Torch vs llama.cpp SLM features: hidden-state cosine, argmax and routing decisions agreement."""
+    from rich.progress import Progress
+
+    from r2r.bench import backend_agreement
+
+    if prompts < 1 or tokens < 1:
+        raise R2RError("--prompts and --tokens must be at least 1")
+    with Progress(console=console, transient=True) as progress:
+        result = backend_agreement(prompts, tokens, router_path, threshold, dtype, progress)
+    table = Table("measure", "torch vs llama.cpp",
+                  title=f"SLM features over {result['positions']} answer positions ({prompts} GSM8K dev prompts, torch {dtype})")
+    table.add_row("hidden-state cosine, mean", f"{result['hidden_cosine_mean']:.4f}")
+    table.add_row("hidden-state cosine, min", f"{result['hidden_cosine_min']:.4f}")
+    table.add_row("argmax agreement", f"{result['argmax_agreement']:.1%}")
+    table.add_row(f"entropy decisions agree (>= {threshold} nats)", f"{result['entropy_decision_agreement']:.1%}")
+    if "router_decision_agreement" in result:
+        table.add_row(f"router decisions agree (>= {result['router_threshold']:.3f})", f"{result['router_decision_agreement']:.1%}")
+        table.add_row("router |score gap|, mean / max",
+                      f"{result['router_score_gap_mean']:.3f} / {result['router_score_gap_max']:.3f}")
+    console.print(table)
+    if out:
+        out.write_text(json.dumps(result, indent=2))
+
+
 @bench_app.command("overhead")
 def bench_overhead(
     tokens: int = typer.Option(256, "--tokens", help="New tokens per generation."),

@@ -140,6 +140,20 @@ def test_the_shipped_router_is_the_default_policy():
     assert {"slm", "llm"} <= set(out["sources"])
 
 
+def test_one_router_serves_both_backends(tmp_path):
+    """The SLM's features on llama.cpp (Q4_K_M compute) match torch's (bf16) closely enough that the
+    shipped router takes the same decisions on both."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    out = tmp_path / "backends.json"
+    result = run_cli("bench", "backends", "--prompts", "1", "--tokens", "48", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(out.read_text())
+    assert figures["positions"] == 48
+    assert figures["hidden_cosine_mean"] > 0.99 and figures["hidden_cosine_min"] > 0.95
+    assert figures["argmax_agreement"] >= 0.9
+    assert figures["router_decision_agreement"] >= 0.9
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
