@@ -15,17 +15,27 @@ BENCH_PROMPT = (
 
 
 @torch.inference_mode()
-def bare_loop(model, prompt_ids: list[int], n_tokens: int) -> float:
-    """The floor for any engine: the SLM's forward with its KV cache and argmax, nothing else. Returns tokens/s."""
-    cache = DynamicCache(config=model.config)
+def bare_loop(model, prompt_ids: list[int], n_tokens: int, static: bool = False, forward=None) -> tuple[list[int], float]:
+    """The floor for any engine: the SLM's forward with its KV cache and argmax, nothing else. Returns the
+    tokens and tokens/s.
+    `static`: a preallocated StaticCache (what torch.compile needs for fixed shapes); `forward`: the
+    model's forward to call (e.g. a compiled one)."""
+    from transformers import StaticCache
+
+    forward = forward or model
+    cache = StaticCache(config=model.config, max_cache_len=len(prompt_ids) + n_tokens + 1) if static else \
+        DynamicCache(config=model.config)
+    start = time.perf_counter()  # like the engine's timings: the prompt's prefill included
     ids = torch.tensor([prompt_ids], device=model.device)
-    start = time.perf_counter()
-    for _ in range(n_tokens):
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-        ids = logits[:, -1].argmax(-1, keepdim=True)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
-    return n_tokens / (time.perf_counter() - start)
+    position = torch.arange(len(prompt_ids), device=model.device)
+    tokens = []
+    for step in range(n_tokens):
+        logits = (forward if step else model)(input_ids=ids, past_key_values=cache, use_cache=True,
+                                              cache_position=position, logits_to_keep=1).logits
+        ids, position = logits[:, -1].argmax(-1, keepdim=True), position[-1:] + 1
+        tokens.append(ids)
+    tokens = torch.cat(tokens, dim=1)[0].tolist()  # waits for the device
+    return tokens, n_tokens / (time.perf_counter() - start)
 
 
 def phase(results: list[tuple[int, int]], seconds: float) -> dict:
@@ -35,7 +45,9 @@ def phase(results: list[tuple[int, int]], seconds: float) -> dict:
             "llm_rate": sum(r[1] for r in results) / max(tokens, 1)}
 
 
-def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: int) -> dict:
+def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: int, compile: bool = False) -> dict:
+    """The engine (always-SLM policy) against a bare forward loop on the same prompt, and the bare loop
+    on a static KV cache; with `compile`, also that with the forward compiled by torch.compile."""
     from r2r.engine import Engine, SamplingParams
     from r2r.models import load_pair
 
@@ -43,16 +55,31 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
     engine = Engine(slm_backend, None, tokenizer)
     prompt_ids = engine.encode_chat(BENCH_PROMPT)
     params = SamplingParams(max_new_tokens=n_tokens, ignore_eos=True)
-    bare_loop(slm_backend.model, prompt_ids, 8)  # warm-up
-    bare, eng = [], []
-    for _ in range(rounds):  # alternate, so drift in machine speed hits both alike
-        bare.append(bare_loop(slm_backend.model, prompt_ids, n_tokens))
+    model = slm_backend.model
+
+    def engine_loop():
         gen = engine.generate([prompt_ids], params)[0]
-        eng.append(len(gen.token_ids) / gen.timings.total_s)
-    b, e = statistics.median(bare), statistics.median(eng)
-    return {"tokens": n_tokens, "rounds": rounds, "device": str(slm_backend.device),
-            "bare_runs": bare, "engine_runs": eng, "bare_tokens_per_s": b, "engine_tokens_per_s": e,
-            "dtype": dtype, "ratio": e / b}
+        return len(gen.token_ids) / gen.timings.total_s
+
+    loops = {"bare": lambda: bare_loop(model, prompt_ids, n_tokens)[1], "engine": engine_loop,
+             "static": lambda: bare_loop(model, prompt_ids, n_tokens, static=True)[1]}
+    compile_s = None
+    if compile:
+        compiled = torch.compile(model.forward, dynamic=False)
+        started = time.perf_counter()
+        bare_loop(model, prompt_ids, 2, static=True, forward=compiled)  # compiles (minutes on a CPU)
+        compile_s = time.perf_counter() - started
+        loops["static_compiled"] = lambda: bare_loop(model, prompt_ids, n_tokens, static=True, forward=compiled)[1]
+    bare_loop(model, prompt_ids, 8)  # warm-up
+    runs = {name: [] for name in loops}
+    for _ in range(rounds):  # alternate, so drift in machine speed hits all alike
+        for name, loop in loops.items():
+            runs[name].append(loop())
+    medians = {name: statistics.median(r) for name, r in runs.items()}
+    return {"tokens": n_tokens, "rounds": rounds, "device": str(slm_backend.device), "dtype": dtype,
+            "runs": runs, "tokens_per_s": medians, "compile_s": compile_s,
+            "ratio": medians["engine"] / medians["bare"],
+            "vs_bare": {name: m / medians["bare"] for name, m in medians.items()}}
 
 
 def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshold: float, batch_size: int,

@@ -708,6 +708,7 @@ def bench_backends(
 def bench_overhead(
     tokens: int = typer.Option(256, "--tokens", help="New tokens per generation."),
     rounds: int = typer.Option(3, "--rounds", help="Alternating rounds of each; medians are compared."),
+    compile: bool = typer.Option(False, "--compile", help="Also the static-cache loop compiled by torch.compile (minutes to compile on a CPU)."),
     slm: Optional[str] = SLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
@@ -718,13 +719,17 @@ def bench_overhead(
 
     if tokens < 1 or rounds < 1:
         raise R2RError("--tokens and --rounds must be at least 1")
-    result = overhead(slm, device, dtype, tokens, rounds)
-    table = Table("loop", "tokens/s (median)", "runs")
-    table.add_row("bare SLM forward loop", f"{result['bare_tokens_per_s']:.2f}",
-                  ", ".join(f"{x:.2f}" for x in result["bare_runs"]))
-    table.add_row("R2R engine, --router slm", f"{result['engine_tokens_per_s']:.2f}",
-                  ", ".join(f"{x:.2f}" for x in result["engine_runs"]))
+    result = overhead(slm, device, dtype, tokens, rounds, compile)
+    names = {"bare": "bare SLM forward loop (DynamicCache)", "engine": "R2R engine, --router slm",
+             "static": "bare loop, StaticCache", "static_compiled": "bare loop, StaticCache + torch.compile"}
+    table = Table("loop", "tokens/s (median)", "x bare", "runs",
+                  title=f"{tokens} tokens, {result['dtype']}, {result['device']}")
+    for name, median in result["tokens_per_s"].items():
+        table.add_row(names[name], f"{median:.2f}", f"{result['vs_bare'][name]:.3f}",
+                      ", ".join(f"{x:.2f}" for x in result["runs"][name]))
     console.print(table)
+    if result["compile_s"] is not None:
+        console.print(f"torch.compile took {result['compile_s']:.0f} s before the first token")
     console.print(f"engine / bare = {result['ratio']:.3f}  (target >= 0.90)")
     if out:
         out.write_text(json.dumps(result, indent=2))

@@ -84,7 +84,9 @@ def test_benchmarks_run_and_report_ratios(run_cli, pair, tmp_path):
                              *slm_args)
     assert code == 0, err
     result = json.loads((tmp_path / "o.json").read_text())
-    assert result["ratio"] == pytest.approx(result["engine_tokens_per_s"] / result["bare_tokens_per_s"])
+    speeds = result["tokens_per_s"]
+    assert set(speeds) == {"bare", "engine", "static"}
+    assert result["ratio"] == pytest.approx(speeds["engine"] / speeds["bare"])
     code, out, err = run_cli("bench", "batch", "--batch-size", "2", "--tokens", "4", "--out", tmp_path / "b.json",
                              *pair)
     assert code == 0, err

@@ -260,3 +260,16 @@ def test_target_llm_rate_is_tracked_per_request(slm, llm, tokenizer):
     for rate, r in zip((0.1, 0.3), requests):
         after_warmup = r.generation.sources[16:]
         assert after_warmup.count("llm") / len(after_warmup) == pytest.approx(rate, abs=0.08)
+
+
+def test_the_engine_equals_the_bare_forward_loops_of_the_benchmark(slm, tokenizer):
+    """`r2r bench overhead` compares like with like: the engine (always SLM), the bare loop on a
+    dynamic cache and the bare loop on a static cache write the same greedy tokens."""
+    from r2r.bench import bare_loop
+
+    engine = Engine(slm, None, tokenizer)
+    prompt = engine.encode_chat("What is 48 / 2?")
+    gen = engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    dynamic, _ = bare_loop(slm.model, prompt, 12)
+    static, _ = bare_loop(slm.model, prompt, 12, static=True)
+    assert gen.token_ids == dynamic == static
