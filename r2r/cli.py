@@ -564,16 +564,53 @@ def label_agree(
 
     if not (out / "judgements").exists():
         raise R2RError(f"{out} has no judgements yet: run `r2r label PROMPTS --out {out}` first")
+    name = f"judgements-{judge}"
+    labels.step_judgements(load_judge(judge, judge_url, judge_model, llm, device, dtype, backend), out, name=name)
+    print(json.dumps(labels.agreement(out, name)))
+
+
+def load_judge(kind: str, url: str | None, model: str | None, llm: str | None, device: str, dtype: str, backend: str):
+    """A judge by name, loading the LLM only for the local one."""
     llm_engine = None
-    if judge == "local":
+    if kind == "local":
         from r2r.engine import Engine
         from r2r.models import load_pair
 
         llm_b, _, tokenizer = load_pair(llm, None, device, need_llm=False, dtype=dtype, backend=backend)
         llm_engine = Engine(llm_b, None, tokenizer)
-    name = f"judgements-{judge}"
-    labels.step_judgements(make_judge(judge, llm_engine, judge_url, judge_model, device), out, name=name)
-    print(json.dumps(labels.agreement(out, name)))
+    return make_judge(kind, llm_engine, url, model, device)
+
+
+@label_app.command("check-judge")
+def label_check_judge(
+    cases: Optional[Path] = typer.Argument(None, help="JSONL of hand-labelled cases: context, a, b, label "
+                                           "(neutral|divergent). Default: the 28 cases shipped with r2r."),
+    judge: str = typer.Option("local", "--judge", help="local, remote or semantic."),
+    judge_url: Optional[str] = typer.Option(None, "--judge-url"),
+    judge_model: Optional[str] = typer.Option(None, "--judge-model"),
+    llm: Optional[str] = LLM_OPT,
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+    backend: str = BACKEND_OPT,
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """How well a judge agrees with hand labels: accuracy, divergent recall/precision, Cohen's kappa."""
+    from r2r import judges
+
+    result = judges.check(load_judge(judge, judge_url, judge_model, llm, device, dtype, backend),
+                          cases or judges.CHECK_SET)
+    if as_json:
+        print(json.dumps(result))
+        return
+    table = Table("hand label", "verdict", "raw answer", title=f"{judge} judge on {result['cases']} hand-labelled cases")
+    for a in result["answers"]:
+        table.add_row(a["label"], a["verdict"], a["raw"].strip()[:40])
+    console.print(table)
+    pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
+    console.print(f"accuracy {result['accuracy']:.0%}, divergent recall {pct(result['divergent_recall'])}, "
+                  f"precision {pct(result['divergent_precision'])} ({result['said_divergent']} said divergent, "
+                  f"{result['divergent_cases']} are), Cohen's kappa {result['kappa']:.2f}, "
+                  f"unparseable {result['unparseable']}")
 
 
 @label_app.command("report")

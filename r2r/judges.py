@@ -8,7 +8,9 @@ OpenAI-compatible endpoint (a big model, as the paper used), and a fast sentence
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 
 from r2r.backend import greedy
@@ -36,6 +38,49 @@ def parse_verdict(raw: str) -> str:
     """The verdict a judge's answer states, or "unparseable" when it states neither or both."""
     found = {WORDS[w] for w in re.findall(r"[a-z]+", raw.lower()) if w in WORDS}
     return found.pop() if len(found) == 1 else "unparseable"
+
+
+def same_text(a: str, b: str) -> bool:
+    """Continuations that read the same once whitespace is ignored are neutral by definition."""
+    return a.split() == b.split()
+
+
+def judge_cases(judge, cases: list[tuple[str, str, str]]) -> list[tuple[str, str]]:
+    """The judge's (verdict, raw answer) per case; cases whose continuations read the same are
+    neutral without asking (raw answer "same text")."""
+    asked = iter(judge([c for c in cases if not same_text(c[1], c[2])]))
+    return [("neutral", "same text") if same_text(c[1], c[2]) else next(asked) for c in cases]
+
+
+CHECK_SET = Path(__file__).parent / "data" / "judge-check.jsonl"
+
+
+def check(judge, path: Path = CHECK_SET) -> dict:
+    """A judge against hand-labelled cases (JSONL: context, a, b, label neutral|divergent): accuracy,
+    divergent recall and precision, Cohen's kappa, and each case's answer."""
+    try:
+        gold = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        cases = [(g["context"], g["a"], g["b"]) for g in gold]
+        labels = [g["label"] for g in gold]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise R2RError(f"{path} is not a judge check set (JSONL with context, a, b, label): {e}") from None
+    if not gold or set(labels) - {"neutral", "divergent"}:
+        raise R2RError(f"{path}: every case needs a label, neutral or divergent")
+    answers = judge_cases(judge, cases)
+    said = [v for v, _ in answers]
+    n = len(gold)
+    hits = sum(s == g for s, g in zip(said, labels))
+    true_div = sum(s == g == "divergent" for s, g in zip(said, labels))
+    said_div, gold_div = said.count("divergent"), labels.count("divergent")
+    # Cohen's kappa: agreement beyond what the two label frequencies give by chance.
+    chance = sum((said.count(v) / n) * (labels.count(v) / n) for v in ("neutral", "divergent"))
+    accuracy = hits / n
+    return {"cases": n, "divergent_cases": gold_div, "accuracy": accuracy,
+            "divergent_recall": true_div / gold_div if gold_div else None,
+            "divergent_precision": true_div / said_div if said_div else None,
+            "said_divergent": said_div, "unparseable": said.count("unparseable"),
+            "kappa": (accuracy - chance) / (1 - chance) if chance < 1 else 0.0,
+            "answers": [{"label": g, "verdict": v, "raw": raw} for g, (v, raw) in zip(labels, answers)]}
 
 
 def judge_prompt(context: str, a: str, b: str) -> str:

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from r2r import judges
 from r2r.backend import greedy
 from r2r.errors import R2RError
 
@@ -253,7 +254,7 @@ def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name:
     for i in range(0, len(todo), batch_size):
         chunk = todo[i : i + batch_size]
         began = time.perf_counter()
-        verdicts = judge([(c["context"], c["llm_branch"], c["slm_branch"]) for c in chunk])
+        verdicts = judges.judge_cases(judge, [(c["context"], c["llm_branch"], c["slm_branch"]) for c in chunk])
         log_throughput(out, f"{name} ({judge.name})", len(chunk), 0, time.perf_counter() - began)
         parts.write([{"id": c["id"], "position": c["position"], "verdict": v, "raw": raw, "judge": judge.name}
                      for c, (v, raw) in zip(chunk, verdicts)])

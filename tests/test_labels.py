@@ -200,6 +200,12 @@ def test_label_cli(run_cli, tmp_path):
     assert json.loads(out)["overall"]["queries"] == 2
     code, out, err = run_cli("label", tmp_path / "missing.jsonl", "--out", tmp_path / "e", *pair)
     assert code != 0 and "does not exist" in err
+    code, out, err = run_cli("label", "check-judge", "--judge", "local", "--json", "--llm", llm_dir, "--device", "cpu")
+    assert code == 0, err
+    checked = json.loads(out)
+    assert checked["cases"] == len(checked["answers"]) >= 20 and 0 <= checked["accuracy"] <= 1
+    code, out, err = run_cli("label", "check-judge", tmp_path / "p.jsonl", "--judge", "semantic")
+    assert code != 0 and "judge check set" in err
 
 
 def test_agreement_between_two_judges(tmp_path, slm, llm, tokenizer):
@@ -216,3 +222,40 @@ def test_agreement_between_two_judges(tmp_path, slm, llm, tokenizer):
 
     labels.step_judgements(Contrary(), tmp_path, name="judgements-contrary")
     assert labels.agreement(tmp_path, "judgements-contrary")["agreement"] == 0.0
+
+
+def test_same_text_is_neutral_without_asking_the_judge():
+    asked = []
+
+    def judge(cases):
+        asked.extend(cases)
+        return [("divergent", "DIVERGENT") for _ in cases]
+
+    out = judges.judge_cases(judge, [("c", "It is 24.", " It is  24."), ("c", "It is 24.", "It is 25.")])
+    assert out == [("neutral", "same text"), ("divergent", "DIVERGENT")]
+    assert asked == [("c", "It is 24.", "It is 25.")]
+
+
+def test_judge_check_against_hand_labels(tmp_path):
+    cases = [("a", "x", "neutral"), ("b", "y", "divergent"), ("c", "z", "divergent"), ("d", "w", "neutral"),
+             ("e", "e", "neutral")]
+    path = tmp_path / "check.jsonl"
+    path.write_text("".join(json.dumps({"context": "", "a": a, "b": b, "label": label}) + "\n"
+                            for a, b, label in cases))
+    said = {"x": "divergent", "y": "divergent", "z": "neutral", "w": "neutral"}  # 1 FP, 1 TP, 1 FN, 1 TN
+    result = judges.check(lambda cs: [(said[b], said[b].upper()) for _, _, b in cs], path)
+    assert result["cases"] == 5 and result["divergent_cases"] == 2
+    assert result["accuracy"] == pytest.approx(3 / 5)
+    assert result["divergent_recall"] == pytest.approx(1 / 2) and result["divergent_precision"] == pytest.approx(1 / 2)
+    chance = (3 / 5) * (3 / 5) + (2 / 5) * (2 / 5)
+    assert result["kappa"] == pytest.approx((3 / 5 - chance) / (1 - chance))
+    assert result["answers"][4] == {"label": "neutral", "verdict": "neutral", "raw": "same text"}
+    path.write_text('{"context": "", "a": "x", "b": "y", "label": "maybe"}\n')
+    with pytest.raises(R2RError, match="neutral or divergent"):
+        judges.check(lambda cs: [], path)
+
+
+def test_the_shipped_judge_check_set_is_well_formed():
+    rows = [json.loads(line) for line in judges.CHECK_SET.read_text().splitlines()]
+    assert len(rows) >= 20 and {r["label"] for r in rows} == {"neutral", "divergent"}
+    assert all(r["a"] and r["b"] is not None for r in rows)
