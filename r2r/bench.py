@@ -285,7 +285,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
     for name, engine in systems.items():
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
         tokens = llm_tokens = llm_calls = steps = 0
-        router_s = 0.0
+        router_s = slm_s = llm_s = 0.0
         start = time.perf_counter()
         for p in prompts:
             gen = engine.generate([p], params)[0]
@@ -294,10 +294,15 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
             llm_calls += gen.timings.llm_calls
             steps += gen.timings.steps
             router_s += gen.timings.router_s
+            slm_s += gen.timings.slm_s
+            llm_s += gen.timings.llm_s
         seconds = time.perf_counter() - start
         results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                          "llm_rate": llm_tokens / tokens if engine.llm else None,
-                         "llm_calls": llm_calls, "router_ms": 1000 * router_s / max(steps, 1)}
+                         "llm_calls": llm_calls, "router_ms": 1000 * router_s / max(steps, 1),
+                         # What the steps cost inside the run (the first of each includes the prompt):
+                         "slm_ms_per_step": 1000 * slm_s / max(steps, 1),
+                         "llm_ms_per_call": 1000 * llm_s / llm_calls if llm_calls else None}
         if progress:
             progress.advance(task)
 

@@ -701,7 +701,9 @@ def bench_compare(
                           f"+ LLM {m['t_llm_prompt_ms']:.0f} ms; per token t_SLM {m['t_slm_ms']:.1f} ms + router "
                           f"{m['t_router_ms']:.1f} ms + {m['llm_calls_per_token']:.3f} x t_LLM({m['catch_up_tokens']}) "
                           f"{m['t_llm_catch_up_ms']:.1f} ms -> predicted {m['predicted_tokens_per_s']:.2f} tok/s, "
-                          f"measured {r['tokens_per_s']:.2f} ({r['tokens_per_s'] / m['predicted_tokens_per_s']:.0%})")
+                          f"measured {r['tokens_per_s']:.2f} ({r['tokens_per_s'] / m['predicted_tokens_per_s']:.0%}); "
+                          f"inside the run: SLM {r['slm_ms_per_step']:.1f} ms per step, LLM "
+                          f"{r['llm_ms_per_call'] or 0:.1f} ms per call (prompts included)")
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
