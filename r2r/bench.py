@@ -67,7 +67,7 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
     if compile:
         compiled = torch.compile(model.forward, dynamic=False)
         started = time.perf_counter()
-        bare_loop(model, prompt_ids, 2, static=True, forward=compiled)  # compiles (minutes on a CPU)
+        bare_loop(model, prompt_ids, n_tokens, static=True, forward=compiled)  # compiles for these shapes (minutes on a CPU)
         compile_s = time.perf_counter() - started
         loops["static_compiled"] = lambda: bare_loop(model, prompt_ids, n_tokens, static=True, forward=compiled)[1]
     bare_loop(model, prompt_ids, 8)  # warm-up
