@@ -584,7 +584,7 @@ def load_judge(kind: str, url: str | None, model: str | None, llm: str | None, d
 @label_app.command("check-judge")
 def label_check_judge(
     cases: Optional[Path] = typer.Argument(None, help="JSONL of hand-labelled cases: context, a, b, label "
-                                           "(neutral|divergent). Default: the 28 cases shipped with r2r."),
+                                           "(neutral|divergent). Default: the hand-labelled cases shipped with r2r."),
     judge: str = typer.Option("local", "--judge", help="local, remote or semantic."),
     judge_url: Optional[str] = typer.Option(None, "--judge-url"),
     judge_model: Optional[str] = typer.Option(None, "--judge-model"),
