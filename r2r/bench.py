@@ -171,7 +171,7 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
     slms = {name: load_pair(None, None, "cpu", need_llm=False, dtype=dtype, backend=name) for name in ("torch", "llamacpp")}
     tokenizer = slms["torch"][2]
     writer = Engine(slms["llamacpp"][0], None, tokenizer)
-    policies = {name: router_policy(router_path, b) for name, (b, _, _) in slms.items()} if router_path else {}
+    routers = {name: router_policy(router_path, b) for name, (b, _, _) in slms.items()} if router_path else {}
     task = progress.add_task("backends", total=n_prompts) if progress else None
     found = {name: {"hidden": [], "argmax": [], "entropy": [], "router": []} for name in slms}
     for item in gsm8k()[:n_prompts]:
@@ -186,8 +186,8 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
             f["hidden"].append(hidden)
             f["argmax"].append(argmax)
             f["entropy"].append(entropy(logits))
-            if name in policies:
-                f["router"].append(policies[name].route(logits.to(slm.device), hidden.to(slm.device),
+            if name in routers:
+                f["router"].append(routers[name].route(logits.to(slm.device), hidden.to(slm.device),
                                                         argmax.to(slm.device))[1].float().cpu())
         if progress:
             progress.advance(task)
@@ -199,8 +199,8 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
               "entropy_threshold": entropy_threshold,
               "entropy_decision_agreement": ((t["entropy"] >= entropy_threshold) ==
                                              (l["entropy"] >= entropy_threshold)).float().mean().item()}
-    if policies:
-        threshold = policies["torch"].threshold
+    if routers:
+        threshold = routers["torch"].threshold
         gap = (t["router"] - l["router"]).abs()
         result |= {"router": str(router_path), "router_threshold": threshold,
                    "router_decision_agreement": ((t["router"] >= threshold) == (l["router"] >= threshold)).float().mean().item(),
