@@ -254,7 +254,7 @@ def speculative_torch(draft_model, target_model, prompt_ids: list[int], max_new_
 
 
 def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: float | None, spec_k: int,
-            progress=None) -> dict:
+            entropy_threshold: float, progress=None) -> dict:
     """Every way to get answers from the pair on the same GSM8K dev prompts, one prompt at a time:
     each model alone on each backend, speculative decoding, and R2R on each backend."""
     from r2r.benchmarks import gsm8k, gsm8k_prompt
@@ -271,7 +271,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
 
     def policy_for(slm_backend):
         if router_path is None:
-            return EntropyPolicy(threshold if threshold is not None else 0.8)
+            return EntropyPolicy(threshold if threshold is not None else entropy_threshold)
         return router_policy(router_path, slm_backend, threshold)
 
     systems = {}

@@ -156,6 +156,8 @@ DTYPE_OPT = typer.Option("bfloat16", "--dtype", help="Weights and compute: bfloa
 BACKEND_OPT = typer.Option("torch", "--backend", help="torch (transformers) or llamacpp (the GGUF files as shipped), "
                            "for both models or per role: slm=llamacpp,llm=torch. --dtype and --device apply to torch.")
 OUT_OPT = typer.Option(None, "--out", help="Also write the figures as JSON here.")
+JUDGE_URL_OPT = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL (remote judge).")
+JUDGE_MODEL_OPT = typer.Option(None, "--judge-model", help="Model name at that endpoint (remote judge).")
 ENTROPY_THRESHOLD_OPT = typer.Option(DEFAULT_ENTROPY_THRESHOLD, "--threshold", help="Entropy threshold (nats).")
 
 
@@ -484,8 +486,8 @@ def label_run(
     steps: str = typer.Option(",".join(("responses", "prefill", "continuations", "judgements", "labels")), "--steps",
                               help="Which steps to run, comma-separated, in pipeline order."),
     judge: str = typer.Option("local", "--judge", help="local (the pair's LLM), remote or semantic."),
-    judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL (remote judge)."),
-    judge_model: Optional[str] = typer.Option(None, "--judge-model", help="Model name at that endpoint."),
+    judge_url: Optional[str] = JUDGE_URL_OPT,
+    judge_model: Optional[str] = JUDGE_MODEL_OPT,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest LLM response (step 0)."),
     continuation_tokens: int = typer.Option(32, "--continuation-tokens", help="Longest branch continuation (step 2)."),
     batch_size: int = typer.Option(4, "--batch-size"),
@@ -552,8 +554,8 @@ def label_prompts(
 def label_agree(
     out: Path = typer.Argument(..., help="A label output directory whose judgements step has run."),
     judge: str = typer.Option("semantic", "--judge", help="The second judge: local, remote or semantic."),
-    judge_url: Optional[str] = typer.Option(None, "--judge-url"),
-    judge_model: Optional[str] = typer.Option(None, "--judge-model"),
+    judge_url: Optional[str] = JUDGE_URL_OPT,
+    judge_model: Optional[str] = JUDGE_MODEL_OPT,
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
@@ -586,8 +588,8 @@ def label_check_judge(
     cases: Optional[Path] = typer.Argument(None, help="JSONL of hand-labelled cases: context, a, b, label "
                                            "(neutral|divergent). Default: the hand-labelled cases shipped with r2r."),
     judge: str = typer.Option("local", "--judge", help="local, remote or semantic."),
-    judge_url: Optional[str] = typer.Option(None, "--judge-url"),
-    judge_model: Optional[str] = typer.Option(None, "--judge-model"),
+    judge_url: Optional[str] = JUDGE_URL_OPT,
+    judge_model: Optional[str] = JUDGE_MODEL_OPT,
     llm: Optional[str] = LLM_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
@@ -685,7 +687,7 @@ def bench_compare(
     if min(prompts, tokens, spec_k) < 1:
         raise R2RError("--prompts, --tokens and --spec-k must be at least 1")
     with Progress(console=console, transient=True) as progress:
-        result = compare(prompts, tokens, dtype, router_path, threshold, spec_k, progress)
+        result = compare(prompts, tokens, dtype, router_path, threshold, spec_k, DEFAULT_ENTROPY_THRESHOLD, progress)
     base = result["baseline"]
     table = Table("system", "tokens", "seconds", "tokens/s", "LLM rate", f"x {base}",
                   title=f"{prompts} GSM8K dev prompts, <= {tokens} new tokens, greedy, one at a time ({dtype} torch)")
@@ -703,7 +705,8 @@ def bench_compare(
                           f"{m['t_llm_catch_up_ms']:.1f} ms -> predicted {m['predicted_tokens_per_s']:.2f} tok/s, "
                           f"measured {r['tokens_per_s']:.2f} ({r['tokens_per_s'] / m['predicted_tokens_per_s']:.0%}); "
                           f"inside the run: SLM {r['slm_ms_per_step']:.1f} ms per step, LLM "
-                          f"{r['llm_ms_per_call'] or 0:.1f} ms per call (prompts included)")
+                          + ("no call" if r["llm_ms_per_call"] is None else f"{r['llm_ms_per_call']:.1f} ms per call")
+                          + " (prompts included)")
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))

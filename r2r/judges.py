@@ -12,7 +12,6 @@ import json
 import re
 from pathlib import Path
 
-
 from r2r.backend import greedy
 from r2r.errors import R2RError
 
@@ -48,8 +47,9 @@ def same_text(a: str, b: str) -> bool:
 def judge_cases(judge, cases: list[tuple[str, str, str]]) -> list[tuple[str, str]]:
     """The judge's (verdict, raw answer) per case; cases whose continuations read the same are
     neutral without asking (raw answer "same text")."""
-    asked = iter(judge([c for c in cases if not same_text(c[1], c[2])]))
-    return [("neutral", "same text") if same_text(c[1], c[2]) else next(asked) for c in cases]
+    same = [same_text(a, b) for _, a, b in cases]
+    asked = iter(judge([c for c, s in zip(cases, same) if not s]))
+    return [("neutral", "same text") if s else next(asked) for s in same]
 
 
 CHECK_SET = Path(__file__).parent / "data" / "judge-check.jsonl"
