@@ -72,7 +72,9 @@ def run_system(benchmark: str, items: list[benchmarks.Item], spec: SystemSpec, e
     path = out_dir / f"{spec.name}.jsonl"
     config_path = out_dir / f"{spec.name}.config.json"
     config = {"benchmark": benchmark, "system": spec.name, "max_new_tokens": params.max_new_tokens,
-              "slm": engine.slm.name, "llm": engine.llm.name if engine.llm else None, "value": spec.value}
+              "slm": engine.slm.name, "llm": engine.llm.name if engine.llm else None, "value": spec.value,
+              # Speed depends on the backend: resuming on another one would mix timings in one file.
+              "backends": [type(b).__name__ for b in (engine.slm, engine.llm) if b is not None]}
     if config_path.exists() and json.loads(config_path.read_text()) != config:
         raise R2RError(f"{path} holds results of another configuration ({config_path}); use another --out "
                        "or delete those files")
