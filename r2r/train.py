@@ -11,12 +11,14 @@
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from r2r.errors import R2RError
@@ -74,21 +76,23 @@ def load_dataset(dataset: Path) -> tuple[list[dict], dict[str, dict]]:
 
 
 @torch.inference_mode()
-def features(dataset: Path, slm, top_k: int = 100, progress=None, cache: Path | None = None) -> Features:
-    """Recompute the router's inputs for every labelled token by prefilling each response once."""
+def features(dataset: Path, slm, top_k: int = 100, progress=None, cache: Path | None = None,
+             save_every: int = 16) -> Features:
+    """Recompute the router's inputs for every labelled token by prefilling each response once.
+
+    The cache next to the dataset holds them per prompt, so responses added to the dataset later
+    cost only their own prefill, and a killed run keeps every prompt saved so far."""
     rows, responses = load_dataset(dataset)
     cache = cache or dataset / f"features-{type(slm).__name__}-k{top_k}.safetensors"
     by_id: dict[str, list[dict]] = {}
     for r in rows:
         by_id.setdefault(r["id"], []).append(r)
     ids = sorted(by_id)
-    if cache.exists():
-        saved = load_file(str(cache))
-        if saved["prompt"].numel() == len(rows):
-            return _assemble(saved, by_id, ids)
-    hidden, tokens, top, prompt = [], [], [], []
-    task = progress.add_task("features (SLM prefill)", total=len(ids)) if progress else None
-    for index, rid in enumerate(ids):
+    done = _read_cache(cache)
+    todo = [rid for rid in ids if rid not in done or len(done[rid]["tokens"]) != len(by_id[rid])]
+    task = progress.add_task("features (SLM prefill)", total=len(ids), completed=len(ids) - len(todo)) \
+        if progress else None
+    for count, rid in enumerate(todo, 1):
         r = responses.get(rid)
         if r is None:
             raise R2RError(f"labels.parquet has {rid!r} but responses/ does not: the dataset is incomplete")
@@ -98,22 +102,39 @@ def features(dataset: Path, slm, top_k: int = 100, progress=None, cache: Path | 
         start = len(r["prompt_ids"]) - 1
         logits, states = slm.prefill(r["prompt_ids"] + r["response_ids"][:-1], start)
         at = torch.tensor([x["position"] for x in labelled])
-        hidden.append(states[at].float())
-        tokens.append(torch.tensor([x["slm_token"] for x in labelled]))
-        top.append(torch.log_softmax(logits[at].float(), -1).topk(top_k, dim=-1).values)
-        prompt.append(torch.full((len(labelled),), index))
+        done[rid] = {"hidden": states[at].float(), "tokens": torch.tensor([x["slm_token"] for x in labelled]),
+                     "top_logprobs": torch.log_softmax(logits[at].float(), -1).topk(top_k, dim=-1).values}
+        if count % save_every == 0 or count == len(todo):
+            _write_cache(cache, done)
         if progress:
             progress.advance(task)
-    saved = {"hidden": torch.cat(hidden), "tokens": torch.cat(tokens), "top_logprobs": torch.cat(top),
-             "prompt": torch.cat(prompt)}
-    save_file(saved, str(cache))
-    return _assemble(saved, by_id, ids)
-
-
-def _assemble(saved: dict, by_id: dict[str, list[dict]], ids: list[str]) -> Features:
     ordered = [x for rid in ids for x in sorted(by_id[rid], key=lambda x: x["position"])]
-    return Features(saved["hidden"], saved["tokens"], saved["top_logprobs"], [x["label"] for x in ordered],
-                    torch.tensor([x["entropy"] for x in ordered]), saved["prompt"], ids)
+    return Features(*(torch.cat([done[rid][key] for rid in ids]) for key in ("hidden", "tokens", "top_logprobs")),
+                    [x["label"] for x in ordered], torch.tensor([x["entropy"] for x in ordered]),
+                    torch.cat([torch.full((len(by_id[rid]),), i) for i, rid in enumerate(ids)]), ids)
+
+
+def _read_cache(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Cached features per prompt id (empty when there is no cache or it is from an older format)."""
+    if not path.exists():
+        return {}
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if "ids" not in meta:
+        return {}
+    saved, ids, counts = load_file(str(path)), json.loads(meta["ids"]), json.loads(meta["counts"])
+    parts = {key: saved[key].split(counts) for key in ("hidden", "tokens", "top_logprobs")}
+    return {rid: {key: parts[key][i] for key in parts} for i, rid in enumerate(ids)}
+
+
+def _write_cache(path: Path, done: dict[str, dict[str, torch.Tensor]]) -> None:
+    ids = sorted(done)
+    tensors = {key: torch.cat([done[rid][key] for rid in ids]).contiguous()
+               for key in ("hidden", "tokens", "top_logprobs")}
+    counts = [len(done[rid]["tokens"]) for rid in ids]
+    partial = path.with_suffix(".partial")
+    save_file(tensors, str(partial), metadata={"ids": json.dumps(ids), "counts": json.dumps(counts)})
+    partial.replace(path)  # whole or not at all: a kill mid-write leaves the previous cache
 
 
 def split_by_prompt(data: Features, val_fraction: float, seed: int) -> tuple[Features, Features]:

@@ -66,6 +66,30 @@ def test_training_learns_a_planted_rule_and_is_reproducible(dataset, slm):
     assert all(torch.equal(a, b) for a, b in zip(router.state_dict().values(), again.state_dict().values()))
 
 
+def test_feature_cache_adds_only_new_prompts_and_survives_a_kill(dataset, slm, tmp_path, monkeypatch):
+    import shutil
+
+    full = training.features(dataset, slm, top_k=20, cache=tmp_path / "full.safetensors")
+    # Half of the prompts cached, as after a run killed midway (saved every 4 prompts) or a dataset
+    # that has grown since: the next run prefills only the other half and gives the same features.
+    half = tmp_path / "half"
+    shutil.copytree(dataset / "responses", half / "responses")
+    rows = pq.read_table(dataset / "labels.parquet").to_pylist()
+    pq.write_table(pa.Table.from_pylist([r for r in rows if int(r["id"][1:]) < 30]), half / "labels.parquet")
+    cache = tmp_path / "grown.safetensors"
+    training.features(half, slm, top_k=20, cache=cache, save_every=4)
+    calls = []
+    prefill = slm.prefill
+    monkeypatch.setattr(slm, "prefill", lambda *a: calls.append(1) or prefill(*a))
+    grown = training.features(dataset, slm, top_k=20, cache=cache)
+    assert len(calls) == 30
+    assert grown.ids == full.ids and torch.equal(grown.prompt, full.prompt) and grown.labels == full.labels
+    assert all(torch.equal(getattr(grown, k), getattr(full, k)) for k in ("hidden", "tokens", "top_logprobs"))
+    calls.clear()
+    training.features(dataset, slm, top_k=20, cache=cache)
+    assert not calls
+
+
 def test_metrics_on_known_scores():
     scores = torch.tensor([0.9, 0.8, 0.7, 0.1, 0.2, 0.3])
     target = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
