@@ -354,9 +354,11 @@ def train(
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         data = training.features(dataset, slm_b, progress=progress)
-        # Recall is measured on divergent tokens once the judge has run; before, on different ones.
         judged = "different" not in data.labels
-        measured = "divergent" if judged else "different"
+        _, held_out = training.split_by_prompt(data, 0.15, seed)  # the split every run below uses
+        # Recall is measured on divergent tokens once the judge has found some in the held-out
+        # prompts; before the judge has run (or when it calls nothing divergent), on different ones.
+        measured = "divergent" if judged and held_out.target("divergent").sum() > 0 else "different"
         runs = [(inputs, objective)]
         if ablations:
             objectives = training.OBJECTIVES if judged else ("different",)
@@ -364,8 +366,14 @@ def train(
         for run_inputs, run_objective in runs:
             config = RouterConfig(slm_b.hidden_size, embed.shape[1], tuple(run_inputs.split(",")), dim=dim,
                                   n_blocks=blocks)
-            router, val, info = training.train(data, lookup, config, run_objective, seed=seed, epochs=epochs,
-                                               progress=progress)
+            try:
+                router, val, info = training.train(data, lookup, config, run_objective, seed=seed, epochs=epochs,
+                                                   progress=progress)
+            except R2RError as e:
+                if (run_inputs, run_objective) == (inputs, objective):
+                    raise
+                console.print(f"[yellow]ablation {run_inputs} / {run_objective} skipped: {e}")
+                continue
             scores = training.router_scores(router, val, lookup)
             positives = val.target(measured)
             results.append({"inputs": run_inputs, "objective": run_objective, "params": sum(

@@ -123,6 +123,28 @@ def test_train_and_calibrate_cli(run_cli, dataset, tmp_path):
     assert code == 2 and "not a label dataset" in err
 
 
+def test_a_judge_that_calls_nothing_divergent_still_gives_the_ablation_table(run_cli, dataset, tmp_path):
+    import shutil
+
+    from tiny import save_pair
+
+    slm_dir, _ = save_pair(tmp_path)
+    neutral = tmp_path / "all-neutral"
+    shutil.copytree(dataset / "responses", neutral / "responses")
+    rows = pq.read_table(dataset / "labels.parquet").to_pylist()
+    pq.write_table(pa.Table.from_pylist([{**r, "label": "neutral" if r["label"] == "divergent" else r["label"]}
+                                         for r in rows]), neutral / "labels.parquet")
+    code, out, err = run_cli("train", neutral, "--objective", "different", "--out", tmp_path / "router", "--slm",
+                             slm_dir, "--dim", "32", "--epochs", "2", "--ablations")
+    assert code == 0, err
+    assert out.count("skipped") == 3 and "recall of different tokens" in " ".join(out.split())
+    runs = json.loads((tmp_path / "router" / "training.json").read_text())["runs"]
+    assert {r["objective"] for r in runs} == {"different"} and len(runs) == 3
+    assert load_router(tmp_path / "router").extra["training"]["recall_of"] == "different"
+    code, out, err = run_cli("train", neutral, "--out", tmp_path / "router2", "--slm", slm_dir)
+    assert code == 2 and "no positive tokens for objective 'divergent'" in err
+
+
 def test_an_unjudged_dataset_trains_the_different_objective(dataset, slm, tmp_path):
     import shutil
 
