@@ -635,12 +635,14 @@ def label_report(
     if as_json:
         print(json.dumps(result))
         return
-    table = Table("domain", "queries", "tokens", "different", "divergent", "H identical", "H neutral", "H divergent")
+    title = None if result["judged"] else "not judged yet: the prefill step's figures (divergent ones need the judge)"
+    table = Table("domain", "queries", "tokens", "different", "divergent", "H identical", "H different", "H neutral",
+                  "H divergent", title=title)
     fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
     for name, r in [*result["domains"].items(), ("overall", result["overall"])]:
         table.add_row(name, str(r["queries"]), str(r["tokens"]), f"{r['different_rate']:.1%}",
-                      f"{r['divergent_rate']:.1%}", fmt(r["mean_entropy_identical"]), fmt(r["mean_entropy_neutral"]),
-                      fmt(r["mean_entropy_divergent"]))
+                      "–" if r["divergent_rate"] is None else f"{r['divergent_rate']:.1%}",
+                      *[fmt(r[f"mean_entropy_{label}"]) for label in ("identical", "different", "neutral", "divergent")])
     console.print(table)
 
 

@@ -288,12 +288,27 @@ def step_labels(out: Path) -> Path:
     return path
 
 
+def prefill_rows(out: Path) -> list[dict]:
+    """Before the judge has run: one row per response token, labelled `identical` or `different`
+    from the prefill step alone."""
+    domains = {r["id"]: r["domain"] for r in Parts(out, "responses").rows()}
+    return [{"id": p["id"], "domain": domains.get(p["id"]), "position": pos, "slm_token": slm_token, "entropy": ent,
+             "label": "different" if diff else "identical"}
+            for p in Parts(out, "prefill").rows()
+            for pos, (slm_token, ent, diff) in enumerate(zip(p["slm_tokens"], p["entropy"], p["different"]))]
+
+
 def report(dataset: Path) -> dict:
-    """The paper's statistics table: per domain and overall, different and divergent rates, entropy by label."""
+    """The paper's statistics table: per domain and overall, different and divergent rates, entropy by label.
+    Before the judge has run (no labels.parquet yet), the prefill step gives everything but the
+    divergent figures, which are then null."""
     path = dataset / "labels.parquet" if dataset.is_dir() else dataset
-    if not path.exists():
+    if path.exists():
+        rows, judged = pq.read_table(path).to_pylist(), True
+    elif dataset.is_dir() and Parts(dataset, "prefill").rows():
+        rows, judged = prefill_rows(dataset), False
+    else:
         raise R2RError(f"{path} does not exist: run `r2r label` first")
-    rows = pq.read_table(path).to_pylist()
 
     def stats(subset):
         tokens = len(subset)
@@ -301,15 +316,18 @@ def report(dataset: Path) -> dict:
         divergent = sum(r["label"] == "divergent" for r in subset)
         out = {"queries": len({r["id"] for r in subset}), "tokens": tokens,
                "different_rate": different / tokens if tokens else 0.0,
-               "divergent_rate": divergent / tokens if tokens else 0.0,
+               "divergent_rate": (divergent / tokens if tokens else 0.0) if judged else None,
                "unparseable": sum(r["label"] == "unparseable" for r in subset)}
-        for label in ("identical", "neutral", "divergent"):
-            values = [r["entropy"] for r in subset if r["label"] == label]
+        for label in ("identical", "neutral", "divergent", "different"):
+            # "different": every token where the SLM's argmax is not the LLM's, whatever the verdict.
+            values = [r["entropy"] for r in subset if (r["label"] != "identical" if label == "different"
+                                                      else r["label"] == label)]
             out[f"mean_entropy_{label}"] = sum(values) / len(values) if values else None
         return out
 
     domains = sorted({r["domain"] for r in rows})
-    return {"domains": {d: stats([r for r in rows if r["domain"] == d]) for d in domains}, "overall": stats(rows)}
+    return {"judged": judged, "domains": {d: stats([r for r in rows if r["domain"] == d]) for d in domains},
+            "overall": stats(rows)}
 
 
 def agreement(out: Path, other: str) -> dict:

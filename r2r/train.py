@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from r2r.errors import R2RError
-from r2r.labels import Parts
+from r2r.labels import Parts, prefill_rows
 from r2r.router import Router, RouterCheckpoint, RouterConfig, slm_identity
 
 OBJECTIVES = ("divergent", "different")
@@ -65,13 +65,9 @@ def load_dataset(dataset: Path) -> tuple[list[dict], dict[str, dict]]:
     responses = {r["id"]: r for r in Parts(dataset, "responses").rows()}
     if (dataset / "labels.parquet").exists():
         return pq.read_table(dataset / "labels.parquet").to_pylist(), responses
-    prefill = Parts(dataset, "prefill").rows()
-    if not prefill:
+    rows = prefill_rows(dataset)
+    if not rows:
         raise R2RError(f"{dataset} has no labels.parquet and no prefill step yet: run `r2r label` first")
-    rows = [{"id": p["id"], "position": pos, "slm_token": slm_token, "entropy": ent,
-             "label": "different" if diff else "identical"}
-            for p in prefill for pos, (slm_token, ent, diff) in enumerate(zip(p["slm_tokens"], p["entropy"],
-                                                                             p["different"]))]
     return rows, responses
 
 

@@ -74,6 +74,13 @@ def test_pipeline_labels_every_response_token(tmp_path, slm, llm, tokenizer):
     assert overall["divergent_rate"] <= overall["different_rate"]
     assert overall["different_rate"] == sum(r["label"] != "identical" for r in rows) / len(rows)
     assert set(labels.throughput(tmp_path)) >= {"responses", "prefill", "continuations", "judgements (stub)"}
+    # Before the judge: the prefill step alone gives the same different rates and no divergent ones.
+    (tmp_path / "labels.parquet").rename(tmp_path / "judged.parquet")
+    unjudged = labels.report(tmp_path)
+    assert report["judged"] and not unjudged["judged"] and unjudged["overall"]["divergent_rate"] is None
+    for key in ("tokens", "queries", "different_rate", "mean_entropy_identical", "mean_entropy_different"):
+        assert unjudged["overall"][key] == pytest.approx(overall[key])
+    assert unjudged["domains"].keys() == report["domains"].keys()
 
 
 def test_continuation_branches_end_at_the_sentence(tmp_path, slm, llm, tokenizer):

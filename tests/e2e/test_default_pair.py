@@ -181,3 +181,24 @@ def test_bad_model_files_fail_in_one_line(tmp_path):
         result = run_cli("generate", "hi", "--max-new-tokens", "4", "--device", "cpu", *args)
         assert result.returncode != 0 and message in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_eval_grades_the_real_slm_on_gsm8k_and_humaneval(tmp_path):
+    """The harness end to end on the real SLM: answers generated, extracted, graded and summarised;
+    a HumanEval answer ends at its code block (the stop string) and goes through the harness."""
+    backend = "llamacpp" if importlib.util.find_spec("llama_cpp") else "torch"
+    for benchmark, item, tokens in (("gsm8k", "1", "400"), ("humaneval", "0", "400")):
+        result = run_cli("eval", "--benchmark", benchmark, "--systems", "slm", "--ids", item, "--max-new-tokens",
+                         tokens, "--out", str(tmp_path), "--backend", backend, "--device", "cpu")
+        assert result.returncode == 0, result.stderr
+        (row,) = [json.loads(line) for line in (tmp_path / benchmark / "slm.jsonl").read_text().splitlines()]
+        summary = json.loads((tmp_path / benchmark / "summary.json").read_text())["systems"]["slm"]
+        assert summary["items"] == 1 and summary["accuracy"] == float(row["correct"]) and row["tokens"] > 0
+        assert row["finish_reason"] == "stop", row["output"]
+        if benchmark == "gsm8k":
+            assert row["extracted"] is not None and row["extracted"].strip().lstrip("-").replace(".", "").isdigit()
+        else:
+            # Nothing after the code block: the stop string (or EOS right after the fence) ended it.
+            code_and_after = row["output"].split("```python", 1)[-1].split("```", 1)
+            assert len(code_and_after) == 1 or not code_and_after[1].strip(), row["output"]
+            assert row["extracted"] == "passed" or row["extracted"].startswith("failed"), row["extracted"]
