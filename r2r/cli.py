@@ -355,7 +355,7 @@ def train(
                   console=console) as progress:
         data = training.features(dataset, slm_b, progress=progress)
         judged = "different" not in data.labels
-        _, held_out = training.split_by_prompt(data, 0.15, seed)  # the split every run below uses
+        _, held_out = training.split_by_prompt(data, training.VAL_FRACTION, seed)  # the split every run below uses
         # Recall is measured on divergent tokens once the judge has found some in the held-out
         # prompts; before the judge has run (or when it calls nothing divergent), on different ones.
         measured = "divergent" if judged and held_out.target("divergent").sum() > 0 else "different"
@@ -434,7 +434,7 @@ def calibrate(
     seed = ckpt.extra.get("training", {}).get("seed", 0)
     data = training.features(dataset, slm_b)
     data = data.subset(torch.tensor([lab != "unparseable" for lab in data.labels]))
-    _, val = training.split_by_prompt(data, 0.15, seed)
+    _, val = training.split_by_prompt(data, training.VAL_FRACTION, seed)
     scores = training.router_scores(ckpt.router, val, lambda t: embed[t])
     measured = "different" if "different" in val.labels else "divergent"  # before the judge has run: different
     divergent = val.target(measured)

@@ -305,10 +305,10 @@ def report(dataset: Path) -> dict:
     path = dataset / "labels.parquet" if dataset.is_dir() else dataset
     if path.exists():
         rows, judged = pq.read_table(path).to_pylist(), True
-    elif dataset.is_dir() and Parts(dataset, "prefill").rows():
-        rows, judged = prefill_rows(dataset), False
     else:
-        raise R2RError(f"{path} does not exist: run `r2r label` first")
+        rows, judged = (prefill_rows(dataset) if dataset.is_dir() else []), False
+        if not rows:
+            raise R2RError(f"{path} does not exist: run `r2r label` first")
 
     def stats(subset):
         tokens = len(subset)

@@ -26,6 +26,8 @@ from r2r.labels import Parts, prefill_rows
 from r2r.router import Router, RouterCheckpoint, RouterConfig, slm_identity
 
 OBJECTIVES = ("divergent", "different")
+VAL_FRACTION = 0.15  # share of prompts held out for validation (training, calibration, reports)
+FEATURE_KEYS = ("hidden", "tokens", "top_logprobs")  # the cached router inputs, per labelled token
 
 
 @dataclass
@@ -81,7 +83,7 @@ def features(dataset: Path, slm, top_k: int = 100, progress=None, cache: Path | 
     rows, responses = load_dataset(dataset)
     cache = cache or dataset / f"features-{type(slm).__name__}-k{top_k}.safetensors"
     by_id: dict[str, list[dict]] = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda x: x["position"]):
         by_id.setdefault(r["id"], []).append(r)
     ids = sorted(by_id)
     done = _read_cache(cache)
@@ -92,7 +94,7 @@ def features(dataset: Path, slm, top_k: int = 100, progress=None, cache: Path | 
         r = responses.get(rid)
         if r is None:
             raise R2RError(f"labels.parquet has {rid!r} but responses/ does not: the dataset is incomplete")
-        labelled = sorted(by_id[rid], key=lambda x: x["position"])
+        labelled = by_id[rid]
         # The state after reading token t-1 proposes token t: response token j is proposed at
         # len(prompt) - 1 + j, so outputs start there.
         start = len(r["prompt_ids"]) - 1
@@ -104,8 +106,8 @@ def features(dataset: Path, slm, top_k: int = 100, progress=None, cache: Path | 
             _write_cache(cache, done)
         if progress:
             progress.advance(task)
-    ordered = [x for rid in ids for x in sorted(by_id[rid], key=lambda x: x["position"])]
-    return Features(*(torch.cat([done[rid][key] for rid in ids]) for key in ("hidden", "tokens", "top_logprobs")),
+    ordered = [x for rid in ids for x in by_id[rid]]
+    return Features(*(torch.cat([done[rid][key] for rid in ids]) for key in FEATURE_KEYS),
                     [x["label"] for x in ordered], torch.tensor([x["entropy"] for x in ordered]),
                     torch.cat([torch.full((len(by_id[rid]),), i) for i, rid in enumerate(ids)]), ids)
 
@@ -119,14 +121,13 @@ def _read_cache(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     if "ids" not in meta:
         return {}
     saved, ids, counts = load_file(str(path)), json.loads(meta["ids"]), json.loads(meta["counts"])
-    parts = {key: saved[key].split(counts) for key in ("hidden", "tokens", "top_logprobs")}
+    parts = {key: saved[key].split(counts) for key in FEATURE_KEYS}
     return {rid: {key: parts[key][i] for key in parts} for i, rid in enumerate(ids)}
 
 
 def _write_cache(path: Path, done: dict[str, dict[str, torch.Tensor]]) -> None:
     ids = sorted(done)
-    tensors = {key: torch.cat([done[rid][key] for rid in ids]).contiguous()
-               for key in ("hidden", "tokens", "top_logprobs")}
+    tensors = {key: torch.cat([done[rid][key] for rid in ids]).contiguous() for key in FEATURE_KEYS}
     counts = [len(done[rid]["tokens"]) for rid in ids]
     partial = path.with_suffix(".partial")
     save_file(tensors, str(partial), metadata={"ids": json.dumps(ids), "counts": json.dumps(counts)})
@@ -183,7 +184,7 @@ def router_scores(router: Router, data: Features, embed, batch: int = 4096) -> t
             for i in range(0, len(data.tokens), batch)])
 
 
-def train(data: Features, embed, config: RouterConfig, objective: str = "divergent", val_fraction: float = 0.15,
+def train(data: Features, embed, config: RouterConfig, objective: str = "divergent", val_fraction: float = VAL_FRACTION,
           seed: int = 0, epochs: int = 40, patience: int = 5, lr: float = 5e-4, batch_size: int = 512,
           progress=None) -> tuple[Router, Features, dict]:
     """Train a router; returns it (best validation AUC), the validation split and the training history."""
