@@ -520,8 +520,10 @@ def label_run(
         raise R2RError("--max-new-tokens, --continuation-tokens and --batch-size must be at least 1")
     prompt_set = labels.load_prompts(prompts) if "responses" in chosen else None
     out.mkdir(parents=True, exist_ok=True)
-    slm_b, llm_b, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
-    llm_engine = Engine(llm_b, None, tokenizer)  # the LLM alone
+    model_steps = [s for s in chosen if s != "labels"]
+    if model_steps:  # the labels step only joins Parquet parts: no model to load
+        slm_b, llm_b, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
+        llm_engine = Engine(llm_b, None, tokenizer)  # the LLM alone
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                   console=console) as progress:

@@ -205,6 +205,12 @@ def test_label_cli(run_cli, tmp_path):
     code, out, err = run_cli("label", "report", tmp_path / "d", "--json")
     assert code == 0, err
     assert json.loads(out)["overall"]["queries"] == 2
+    # The labels step alone joins the parts: it loads no model (this SLM path does not exist).
+    (tmp_path / "d" / "labels.parquet").unlink()
+    code, out, err = run_cli("label", prompts, "--out", tmp_path / "d", "--steps", "labels",
+                             "--slm", tmp_path / "no-such-model")
+    assert code == 0, err
+    assert (tmp_path / "d" / "labels.parquet").exists()
     code, out, err = run_cli("label", tmp_path / "missing.jsonl", "--out", tmp_path / "e", *pair)
     assert code != 0 and "does not exist" in err
     code, out, err = run_cli("label", "check-judge", "--judge", "local", "--json", "--llm", llm_dir, "--device", "cpu")
