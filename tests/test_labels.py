@@ -1,6 +1,7 @@
 """The label pipeline on a tiny pair: every step, resume after a kill mid-step, the judges' parser."""
 
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -272,3 +273,9 @@ def test_the_shipped_judge_check_set_is_well_formed():
     rows = [json.loads(line) for line in judges.CHECK_SET.read_text().splitlines()]
     assert len(rows) >= 20 and {r["label"] for r in rows} == {"neutral", "divergent"}
     assert all(r["a"] and r["b"] is not None for r in rows)
+
+
+def test_the_committed_default_dataset_matches_its_report():
+    """data/labels/default is the default pair's dataset (token ids and labels); report.json is its report."""
+    root = Path(__file__).parent.parent / "data" / "labels"
+    assert labels.report(root / "default") == json.loads((root / "report.json").read_text())
