@@ -75,7 +75,9 @@ def run_system(benchmark: str, items: list[benchmarks.Item], spec: SystemSpec, e
               "stop": list(params.stop),
               "slm": engine.slm.name, "llm": engine.llm.name if engine.llm else None, "value": spec.value,
               # Speed depends on the backend: resuming on another one would mix timings in one file.
-              "backends": [type(b).__name__ for b in (engine.slm, engine.llm) if b is not None]}
+              "backends": [type(b).__name__ for b in (engine.slm, engine.llm) if b is not None],
+              # A retrained router is another system: its results must not join the old one's.
+              "router": getattr(engine.policy, "identity", None)}
     if config_path.exists() and json.loads(config_path.read_text()) != config:
         raise R2RError(f"{path} holds results of another configuration ({config_path}); use another --out "
                        "or delete those files")

@@ -84,3 +84,25 @@ def test_statistics_helpers():
     assert wilson(0, 0) == (0.0, 0.0)
     profile = routing_profile([{"sources": "LSSSSSSSSL"}], bins=5)
     assert profile == [0.5, 0.0, 0.0, 0.0, 0.5]
+
+
+def test_eval_r2r_results_belong_to_one_router(run_cli, pair, tmp_path):
+    """Resuming r2r with a retrained router would mix two systems in one file: refused."""
+    import torch
+
+    from r2r.models import load_pair
+    from r2r.router import Router, RouterCheckpoint, RouterConfig, save_router, slm_identity
+
+    slm, _, _ = load_pair(str(pair[1]), None, "cpu", need_llm=False, dtype="bfloat16")  # as `r2r eval` loads it
+    config = RouterConfig(hidden_size=slm.hidden_size, embed_size=slm.embedding_table().shape[1], top_k=16, dim=16,
+                          n_blocks=1)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        save_router(tmp_path / f"router{seed}", RouterCheckpoint(Router(config), 0.5, slm_identity(slm)))
+    args = ["eval", "--benchmark", "gsm8k", "--systems", "r2r", "--ids", "0", "--max-new-tokens", "4",
+            "--out", tmp_path, *pair, "--router-path"]
+    for _ in range(2):  # the same router resumes
+        code, _, err = run_cli(*args, tmp_path / "router0")
+        assert code == 0, err
+    code, _, err = run_cli(*args, tmp_path / "router1")
+    assert code != 0 and "another configuration" in err
