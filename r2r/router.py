@@ -31,8 +31,8 @@ class RouterConfig:
     embed_size: int  # the SLM's token-embedding size
     inputs: tuple[str, ...] = INPUTS  # any non-empty subset of INPUTS
     top_k: int = 100  # how many of the SLM's largest log-probabilities the router reads
-    dim: int = 256
-    n_blocks: int = 3
+    dim: int = 128
+    n_blocks: int = 2
     dropout: float = 0.1
 
     def __post_init__(self):
