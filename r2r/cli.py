@@ -356,9 +356,7 @@ def train(
         data = training.features(dataset, slm_b, progress=progress)
         judged = "different" not in data.labels
         _, held_out = training.split_by_prompt(data, training.VAL_FRACTION, seed)  # the split every run below uses
-        # Recall is measured on divergent tokens once the judge has found some in the held-out
-        # prompts; before the judge has run (or when it calls nothing divergent), on different ones.
-        measured = "divergent" if judged and held_out.target("divergent").sum() > 0 else "different"
+        measured = training.recall_measured_on(held_out)
         runs = [(inputs, objective)]
         if ablations:
             objectives = training.OBJECTIVES if judged else ("different",)
@@ -436,7 +434,7 @@ def calibrate(
     data = data.subset(torch.tensor([lab != "unparseable" for lab in data.labels]))
     _, val = training.split_by_prompt(data, training.VAL_FRACTION, seed)
     scores = training.router_scores(ckpt.router, val, lambda t: embed[t])
-    measured = "different" if "different" in val.labels else "divergent"  # before the judge has run: different
+    measured = training.recall_measured_on(val)
     divergent = val.target(measured)
     rates = [x / 100 for x in range(1, 41)]
     recall = training.recall_at_rates(scores, divergent, rates)

@@ -73,6 +73,13 @@ def load_dataset(dataset: Path) -> tuple[list[dict], dict[str, dict]]:
     return rows, responses
 
 
+def recall_measured_on(val: Features) -> str:
+    """Which tokens recall is measured on: divergent ones once the judge has found some in these
+    prompts; before the judge has run, or when it calls nothing divergent, different ones."""
+    judged = "different" not in val.labels
+    return "divergent" if judged and val.target("divergent").sum() > 0 else "different"
+
+
 @torch.inference_mode()
 def features(dataset: Path, slm, top_k: int = 100, progress=None, cache: Path | None = None,
              save_every: int = 16) -> Features:

@@ -175,3 +175,15 @@ def test_router_checkpoint_round_trip_keeps_the_calibrated_threshold(slm, tmp_pa
     loaded = load_router(tmp_path / "r")
     assert loaded.threshold == 0.4321 and loaded.extra["training"]["seed"] == 3
     assert all(torch.equal(a, b) for a, b in zip(router.state_dict().values(), loaded.router.state_dict().values()))
+
+
+@pytest.mark.parametrize("labels, measured", [
+    (["identical", "different"], "different"),  # before the judge
+    (["identical", "neutral"], "different"),  # a judge that calls nothing divergent
+    (["identical", "neutral", "divergent"], "divergent"),
+])
+def test_recall_is_measured_on_divergent_tokens_when_there_are_some(labels, measured):
+    n = len(labels)
+    data = training.Features(torch.zeros(n, 4), torch.zeros(n, dtype=torch.long), torch.zeros(n, 2), labels,
+                             torch.zeros(n), torch.zeros(n, dtype=torch.long), ["p"])
+    assert training.recall_measured_on(data) == measured
