@@ -90,9 +90,13 @@ class NeuralPolicy(RoutingPolicy):
         if not 0.0 <= self.threshold <= 1.0:
             raise R2RError(f"router threshold is a probability and must be in [0, 1], got {self.threshold}")
         self.num_params = sum(p.numel() for p in self.router.parameters())
-        # Which router this is, for results files that must not mix two routers' runs.
+
+    @property
+    def identity(self) -> dict:
+        """Which router this is, for results files that must not mix two routers' runs (hashed on
+        demand: generating and serving never ask)."""
         weights = b"".join(t.detach().cpu().float().numpy().tobytes() for t in self.router.state_dict().values())
-        self.identity = {"weights_sha256": hashlib.sha256(weights).hexdigest()[:16], "threshold": self.threshold}
+        return {"weights_sha256": hashlib.sha256(weights).hexdigest()[:16], "threshold": self.threshold}
 
     @torch.inference_mode()
     def route(self, logits, hidden, tokens, thresholds=None):
