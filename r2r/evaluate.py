@@ -163,8 +163,9 @@ def routing_profile(rows: list[dict], bins: int = 10) -> list[float]:
 
 
 def summaries(out_dir: Path, item_ids: set[str] | None = None) -> dict[str, dict]:
+    """Per-system summaries of a results directory, the two single-model baselines first."""
     result = {}
-    for path in sorted(out_dir.glob("*.jsonl")):
+    for path in sorted(out_dir.glob("*.jsonl"), key=lambda p: ({"slm": 0, "llm": 1}.get(p.stem, 2), p.stem)):
         rows = [r for r in read_results(path) if item_ids is None or r["id"] in item_ids]
         if rows:
             result[path.stem] = summarize(rows)
@@ -328,8 +329,10 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
             engine, target_rate = build_engine(spec, slm_b, llm_b, tokenizer, checkpoint)
             run_system(benchmark, items, spec, engine, target_rate, params, out_dir, batch_size, progress)
 
-    names = [spec.name for spec in specs]
-    table = {name: s for name, s in summaries(out_dir, item_ids).items() if name in names}
+    # The report covers every system with results in this directory for these items, not only this call's:
+    # a benchmark run in chunks, or a baseline run on its own, still ends in one table and one plot.
+    table = summaries(out_dir, item_ids)
+    names = list(table)
     (out_dir / "summary.json").write_text(json.dumps(
         {"benchmark": benchmark, "ids": ids, "max_new_tokens": max_new_tokens, "systems": table}, indent=2))
     images = plot(table, out_dir, f"{benchmark} ({len(items)} items)")

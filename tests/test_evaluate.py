@@ -106,3 +106,16 @@ def test_eval_r2r_results_belong_to_one_router(run_cli, pair, tmp_path):
         assert code == 0, err
     code, _, err = run_cli(*args, tmp_path / "router1")
     assert code != 0 and "another configuration" in err
+
+
+def test_summary_covers_every_system_run_in_the_directory(run_cli, pair, tmp_path):
+    """A benchmark run in chunks or one system at a time still ends in one table over the selected items."""
+    common = ["eval", "--benchmark", "gsm8k", "--max-new-tokens", "3", "--out", tmp_path, *pair]
+    for systems, ids in (("llm", "0-1"), ("slm", "0"), ("slm", "0-1")):  # slm item 0 is cached
+        assert run_cli(*common, "--systems", systems, "--ids", ids)[0] == 0
+    summary = json.loads((tmp_path / "gsm8k" / "summary.json").read_text())["systems"]
+    assert list(summary) == ["slm", "llm"]
+    assert summary["slm"]["items"] == summary["llm"]["items"] == 2
+    code, out, err = run_cli(*common, "--systems", "slm", "--ids", "0")  # fewer items: the table follows --ids
+    summary = json.loads((tmp_path / "gsm8k" / "summary.json").read_text())["systems"]
+    assert code == 0 and summary["llm"]["items"] == 1 and "| llm |" in out
