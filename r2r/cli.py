@@ -476,13 +476,15 @@ def make_judge(kind: str, llm_engine, remote_url: str | None, remote_model: str 
         return judges.LocalJudge(llm_engine)
     if kind == "semantic":
         return judges.SemanticJudge(device="cpu" if device == "auto" else device)
+    if kind == "facts":
+        return judges.FactsJudge()
     if kind == "remote":
         import os
 
         if not remote_url or not remote_model:
             raise R2RError("--judge remote needs --judge-url and --judge-model (and OPENAI_API_KEY if it wants one)")
         return judges.RemoteJudge(remote_url, remote_model, os.environ.get("OPENAI_API_KEY", "unused"))
-    raise R2RError(f"unknown judge {kind!r}: use local, remote or semantic")
+    raise R2RError(f"unknown judge {kind!r}: use local, remote, semantic or facts")
 
 
 @label_app.command("run")
@@ -491,7 +493,7 @@ def label_run(
     out: Path = typer.Option(..., "--out", help="Directory for the steps' Parquet parts and labels.parquet."),
     steps: str = typer.Option(",".join(("responses", "prefill", "continuations", "judgements", "labels")), "--steps",
                               help="Which steps to run, comma-separated, in pipeline order."),
-    judge: str = typer.Option("local", "--judge", help="local (the pair's LLM), remote or semantic."),
+    judge: str = typer.Option("local", "--judge", help="local (the pair's LLM), remote, semantic or facts (numbers and names, no model)."),
     judge_url: Optional[str] = JUDGE_URL_OPT,
     judge_model: Optional[str] = JUDGE_MODEL_OPT,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest LLM response (step 0)."),
@@ -561,7 +563,7 @@ def label_prompts(
 @label_app.command("agree")
 def label_agree(
     out: Path = typer.Argument(..., help="A label output directory whose judgements step has run."),
-    judge: str = typer.Option("semantic", "--judge", help="The second judge: local, remote or semantic."),
+    judge: str = typer.Option("semantic", "--judge", help="The second judge: local, remote, semantic or facts."),
     judge_url: Optional[str] = JUDGE_URL_OPT,
     judge_model: Optional[str] = JUDGE_MODEL_OPT,
     llm: Optional[str] = LLM_OPT,
@@ -595,7 +597,7 @@ def load_judge(kind: str, url: str | None, model: str | None, llm: str | None, d
 def label_check_judge(
     cases: Optional[Path] = typer.Argument(None, help="JSONL of hand-labelled cases: context, a, b, label "
                                            "(neutral|divergent). Default: the hand-labelled cases shipped with r2r."),
-    judge: str = typer.Option("local", "--judge", help="local, remote or semantic."),
+    judge: str = typer.Option("local", "--judge", help="local, remote, semantic or facts."),
     judge_url: Optional[str] = JUDGE_URL_OPT,
     judge_model: Optional[str] = JUDGE_MODEL_OPT,
     llm: Optional[str] = LLM_OPT,

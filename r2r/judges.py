@@ -2,14 +2,16 @@
 
 Every judge has the same contract: `judge(cases) -> [(verdict, raw answer)]`, verdict one of
 "neutral", "divergent" or "unparseable" (an answer that says neither, or both, is recorded as
-such and never guessed). Three implementations: the pair's own LLM (local, the default), any
-OpenAI-compatible endpoint (a big model, as the paper used), and a fast sentence-embedding judge.
+such and never guessed). Four implementations: the pair's own LLM (local, the default), any
+OpenAI-compatible endpoint (a big model, as the paper used), a fast sentence-embedding judge, and a
+rule that compares the numbers and names the two continuations state.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 from r2r.backend import greedy
@@ -171,3 +173,29 @@ class SemanticJudge:
         b = self.model.encode([c[2] for c in cases], normalize_embeddings=True, convert_to_tensor=True)
         cosine = (a * b).sum(-1).tolist()
         return [("neutral" if c >= self.threshold else "divergent", f"cosine={c:.4f}") for c in cosine]
+
+
+class FactsJudge:
+    """No model: continuations that state the same numbers and the same names are neutral, any other
+    difference is divergent. A name is a capitalised word that the text never writes in lowercase, so
+    "Alice" counts and a sentence-opening "The" does not. In reasoning, a wrong number or a swapped person
+    is what changes the outcome, while rewording does not."""
+
+    name = "facts"
+    NUMBER = re.compile(r"\d+(?:\.\d+)?")
+    CAPITALISED = re.compile(r"\b[A-Z][a-z]+\b")
+    LOWERCASE = re.compile(r"\b[a-z]+\b")
+
+    def facts(self, text: str, lowercase: set[str]) -> Counter:
+        names = (w for w in self.CAPITALISED.findall(text) if w.lower() not in lowercase)
+        return Counter(self.NUMBER.findall(text)) + Counter(names)
+
+    def __call__(self, cases):
+        out = []
+        for context, a, b in cases:
+            lowercase = set(self.LOWERCASE.findall(f"{context} {a} {b}"))
+            fa, fb = self.facts(a, lowercase), self.facts(b, lowercase)
+            same = fa == fb
+            shown = " ".join(sorted(((fa - fb) + (fb - fa)).elements()))
+            out.append(("neutral" if same else "divergent", "same facts" if same else f"differ: {shown}"))
+        return out

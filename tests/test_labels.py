@@ -178,6 +178,19 @@ def test_semantic_judge():
     assert out[0][1].startswith("cosine=")
 
 
+def test_facts_judge_compares_numbers_and_names_not_wording():
+    context = "Alice and Bella share 48 apples. The apples are split evenly between the two of them."
+    out = judges.FactsJudge()([
+        (context, " The total is 24 apples each.", " Each of them gets 24 apples."),  # reworded: neutral
+        (context, " Each gets 24.", " Each gets 12."),  # another number
+        (context, " Alice gets 24.", " Bella gets 24."),  # another person
+        (context, " So 48 / 2 = 24.", " So 24 = 48 / 2."),  # the same facts in another order
+        (context, " Then she eats 2.5 of them.", " Then she eats 2 of them."),
+    ])
+    assert [v for v, _ in out] == ["neutral", "divergent", "divergent", "neutral", "divergent"]
+    assert out[1][1] == "differ: 12 24" and out[0][1] == "same facts"
+
+
 def test_prompt_sets(tmp_path):
     prompts = labels.build_prompt_set(per_domain=3, seed=0)
     assert len(prompts) == 12 and {p["domain"] for p in prompts} == set(labels.DOMAINS)
