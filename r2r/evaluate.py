@@ -197,9 +197,11 @@ def plot(table: dict[str, dict], out_dir: Path, title: str) -> list[Path]:
             low, high = s["accuracy_ci95"]
             ax.errorbar(s[key], s["accuracy"], yerr=[[s["accuracy"] - low], [high - s["accuracy"]]], fmt="o",
                         capsize=3, label=system)
-        sweep = sorted((s[key], s["accuracy"]) for system, s in table.items() if "@" in system or system == "r2r")
-        if len(sweep) > 1:
-            ax.plot(*zip(*sweep), "--", color="grey", linewidth=1)
+        # One dashed line per swept system ("r2r", "r2r@0.3", ...): the table may hold several kinds' sweeps.
+        for kind in {system.split("@")[0] for system in table if "@" in system}:
+            sweep = sorted((s[key], s["accuracy"]) for system, s in table.items() if system.split("@")[0] == kind)
+            if len(sweep) > 1:
+                ax.plot(*zip(*sweep), "--", color="grey", linewidth=1)
         ax.set_xlabel(label)
         ax.set_ylabel("accuracy")
         ax.set_title(title)

@@ -195,7 +195,8 @@ class FactsJudge:
         for context, a, b in cases:
             lowercase = set(self.LOWERCASE.findall(f"{context} {a} {b}"))
             fa, fb = self.facts(a, lowercase), self.facts(b, lowercase)
-            same = fa == fb
-            shown = " ".join(sorted(((fa - fb) + (fb - fa)).elements()))
-            out.append(("neutral" if same else "divergent", "same facts" if same else f"differ: {shown}"))
+            if fa == fb:
+                out.append(("neutral", "same facts"))
+            else:
+                out.append(("divergent", "differ: " + " ".join(sorted(((fa - fb) + (fb - fa)).elements()))))
         return out
