@@ -182,6 +182,11 @@ def markdown_table(table: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def system_colors(names) -> dict[str, str]:
+    """One colour per system, the same in every plot of a report."""
+    return {name: f"C{i % 10}" for i, name in enumerate(names)}
+
+
 def plot(table: dict[str, dict], out_dir: Path, title: str) -> list[Path]:
     """Accuracy against average activated parameters and against tokens/s: the Pareto view."""
     import matplotlib
@@ -189,14 +194,14 @@ def plot(table: dict[str, dict], out_dir: Path, title: str) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
+    paths, colors = [], system_colors(table)
     for key, label, name in (("avg_params_b", "average activated parameters (B)", "pareto_params.png"),
                              ("tokens_per_s", "tokens / s", "pareto_speed.png")):
         fig, ax = plt.subplots(figsize=(6, 4.2))
         for system, s in table.items():
             low, high = s["accuracy_ci95"]
             ax.errorbar(s[key], s["accuracy"], yerr=[[s["accuracy"] - low], [high - s["accuracy"]]], fmt="o",
-                        capsize=3, label=system)
+                        capsize=3, label=system, color=colors[system])
         # One dashed line per swept system ("r2r", "r2r@0.3", ...): the table may hold several kinds' sweeps.
         for kind in {system.split("@")[0] for system in table if "@" in system}:
             sweep = sorted((s[key], s["accuracy"]) for system, s in table.items() if system.split("@")[0] == kind)
@@ -214,7 +219,7 @@ def plot(table: dict[str, dict], out_dir: Path, title: str) -> list[Path]:
     return paths
 
 
-def plot_routing(profiles: dict[str, list[float]], out_dir: Path) -> Path | None:
+def plot_routing(profiles: dict[str, list[float]], colors: dict[str, str], out_dir: Path) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,7 +230,7 @@ def plot_routing(profiles: dict[str, list[float]], out_dir: Path) -> Path | None
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for system, profile in profiles.items():
         xs = [(i + 0.5) / len(profile) for i in range(len(profile))]
-        ax.plot(xs, profile, marker="o", label=system)
+        ax.plot(xs, profile, marker="o", label=system, color=colors[system])
     ax.set_xlabel("relative position in the response")
     ax.set_ylabel("LLM rate")
     ax.set_title("Where the LLM is used")
@@ -340,7 +345,7 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
     images = plot(table, out_dir, f"{benchmark} ({len(items)} items)")
     profiles = {name: routing_profile([r for r in read_results(out_dir / f"{name}.jsonl") if r["id"] in item_ids])
                 for name in names if name not in ("slm", "llm")}
-    images.append(plot_routing(profiles, out_dir))
+    images.append(plot_routing(profiles, system_colors(names), out_dir))
     examples = []
     for name in names:
         rows = [r for r in read_results(out_dir / f"{name}.jsonl") if r["id"] in item_ids]
