@@ -187,14 +187,14 @@ def system_colors(names) -> dict[str, str]:
     return {name: f"C{i % 10}" for i, name in enumerate(names)}
 
 
-def plot(table: dict[str, dict], out_dir: Path, title: str) -> list[Path]:
+def plot(table: dict[str, dict], colors: dict[str, str], out_dir: Path, title: str) -> list[Path]:
     """Accuracy against average activated parameters and against tokens/s: the Pareto view."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths, colors = [], system_colors(table)
+    paths = []
     for key, label, name in (("avg_params_b", "average activated parameters (B)", "pareto_params.png"),
                              ("tokens_per_s", "tokens / s", "pareto_speed.png")):
         fig, ax = plt.subplots(figsize=(6, 4.2))
@@ -342,10 +342,11 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
     names = list(table)
     (out_dir / "summary.json").write_text(json.dumps(
         {"benchmark": benchmark, "ids": ids, "max_new_tokens": max_new_tokens, "systems": table}, indent=2))
-    images = plot(table, out_dir, f"{benchmark} ({len(items)} items)")
+    colors = system_colors(names)
+    images = plot(table, colors, out_dir, f"{benchmark} ({len(items)} items)")
     profiles = {name: routing_profile([r for r in read_results(out_dir / f"{name}.jsonl") if r["id"] in item_ids])
                 for name in names if name not in ("slm", "llm")}
-    images.append(plot_routing(profiles, system_colors(names), out_dir))
+    images.append(plot_routing(profiles, colors, out_dir))
     examples = []
     for name in names:
         rows = [r for r in read_results(out_dir / f"{name}.jsonl") if r["id"] in item_ids]
