@@ -1,0 +1,49 @@
+"""Paired comparison of two systems in one `r2r eval` results directory, per 50 items and overall:
+accuracy, LLM rate, share of the SLM->LLM gap recovered, items only one of them gets right, exact McNemar p.
+
+    python scripts/paired.py runs/eval/gsm8k r2r entropy
+"""
+import json
+import sys
+from math import comb
+from pathlib import Path
+
+
+def load(results_dir: Path, system: str) -> dict[str, dict]:
+    path = results_dir / f"{system}.jsonl"
+    if not path.is_file():
+        sys.exit(f"error: {path} not found: give an `r2r eval` results directory holding {system}, slm and llm")
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def compare(rows: dict[str, dict], a: str, b: str, ids: list[str]) -> str:
+    acc = {s: sum(rows[s][i]["correct"] for i in ids) / len(ids) for s in rows}
+    rate = {s: sum(rows[s][i]["llm_tokens"] for i in ids) / sum(rows[s][i]["tokens"] for i in ids) for s in (a, b)}
+    only_a = sum(rows[a][i]["correct"] and not rows[b][i]["correct"] for i in ids)
+    only_b = sum(rows[b][i]["correct"] and not rows[a][i]["correct"] for i in ids)
+    n = only_a + only_b
+    p = min(1.0, 2 * sum(comb(n, k) for k in range(min(only_a, only_b) + 1)) / 2**n) if n else 1.0
+    gap = acc["llm"] - acc["slm"]
+    recovered = {s: f"{(acc[s] - acc['slm']) / gap:.0%}" if gap else "n/a" for s in (a, b)}
+    return (f"{len(ids)} items | slm {acc['slm']:.1%} llm {acc['llm']:.1%} | {a} {acc[a]:.1%} at {rate[a]:.1%} "
+            f"(gap {recovered[a]}) | {b} {acc[b]:.1%} at {rate[b]:.1%} (gap {recovered[b]}) | "
+            f"only {a} right {only_a}, only {b} right {only_b}, McNemar p={p:.2f}")
+
+
+def main():
+    if len(sys.argv) != 4:
+        sys.exit("usage: python scripts/paired.py RESULTS_DIR SYSTEM_A SYSTEM_B")
+    results_dir, a, b = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    rows = {s: load(results_dir, s) for s in (a, b, "slm", "llm")}
+    ids = sorted(set.intersection(*(set(r) for r in rows.values())), key=int)
+    if not ids:
+        sys.exit(f"error: no item has results for all of {a}, {b}, slm and llm in {results_dir}")
+    for start in range(0, int(ids[-1]) + 1, 50):
+        chunk = [i for i in ids if start <= int(i) < start + 50]
+        if chunk:
+            print(f"{start}-{start + 49}: " + compare(rows, a, b, chunk))
+    print("all: " + compare(rows, a, b, ids))
+
+
+if __name__ == "__main__":
+    main()
