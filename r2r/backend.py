@@ -1,122 +1,106 @@
-"""Model execution behind one small contract, so the decode loop never touches a framework.
+"""The backend contract: everything the engine, the pipelines and the server ask of a model.
 
-A backend runs one causal LM over a batch of token streams that it caches itself:
+A backend runs one causal LM over a batch of token streams that it caches itself. The engine
+never touches a framework: torch (`torch_backend.py`), llama.cpp (`llamacpp.py`) and any later
+backend implement `Backend`, and one contract test suite (tests/test_backends.py) runs against
+each. Conventions shared by every member:
 
-    forward(cache, new_ids, attention_mask) -> (logits, hidden) at the last position of each row
-
-`new_ids` are the columns of the streams the cache has not read yet; `attention_mask` covers
-every column up to and including them (0 marks left padding). `select_rows` keeps some rows
-of a cache (finished requests leave the batch), `append_rows` adds another cache's rows (new
-requests join), `pad_left` prepends empty columns (a longer newcomer widens the batch) and
-`truncate` drops the newest columns.
-The PyTorch/transformers implementation lives here; others (llama.cpp, a remote engine) follow
-the same contract.
+- A batch is a set of rows, one token stream each, left-padded to one width. Columns are
+  positions in that padded layout; `attention_mask` [B, columns] marks padding with 0.
+- A cache remembers how many columns it has read (`cache.length`); `forward` reads the next ones.
+- Logits are float32 over the tokenizer's ids only (`vocab_size` columns): rows an output head
+  has beyond the tokenizer (padding rows, e.g. 151,936 vs 152,064 in the paper's own pair) are
+  never returned, so they are never sampled and two models' logits always line up.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
-from transformers import DynamicCache
 
 
-@dataclass
-class TorchCache:
-    kv: DynamicCache
-    length: int = 0  # columns of the token streams already read into `kv`
+class Cache(Protocol):
+    length: int  # columns of the token streams already read into the cache
 
 
-@dataclass
-class TorchBackend:
-    model: torch.nn.Module  # a transformers *ForCausalLM
-    name: str = "model"
-    num_params: int = field(init=False)
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    """What the model is called in results and errors (its spec or the default pair's name)."""
 
-    def __post_init__(self):
-        self.model.eval()
-        # The trunk returns the last hidden state after the final norm: the router's input and
-        # the head's input. Calling trunk and head separately lets us project only the last positions.
-        self.trunk = self.model.base_model
-        self.head = self.model.get_output_embeddings()
-        self.num_params = sum(p.numel() for p in self.model.parameters())
-        config = self.model.config.get_text_config()
-        self.hidden_size = config.hidden_size
-        self.vocab_size = self.head.weight.shape[0]
+    num_params: int
+    """Parameters as loaded (output head included): the cost of one token, as the paper counts."""
+
+    vocab_size: int
+    """Logit columns returned: the tokenizer's ids, capped by the output head's rows."""
+
+    hidden_size: int
+    """Width of the last hidden state (after the final norm, the output head's input)."""
+
+    eos_ids: set[int]
+    """Ids the model itself says end a generation (generation config, end-of-generation tokens)."""
+
+    max_context: int
+    """The most positions one row may hold (prompt + generated)."""
+
+    max_rows: int | None
+    """The most rows one cache may hold at once; None when only memory limits it."""
 
     @property
     def device(self) -> torch.device:
-        return self.head.weight.device
+        """Where the tensors the backend returns live (and where it wants its inputs)."""
 
-    def new_cache(self) -> TorchCache:
-        return TorchCache(DynamicCache(config=self.model.config))
+    def new_cache(self) -> Cache:
+        """An empty cache, for a batch of any number of rows."""
 
-    @torch.inference_mode()
-    def forward(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
-        start, n_new = cache.length, new_ids.shape[1]
-        mask = attention_mask[:, : start + n_new]
-        # Same positions as transformers' generate: count real tokens, padding sits at 0.
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, start:]
-        out = self.trunk(
-            input_ids=new_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache.kv,
-            use_cache=True,
-        )
-        cache.length = start + n_new
-        hidden = out.last_hidden_state[:, -1:]
-        logits = self.head(hidden)[:, 0].float()
-        return logits, hidden[:, 0]
+    def forward(self, cache: Cache, new_ids: torch.Tensor, attention_mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read `new_ids` [B, n] (the columns after `cache.length`); `attention_mask` covers every
+        column up to and including them. Returns the logits [B, V] and last hidden state [B, H] at
+        each row's last column."""
 
-    @torch.inference_mode()
-    def prefill(self, ids: list[int], start: int = 0):
-        """Logits [T - start, V] (float32) and last hidden states [T - start, H] at positions start.. of one
-        sequence, no cache kept (positions before `start` are read but give no output)."""
-        out = self.trunk(input_ids=torch.tensor([ids], device=self.device), use_cache=False)
-        hidden = out.last_hidden_state[0, start:]
-        return self.head(hidden).float(), hidden
+    def forward_all(self, cache: Cache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """As `forward`, but the logits at every new column [B, n, V] (what a verifier needs:
+        each position's next-token distribution). Padding columns give rows of zeros."""
 
-    def select_rows(self, cache: TorchCache, rows: torch.Tensor) -> None:
-        if cache.length:
-            cache.kv.batch_select_indices(rows.to(self.device))
+    def prefill(self, ids: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence, no cache kept: logits [T - start, V] and hidden states [T - start, H] at
+        positions start.. (positions before `start` are read but give no output)."""
 
-    def append_rows(self, cache: TorchCache, other: TorchCache) -> None:
-        assert cache.length == other.length, "caches must cover the same columns"
-        for layer, new in zip(cache.kv.layers, other.kv.layers):
-            layer.keys = torch.cat([layer.keys, new.keys])
-            layer.values = torch.cat([layer.values, new.values])
+    def select_rows(self, cache: Cache, rows: torch.Tensor) -> None:
+        """Keep only these rows, in this order (finished requests leave the batch)."""
 
-    def pad_left(self, cache: TorchCache, n: int) -> None:
-        """Prepend n empty columns; the attention mask marks them as padding, so they are never read."""
-        if not cache.length:
-            return
-        for layer in cache.kv.layers:
-            b, h, _, d = layer.keys.shape
-            layer.keys = torch.cat([layer.keys.new_zeros(b, h, n, d), layer.keys], dim=2)
-            layer.values = torch.cat([layer.values.new_zeros(b, h, n, layer.values.shape[-1]), layer.values], dim=2)
-        cache.length += n
+    def append_rows(self, cache: Cache, other: Cache) -> None:
+        """Add `other`'s rows after this cache's (both cover the same columns); `other` is spent."""
 
-    def truncate(self, cache: TorchCache, length: int) -> None:
-        if length < cache.length:
-            cache.kv.crop(length - cache.length)  # negative: columns to drop
-            cache.length = length
+    def pad_left(self, cache: Cache, n: int) -> None:
+        """Prepend n padding columns to every row (a longer newcomer widens the batch)."""
+
+    def truncate(self, cache: Cache, length: int) -> None:
+        """Forget every column from `length` on (no-op when the cache holds fewer)."""
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(token_ids.to(self.device))
+        """Rows of the token-embedding table for these ids (the router's token input)."""
 
     def embedding_table(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight.detach()
+        """The whole token-embedding table [rows, E] (the router checkpoint's identity)."""
+
+
+def mask_for(cache: Cache, n_new: int, device) -> torch.Tensor:
+    """The attention mask of one unpadded row after reading n_new more tokens."""
+    return torch.ones(1, cache.length + n_new, dtype=torch.long, device=device)
 
 
 @torch.inference_mode()
-def greedy(backend, cache, new_ids: list[int], max_new_tokens: int, eos_ids: set[int], stop=None) -> list[int]:
+def greedy(backend: Backend, cache: Cache, new_ids: list[int], max_new_tokens: int, eos_ids: set[int],
+           stop: Callable[[list[int]], bool] | None = None) -> list[int]:
     """One row, greedy: read `new_ids` after what `cache` holds, then write up to `max_new_tokens`
     tokens, stopping before an EOS or after a token for which `stop(tokens_so_far)` is true."""
     out = []
     for _ in range(max_new_tokens):
-        mask = torch.ones(1, cache.length + len(new_ids), dtype=torch.long, device=backend.device)
-        logits, _ = backend.forward(cache, torch.tensor([new_ids], device=backend.device), mask)
+        logits, _ = backend.forward(cache, torch.tensor([new_ids], device=backend.device),
+                                    mask_for(cache, len(new_ids), backend.device))
         token = int(logits[0].argmax())
         if token in eos_ids:
             break

@@ -8,6 +8,8 @@ import time
 import torch
 from transformers import DynamicCache
 
+from r2r.backend import mask_for
+
 BENCH_PROMPT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May? Explain step by step."
@@ -49,10 +51,10 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
     """The engine (always-SLM policy) against a bare forward loop on the same prompt, and the bare loop
     on a static KV cache; with `compile`, also that with the forward compiled by torch.compile."""
     from r2r.engine import Engine, SamplingParams
-    from r2r.models import load_pair
+    from r2r.models import load_model
 
-    slm_backend, _, tokenizer = load_pair(slm, None, device, need_llm=False, dtype=dtype)
-    engine = Engine(slm_backend, None, tokenizer)
+    slm_backend, tokenizer = load_model(slm, "slm", device, dtype)
+    engine = Engine.alone(slm_backend, tokenizer, "slm")
     prompt_ids = engine.encode_chat(BENCH_PROMPT)
     params = SamplingParams(max_new_tokens=n_tokens, ignore_eos=True)
     model = slm_backend.model
@@ -85,13 +87,13 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
 def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshold: float, batch_size: int,
              n_tokens: int, backend: str = "torch") -> dict:
     """R2R (entropy routing) on `batch_size` GSM8K dev prompts: one at a time vs all in one batch."""
-    from r2r.benchmarks import gsm8k, gsm8k_prompt
+    from r2r import policies
     from r2r.engine import Engine, SamplingParams
     from r2r.models import load_pair
-    from r2r.policies import EntropyPolicy
+    from r2r.tasks import gsm8k, gsm8k_prompt
 
     slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
-    engine = Engine(slm_backend, llm_backend, tokenizer, EntropyPolicy(threshold))
+    engine = Engine(slm_backend, llm_backend, tokenizer, policies.build("entropy", threshold=threshold))
     prompts = [engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:batch_size]]
     params = SamplingParams(max_new_tokens=n_tokens)
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
@@ -115,14 +117,14 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold
 
     import openai
 
-    from r2r.benchmarks import gsm8k, gsm8k_prompt
+    from r2r import policies
     from r2r.engine import Engine
     from r2r.models import load_pair
-    from r2r.policies import EntropyPolicy
     from r2r.server import BackgroundServer, Limits, create_app
+    from r2r.tasks import gsm8k, gsm8k_prompt
 
     slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
-    engine = Engine(slm_backend, llm_backend, tokenizer, EntropyPolicy(threshold))
+    engine = Engine(slm_backend, llm_backend, tokenizer, policies.build("entropy", threshold=threshold))
     prompts = [gsm8k_prompt(item) for item in gsm8k()[:clients]]
     with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=clients))) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
@@ -146,7 +148,7 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold
 def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, context: int, new_tokens: list[int],
                backend: str = "torch") -> dict:
     """Milliseconds of one forward step per model, for k new tokens on top of a `context`-token cache
-    (the numbers behind DESIGN §3's cost model: an SLM step, and an LLM catch-up over k tokens)."""
+    (the numbers behind the README's cost model: an SLM step, and an LLM catch-up over k tokens)."""
     from r2r.models import load_pair
 
     slm_backend, llm_backend, _ = load_pair(slm, llm, device, dtype=dtype, backend=backend)
@@ -162,23 +164,25 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
     states, their argmax, and the routing decisions the entropy policy and the router take on each."""
     import torch.nn.functional as F
 
-    from r2r.benchmarks import gsm8k, gsm8k_prompt
+    from r2r import policies
     from r2r.engine import Engine, SamplingParams
-    from r2r.models import load_pair, shipped_router
-    from r2r.policies import entropy, router_policy
+    from r2r.models import load_model
+    from r2r.policies import entropy
+    from r2r.tasks import gsm8k, gsm8k_prompt
 
-    router_path = router_path or shipped_router()
-    slms = {name: load_pair(None, None, "cpu", need_llm=False, dtype=dtype, backend=name) for name in ("torch", "llamacpp")}
-    tokenizer = slms["torch"][2]
-    writer = Engine(slms["llamacpp"][0], None, tokenizer)
-    routers = {name: router_policy(router_path, b) for name, (b, _, _) in slms.items()} if router_path else {}
+    router_path = policies.router_path_for(router_path, None)
+    slms = {name: load_model(None, "slm", "cpu", dtype, name) for name in ("torch", "llamacpp")}
+    tokenizer = slms["torch"][1]
+    writer = Engine.alone(slms["llamacpp"][0], tokenizer, "slm")
+    routers = {name: policies.build("router", b, None, router_path) for name, (b, _) in slms.items()} \
+        if router_path else {}
     task = progress.add_task("backends", total=n_prompts) if progress else None
     found = {name: {"hidden": [], "argmax": [], "entropy": [], "router": []} for name in slms}
     for item in gsm8k()[:n_prompts]:
         prompt = writer.encode_chat(gsm8k_prompt(item))
         answer = writer.generate([prompt], SamplingParams(max_new_tokens=n_tokens))[0].token_ids
         ids = prompt + answer
-        for name, (slm, _, _) in slms.items():
+        for name, (slm, _) in slms.items():
             logits, hidden = slm.prefill(ids[:-1], start=len(prompt) - 1)  # the positions that propose answer tokens
             logits, hidden = logits.float().cpu(), hidden.float().cpu()
             argmax = logits.argmax(-1)
@@ -208,6 +212,12 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
     return result
 
 
+def read_all(backend, cache, ids: list[int]) -> torch.Tensor:
+    """One unpadded row: read `ids` after the cached ones; the logits [n, V] at every one of them."""
+    return backend.forward_all(cache, torch.tensor([ids], device=backend.device),
+                               mask_for(cache, len(ids), backend.device))[0]
+
+
 def speculative_llamacpp(draft, target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
                          k: int = 4) -> tuple[list[int], int]:
     """Greedy speculative decoding on two llama.cpp backends: the draft proposes k tokens, the target
@@ -215,7 +225,7 @@ def speculative_llamacpp(draft, target, prompt_ids: list[int], max_new_tokens: i
     the output is the target's greedy output. Returns (tokens, target calls)."""
     draft_cache, target_cache = draft.new_cache(), target.new_cache()
     # The target reads all but the last token it has emitted; the draft reads what it has not seen.
-    logits = target.forward_all(target_cache, prompt_ids)
+    logits = read_all(target, target_cache, prompt_ids)
     out = [int(logits[-1].argmax())]
     context = list(prompt_ids) + out
     calls = 1
@@ -223,12 +233,11 @@ def speculative_llamacpp(draft, target, prompt_ids: list[int], max_new_tokens: i
         proposal = []
         for _ in range(min(k, max_new_tokens - len(out))):
             unseen = (context + proposal)[draft_cache.length :]
-            mask = torch.ones(1, draft_cache.length + len(unseen), dtype=torch.long)
-            d_logits, _ = draft.forward(draft_cache, torch.tensor([unseen]), mask)  # logits at the last one only
+            d_logits, _ = draft.forward(draft_cache, torch.tensor([unseen]), mask_for(draft_cache, len(unseen), "cpu"))
             proposal.append(int(d_logits[0].argmax()))
             if proposal[-1] in eos_ids:
                 break
-        checked = target.forward_all(target_cache, [context[-1]] + proposal).argmax(-1).tolist()
+        checked = read_all(target, target_cache, [context[-1]] + proposal).argmax(-1).tolist()
         calls += 1
         accepted = 0
         while accepted < len(proposal) and checked[accepted] == proposal[accepted]:
@@ -257,27 +266,27 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
             entropy_threshold: float, progress=None) -> dict:
     """Every way to get answers from the pair on the same GSM8K dev prompts, one prompt at a time:
     each model alone on each backend, speculative decoding, and R2R on each backend."""
-    from r2r.benchmarks import gsm8k, gsm8k_prompt
+    from r2r import policies
     from r2r.engine import Engine, SamplingParams
-    from r2r.models import load_pair, shipped_router
-    from r2r.policies import EntropyPolicy, router_policy
+    from r2r.models import load_pair
+    from r2r.tasks import gsm8k, gsm8k_prompt
 
-    router_path = router_path or shipped_router()
+    router_path = policies.router_path_for(router_path, None)
     pairs = {name: load_pair(None, None, "cpu", dtype=dtype, backend=name) for name in ("torch", "llamacpp")}
     tokenizer = pairs["torch"][2]
-    prompts = [Engine(pairs["torch"][0], None, tokenizer).encode_chat(gsm8k_prompt(item))
+    prompts = [Engine.alone(pairs["torch"][0], tokenizer, "slm").encode_chat(gsm8k_prompt(item))
                for item in gsm8k()[:n_prompts]]
     params = SamplingParams(max_new_tokens=n_tokens)
 
     def policy_for(slm_backend):
         if router_path is None:
-            return EntropyPolicy(threshold if threshold is not None else entropy_threshold)
-        return router_policy(router_path, slm_backend, threshold)
+            return policies.build("entropy", threshold=threshold if threshold is not None else entropy_threshold)
+        return policies.build("router", slm_backend, threshold, router_path)
 
     systems = {}
     for name, (slm_b, llm_b, _) in pairs.items():
-        systems[f"LLM alone ({name})"] = Engine(llm_b, None, tokenizer)
-        systems[f"SLM alone ({name})"] = Engine(slm_b, None, tokenizer)
+        systems[f"LLM alone ({name})"] = Engine.alone(llm_b, tokenizer, "llm")
+        systems[f"SLM alone ({name})"] = Engine.alone(slm_b, tokenizer, "slm")
         systems[f"R2R ({name})"] = Engine(slm_b, llm_b, tokenizer, policy_for(slm_b))
     eos = systems["LLM alone (torch)"].eos_ids
     results = {}
@@ -290,7 +299,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
         for p in prompts:
             gen = engine.generate([p], params)[0]
             tokens += len(gen.token_ids)
-            llm_tokens += gen.llm_tokens if engine.llm else 0
+            llm_tokens += gen.llm_tokens
             llm_calls += gen.timings.llm_calls
             steps += gen.timings.steps
             router_s += gen.timings.router_s
@@ -298,7 +307,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
             llm_s += gen.timings.llm_s
         seconds = time.perf_counter() - start
         results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                         "llm_rate": llm_tokens / tokens if engine.llm else None,
+                         "llm_rate": llm_tokens / tokens if engine.routes else None,
                          "llm_calls": llm_calls, "router_ms": 1000 * router_s / max(steps, 1),
                          # What the steps cost inside the run (the first of each includes the prompt):
                          "slm_ms_per_step": 1000 * slm_s / max(steps, 1),
@@ -321,7 +330,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
         if progress:
             progress.advance(task)
 
-    # The cost model (DESIGN §3) from per-step costs measured now, at this run's context length:
+    # The cost model (README, "What bounds the speed") from per-step costs measured now, at this run's context length:
     # per request, both prompts' prefill, then per token t_SLM(1) + t_router + c * t_LLM(1/c), where
     # c = LLM calls per generated token (a call reads the 1/c tokens since the last one).
     prompt = round(statistics.mean(len(p) for p in prompts))

@@ -13,7 +13,8 @@ The LLM reads lazily: nothing until the first routed token, then everything sinc
 Because every row gains exactly one token per step, both caches stay rectangular: the SLM's
 always covers all columns but the newest, the LLM's whatever it has caught up on so far.
 `Batch` holds that state and does the steps; `Engine.stream` runs one batch to the end, and the
-server adds requests to a running batch between steps.
+server adds requests to a running batch between steps. One model alone (`Engine.alone`) runs the
+same loop with nothing to route: it writes every token itself.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from r2r.backend import Backend
 from r2r.errors import R2RError
-from r2r.policies import AlwaysSLM, RandomPolicy, RoutingPolicy
-
-RATE_WARMUP_TOKENS = 16  # a request aiming at an LLM rate uses the fixed threshold for its first tokens
+from r2r.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 
 
 @dataclass
@@ -71,14 +71,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 @dataclass
 class Timings:
-    """Seconds spent per part of the loop, for one `generate` call (shared by its rows)."""
+    """Seconds one request spent in each part of the loop (a batched step counts for each of its rows)."""
 
     slm_s: float = 0.0
     router_s: float = 0.0
     llm_s: float = 0.0
     total_s: float = 0.0
     steps: int = 0
-    llm_calls: int = 0
+    llm_calls: int = 0  # LLM catch-ups this request's row took part in
 
 
 @dataclass
@@ -131,17 +131,6 @@ class Generation:
 
 
 @dataclass
-class Step:
-    """What one decode step added to one request (yielded by `Engine.stream`)."""
-
-    row: int  # index of the prompt in the call
-    token_id: int
-    source: str
-    score: float
-    finished: bool
-
-
-@dataclass
 class Request:
     """One prompt being decoded: its settings and its growing result."""
 
@@ -149,25 +138,55 @@ class Request:
     params: SamplingParams
     force: str | None = None  # "slm" or "llm": this request bypasses the policy
     threshold: float | None = None  # this request's own routing threshold (None: the policy's)
-    target_rate: float | None = None  # aim for this LLM rate instead of a fixed threshold (see _thresholds)
-    tag: object = None  # the caller's handle (the prompt's index in `Engine.stream`)
+    target_rate: float | None = None  # aim for this LLM rate instead of a fixed threshold (see _threshold)
+    index: int = 0  # the prompt's position in its `Engine.stream` / `Engine.generate` call
     generation: Generation | None = None  # set when the request joins a batch
     generator: torch.Generator | None = None
     cancelled: bool = False  # set from anywhere; the request leaves at the next step
     started: float = 0.0
 
 
-class Engine:
-    """The two models, the tokenizer and the routing policy; `Batch` does the decoding."""
+@dataclass
+class Step:
+    """What one decode step added to one request."""
 
-    def __init__(self, slm, llm, tokenizer, policy: RoutingPolicy | None = None):
+    request: Request
+    token_id: int
+    source: str  # "slm" or "llm"
+    score: float  # the policy's score behind the decision
+    finished: bool
+
+
+class Engine:
+    """The models, the tokenizer and the routing policy; `Batch` does the decoding.
+
+    A pair (`Engine(slm, llm, tokenizer, policy)`) routes; one model alone (`Engine.alone`)
+    writes every token itself, for label responses, judges and the single-model baselines."""
+
+    def __init__(self, slm: Backend | None, llm: Backend | None, tokenizer, policy: RoutingPolicy | None = None):
+        if slm is None and llm is None:
+            raise R2RError("an engine needs at least one model")
         self.slm, self.llm, self.tokenizer = slm, llm, tokenizer
-        self.policy = policy or AlwaysSLM()
-        # The tokenizer's and generation config's EOS, plus what a backend itself knows ends a
-        # generation (llama.cpp's end-of-generation tokens).
-        self.eos_ids = eos_token_ids(getattr(slm, "model", None), tokenizer) | getattr(slm, "eos_ids", set())
+        # The writer proposes every token: the SLM, or the LLM when it runs alone.
+        self.writer, self.writer_source = (slm, "slm") if slm is not None else (llm, "llm")
+        self.routes = slm is not None and llm is not None
+        if slm is None and policy is not None:
+            raise R2RError(f"the LLM alone writes every token: the {policy.name!r} policy needs an SLM too")
+        self.policy = policy or (AlwaysSLM() if slm is not None else AlwaysLLM())
+        models = [m for m in (slm, llm) if m is not None]
+        if len({m.vocab_size for m in models}) > 1:
+            raise R2RError(f"the SLM returns {slm.vocab_size} logits and the LLM {llm.vocab_size}: load both with "
+                           f"the tokenizer's size (vocab_size={len(tokenizer)}) so that ids beyond it are never used")
+        # The tokenizer's EOS plus what each model itself knows ends a generation.
+        self.eos_ids = eos_token_ids(tokenizer).union(*(m.eos_ids for m in models))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
-        self.sync = torch.cuda.synchronize if slm.device.type == "cuda" else (lambda: None)
+        self.max_context = min(m.max_context for m in models)
+        self.sync = torch.cuda.synchronize if self.writer.device.type == "cuda" else (lambda: None)
+
+    @classmethod
+    def alone(cls, model: Backend, tokenizer, role: str = "llm") -> Engine:
+        """One model writing every token; `role` ("slm" or "llm") is what its tokens count as."""
+        return cls(model, None, tokenizer) if role == "slm" else cls(None, model, tokenizer)
 
     def encode_chat(self, message: str) -> list[int]:
         """A user message in the model's chat template, ready for the assistant's answer."""
@@ -190,17 +209,18 @@ class Engine:
         return results
 
     def stream(self, prompts: list[list[int]], params: SamplingParams, results: list | None = None):
-        """Decode all prompts as one batch, yielding the list of `Step`s each decode step adds.
+        """Decode all prompts as one batch, yielding the list of `Step`s each decode step adds
+        (`step.request.index` is the prompt's position in `prompts`).
 
         `results`, when given, is filled with one `Generation` per prompt (complete once the
         generator is exhausted)."""
-        requests = [Request(list(p), params, tag=i) for i, p in enumerate(prompts)]
+        requests = [Request(list(p), params, index=i) for i, p in enumerate(prompts)]
         batch = Batch(self)
         batch.add(requests)
         if results is not None:
             results[:] = [r.generation for r in requests]
         while batch.requests:
-            yield [Step(r.tag, *rest) for r, *rest in batch.step()]
+            yield batch.step()
 
 
 class Batch:
@@ -215,9 +235,12 @@ class Batch:
         self.engine = engine
         self.requests: list[Request] = []
         self.ids = self.mask = None  # [rows, columns]: token streams (left-padded) and their padding mask
-        self.slm_cache = engine.slm.new_cache()
-        self.llm_cache = engine.llm.new_cache() if engine.llm else None
-        self.timings = Timings()
+        self.writer_cache, self.llm_cache = self._new_caches()
+
+    def _new_caches(self):
+        """The writer's cache, and the LLM's when a pair routes to it (None when a model runs alone)."""
+        engine = self.engine
+        return engine.writer.new_cache(), engine.llm.new_cache() if engine.routes else None
 
     def add(self, requests: list[Request]) -> None:
         engine = self.engine
@@ -225,23 +248,25 @@ class Batch:
             r.params.validate()
             if not r.prompt_ids:
                 raise R2RError("every prompt needs at least one token")
-            routes_to_llm = r.force == "llm" or (r.force is None and not isinstance(engine.policy, AlwaysSLM))
+            routes_to_llm = r.force == "llm" or (r.force is None and engine.policy.routes_to_llm)
             if engine.llm is None and routes_to_llm:
                 raise R2RError(f"the {engine.policy.name!r} policy routes to an LLM, but no LLM is loaded")
-        params_b = (engine.slm.num_params / 1e9, engine.policy.num_params / 1e9,
+            if engine.slm is None and r.force == "slm":
+                raise R2RError("this request asks for the SLM, but no SLM is loaded")
+        params_b = ((engine.slm.num_params if engine.slm else 0) / 1e9,
+                    (engine.policy.num_params if engine.routes else 0) / 1e9,
                     (engine.llm.num_params if engine.llm else 0) / 1e9)
         now = time.perf_counter()
         for r in requests:
-            r.generation = Generation(prompt_ids=r.prompt_ids, params_b=params_b, timings=self.timings)
+            r.generation = Generation(prompt_ids=r.prompt_ids, params_b=params_b)
             r.started = now
             if r.params.seed is not None:
-                r.generator = torch.Generator(engine.slm.device).manual_seed(r.params.seed)
-        ids, mask = left_pad([r.prompt_ids for r in requests], engine.pad_id, engine.slm.device)
+                r.generator = torch.Generator(engine.writer.device).manual_seed(r.params.seed)
+        ids, mask = left_pad([r.prompt_ids for r in requests], engine.pad_id, engine.writer.device)
         if not self.requests:
             # An empty batch: the newcomers are the batch; the next step reads their prompts.
             self.ids, self.mask = ids, mask
-            self.slm_cache = engine.slm.new_cache()
-            self.llm_cache = engine.llm.new_cache() if engine.llm else None
+            self.writer_cache, self.llm_cache = self._new_caches()
             self.requests = list(requests)
             return
         width = self.ids.shape[1]
@@ -250,35 +275,44 @@ class Batch:
         elif ids.shape[1] < width:
             ids, mask = pad_columns_left(ids, mask, width - ids.shape[1], engine.pad_id)
         # Prefill the newcomers up to where each cache is, then append their rows.
-        for backend, cache in ((engine.slm, self.slm_cache), (engine.llm, self.llm_cache)):
-            if cache is not None and cache.length:
+        for backend, cache in self._caches():
+            if cache.length:
                 fresh = backend.new_cache()
                 backend.forward(fresh, ids[:, : cache.length], mask[:, : cache.length])
                 backend.append_rows(cache, fresh)
         self.ids, self.mask = torch.cat([self.ids, ids]), torch.cat([self.mask, mask])
         self.requests += requests
 
+    def _caches(self):
+        """(backend, cache) for each model this batch runs."""
+        yield self.engine.writer, self.writer_cache
+        if self.llm_cache is not None:
+            yield self.engine.llm, self.llm_cache
+
     def _pad_left(self, n: int) -> None:
         self.ids, self.mask = pad_columns_left(self.ids, self.mask, n, self.engine.pad_id)
-        self.engine.slm.pad_left(self.slm_cache, n)
-        if self.llm_cache is not None:
-            self.engine.llm.pad_left(self.llm_cache, n)
+        for backend, cache in self._caches():
+            backend.pad_left(cache, n)
 
-    def step(self) -> list[tuple[Request, int, str, float, bool]]:
-        """One decode step for every request; returns (request, token, source, score, finished) per row."""
+    def step(self) -> list[Step]:
+        """One decode step for every request: what it added to each."""
         self._keep([i for i, r in enumerate(self.requests) if not r.cancelled])
         if not self.requests:
             return []
-        engine, timings, requests = self.engine, self.timings, self.requests
-        # 1. The SLM reads the columns it has not read yet and proposes a token per row.
+        engine, requests = self.engine, self.requests
+        # 1. The writer (the SLM of a pair) reads the columns it has not read yet and proposes a token per row.
         t0 = time.perf_counter()
-        logits, hidden = engine.slm.forward(self.slm_cache, self.ids[:, self.slm_cache.length :], self.mask)
+        logits, hidden = engine.writer.forward(self.writer_cache, self.ids[:, self.writer_cache.length :], self.mask)
         proposal = sample_rows(logits, requests)
         engine.sync()
         t1 = time.perf_counter()
         # 2. The policy decides which rows the LLM takes (a request may force one model).
-        to_llm, scores = engine.policy.route(logits, hidden, proposal, self._thresholds())
-        routed = [r.force == "llm" if r.force else bool(x) for r, x in zip(requests, to_llm.tolist())]
+        if engine.routes:
+            to_llm, scores = engine.policy.route(logits, hidden, proposal, self._thresholds())
+            routed = [r.force == "llm" if r.force else bool(x) for r, x in zip(requests, to_llm.tolist())]
+            scores = scores.tolist()
+        else:  # one model alone writes every token
+            routed, scores = [False] * len(requests), [0.0] * len(requests)
         t2 = time.perf_counter()
         # 3. The LLM catches up on every column since it last ran, then emits its token.
         chosen = proposal
@@ -288,23 +322,18 @@ class Batch:
             for i in (i for i, is_llm in enumerate(routed) if is_llm):
                 chosen[i] = sample_rows(llm_logits[i : i + 1], requests[i : i + 1])[0]
             engine.sync()
-            timings.llm_calls += 1
         t3 = time.perf_counter()
-        timings.slm_s += t1 - t0
-        timings.router_s += t2 - t1
-        timings.llm_s += t3 - t2
-        timings.steps += 1
 
         # 4. Append the new column and record each row's token; finished rows leave the batch.
         self.ids = torch.cat([self.ids, chosen[:, None]], dim=1)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(requests), 1)], dim=1)
         now = time.perf_counter()
-        timings.total_s += now - t0
-        out, keep = [], []
-        for i, (r, token, is_llm, score) in enumerate(zip(requests, chosen.tolist(), routed, scores.tolist())):
+        steps, keep = [], []
+        for i, (r, token, is_llm, score) in enumerate(zip(requests, chosen.tolist(), routed, scores)):
             gen = r.generation
+            self._count_time(gen.timings, t1 - t0, t2 - t1, t3 - t2, now - t0, llm_ran=any(routed))
             gen.token_ids.append(token)
-            gen.sources.append("llm" if is_llm else "slm")
+            gen.sources.append("llm" if is_llm else engine.writer_source)
             gen.scores.append(float(score))
             gen.elapsed_s = now - r.started
             finished = self._finished(r, token)
@@ -312,27 +341,35 @@ class Batch:
                 gen.text = self._final_text(r)
             else:
                 keep.append(i)
-            out.append((r, token, gen.sources[-1], float(score), finished))
+            steps.append(Step(r, token, gen.sources[-1], float(score), finished))
         self._keep(keep)
-        return out
+        return steps
+
+    def _count_time(self, t: Timings, writer_s: float, router_s: float, llm_s: float, total_s: float,
+                    llm_ran: bool) -> None:
+        if self.engine.writer_source == "slm":
+            t.slm_s += writer_s
+        else:
+            t.llm_s += writer_s
+        t.router_s += router_s
+        t.llm_s += llm_s
+        t.total_s += total_s
+        t.steps += 1
+        t.llm_calls += llm_ran
 
     def _thresholds(self) -> torch.Tensor | None:
         """Per-row thresholds, or None when every row uses the policy's own."""
         if all(r.threshold is None and r.target_rate is None for r in self.requests):
             return None
-        default = getattr(self.engine.policy, "threshold", 0.0)
-        return torch.tensor([self._threshold(r, default) for r in self.requests], device=self.ids.device)
+        return torch.tensor([self._threshold(r) for r in self.requests], device=self.ids.device)
 
-    def _threshold(self, r: Request, default: float) -> float:
+    def _threshold(self, r: Request) -> float:
+        fixed = (self.engine.policy.threshold or 0.0) if r.threshold is None else r.threshold
         if r.target_rate is None:
-            return default if r.threshold is None else r.threshold
-        if isinstance(self.engine.policy, RandomPolicy):
-            return r.target_rate  # its threshold is the rate
-        # A target rate: route when the score is in the top `rate` of this request's scores so far.
-        past = r.generation.scores
-        if len(past) < RATE_WARMUP_TOKENS:
-            return default if r.threshold is None else r.threshold
-        return torch.tensor(past).quantile(1 - r.target_rate).item()
+            return fixed
+        # A target rate: the policy maps it to a threshold from this request's scores so far.
+        aimed = self.engine.policy.threshold_for_rate(r.target_rate, r.generation.scores)
+        return fixed if aimed is None else aimed
 
     def _keep(self, rows: list[int]) -> None:
         if len(rows) == len(self.requests):
@@ -342,9 +379,8 @@ class Batch:
             return
         index = torch.tensor(rows, device=self.ids.device)
         self.ids, self.mask = self.ids[index], self.mask[index]
-        self.engine.slm.select_rows(self.slm_cache, index)
-        if self.llm_cache is not None:
-            self.engine.llm.select_rows(self.llm_cache, index)
+        for backend, cache in self._caches():
+            backend.select_rows(cache, index)
 
     def _finished(self, r: Request, token: int) -> bool:
         gen, params = r.generation, r.params
@@ -393,13 +429,6 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return ids.to(device), mask.to(device)
 
 
-def eos_token_ids(model, tokenizer) -> set[int]:
-    """Every id that ends a generation: the tokenizer's EOS and the model's generation config's."""
-    ids = set()
-    config = getattr(model, "generation_config", None)
-    for value in (getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(value)
-    return ids
+def eos_token_ids(tokenizer) -> set[int]:
+    """The tokenizer's EOS id, if it has one."""
+    return set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}

@@ -12,10 +12,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from r2r import benchmarks
+from r2r import policies, tasks
 from r2r.engine import Batch, Engine, Request, SamplingParams
 from r2r.errors import R2RError
-from r2r.policies import AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
 
 SYSTEMS = ("slm", "llm", "r2r", "entropy", "random")
 
@@ -35,22 +34,22 @@ def parse_systems(text: str) -> list[str]:
     return names
 
 
-def build_engine(spec: SystemSpec, slm, llm, tokenizer, router_checkpoint) -> tuple[Engine, float | None]:
+def build_engine(spec: SystemSpec, slm, llm, tokenizer, router_path: Path | None) -> tuple[Engine, float | None]:
     """The engine for one system, and the per-request target LLM rate it decodes with (if any)."""
     if spec.kind == "slm":
-        return Engine(slm, None, tokenizer, AlwaysSLM()), None
+        return Engine.alone(slm, tokenizer, "slm"), None
     if spec.kind == "llm":
         # The LLM alone, as the only model: its speed is the LLM's, not the LLM's plus an idle SLM's.
-        return Engine(llm, None, tokenizer, AlwaysSLM()), None
+        return Engine.alone(llm, tokenizer, "llm"), None
     if spec.kind == "r2r":
-        if router_checkpoint is None:
+        if router_path is None:
             raise R2RError("the r2r system needs a trained router: pass --router-path (or leave r2r out of --systems)")
-        return Engine(slm, llm, tokenizer, NeuralPolicy(router_checkpoint, slm.embed, spec.value, slm.device)), None
+        return Engine(slm, llm, tokenizer, policies.build("router", slm, spec.value, router_path)), None
     if spec.kind == "entropy":
         # Calibrated to the target rate per request: routes the tokens whose entropy is in the top `rate`.
-        return Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0)), spec.value
+        return Engine(slm, llm, tokenizer, policies.build("entropy", threshold=1.0)), spec.value
     if spec.kind == "random":
-        return Engine(slm, llm, tokenizer, RandomPolicy(spec.value, seed=0)), None
+        return Engine(slm, llm, tokenizer, policies.build("random", threshold=spec.value, seed=0)), None
     raise R2RError(f"unknown system {spec.kind!r}")
 
 
@@ -67,15 +66,16 @@ def read_results(path: Path) -> list[dict]:
     return rows
 
 
-def run_system(benchmark: str, items: list[benchmarks.Item], spec: SystemSpec, engine: Engine,
+def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine: Engine,
                target_rate: float | None, params: SamplingParams, out_dir: Path, batch_size: int, progress=None):
     path = out_dir / f"{spec.name}.jsonl"
     config_path = out_dir / f"{spec.name}.config.json"
     config = {"benchmark": benchmark, "system": spec.name, "max_new_tokens": params.max_new_tokens,
               "stop": list(params.stop),
-              "slm": engine.slm.name, "llm": engine.llm.name if engine.llm else None, "value": spec.value,
+              # The names as they were when the LLM alone ran in the SLM's slot, so old results resume.
+              "slm": engine.writer.name, "llm": engine.llm.name if engine.routes else None, "value": spec.value,
               # Speed depends on the backend: resuming on another one would mix timings in one file.
-              "backends": [type(b).__name__ for b in (engine.slm, engine.llm) if b is not None],
+              "backends": [type(b).__name__ for b in (engine.writer, engine.llm if engine.routes else None) if b],
               # A retrained router is another system: its results must not join the old one's.
               "router": getattr(engine.policy, "identity", None)}
     if config_path.exists() and json.loads(config_path.read_text()) != config:
@@ -93,7 +93,6 @@ def run_system(benchmark: str, items: list[benchmarks.Item], spec: SystemSpec, e
     todo = [item for item in items if item.id not in done]
     task = progress.add_task(f"{benchmark} {spec.name}", total=len(items), completed=len(items) - len(todo)) \
         if progress else None
-    is_llm_alone = spec.kind == "llm"
     with path.open("a") as f:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
@@ -105,12 +104,10 @@ def run_system(benchmark: str, items: list[benchmarks.Item], spec: SystemSpec, e
                 batch.step()
             for item, request in zip(chunk, requests):
                 gen = request.generation
-                extracted, correct = benchmarks.grade(benchmark, item, gen.text)
-                n = len(gen.token_ids)
-                sources = "L" * n if is_llm_alone else "".join("L" if s == "llm" else "S" for s in gen.sources)
-                params_b = engine.slm.num_params / 1e9 if is_llm_alone else gen.avg_params_b
+                extracted, correct = tasks.grade(benchmark, item, gen.text)
+                sources = "".join("L" if s == "llm" else "S" for s in gen.sources)
                 row = {"id": item.id, "output": gen.text, "extracted": extracted, "correct": correct,
-                       "tokens": n, "llm_tokens": sources.count("L"), "avg_params_b": params_b,
+                       "tokens": len(gen.token_ids), "llm_tokens": gen.llm_tokens, "avg_params_b": gen.avg_params_b,
                        "time_s": gen.elapsed_s, "batch_time_s": time.perf_counter() - began,
                        "finish_reason": gen.finish_reason, "sources": sources, "token_ids": gen.token_ids}
                 f.write(json.dumps(row) + "\n")
@@ -295,10 +292,9 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
-    from r2r.models import load_pair, shipped_router
-    from r2r.router import load_router, slm_identity
+    from r2r.models import load_pair
 
-    items = benchmarks.select(benchmarks.load(benchmark), ids)
+    items = tasks.select(tasks.load(benchmark), ids)
     if max_new_tokens < 1 or batch_size < 1:
         raise R2RError("--max-new-tokens and --batch-size must be at least 1")
     if not 0 <= llm_rate <= 1 or any(not 0 <= v <= 1 for v in sweep):
@@ -307,12 +303,10 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
     out_dir.mkdir(parents=True, exist_ok=True)
     needs_llm = any(s != "slm" for s in system_names) or bool(sweep)
     slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=needs_llm, dtype=dtype, backend=backend)
-    checkpoint = None
-    if router_path is None and slm is None:
-        router_path = shipped_router()  # the default pair's own router, when one is shipped
+    router_path = policies.router_path_for(router_path, slm)
     if router_path is not None:
-        checkpoint = load_router(router_path, slm_identity(slm_b))
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop=benchmarks.STOP.get(benchmark, ()))
+        policies.build("router", slm_b, threshold, router_path)  # refuse a router of another SLM before any run
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop=tasks.STOP.get(benchmark, ()))
     item_ids = {item.id for item in items}
 
     # R2R first: the baselines are matched to the LLM rate it reaches on these items.
@@ -323,7 +317,7 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
             specs.append(SystemSpec(name, name, None))
         else:
             specs.append(SystemSpec(name, name, threshold if name == "r2r" else None))
-    sweep_kind = "r2r" if checkpoint is not None else "entropy"
+    sweep_kind = "r2r" if router_path is not None else "entropy"
     specs += [SystemSpec(f"{sweep_kind}@{v:g}", sweep_kind, v) for v in sweep]
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -333,7 +327,7 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
                 r2r_rows = [r for r in read_results(out_dir / "r2r.jsonl") if r["id"] in item_ids]
                 spec.value = summarize(r2r_rows)["llm_rate"] if "r2r" in system_names and r2r_rows else llm_rate
                 spec.value = round(spec.value, 4)
-            engine, target_rate = build_engine(spec, slm_b, llm_b, tokenizer, checkpoint)
+            engine, target_rate = build_engine(spec, slm_b, llm_b, tokenizer, router_path)
             run_system(benchmark, items, spec, engine, target_rate, params, out_dir, batch_size, progress)
 
     # The report covers every system with results in this directory for these items, not only this call's:

@@ -101,7 +101,7 @@ class LocalJudge:
     ANSWER_TOKENS = 4
 
     def __init__(self, engine):
-        self.engine, self.llm = engine, engine.slm  # the LLM runs alone in `engine`
+        self.engine, self.llm = engine, engine.llm  # `Engine.alone(llm, tokenizer)`
         self.cache, self.cached = None, []  # the KV cache and the tokens it holds
 
     def __call__(self, cases: list[tuple[str, str, str]]) -> list[tuple[str, str]]:
@@ -200,3 +200,24 @@ class FactsJudge:
             else:
                 out.append(("divergent", "differ: " + " ".join(sorted(((fa - fb) + (fb - fa)).elements()))))
         return out
+
+
+JUDGES = ("local", "remote", "semantic", "facts")
+
+
+def build(kind: str, llm_engine=None, url: str | None = None, model: str | None = None, device: str = "cpu"):
+    """A judge by name. `llm_engine`: a function giving the LLM alone (`Engine.alone`), called only
+    for the local judge, so the others load no model."""
+    if kind == "local":
+        return LocalJudge(llm_engine())
+    if kind == "semantic":
+        return SemanticJudge(device="cpu" if device == "auto" else device)
+    if kind == "facts":
+        return FactsJudge()
+    if kind == "remote":
+        import os
+
+        if not url or not model:
+            raise R2RError("--judge remote needs --judge-url and --judge-model (and OPENAI_API_KEY if it wants one)")
+        return RemoteJudge(url, model, os.environ.get("OPENAI_API_KEY", "unused"))
+    raise R2RError(f"unknown judge {kind!r}: use one of {', '.join(JUDGES)}")

@@ -1,4 +1,4 @@
-"""The routing-label pipeline (DESIGN §1), one resumable step after another:
+"""The routing-label pipeline (the paper's section 3.1, README "Routing labels"), one resumable step after another:
 
   responses      the LLM answers each prompt (greedy, chat template, bounded length)
   prefill        the SLM reads each response once: its argmax and entropy at every position
@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import torch
 
 from r2r import judges
-from r2r.backend import greedy
+from r2r.backend import greedy, mask_for
 from r2r.errors import R2RError
 
 STEPS = ("responses", "prefill", "continuations", "judgements", "labels")
@@ -207,7 +207,7 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
     Per response the LLM reads prompt + response once; each position then costs only its own
     continuation: positions are visited from last to first, cutting the cache back each time.
     """
-    llm, tokenizer = llm_engine.slm, llm_engine.tokenizer  # the LLM runs alone in llm_engine
+    llm, tokenizer = llm_engine.llm, llm_engine.tokenizer  # `Engine.alone(llm, tokenizer)`
     responses = {r["id"]: r for r in Parts(out, "responses").rows()}
     prefill = Parts(out, "prefill").rows()
     parts = Parts(out, "continuations")
@@ -223,8 +223,7 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
         if positions:
             cache = llm.new_cache()
             ids = r["prompt_ids"] + r["response_ids"][: positions[-1]]
-            llm.forward(cache, torch.tensor([ids], device=llm.device), torch.ones(1, len(ids), dtype=torch.long,
-                                                                                  device=llm.device))
+            llm.forward(cache, torch.tensor([ids], device=llm.device), mask_for(cache, len(ids), llm.device))
             for pos in reversed(positions):
                 tok = p["slm_tokens"][pos]
                 cont = continue_to_sentence_end(llm, cache, len(r["prompt_ids"]) + pos, tok, max_new_tokens,
@@ -286,6 +285,32 @@ def step_labels(out: Path) -> Path:
     pq.write_table(pa.Table.from_pylist(rows), tmp)
     tmp.rename(path)
     return path
+
+
+def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_tokens: int = 256,
+        continuation_tokens: int = 32, batch_size: int = 4, progress=None) -> Path | None:
+    """`r2r label`: the chosen steps (comma-separated, any subset of STEPS) in pipeline order.
+    `load_pair()` gives (SLM, LLM, tokenizer), called only when a step needs a model; `judge_for(llm_alone)`
+    gives the judge. Returns the labelled dataset's path when the labels step ran."""
+    from r2r.engine import Engine
+
+    chosen = [s.strip() for s in steps.split(",") if s.strip()]
+    if not chosen or any(s not in STEPS for s in chosen):
+        raise R2RError(f"--steps takes a comma-separated subset of {','.join(STEPS)}, got {steps!r}")
+    prompt_set = load_prompts(prompts) if "responses" in chosen else None
+    out.mkdir(parents=True, exist_ok=True)
+    if any(s != "labels" for s in chosen):  # the labels step only joins Parquet parts: no model to load
+        slm, llm, tokenizer = load_pair()
+        llm_alone = Engine.alone(llm, tokenizer, "llm")
+    if "responses" in chosen:
+        step_responses(prompt_set, llm_alone, out, max_new_tokens, batch_size, progress)
+    if "prefill" in chosen:
+        step_prefill(slm, out, progress)
+    if "continuations" in chosen:
+        step_continuations(llm_alone, out, continuation_tokens, progress)
+    if "judgements" in chosen:
+        step_judgements(judge_for(llm_alone), out, progress=progress)
+    return step_labels(out) if "labels" in chosen else None
 
 
 def prefill_rows(out: Path) -> list[dict]:

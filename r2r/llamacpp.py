@@ -1,4 +1,4 @@
-"""The backend contract (see backend.py) on llama.cpp, running the GGUF files as shipped.
+"""The backend contract (backend.py) on llama.cpp, running the GGUF files as shipped.
 
 llama.cpp keeps one KV cache per context, shared by numbered sequences. A batch row is one
 sequence; `LlamaCache` records which sequence each row owns and how many left-padding columns
@@ -39,7 +39,8 @@ class LlamaCppBackend:
     device = torch.device("cpu")  # tensors handed to the engine live on the CPU
 
     def __init__(self, gguf_file: str | Path, name: str = "model", n_ctx: int = 16384, max_rows: int = 16,
-                 n_threads: int | None = None, n_batch: int = 512):
+                 n_threads: int | None = None, n_batch: int = 512, vocab_size: int | None = None):
+        """`vocab_size`: the tokenizer's size (default: every token of the GGUF's vocabulary)."""
         if llama_cpp is None:
             raise R2RError(f"the llama.cpp backend is not available ({IMPORT_ERROR}); install it with "
                            "`pip install llama-cpp-python` (it compiles llama.cpp) or use --backend torch")
@@ -66,11 +67,13 @@ class LlamaCppBackend:
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self.vocab_size = llama_cpp.llama_vocab_n_tokens(vocab)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)  # the output head's rows
+        self.vocab_size = min(vocab_size or self.n_vocab, self.n_vocab)
         self.hidden_size = llama_cpp.llama_model_n_embd(self._model)
         self.num_params = llama_cpp.llama_model_n_params(self._model)
-        self.n_ctx = n_ctx
-        self.eos_ids = {t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+        self.n_ctx = self.max_context = n_ctx  # the KV pool every row shares
+        self.max_rows = max_rows
+        self.eos_ids = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)}
         self._free_seqs = list(range(max_rows))[::-1]
         self._embedding_table = None
 
@@ -122,43 +125,41 @@ class LlamaCppBackend:
             cache.length = length
 
     # --- forward passes -------------------------------------------------------------------------
-    def forward(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """Feed the new columns of every row in one llama_decode (chunked by n_batch); logits [B, V] f32
-        and hidden [B, H] at each row's last real token (zeros for a row with none yet)."""
+    def _feed(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor, every: bool):
+        """Feed the new columns of every row in one llama_decode (chunked by n_batch); yield
+        (output index, row, new column) for each row's last real token, or for every real one."""
         start, n_new = cache.length, new_ids.shape[1]
         rows = new_ids.shape[0]
         self._ensure_rows(cache, rows)
         mask = attention_mask[:, : start + n_new].cpu()
         ids = new_ids.cpu().tolist()
-        tokens = []  # (token, position, sequence, wants output, row)
+        tokens = []  # (token, position, sequence, wants output, (row, new column))
         for b in range(rows):
             pad = int((mask[b] == 0).sum())
             cache.pads[b] = pad
-            real = [(c, ids[b][c - start]) for c in range(max(start, pad), start + n_new)]
-            for j, (c, token) in enumerate(real):
-                tokens.append((token, c - pad, cache.seqs[b], j == len(real) - 1, b))
-        logits = torch.zeros(rows, self.vocab_size)
-        hidden = torch.zeros(rows, self.hidden_size)
-        for out_index, row in self._decode(tokens):
+            real = range(max(start, pad), start + n_new)
+            for c in real:
+                tokens.append((ids[b][c - start], c - pad, cache.seqs[b], every or c == real[-1], (b, c - start)))
+        for out_index, (row, column) in self._decode(tokens):
+            yield out_index, row, column
+        cache.length = start + n_new
+
+    def forward(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """Logits [B, V] f32 and hidden [B, H] at each row's last real token (zeros for a row with none yet)."""
+        logits = torch.zeros(new_ids.shape[0], self.vocab_size)
+        hidden = torch.zeros(new_ids.shape[0], self.hidden_size)
+        for out_index, row, _ in self._feed(cache, new_ids, attention_mask, every=False):
             logits[row] = self._logits(out_index)
             hidden[row] = self._hidden(out_index)
-        cache.length = start + n_new
         return logits, hidden
 
-    def forward_all(self, cache: LlamaCache, ids: list[int]) -> torch.Tensor:
-        """One row (no padding): feed `ids` after the cached ones; logits [n, V] at every new position
-        (what a speculative verifier needs)."""
-        self._ensure_rows(cache, 1)
-        seq, start = cache.seqs[0], cache.length
-        logits = torch.empty(len(ids), self.vocab_size)
-        for out_index, j in self._decode([(t, start + j, seq, True, j) for j, t in enumerate(ids)]):
-            logits[j] = self._logits(out_index)
-        cache.length = start + len(ids)
+    def forward_all(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*new_ids.shape, self.vocab_size)
+        for out_index, row, column in self._feed(cache, new_ids, attention_mask, every=True):
+            logits[row, column] = self._logits(out_index)
         return logits
 
     def prefill(self, ids: list[int], start: int = 0):
-        """Logits [T - start, V] (float32) and last hidden states [T - start, H] at positions start.. of one
-        sequence, no cache kept (positions before `start` are read but give no output)."""
         cache = self.new_cache()
         self._ensure_rows(cache, 1)
         seq = cache.seqs[0]
@@ -192,6 +193,7 @@ class LlamaCppBackend:
 
     def _logits(self, i: int) -> torch.Tensor:
         pointer = llama_cpp.llama_get_logits_ith(self._ctx, i)
+        # The first vocab_size of the head's n_vocab rows: the tokenizer's ids only.
         return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(self.vocab_size,)))
 
     def _hidden(self, i: int) -> torch.Tensor:
@@ -210,7 +212,7 @@ class LlamaCppBackend:
             from gguf.quants import dequantize
 
             tensor = next(t for t in GGUFReader(str(self.path)).tensors if t.name == "token_embd.weight")
-            table = dequantize(tensor.data, tensor.tensor_type).reshape(self.vocab_size, self.hidden_size)
+            table = dequantize(tensor.data, tensor.tensor_type).reshape(-1, self.hidden_size)
             # bf16, as the torch backend loads it: the router's embedding hash must agree across backends.
             self._embedding_table = torch.from_numpy(np.array(table, dtype=np.float32)).to(torch.bfloat16)
         return self._embedding_table

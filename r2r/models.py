@@ -278,7 +278,28 @@ def _load_llamacpp(spec: str | None, default: PackagedModel, role: str):
         tokenizer = AutoTokenizer.from_pretrained(**tokenizer_source)
     except Exception as e:
         raise R2RError(f"cannot read the tokenizer of {role} model {gguf_file}: {str(e).strip().splitlines()[0]}") from None
-    return LlamaCppBackend(gguf_file, name=spec or default.name), tokenizer
+    return LlamaCppBackend(gguf_file, name=spec or default.name, vocab_size=len(tokenizer)), tokenizer
+
+
+ROLES = {"slm": DEFAULT_SLM, "llm": DEFAULT_LLM}
+
+
+def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "bfloat16", backend: str = "torch"):
+    """One model on its backend: `spec` (None: the default pair's model for `role`, "slm" or "llm").
+
+    Returns (backend, tokenizer). The backend returns logits over the tokenizer's ids only."""
+    import torch
+
+    from r2r.torch_backend import TorchBackend
+
+    if dtype not in DTYPES:
+        raise R2RError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    name = parse_backends(backend)[role]
+    default, label = ROLES[role], role.upper()
+    if name == "llamacpp":
+        return _load_llamacpp(spec, default, label)
+    model, tokenizer = _load_one(resolve(spec, default), label, pick_device(device), getattr(torch, dtype))
+    return TorchBackend(model, name=spec or default.name, vocab_size=len(tokenizer)), tokenizer
 
 
 def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True,
@@ -286,28 +307,33 @@ def load_pair(slm: str | None = None, llm: str | None = None, device: str = "aut
     """Load the SLM and (if `need_llm`) the LLM, each on its backend; refuse pairs whose tokenizers differ.
 
     Returns (slm_backend, llm_backend or None, tokenizer)."""
-    import torch
-
-    from r2r.backend import TorchBackend
-
-    if dtype not in DTYPES:
-        raise R2RError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    roles = parse_backends(backend)
-    device, dtype = pick_device(device), getattr(torch, dtype)
-
-    def load(spec, default, role):
-        if roles[role.lower()] == "llamacpp":
-            return _load_llamacpp(spec, default, role)
-        model, tokenizer = _load_one(resolve(spec, default), role, device, dtype)
-        return TorchBackend(model, name=spec or default.name), tokenizer
-
-    slm_backend, tokenizer = load(slm, DEFAULT_SLM, "SLM")
+    slm_backend, tokenizer = load_model(slm, "slm", device, dtype, backend)
     if not need_llm:
         return slm_backend, None, tokenizer
-    llm_backend, llm_tokenizer = load(llm, DEFAULT_LLM, "LLM")
+    llm_backend, llm_tokenizer = load_model(llm, "llm", device, dtype, backend)
     if not same_tokenizer(tokenizer, llm_tokenizer):
         raise R2RError(
             f"the SLM and LLM tokenizers differ ({len(tokenizer)} vs {len(llm_tokenizer)} tokens): "
             "R2R needs a pair that shares one tokenizer"
         )
     return slm_backend, llm_backend, tokenizer
+
+
+def load_alone(spec: str | None, role: str, device: str = "auto", dtype: str = "bfloat16", backend: str = "torch"):
+    """One model writing every token by itself (`Engine.alone`): "slm" or "llm"."""
+    from r2r.engine import Engine
+
+    model, tokenizer = load_model(spec, role, device, dtype, backend)
+    return Engine.alone(model, tokenizer, role)
+
+
+def load_engine(slm: str | None, llm: str | None, device: str, dtype: str, backend: str, policy: str | None,
+                threshold: float | None = None, router_path: Path | None = None, seed: int | None = None):
+    """The pair with a routing policy by name (None: the shipped router for the default pair, else
+    entropy); for the `slm` policy the SLM alone, loading no LLM."""
+    from r2r import policies
+    from r2r.engine import Engine
+
+    kind, router_path = policies.choose(policy, router_path, slm)
+    slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=kind != "slm", dtype=dtype, backend=backend)
+    return Engine(slm_b, llm_b, tokenizer, policies.build(kind, slm_b, threshold, router_path, seed))

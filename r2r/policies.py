@@ -5,28 +5,48 @@ of rows: `logits` [B, V] are the SLM's next-token logits, `hidden` [B, H] its la
 state, `tokens` [B] the token it chose, `thresholds` [B] per-row thresholds (None: the policy's
 own). `scores` [B] is the number the decision was made on (kept as provenance); `to_llm` [B] is
 True where the LLM takes over this token.
+
+Policies also answer what the engine needs to know about them (whether they ever route to the
+LLM, how a target LLM rate maps to a threshold); `build` makes one by name, and `choose` picks
+the default: the router shipped for the default SLM, else entropy.
 """
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import torch
 
 from r2r.errors import R2RError
 from r2r.router import RouterCheckpoint
 
+POLICIES = ("router", "entropy", "random", "slm", "llm")
+DEFAULT_ENTROPY_THRESHOLD = 0.8  # nats: 16% LLM tokens on GSM8K item 0 with the default pair (see README)
+DEFAULT_RANDOM_RATE = 0.1
+RATE_WARMUP_TOKENS = 16  # a request aiming at an LLM rate uses the fixed threshold for its first tokens
+
 
 class RoutingPolicy:
     name = "policy"
     num_params = 0  # parameters the policy itself activates per token
+    threshold: float | None = None  # route when the score is at least this (None: the policy has no dial)
+    routes_to_llm = True  # whether it ever sends a token to the LLM
 
     def route(self, logits, hidden, tokens, thresholds=None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def threshold_for_rate(self, rate: float, past_scores: list[float]) -> float | None:
+        """The threshold that routes about `rate` of a request's tokens, from its scores so far: route
+        when the score is in their top `rate`. None until there are enough scores to tell."""
+        if len(past_scores) < RATE_WARMUP_TOKENS:
+            return None
+        return torch.tensor(past_scores).quantile(1 - rate).item()
+
 
 class AlwaysSLM(RoutingPolicy):
     name = "slm"
+    routes_to_llm = False
 
     def route(self, logits, hidden, tokens, thresholds=None):
         zeros = torch.zeros(tokens.shape[0], device=tokens.device)
@@ -51,6 +71,9 @@ class RandomPolicy(RoutingPolicy):
             raise R2RError(f"random routing rate must be in [0, 1], got {rate}")
         self.threshold = rate  # the rate is this policy's threshold: route when the draw is below it
         self.generator = torch.Generator().manual_seed(0 if seed is None else seed)
+
+    def threshold_for_rate(self, rate: float, past_scores: list[float]) -> float:
+        return rate  # its threshold is the rate
 
     def route(self, logits, hidden, tokens, thresholds=None):
         draws = torch.rand(tokens.shape[0], generator=self.generator).to(tokens.device)
@@ -109,3 +132,45 @@ def router_policy(path, slm, threshold: float | None = None) -> NeuralPolicy:
     from r2r.router import load_router, slm_identity
 
     return NeuralPolicy(load_router(path, slm_identity(slm)), slm.embed, threshold, device=slm.device)
+
+
+def router_path_for(router_path: Path | None, slm_spec: str | None) -> Path | None:
+    """The router checkpoint to use: the one given, else the one shipped for the default SLM (none
+    for another SLM: a router is tied to the SLM it was trained on)."""
+    from r2r.models import shipped_router
+
+    if router_path is not None:
+        return Path(router_path)
+    return shipped_router() if slm_spec is None else None
+
+
+def choose(kind: str | None, router_path: Path | None, slm_spec: str | None) -> tuple[str, Path | None]:
+    """The policy to run and its router checkpoint: as asked, else the shipped router, else entropy."""
+    path = router_path_for(router_path, slm_spec)
+    kind = kind or ("router" if path is not None else "entropy")
+    if kind not in POLICIES:
+        raise R2RError(f"unknown routing policy {kind!r}: use one of {', '.join(POLICIES)}")
+    if kind != "router" and router_path is not None:
+        raise R2RError(f"--router-path goes with --router router, not --router {kind}")
+    if kind == "router" and path is None:
+        raise R2RError("no router checkpoint given: pass --router-path DIR (a trained router, see `r2r train`), "
+                       "or use --router entropy")
+    return kind, path if kind == "router" else None
+
+
+def build(kind: str, slm=None, threshold: float | None = None, router_path: Path | None = None,
+          seed: int | None = None) -> RoutingPolicy:
+    """A policy by name; `threshold` None means its default, `slm` is the backend a router reads."""
+    if kind == "slm":
+        return AlwaysSLM()
+    if kind == "llm":
+        return AlwaysLLM()
+    if kind == "random":
+        return RandomPolicy(DEFAULT_RANDOM_RATE if threshold is None else threshold, seed)
+    if kind == "entropy":
+        return EntropyPolicy(DEFAULT_ENTROPY_THRESHOLD if threshold is None else threshold)
+    if kind == "router":
+        if router_path is None:
+            raise R2RError("the router policy needs a router checkpoint")
+        return router_policy(router_path, slm, threshold)
+    raise R2RError(f"unknown routing policy {kind!r}: use one of {', '.join(POLICIES)}")

@@ -243,3 +243,115 @@ def train(data: Features, embed, config: RouterConfig, objective: str = "diverge
 
 def checkpoint(router: Router, threshold: float, slm, metrics: dict) -> RouterCheckpoint:
     return RouterCheckpoint(router, threshold, slm_identity(slm), metrics)
+
+
+# ---- the `r2r train` and `r2r calibrate` commands ---------------------------------------------------
+
+RATES = (0.05, 0.10, 0.15, 0.20, 0.25)  # LLM rates the reports give recall at
+ABLATION_INPUTS = ("hidden", "hidden,token", "hidden,token,logits")
+
+
+def train_router(dataset: Path, slm, out: Path, objective: str = "divergent", inputs: str = "hidden,token,logits",
+                 dim: int = 128, blocks: int = 2, target_rate: float = 0.12, seed: int = 0, epochs: int = 40,
+                 ablations: bool = False, progress=None) -> dict:
+    """Train the router asked for (and, with `ablations`, every input set x objective on the same split),
+    calibrate its threshold to `target_rate` on validation, save it at `out` with `training.json`.
+
+    Returns {"runs": [...], "entropy": {...}, "metrics": {...}, "skipped": [...]}; the first run is the
+    saved router's."""
+    from r2r.router import save_router
+
+    embed = slm.embedding_table().float().cpu()
+
+    def lookup(tokens):
+        return embed[tokens]
+
+    data = features(dataset, slm, progress=progress)
+    judged = "different" not in data.labels
+    _, held_out = split_by_prompt(data, VAL_FRACTION, seed)  # the split every run below uses
+    measured = recall_measured_on(held_out)
+    runs = [(inputs, objective)]
+    if ablations:
+        objectives = OBJECTIVES if judged else ("different",)
+        runs += [(i, o) for o in objectives for i in ABLATION_INPUTS if (i, o) != (inputs, objective)]
+    results, skipped, entropy_baseline, metrics = [], [], None, None
+    for run_inputs, run_objective in runs:
+        config = RouterConfig(slm.hidden_size, embed.shape[1], tuple(run_inputs.split(",")), dim=dim, n_blocks=blocks)
+        try:
+            router, val, info = train(data, lookup, config, run_objective, seed=seed, epochs=epochs, progress=progress)
+        except R2RError as e:
+            if (run_inputs, run_objective) == (inputs, objective):
+                raise
+            skipped.append({"inputs": run_inputs, "objective": run_objective, "reason": str(e)})
+            continue
+        scores = router_scores(router, val, lookup)
+        positives = val.target(measured)
+        results.append({"inputs": run_inputs, "objective": run_objective,
+                        "params": sum(p.numel() for p in router.parameters()),
+                        "val_auc": roc_auc(scores, positives), "recall": recall_at_rates(scores, positives, RATES),
+                        **info, "threshold": threshold_at_rate(scores, target_rate)})
+        if (run_inputs, run_objective) == (inputs, objective):
+            entropy_baseline = {"val_auc": roc_auc(val.entropy, positives),
+                                "recall": recall_at_rates(val.entropy, positives, RATES)}
+            metrics = {"objective": objective, "recall_of": measured, "target_rate": target_rate,
+                       "val_tokens": len(val.labels), "val_prompts": int(val.prompt.unique().numel()),
+                       "val_auc": results[-1]["val_auc"], "recall_at_rate": results[-1]["recall"],
+                       "entropy_baseline": entropy_baseline, "dataset": str(dataset), "seed": seed}
+            save_router(out, checkpoint(router, results[-1]["threshold"], slm, {"training": metrics}))
+    (out / "training.json").write_text(json.dumps({"runs": results, "entropy": entropy_baseline}, indent=2))
+    return {"runs": results, "entropy": entropy_baseline, "metrics": metrics, "skipped": skipped}
+
+
+def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None = None,
+              target_recall: float | None = None, write: bool = False) -> dict:
+    """Sweep a router's threshold on the validation prompts it was trained without: recall of divergent
+    tokens (different ones before the judge has run) against LLM rate, beside entropy's, as a table
+    and `calibration.png` next to the router. With a target rate or recall, the threshold that reaches
+    it (stored in the checkpoint with `write`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from r2r.router import load_router, save_router
+
+    if write and (target_rate is None) == (target_recall is None):
+        raise R2RError("--write needs exactly one of --target-rate or --target-recall")
+    ckpt = load_router(router_path, slm_identity(slm))
+    embed = slm.embedding_table().float().cpu()
+    seed = ckpt.extra.get("training", {}).get("seed", 0)
+    data = features(dataset, slm)
+    data = data.subset(torch.tensor([lab != "unparseable" for lab in data.labels]))
+    _, val = split_by_prompt(data, VAL_FRACTION, seed)
+    scores = router_scores(ckpt.router, val, lambda t: embed[t])
+    measured = recall_measured_on(val)
+    divergent = val.target(measured)
+    rates = [x / 100 for x in range(1, 41)]
+    recall, entropy_recall = recall_at_rates(scores, divergent, rates), recall_at_rates(val.entropy, divergent, rates)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([100 * r for r in rates], [100 * recall[r] for r in rates], label="router")
+    ax.plot([100 * r for r in rates], [100 * entropy_recall[r] for r in rates], label="entropy", linestyle="--")
+    ax.set(xlabel="LLM rate (% of tokens)", ylabel=f"recall of {measured} tokens (%)",
+           title=f"{len(val.labels)} validation tokens")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    plot_path = Path(router_path) / "calibration.png"
+    fig.savefig(plot_path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    result = {"recall_of": measured, "val_tokens": len(val.labels), "plot": str(plot_path),
+              "table": [{"rate": r, "threshold": threshold_at_rate(scores, r), "router_recall": recall[r],
+                         "entropy_recall": entropy_recall[r]} for r in rates[4::5]], "chosen": None}
+    if target_rate is not None or target_recall is not None:
+        if target_rate is not None:
+            threshold = threshold_at_rate(scores, target_rate)
+        else:
+            # The highest threshold that still catches the target share of divergent tokens.
+            threshold = float(scores[divergent > 0.5].sort(descending=True).values[
+                max(0, round(target_recall * int(divergent.sum())) - 1)])
+        routed = scores >= threshold
+        result["chosen"] = {"threshold": threshold, "rate": float(routed.float().mean()),
+                            "recall": float((routed & (divergent > 0.5)).sum() / max(divergent.sum(), 1))}
+        if write:
+            ckpt.threshold = threshold
+            save_router(router_path, ckpt)
+    return result

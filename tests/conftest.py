@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
-from r2r.backend import TorchBackend  # noqa: E402
+from r2r.torch_backend import TorchBackend  # noqa: E402
 
 
 @pytest.fixture(scope="session")

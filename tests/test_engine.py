@@ -144,7 +144,7 @@ def test_stream_yields_every_token_once(slm, llm, tokenizer):
     seen = {i: [] for i in range(len(prompts))}
     for steps in engine.stream(prompts, SamplingParams(max_new_tokens=15), results):
         for s in steps:
-            seen[s.row].append((s.token_id, s.source))
+            seen[s.request.index].append((s.token_id, s.source))
     for i, gen in enumerate(results):
         assert seen[i] == list(zip(gen.token_ids, gen.sources))
 

@@ -35,7 +35,7 @@ def slm(llm):
 
     import torch
 
-    from r2r.backend import TorchBackend
+    from r2r.torch_backend import TorchBackend
 
     model = copy.deepcopy(llm.model)
     torch.manual_seed(0)
@@ -45,7 +45,7 @@ def slm(llm):
 
 
 def run_pipeline(out, slm, llm, tokenizer, judge=None):
-    llm_engine = Engine(llm, None, tokenizer)
+    llm_engine = Engine.alone(llm, tokenizer)
     labels.step_responses(PROMPTS, llm_engine, out, max_new_tokens=24, batch_size=2)
     labels.step_prefill(slm, out)
     labels.step_continuations(llm_engine, out, max_new_tokens=8)
@@ -88,7 +88,7 @@ def test_continuation_branches_end_at_the_sentence(tmp_path, slm, llm, tokenizer
     run_pipeline(tmp_path, slm, llm, tokenizer)
     rows = [c for c in labels.Parts(tmp_path, "continuations").rows() if c["position"] >= 0]
     assert rows
-    llm_engine = Engine(llm, None, tokenizer)
+    llm_engine = Engine.alone(llm, tokenizer)
     from r2r.engine import SamplingParams
 
     responses = {r["id"]: r for r in labels.Parts(tmp_path, "responses").rows()}
@@ -150,14 +150,14 @@ def test_judge_parser_on_odd_outputs(raw, verdict):
 
 
 def test_local_judge_records_raw_answers(slm, llm, tokenizer):
-    judge = judges.LocalJudge(Engine(llm, None, tokenizer))
+    judge = judges.LocalJudge(Engine.alone(llm, tokenizer))
     out = judge([("ctx", "It is 24.", "It is 25."), ("ctx", "Yes.", "Yes.")])
     assert len(out) == 2 and all(v in judges.VERDICTS for v, _ in out)
     assert all(v == judges.parse_verdict(raw) for v, raw in out)
 
 
 def test_local_judge_reusing_its_cache_answers_as_a_fresh_one(llm, tokenizer):
-    engine = Engine(llm, None, tokenizer)
+    engine = Engine.alone(llm, tokenizer)
     text = "Natalia sold clips to 48 of her friends in April. Then she sold half as many in May."
     cases = [(text[:n], "It is 24.", b) for n, b in ((20, "It is 25."), (40, "So 24."), (60, "Yes."), (10, "No."))]
     shared = judges.LocalJudge(engine)

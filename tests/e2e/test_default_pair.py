@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from r2r.benchmarks import gsm8k, gsm8k_prompt
+from r2r.tasks import gsm8k, gsm8k_prompt
 from r2r.engine import Engine, SamplingParams, left_pad
 from r2r.models import load_pair
 from r2r.policies import AlwaysLLM, AlwaysSLM

@@ -1,4 +1,4 @@
-"""Evaluation benchmarks: items read from installed packages, their prompts, and their graders.
+"""Evaluation tasks: items read from installed packages, their prompts, and their graders.
 
 Prompt conventions (also in the README):
 - gsm8k, aime2025: the question, then "Reason step by step, then finish with 'The answer is N'."

@@ -1,6 +1,6 @@
 import pytest
 
-from r2r import benchmarks as b
+from r2r import tasks as b
 from r2r.errors import R2RError
 
 

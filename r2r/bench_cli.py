@@ -1,0 +1,136 @@
+"""`r2r bench`: benchmarks that print ratios measured side by side in one run (bench.py measures)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import Progress
+
+from r2r import tables
+from r2r.errors import R2RError
+from r2r.options import Backend, Device, Dtype, EntropyThreshold, Llm, Out, Slm, console, count
+from r2r.policies import DEFAULT_ENTROPY_THRESHOLD
+
+bench_app = typer.Typer(help="Benchmarks that print ratios measured side by side in one run. Without a "
+                        "subcommand: every way to run the pair (each model alone, speculative, R2R) on each backend.",
+                        invoke_without_command=True)
+
+
+@bench_app.callback()
+def bench_compare(
+    ctx: typer.Context,
+    prompts: int = count(4, "--prompts", help="GSM8K dev prompts (items 0..N-1), run one at a time."),
+    tokens: int = count(128, "--tokens", help="Max new tokens per prompt."),
+    router_path: Optional[Path] = typer.Option(None, "--router-path", help="R2R's router (default: the shipped one, else entropy routing)."),
+    threshold: Optional[float] = typer.Option(None, "--threshold", help="R2R's threshold (default: the router's own)."),
+    spec_k: int = count(4, "--spec-k", help="Draft tokens per speculative round (llama.cpp)."),
+    dtype: Dtype = "bfloat16",
+    out: Optional[Path] = typer.Option(Path("runs/bench.json"), "--out", help="Write the figures as JSON here."),
+):
+    """Tokens/s of each model alone, speculative decoding and R2R, on torch and llama.cpp, in one run."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from r2r.bench import compare
+
+    with Progress(console=console, transient=True) as progress:
+        result = compare(prompts, tokens, dtype, router_path, threshold, spec_k, DEFAULT_ENTROPY_THRESHOLD, progress)
+    console.print(*tables.bench_compare(result, prompts, tokens, dtype), sep="\n")
+    save(result, out)
+
+
+@bench_app.command("backends")
+def bench_backends(
+    prompts: int = count(3, "--prompts", help="GSM8K dev prompts (items 0..N-1)."),
+    tokens: int = count(128, "--tokens", help="Answer tokens per prompt (written by the SLM on llama.cpp)."),
+    router_path: Optional[Path] = typer.Option(None, "--router-path", help="Router to compare (default: the shipped one)."),
+    threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD, dtype: Dtype = "bfloat16", out: Out = None,
+):
+    """Torch vs llama.cpp SLM features: hidden-state cosine, argmax and routing decisions agreement."""
+    from r2r.bench import backend_agreement
+
+    with Progress(console=console, transient=True) as progress:
+        result = backend_agreement(prompts, tokens, router_path, threshold, dtype, progress)
+    console.print(tables.bench_backends(result, prompts, threshold, dtype))
+    save(result, out)
+
+
+@bench_app.command("overhead")
+def bench_overhead(
+    tokens: int = count(256, "--tokens", help="New tokens per generation."),
+    rounds: int = count(3, "--rounds", help="Alternating rounds of each; medians are compared."),
+    compile: bool = typer.Option(False, "--compile", help="Also the static-cache loop compiled by torch.compile (minutes to compile on a CPU)."),
+    slm: Slm = None, device: Device = "auto", dtype: Dtype = "bfloat16", out: Out = None,
+):
+    """Engine overhead: R2R with the always-SLM policy against a bare SLM forward loop, same prompt."""
+    from r2r.bench import overhead
+
+    result = overhead(slm, device, dtype, tokens, rounds, compile)
+    console.print(*tables.bench_overhead(result, tokens), sep="\n")
+    save(result, out)
+
+
+@bench_app.command("batch")
+def bench_batch(
+    batch_size: int = count(4, "--batch-size"),
+    tokens: int = count(128, "--tokens", help="Max new tokens per prompt."),
+    threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD,
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
+    out: Out = None,
+):
+    """Batching: R2R on N GSM8K dev prompts one at a time vs in one batch (aggregate tokens/s)."""
+    from r2r.bench import batching
+
+    result = batching(slm, llm, device, dtype, threshold, batch_size, tokens, backend)
+    show_phases(result, ("sequential", "batched"), f"batch {batch_size}", out)
+
+
+@bench_app.command("serve")
+def bench_serve(
+    clients: int = count(4, "--clients", help="Concurrent clients (and requests per phase)."),
+    tokens: int = count(128, "--tokens", help="max_tokens per request."),
+    threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD,
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
+    out: Out = None,
+):
+    """Serving throughput: N clients at once vs one at a time, through the HTTP server (aggregate tokens/s)."""
+    from r2r.bench import serving
+
+    result = serving(slm, llm, device, dtype, threshold, clients, tokens, backend)
+    show_phases(result, ("one_at_a_time", "concurrent"), f"{clients} clients", out)
+
+
+def show_phases(result: dict, modes: tuple[str, str], setting: str, out: Path | None) -> None:
+    """Print a two-phase throughput comparison (baseline first) and its ratio; optionally save it."""
+    console.print(*tables.phases(result, modes, setting), sep="\n")
+    save(result, out)
+
+
+@bench_app.command("steps")
+def bench_steps(
+    context: int = count(300, "--context", help="Tokens already in the KV cache."),
+    new_tokens: str = typer.Option("1,2,4,8,16,32", "--new-tokens", help="Comma-separated k values."),
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
+    out: Out = None,
+):
+    """Per-step cost of each model for k new tokens (the inputs of the cost model)."""
+    from r2r.bench import step_costs
+
+    try:
+        ks = [int(k) for k in new_tokens.split(",")]
+    except ValueError:
+        raise R2RError(f"--new-tokens takes comma-separated whole numbers, got {new_tokens!r}") from None
+    if not ks or min(ks) < 1:
+        raise R2RError("every --new-tokens value must be at least 1")
+    result = step_costs(slm, llm, device, dtype, context, ks, backend)
+    console.print(tables.bench_steps(result, ks, backend, dtype, context))
+    save(result, out)
+
+
+def save(result: dict, out: Path | None) -> None:
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        console.print(f"JSON in {out}")

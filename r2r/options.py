@@ -1,0 +1,51 @@
+"""Command-line options that several commands share, declared once (typer `Annotated` aliases)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from r2r.policies import POLICIES
+
+console = Console()  # where the commands print
+
+RouterChoice = Enum("RouterChoice", {name: name for name in POLICIES}, type=str)
+
+# Options that many commands share, declared once.
+Slm = Annotated[Optional[str], typer.Option("--slm", help="SLM: local dir, .gguf file or hub id (default: the "
+                                            "prepared Qwen2.5-Coder-0.5B)")]
+Llm = Annotated[Optional[str], typer.Option("--llm", help="LLM: local dir, .gguf file or hub id (default: the "
+                                            "prepared Qwen2.5-Coder-1.5B)")]
+Device = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="Weights and compute: bfloat16, float16 or float32.")]
+Backend = Annotated[str, typer.Option("--backend", help="torch (transformers) or llamacpp (the GGUF files as "
+                                      "shipped), for both models or per role: slm=llamacpp,llm=torch. --dtype and "
+                                      "--device apply to torch.")]
+RouterOpt = Annotated[Optional[RouterChoice], typer.Option("--router", show_default=False, help="Routing policy "
+                                                           "(default: the shipped router for the default pair, "
+                                                           "entropy for other pairs).")]
+Threshold = Annotated[Optional[float], typer.Option("--threshold", help="router: probability; entropy: nats; "
+                                                    "random: LLM rate")]
+RouterPath = Annotated[Optional[Path], typer.Option("--router-path", help="Router checkpoint directory (for "
+                                                    "--router router).")]
+Out = Annotated[Optional[Path], typer.Option("--out", help="Also write the figures as JSON here.")]
+Seed = Annotated[Optional[int], typer.Option("--seed")]
+JudgeKind = Annotated[str, typer.Option("--judge", help="local (the pair's LLM), remote, semantic or facts "
+                                        "(numbers and names, no model).")]
+JudgeUrl = Annotated[Optional[str], typer.Option("--judge-url", help="OpenAI-compatible base URL (remote judge).")]
+JudgeModel = Annotated[Optional[str], typer.Option("--judge-model", help="Model name at that endpoint (remote judge).")]
+EntropyThreshold = Annotated[float, typer.Option("--threshold", help="Entropy threshold (nats).")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens")]
+Temperature = Annotated[float, typer.Option("--temperature", help="0 is greedy.")]
+TopP = Annotated[float, typer.Option("--top-p")]
+TopK = Annotated[int, typer.Option("--top-k", help="0 turns it off.")]
+
+
+def count(default: int, name: str, help: str | None = None):
+    """A whole-number option that must be at least 1."""
+    return typer.Option(default, name, min=1, help=help)

@@ -1,0 +1,163 @@
+"""Results as rich tables and text: what the `r2r` commands print."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+LLM_STYLE = "bold black on yellow"
+
+
+def highlighted(tokenizer, generation, terminal: bool) -> Text:
+    """The answer with the LLM's tokens highlighted; where output is not a terminal, in [[...]] instead."""
+    from r2r.text import token_pieces
+
+    text, in_llm_span = Text(), False
+    for piece, source in zip(token_pieces(tokenizer, generation.token_ids), generation.sources):
+        if terminal:
+            text.append(piece, style=LLM_STYLE if source == "llm" else None)
+            continue
+        if (source == "llm") != in_llm_span:
+            text.append("[[" if source == "llm" else "]]")
+            in_llm_span = source == "llm"
+        text.append(piece)
+    return text.append("]]") if in_llm_span else text
+
+
+def stats(generation, policy, terminal: bool) -> Table:
+    table = Table(show_header=False, box=None, padding=(0, 2))
+    t = generation.timings
+    rows = [
+        ("policy", policy.name + (f" (threshold {policy.threshold:g})" if policy.threshold is not None else "")),
+        ("tokens", f"{len(generation.token_ids)} ({generation.finish_reason})"),
+        ("LLM tokens", f"{generation.llm_tokens}  ({'highlighted' if terminal else 'in [[ ]]'})"),
+        ("LLM rate", f"{generation.llm_rate:.1%}"),
+        ("avg. activated params", f"{generation.avg_params_b:.3f} B"),
+        ("speed", f"{generation.tokens_per_s:.1f} tokens/s"),
+        ("time SLM / router / LLM", f"{t.slm_s:.2f} / {t.router_s:.3f} / {t.llm_s:.2f} s"),
+    ]
+    for name, value in rows:
+        table.add_row(Text(name, style="dim"), value)
+    return table
+
+
+def training(result: dict, rates) -> Table:
+    """`r2r train`: validation ROC-AUC and recall at LLM rates, per run, beside entropy's."""
+    metrics, entropy = result["metrics"], result["entropy"]
+    table = Table("inputs", "objective", "params", "val ROC-AUC", *[f"recall@{r:.0%}" for r in rates],
+                  title=f"validation: {metrics['val_tokens']} tokens of {metrics['val_prompts']} held-out prompts "
+                        f"(ROC-AUC and recall of {metrics['recall_of']} tokens at an LLM rate)")
+    for r in result["runs"]:
+        table.add_row(r["inputs"], r["objective"], f"{r['params'] / 1e6:.2f}M", f"{r['val_auc']:.3f}",
+                      *[f"{r['recall'][x]:.1%}" for x in rates])
+    table.add_row("entropy", "-", "0", f"{entropy['val_auc']:.3f}", *[f"{entropy['recall'][x]:.1%}" for x in rates])
+    return table
+
+
+def calibration(result: dict) -> Table:
+    """`r2r calibrate`: recall of the router and of entropy at LLM rates, with the thresholds."""
+    table = Table("LLM rate", "threshold", "router recall", "entropy recall", title=f"recall of {result['recall_of']} tokens")
+    for row in result["table"]:
+        table.add_row(f"{row['rate']:.0%}", f"{row['threshold']:.4f}", f"{row['router_recall']:.1%}",
+                      f"{row['entropy_recall']:.1%}")
+    return table
+
+
+def judge_check(result: dict, judge: str) -> tuple[Table, str]:
+    """`r2r label check-judge`: each case's verdict, then the agreement figures."""
+    table = Table("hand label", "verdict", "raw answer", title=f"{judge} judge on {result['cases']} hand-labelled cases")
+    for a in result["answers"]:
+        table.add_row(a["label"], a["verdict"], a["raw"].strip()[:40])
+    pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
+    return table, (f"accuracy {result['accuracy']:.0%}, divergent recall {pct(result['divergent_recall'])}, "
+                   f"precision {pct(result['divergent_precision'])} ({result['said_divergent']} said divergent, "
+                   f"{result['divergent_cases']} are), Cohen's kappa {result['kappa']:.2f}, "
+                   f"unparseable {result['unparseable']}")
+
+
+def label_report(result: dict) -> Table:
+    """`r2r label report`: the paper's statistics table."""
+    title = None if result["judged"] else "not judged yet: the prefill step's figures (divergent ones need the judge)"
+    table = Table("domain", "queries", "tokens", "different", "divergent", "H identical", "H different", "H neutral",
+                  "H divergent", title=title)
+    fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    for name, r in [*result["domains"].items(), ("overall", result["overall"])]:
+        table.add_row(name, str(r["queries"]), str(r["tokens"]), f"{r['different_rate']:.1%}",
+                      "–" if r["divergent_rate"] is None else f"{r['divergent_rate']:.1%}",
+                      *[fmt(r[f"mean_entropy_{label}"]) for label in ("identical", "different", "neutral", "divergent")])
+    return table
+
+
+def bench_compare(result: dict, prompts: int, tokens: int, dtype: str) -> list:
+    """`r2r bench`: every system's speed against the fastest LLM alone, then R2R's cost model."""
+    base = result["baseline"]
+    table = Table("system", "tokens", "seconds", "tokens/s", "LLM rate", f"x {base}",
+                  title=f"{prompts} GSM8K dev prompts, <= {tokens} new tokens, greedy, one at a time ({dtype} torch)")
+    for name, r in result["systems"].items():
+        rate = "" if r["llm_rate"] is None else f"{r['llm_rate']:.1%}"
+        table.add_row(name, str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}", rate,
+                      f"{r['vs_fastest_llm']:.2f}")
+    return [table, *(cost_model(name, r) for name, r in result["systems"].items() if "cost_model" in r)]
+
+
+def cost_model(name: str, r: dict) -> str:
+    """The cost model's prediction for one R2R run, against what the run measured."""
+    m = r["cost_model"]
+    return (f"{name}: cost model: prompts ({m['prompt_tokens']} tokens) SLM {m['t_slm_prompt_ms']:.0f} ms "
+            f"+ LLM {m['t_llm_prompt_ms']:.0f} ms; per token t_SLM {m['t_slm_ms']:.1f} ms + router "
+            f"{m['t_router_ms']:.1f} ms + {m['llm_calls_per_token']:.3f} x t_LLM({m['catch_up_tokens']}) "
+            f"{m['t_llm_catch_up_ms']:.1f} ms -> predicted {m['predicted_tokens_per_s']:.2f} tok/s, "
+            f"measured {r['tokens_per_s']:.2f} ({r['tokens_per_s'] / m['predicted_tokens_per_s']:.0%}); "
+            f"inside the run: SLM {r['slm_ms_per_step']:.1f} ms per step, LLM "
+            + ("no call" if r["llm_ms_per_call"] is None else f"{r['llm_ms_per_call']:.1f} ms per call")
+            + " (prompts included)")
+
+
+def bench_backends(result: dict, prompts: int, threshold: float, dtype: str) -> Table:
+    """`r2r bench backends`: how closely the SLM's features agree across torch and llama.cpp."""
+    table = Table("measure", "torch vs llama.cpp",
+                  title=f"SLM features over {result['positions']} answer positions ({prompts} GSM8K dev prompts, torch {dtype})")
+    table.add_row("hidden-state cosine, mean", f"{result['hidden_cosine_mean']:.4f}")
+    table.add_row("hidden-state cosine, min", f"{result['hidden_cosine_min']:.4f}")
+    table.add_row("argmax agreement", f"{result['argmax_agreement']:.1%}")
+    table.add_row(f"entropy decisions agree (>= {threshold} nats)", f"{result['entropy_decision_agreement']:.1%}")
+    if "router_decision_agreement" in result:
+        table.add_row(f"router decisions agree (>= {result['router_threshold']:.3f})", f"{result['router_decision_agreement']:.1%}")
+        table.add_row("router |score gap|, mean / max",
+                      f"{result['router_score_gap_mean']:.3f} / {result['router_score_gap_max']:.3f}")
+    return table
+
+
+def bench_overhead(result: dict, tokens: int) -> list:
+    """`r2r bench overhead`: the engine against bare forward loops."""
+    names = {"bare": "bare SLM forward loop (DynamicCache)", "engine": "R2R engine, --router slm",
+             "static": "bare loop, StaticCache", "static_compiled": "bare loop, StaticCache + torch.compile"}
+    table = Table("loop", "tokens/s (median)", "x bare", "runs", title=f"{tokens} tokens, {result['dtype']}, {result['device']}")
+    for name, median in result["tokens_per_s"].items():
+        table.add_row(names[name], f"{median:.2f}", f"{result['vs_bare'][name]:.3f}",
+                      ", ".join(f"{x:.2f}" for x in result["runs"][name]))
+    lines = [table]
+    if result["compile_s"] is not None:
+        lines.append(f"torch.compile took {result['compile_s']:.0f} s before the first token")
+    return [*lines, f"engine / bare = {result['ratio']:.3f}  (target >= 0.90)"]
+
+
+def phases(result: dict, modes: tuple[str, str], setting: str) -> list:
+    """A two-phase throughput comparison (baseline first) and its ratio."""
+    table = Table("mode", "tokens", "seconds", "tokens/s", "LLM rate")
+    for mode in modes:
+        r = result[mode]
+        table.add_row(mode.replace("_", " "), str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}",
+                      f"{r['llm_rate']:.1%}")
+    names = [m.replace("_", " ") for m in modes]
+    return [table, f"{names[1]} / {names[0]} = {result['speedup']:.2f}x  ({setting}, {result['backend']}, {result['dtype']}, "
+                  f"{result['device']})"]
+
+
+def bench_steps(result: dict, ks: list[int], backend: str, dtype: str, context: int) -> Table:
+    """`r2r bench steps`: milliseconds per forward step."""
+    table = Table("model", *[f"k={k}" for k in ks], title=f"ms per forward step ({backend}, {dtype}, {result['device']}, "
+                                                          f"{context}-token cache)")
+    for role, row in result["ms"].items():
+        table.add_row(role.upper(), *[f"{row[k]:.0f}" for k in ks])
+    return table
