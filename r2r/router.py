@@ -1,6 +1,6 @@
 """The neural router: an MLP over the SLM's hidden state, its chosen token and its top-k logits.
 
-Architecture after the R2R paper (DESIGN §1): each input is projected to `dim`, the projections
+Architecture after the R2R paper (section 3.2, arXiv 2505.21600): each input is projected to `dim`, the projections
 are concatenated and mixed, then `n_blocks` residual blocks (LayerNorm -> Linear -> GELU ->
 Linear) and a LayerNorm + Linear head give one logit: "this token should come from the LLM".
 

@@ -61,7 +61,7 @@ class StreamOptions(BaseModel):
 
 class CommonBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    model: Optional[str] = None
+    requested: Optional[str] = Field(None, alias="model")  # the model id the client asks for
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     temperature: float = Field(1.0, ge=0)
@@ -280,8 +280,8 @@ async def completions(body: CompletionBody, http: HTTPRequest):
 
 def check_body(body: CommonBody, s: ServerState) -> None:
     """What a body's types cannot say: the model it names and the options this server supports."""
-    if body.model is not None and body.model != s.model_name:
-        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {s.model_name!r}",
+    if body.requested is not None and body.requested != s.model_name:
+        raise APIError(404, f"the model {body.requested!r} does not exist; this server serves {s.model_name!r}",
                        param="model", code="model_not_found")
     if body.n != 1:
         raise APIError(400, "only n=1 is supported", param="n")
@@ -349,7 +349,7 @@ class Reply:
 
     id: str
     created: int
-    model: str
+    model_name: str
     chat: bool
 
     def whole(self, gen) -> dict:
@@ -357,11 +357,11 @@ class Reply:
         if self.chat:
             choice = ChatChoice(index=0, message=ChatCompletionMessage(role="assistant", content=gen.text),
                                 finish_reason=gen.finish_reason, logprobs=None)
-            out = ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model,
+            out = ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model_name,
                                  choices=[choice], usage=usage(gen), r2r=r2r)
         else:
             choice = CompletionChoice(index=0, text=gen.text, logprobs=None, finish_reason=gen.finish_reason)
-            out = Completion(id=self.id, object="text_completion", created=self.created, model=self.model,
+            out = Completion(id=self.id, object="text_completion", created=self.created, model=self.model_name,
                              choices=[choice], usage=usage(gen), r2r=r2r)
         return out.model_dump(exclude_unset=True)
 
@@ -370,12 +370,12 @@ class Reply:
             d = ChoiceDelta(role="assistant", content="") if role else (
                 ChoiceDelta(content=delta) if delta is not None else ChoiceDelta())
             out = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
-                                      model=self.model, choices=[ChunkChoice(index=0, delta=d,
+                                      model=self.model_name, choices=[ChunkChoice(index=0, delta=d,
                                                                              finish_reason=finish_reason)],
                                       **(extra or {})).model_dump(exclude_unset=True)
         else:
             # openai's CompletionChoice has no null finish_reason, which every chunk but the last needs.
-            out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+            out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_name,
                    "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}],
                    **{k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
                       for k, v in (extra or {}).items()}}
@@ -383,7 +383,7 @@ class Reply:
 
     def usage_chunk(self, gen) -> str:
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.model, "choices": [],
+               "created": self.created, "model": self.model_name, "choices": [],
                "usage": usage(gen).model_dump(exclude_unset=True)}
         return f"data: {json.dumps(out)}\n\n"
 

@@ -273,3 +273,32 @@ def test_the_engine_equals_the_bare_forward_loops_of_the_benchmark(slm, tokenize
     dynamic, _ = bare_loop(slm.model, prompt, 12)
     static, _ = bare_loop(slm.model, prompt, 12, static=True)
     assert gen.token_ids == dynamic == static
+
+
+def test_one_model_alone_writes_every_token_as_its_role(slm, llm, tokenizer):
+    """`Engine.alone`: the LLM by itself decodes as `generate` does, and its tokens count as the LLM's."""
+    engine = Engine.alone(llm, tokenizer, "llm")
+    prompts = encode(engine)
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=20))
+    assert [g.token_ids for g in gens] == hf_greedy(llm, engine, prompts, 20)
+    for g in gens:
+        assert g.sources == ["llm"] * len(g.token_ids) and g.llm_rate == 1.0
+        assert g.avg_params_b == pytest.approx(llm.num_params / 1e9)
+        assert g.timings.llm_s > 0 and g.timings.slm_s == 0
+    slm_alone = Engine.alone(slm, tokenizer, "slm").generate(prompts[:1], SamplingParams(max_new_tokens=5))[0]
+    assert slm_alone.sources == ["slm"] * 5 and slm_alone.avg_params_b == pytest.approx(slm.num_params / 1e9)
+    with pytest.raises(R2RError, match="needs an SLM"):
+        Engine(None, llm, tokenizer, RandomPolicy(0.5))
+
+
+def test_timings_belong_to_each_request_not_to_the_batch(slm, llm, tokenizer):
+    """A request that joins late, or a server's next request, does not inherit anyone else's time."""
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
+    prompts = encode(engine)
+    requests = run_with_joins(engine, prompts, join_after=[6, 10], params=SamplingParams(max_new_tokens=8,
+                                                                                       ignore_eos=True))
+    for r in requests:
+        t = r.generation.timings
+        assert t.steps == len(r.generation.token_ids) == 8
+        assert t.total_s >= t.slm_s + t.router_s + t.llm_s - 1e-9
+    assert len({id(r.generation.timings) for r in requests}) == len(requests)

@@ -33,10 +33,12 @@ def tiny_tokenizer(vocab_size: int = 300, extra_words: tuple[str, ...] = ()) -> 
     return fast
 
 
-def tiny_model(tokenizer, hidden: int = 32, layers: int = 2, seed: int = 0, dtype=torch.float32) -> Qwen2ForCausalLM:
+def tiny_model(tokenizer, hidden: int = 32, layers: int = 2, seed: int = 0, dtype=torch.float32,
+               vocab_rows: int | None = None) -> Qwen2ForCausalLM:
+    """`vocab_rows`: embedding and output-head rows, more than the tokenizer's to pad (as real pairs do)."""
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_rows or len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
@@ -88,11 +90,14 @@ def save_gguf(model: Qwen2ForCausalLM, tokenizer, path) -> None:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     vocab = tokenizer.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    # Padding rows beyond the tokenizer get placeholder tokens, as converted real models have.
+    padding = [f"[PAD{i}]" for i in range(len(tokens), config.vocab_size)]
     specials = set(tokenizer.all_special_tokens) | set(SPECIALS)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_list(tokens + padding)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens]
+                           + [gguf.TokenType.UNUSED] * len(padding))
     merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     writer.add_eos_token_id(tokenizer.eos_token_id)

@@ -1,0 +1,183 @@
+"""The backend contract (r2r/backend.py), one suite run against every backend: the torch backend on a
+tiny model and llama.cpp on a GGUF file holding the same weights."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from tiny import save_gguf, tiny_model
+
+from r2r.backend import Backend, mask_for
+from r2r.engine import Engine, SamplingParams, left_pad, pad_columns_left
+from r2r.errors import R2RError
+from r2r.policies import AlwaysLLM, RandomPolicy
+from r2r.torch_backend import TorchBackend
+
+HAS_LLAMA = importlib.util.find_spec("llama_cpp") is not None
+BACKENDS = ["torch", pytest.param("llamacpp", marks=pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python "
+                                                                      "is not installed"))]
+PROMPTS = ["What is 48 / 2?", "def add(a, b):\n    return", "Bonjour! Paris is the capital of which country?"]
+# llama.cpp keeps its KV cache in f16 and batches rows through other kernels: close, not bit-equal.
+TOLERANCE = {"torch": 1e-4, "llamacpp": 2e-2}
+
+
+def make_backend(kind: str, model, tokenizer, folder, name: str):
+    if kind == "torch":
+        return TorchBackend(model, name=name, vocab_size=len(tokenizer))
+    from r2r.llamacpp import LlamaCppBackend
+
+    path = folder / f"{name}.gguf"
+    save_gguf(model, tokenizer, path)
+    return LlamaCppBackend(path, name=name, n_ctx=2048, max_rows=8, vocab_size=len(tokenizer))
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def kind(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def backend(kind, slm, tokenizer, tmp_path_factory):
+    return make_backend(kind, slm.model, tokenizer, tmp_path_factory.mktemp("gguf"), "tiny-slm")
+
+
+def token_rows(tokenizer):
+    return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+def close(a, b, kind):
+    return torch.allclose(a.float(), b.float(), atol=TOLERANCE[kind], rtol=0)
+
+
+def test_it_implements_the_protocol(backend, tokenizer):
+    assert isinstance(backend, Backend)
+    assert backend.vocab_size == len(tokenizer) and backend.hidden_size == 32
+    assert backend.num_params > 0 and backend.max_context > 0
+    assert backend.embedding_table().shape[0] >= backend.vocab_size
+    assert backend.embed(torch.tensor([1, 2])).shape == (2, backend.embedding_table().shape[1])
+
+
+def test_eos_ids_hold_the_models_end_of_turn(backend, tokenizer):
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in backend.eos_ids
+
+
+def test_batched_forward_agrees_with_prefill_of_each_row(backend, kind, tokenizer):
+    rows = token_rows(tokenizer)
+    ids, mask = left_pad(rows, tokenizer.pad_token_id, backend.device)
+    cache = backend.new_cache()
+    logits, hidden = backend.forward(cache, ids, mask)
+    assert cache.length == ids.shape[1]
+    assert logits.shape == (len(rows), len(tokenizer)) and logits.dtype == torch.float32
+    for i, row in enumerate(rows):
+        ref_logits, ref_hidden = backend.prefill(row)
+        assert close(logits[i], ref_logits[-1], kind) and close(hidden[i], ref_hidden[-1], kind)
+
+
+def test_forward_all_gives_every_new_position(backend, kind, tokenizer):
+    rows = token_rows(tokenizer)
+    ids, mask = left_pad(rows, tokenizer.pad_token_id, backend.device)
+    cache = backend.new_cache()
+    backend.forward(cache, ids[:, :3], mask)  # the first columns, then every other at once
+    logits = backend.forward_all(cache, ids[:, 3:], mask)
+    assert logits.shape == (len(rows), ids.shape[1] - 3, len(tokenizer))
+    for i, row in enumerate(rows):
+        pad = ids.shape[1] - len(row)
+        ref, _ = backend.prefill(row)
+        for column in range(3, ids.shape[1]):
+            if column < pad:
+                assert not logits[i, column - 3].any()  # padding: zeros
+            else:
+                assert close(logits[i, column - 3], ref[column - pad], kind), (i, column)
+
+
+def test_prefill_from_a_start_position(backend, kind, tokenizer):
+    row = token_rows(tokenizer)[2]
+    logits, hidden = backend.prefill(row)
+    tail_logits, tail_hidden = backend.prefill(row, start=5)
+    assert tail_logits.shape[0] == len(row) - 5
+    assert close(tail_logits, logits[5:], kind) and close(tail_hidden, hidden[5:], kind)
+
+
+def continue_one(backend, cache, ids, mask, token):
+    """Read one more column holding `token` in every row; logits at it."""
+    column = torch.full((ids.shape[0], 1), token, dtype=torch.long, device=backend.device)
+    ids = torch.cat([ids, column], dim=1)
+    mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+    return backend.forward(cache, ids[:, cache.length :], mask)[0], ids, mask
+
+
+def test_select_append_and_pad_rows_keep_each_row_as_if_alone(backend, kind, tokenizer):
+    rows = token_rows(tokenizer)
+    alone = [continue_one(backend, *prefilled(backend, [r], tokenizer), token=7)[0][0] for r in rows]
+    # select: drop the middle row, keep the others in swapped order
+    cache, ids, mask = prefilled(backend, rows, tokenizer)
+    keep = torch.tensor([2, 0])
+    backend.select_rows(cache, keep)
+    logits, _, _ = continue_one(backend, cache, ids[keep], mask[keep], token=7)
+    assert close(logits[0], alone[2], kind) and close(logits[1], alone[0], kind)
+    # pad + append: a short row's cache widened to a long one's, then joined to it
+    long_cache, long_ids, long_mask = prefilled(backend, [rows[2]], tokenizer)
+    short_cache, short_ids, short_mask = prefilled(backend, [rows[0]], tokenizer)
+    n = long_ids.shape[1] - short_ids.shape[1]
+    backend.pad_left(short_cache, n)
+    assert short_cache.length == long_cache.length
+    short_ids, short_mask = pad_columns_left(short_ids, short_mask, n, tokenizer.pad_token_id)
+    backend.append_rows(long_cache, short_cache)
+    logits, _, _ = continue_one(backend, long_cache, torch.cat([long_ids, short_ids]),
+                                torch.cat([long_mask, short_mask]), token=7)
+    assert close(logits[0], alone[2], kind) and close(logits[1], alone[0], kind)
+
+
+def prefilled(backend, rows, tokenizer):
+    ids, mask = left_pad(rows, tokenizer.pad_token_id, backend.device)
+    cache = backend.new_cache()
+    backend.forward(cache, ids, mask)
+    return cache, ids, mask
+
+
+def test_truncate_then_continue_equals_a_fresh_cache(backend, kind, tokenizer):
+    ids = torch.tensor([token_rows(tokenizer)[0]], device=backend.device)
+    mask = torch.ones_like(ids)
+    cache = backend.new_cache()
+    backend.forward(cache, ids, mask)
+    backend.truncate(cache, 3)
+    assert cache.length == 3
+    logits, hidden = backend.forward(cache, ids[:, 3:6], mask[:, :6])
+    fresh_logits, fresh_hidden = backend.forward(backend.new_cache(), ids[:, :6], mask[:, :6])
+    assert close(logits, fresh_logits, kind) and close(hidden, fresh_hidden, kind)
+    assert mask_for(cache, 2, backend.device).shape == (1, 8)
+
+
+@pytest.fixture(scope="module")
+def padded_pair(kind, tokenizer, tmp_path_factory):
+    """An SLM whose head has exactly the tokenizer's rows and an LLM with 20 padding rows more, whose
+    padding rows would win every argmax if they were ever read (as in DeepSeek-R1-Distill-Qwen 1.5B
+    with 151,936 rows against 32B with 152,064, one tokenizer)."""
+    folder = tmp_path_factory.mktemp("padded")
+    slm_model = tiny_model(tokenizer, hidden=32, seed=0)
+    llm_model = tiny_model(tokenizer, hidden=64, seed=1, vocab_rows=len(tokenizer) + 20)
+    with torch.no_grad():
+        llm_model.lm_head.weight[len(tokenizer):] = 50.0
+        llm_model.model.embed_tokens.weight[len(tokenizer):] = 0.0
+    return (make_backend(kind, slm_model, tokenizer, folder, "slm"),
+            make_backend(kind, llm_model, tokenizer, folder, "llm"))
+
+
+def test_pairs_whose_heads_differ_in_padding_rows_work(padded_pair, tokenizer):
+    slm, llm = padded_pair
+    assert slm.vocab_size == llm.vocab_size == len(tokenizer)
+    assert llm.embedding_table().shape[0] == len(tokenizer) + 20
+    for policy in (AlwaysLLM(), RandomPolicy(0.5, seed=0)):
+        engine = Engine(slm, llm, tokenizer, policy)
+        prompts = [engine.encode_chat(p) for p in PROMPTS]
+        params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=3)
+        for gen in engine.generate(prompts, params):
+            assert len(gen.token_ids) == 12 and max(gen.token_ids) < len(tokenizer)
+            assert "llm" in gen.sources
+
+
+def test_a_pair_whose_logits_do_not_line_up_is_refused(tokenizer, slm):
+    wide = TorchBackend(tiny_model(tokenizer, hidden=64, seed=1, vocab_rows=len(tokenizer) + 20))  # no vocab_size
+    with pytest.raises(R2RError, match="vocab_size"):
+        Engine(slm, wide, tokenizer, AlwaysLLM())
