@@ -60,9 +60,10 @@ class Backend(Protocol):
         column up to and including them. Returns the logits [B, V] and last hidden state [B, H] at
         each row's last column."""
 
-    def forward_all(self, cache: Cache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """As `forward`, but the logits at every new column [B, n, V] (what a verifier needs:
-        each position's next-token distribution). Padding columns give rows of zeros."""
+    def forward_all(self, cache: Cache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    keep_last: int | None = None) -> torch.Tensor:
+        """As `forward`, but the logits at every new column [B, n, V], or at the last `keep_last` of them
+        (what a verifier needs: each position's next-token distribution). Padding columns give zeros."""
 
     def prefill(self, ids: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence, no cache kept: logits [T - start, V] and hidden states [T - start, H] at
@@ -79,6 +80,10 @@ class Backend(Protocol):
 
     def truncate(self, cache: Cache, length: int) -> None:
         """Forget every column from `length` on (no-op when the cache holds fewer)."""
+
+    def shift_rows(self, cache: Cache, shifts: list[int]) -> None:
+        """Move row i's columns right by shifts[i]: its last shifts[i] columns are forgotten and as many
+        padding columns come in on its left (a row rolled back by verification stays left-padded)."""
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the token-embedding table for these ids (the router's token input)."""

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
@@ -385,14 +384,7 @@ def quiet_transformers():
 def main():
     quiet_transformers()
     try:
-        app(standalone_mode=False)
-    except click.exceptions.NoArgsIsHelpError as e:  # `r2r` alone: the help, as click shows it
-        console.print(e.format_message(), markup=False, highlight=False)
-    except click.ClickException as e:  # a bad option value (typer's min=/max=, a missing argument...)
-        err_console.print(f"error: {e.format_message()}", markup=False, highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except click.exceptions.Abort:
-        sys.exit(130)
+        app()  # typer reports a bad option value (min=/max=, a missing argument) itself, with the usage line
     except R2RError as e:
         err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)

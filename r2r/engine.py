@@ -56,6 +56,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """One token per row from float32 logits [B, V]."""
     if params.temperature == 0:
         return logits.argmax(-1)
+    return torch.multinomial(sampling_probs(logits, params), 1, generator=generator)[:, 0]
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from (temperature > 0): temperature, then top-k, then top-p."""
     logits = logits / params.temperature
     if params.top_k:
         kth_best = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -66,7 +71,26 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         # Drop a token when the tokens ranked above it already hold top_p of the mass.
         drop = probs.cumsum(-1) - probs >= params.top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+    return logits.softmax(-1)
+
+
+def check_max_unverified(n: int | None) -> int | None:
+    if n is not None and n < 1:
+        raise R2RError(f"max unverified tokens must be at least 1 (or no limit), got {n}")
+    return n
+
+
+def parse_verify(value) -> str | float:
+    """`off`, `strict`, or a tolerance in nats >= 0 (a number or its text)."""
+    if value in ("off", "strict"):
+        return value
+    try:
+        tolerance = float(value)
+    except (TypeError, ValueError):
+        tolerance = float("nan")
+    if not tolerance >= 0 or tolerance == float("inf"):
+        raise R2RError(f"verify takes off, strict or a tolerance in nats >= 0, got {value!r}")
+    return tolerance
 
 
 @dataclass
@@ -85,17 +109,20 @@ class Timings:
 class Generation:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    sources: list[str] = field(default_factory=list)  # "slm" or "llm", one per generated token
+    sources: list[str] = field(default_factory=list)  # per token: "slm", "llm" (routed) or "fix" (verification)
     scores: list[float] = field(default_factory=list)  # the policy's score behind each decision
     text: str = ""
     finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length"
     elapsed_s: float = 0.0  # from the start of the call to this row's last token
     params_b: tuple[float, float, float] = (0.0, 0.0, 0.0)  # SLM, router, LLM parameters (billions)
     timings: Timings = field(default_factory=Timings)
+    rollbacks: int = 0  # times verification rejected a token and the row went back to it
+    discarded: int = 0  # tokens written and then thrown away by those rollbacks
 
     @property
     def llm_tokens(self) -> int:
-        return self.sources.count("llm")
+        """Every token the LLM produced: routed ones and verification's fixes."""
+        return self.sources.count("llm") + self.sources.count("fix")
 
     @property
     def llm_rate(self) -> float:
@@ -120,6 +147,9 @@ class Generation:
             "finish_reason": self.finish_reason,
             "tokens": len(self.token_ids),
             "llm_tokens": self.llm_tokens,
+            "fix_tokens": self.sources.count("fix"),
+            "rollbacks": self.rollbacks,
+            "discarded_tokens": self.discarded,
             "llm_rate": self.llm_rate,
             "avg_params_b": self.avg_params_b,
             "tokens_per_s": self.tokens_per_s,
@@ -139,11 +169,16 @@ class Request:
     force: str | None = None  # "slm" or "llm": this request bypasses the policy
     threshold: float | None = None  # this request's own routing threshold (None: the policy's)
     target_rate: float | None = None  # aim for this LLM rate instead of a fixed threshold (see _threshold)
+    verify: str | float | None = None  # "off", "strict" or a tolerance in nats (None: the engine's)
+    max_unverified: int | None = None  # verify once this many tokens are unread by the LLM (None: the engine's)
     index: int = 0  # the prompt's position in its `Engine.stream` / `Engine.generate` call
     generation: Generation | None = None  # set when the request joins a batch
     generator: torch.Generator | None = None
     cancelled: bool = False  # set from anywhere; the request leaves at the next step
     started: float = 0.0
+    final: int = 0  # tokens of the output that can no longer change (verification may take back the rest)
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # token index -> the SLM's distribution
+    # it was drawn from (kept for strict verification under sampling only)
 
 
 @dataclass
@@ -151,10 +186,13 @@ class Step:
     """What one decode step added to one request."""
 
     request: Request
-    token_id: int
-    source: str  # "slm" or "llm"
+    token_id: int  # the token now at the end of the request's output
+    source: str  # "slm", "llm" (routed) or "fix" (put in by verification)
     score: float  # the policy's score behind the decision
     finished: bool
+    discarded: int = 0  # tokens before this one that verification took back
+    final: list[tuple[int, str, float]] = field(default_factory=list)  # (token, source, score) of the tokens
+    # that became final with this step, in order: what a stream may show (without verification: this token)
 
 
 class Engine:
@@ -163,7 +201,9 @@ class Engine:
     A pair (`Engine(slm, llm, tokenizer, policy)`) routes; one model alone (`Engine.alone`)
     writes every token itself, for label responses, judges and the single-model baselines."""
 
-    def __init__(self, slm: Backend | None, llm: Backend | None, tokenizer, policy: RoutingPolicy | None = None):
+    def __init__(self, slm: Backend | None, llm: Backend | None, tokenizer, policy: RoutingPolicy | None = None,
+                 verify: str | float = "off", max_unverified: int | None = None):
+        """`verify`, `max_unverified`: the defaults of requests that do not set their own (see `Batch._verify`)."""
         if slm is None and llm is None:
             raise R2RError("an engine needs at least one model")
         self.slm, self.llm, self.tokenizer = slm, llm, tokenizer
@@ -181,6 +221,7 @@ class Engine:
         self.eos_ids = eos_token_ids(tokenizer).union(*(m.eos_ids for m in models))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.max_context = min(m.max_context for m in models)
+        self.verify, self.max_unverified = parse_verify(verify), check_max_unverified(max_unverified)
         self.sync = torch.cuda.synchronize if self.writer.device.type == "cuda" else (lambda: None)
 
     @classmethod
@@ -253,6 +294,11 @@ class Batch:
                 raise R2RError(f"the {engine.policy.name!r} policy routes to an LLM, but no LLM is loaded")
             if engine.slm is None and r.force == "slm":
                 raise R2RError("this request asks for the SLM, but no SLM is loaded")
+            r.verify = parse_verify(engine.verify if r.verify is None else r.verify)
+            r.max_unverified = check_max_unverified(engine.max_unverified if r.max_unverified is None
+                                                    else r.max_unverified)
+            if r.verify != "off" and not engine.routes:
+                raise R2RError("verification needs both models: the LLM checks the SLM's tokens")
         params_b = ((engine.slm.num_params if engine.slm else 0) / 1e9,
                     (engine.policy.num_params if engine.routes else 0) / 1e9,
                     (engine.llm.num_params if engine.llm else 0) / 1e9)
@@ -300,10 +346,14 @@ class Batch:
         if not self.requests:
             return []
         engine, requests = self.engine, self.requests
+        column = self.ids.shape[1]  # where this step's tokens go
         # 1. The writer (the SLM of a pair) reads the columns it has not read yet and proposes a token per row.
         t0 = time.perf_counter()
         logits, hidden = engine.writer.forward(self.writer_cache, self.ids[:, self.writer_cache.length :], self.mask)
         proposal = sample_rows(logits, requests)
+        for i, r in enumerate(requests):
+            if r.verify == "strict" and r.params.temperature > 0:  # the ratio test needs what the SLM drew from
+                r.draft_probs[len(r.generation.token_ids)] = sampling_probs(logits[i : i + 1], r.params)[0]
         engine.sync()
         t1 = time.perf_counter()
         # 2. The policy decides which rows the LLM takes (a request may force one model).
@@ -314,26 +364,50 @@ class Batch:
         else:  # one model alone writes every token
             routed, scores = [False] * len(requests), [0.0] * len(requests)
         t2 = time.perf_counter()
-        # 3. The LLM catches up on every column since it last ran, then emits its token.
-        chosen = proposal
-        if any(routed):
-            llm_logits, _ = engine.llm.forward(self.llm_cache, self.ids[:, self.llm_cache.length :], self.mask)
-            chosen = proposal.clone()
-            for i in (i for i, is_llm in enumerate(routed) if is_llm):
-                chosen[i] = sample_rows(llm_logits[i : i + 1], requests[i : i + 1])[0]
+        # 3. The LLM catches up on every column since it last ran when a row is routed, or when a verifying
+        #    row has max_unverified tokens unread or would finish; it emits the routed rows' tokens and
+        #    checks the verifying rows' unread ones.
+        chosen, sources = proposal.clone(), ["llm" if x else engine.writer_source for x in routed]
+        rejected: dict[int, tuple[int, int]] = {}  # row -> (column of its first rejected token, the LLM's token)
+        read_from = self.llm_cache.length if engine.routes else 0
+        verifying = [r.verify != "off" for r in requests]
+        llm_runs = any(routed) or any(v and self._must_verify(r, column, int(t))
+                                      for r, v, t in zip(requests, verifying, proposal))
+        if llm_runs:
+            if any(verifying):
+                # Logits at the caught-up columns that predict unread generated tokens (the prompt's need no
+                # check); the last one also serves routing.
+                keep = max(min(column - read_from, len(r.generation.token_ids) + 1)
+                           for r, v in zip(requests, verifying) if v)
+                all_logits = engine.llm.forward_all(self.llm_cache, self.ids[:, read_from:], self.mask, keep)
+                llm_logits = all_logits[:, -1]
+            else:
+                llm_logits, _ = engine.llm.forward(self.llm_cache, self.ids[:, read_from:], self.mask)
+            for i, r in enumerate(requests):
+                if verifying[i]:
+                    found = self._first_rejection(r, all_logits[i], column - keep, column, int(proposal[i]),
+                                                  routed[i], read_from)
+                    if found:
+                        rejected[i] = found
+                        continue
+                if routed[i]:
+                    chosen[i] = sample_rows(llm_logits[i : i + 1], requests[i : i + 1])[0]
             engine.sync()
         t3 = time.perf_counter()
 
-        # 4. Append the new column and record each row's token; finished rows leave the batch.
+        # 4. Rows whose verification rejected a token go back to it (their later tokens are discarded and the
+        #    LLM's token goes in its place); then append the new column, record each row's token, and finished
+        #    rows leave the batch.
+        dropped = self._roll_back(rejected, column, chosen, sources, scores) if rejected else {}
         self.ids = torch.cat([self.ids, chosen[:, None]], dim=1)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(requests), 1)], dim=1)
         now = time.perf_counter()
         steps, keep = [], []
-        for i, (r, token, is_llm, score) in enumerate(zip(requests, chosen.tolist(), routed, scores)):
+        for i, (r, token, source, score) in enumerate(zip(requests, chosen.tolist(), sources, scores)):
             gen = r.generation
-            self._count_time(gen.timings, t1 - t0, t2 - t1, t3 - t2, now - t0, llm_ran=any(routed))
+            self._count_time(gen.timings, t1 - t0, t2 - t1, t3 - t2, now - t0, llm_runs)
             gen.token_ids.append(token)
-            gen.sources.append("llm" if is_llm else engine.writer_source)
+            gen.sources.append(source)
             gen.scores.append(float(score))
             gen.elapsed_s = now - r.started
             finished = self._finished(r, token)
@@ -341,9 +415,95 @@ class Batch:
                 gen.text = self._final_text(r)
             else:
                 keep.append(i)
-            steps.append(Step(r, token, gen.sources[-1], float(score), finished))
+            # A verifying row's tokens are final once the LLM has checked them (at a catch-up); others at once.
+            newly_final = len(gen.token_ids) if not verifying[i] or llm_runs or finished else r.final
+            final = list(zip(gen.token_ids[r.final : newly_final], gen.sources[r.final : newly_final],
+                             gen.scores[r.final : newly_final]))
+            r.final = newly_final
+            if llm_runs:
+                r.draft_probs.clear()  # everything drawn so far is checked now
+            steps.append(Step(r, token, source, float(score), finished, dropped.get(i, 0), final))
         self._keep(keep)
         return steps
+
+    def _must_verify(self, r: Request, column: int, proposal: int) -> bool:
+        """Whether a verifying row needs the LLM now: max_unverified tokens unread, or its output would end
+        with this proposal (a row is returned only once all of it is checked)."""
+        gen = r.generation
+        unread = min(column - self.llm_cache.length, len(gen.token_ids) + 1)  # its generated tokens the LLM has not read
+        if r.max_unverified is not None and unread >= r.max_unverified:
+            return True
+        return self._ends(r, gen.token_ids + [proposal]) is not None
+
+    def _first_rejection(self, r: Request, logits: torch.Tensor, logits_from: int, column: int, proposal: int,
+                         routed: bool, read_from: int) -> tuple[int, int] | None:
+        """Check a row's generated tokens the LLM had not read (columns after `read_from`) in order against its
+        logits (`logits[k]`: at column logits_from + k, predicting the next column); the first rejected
+        one's column and the LLM's token there."""
+        gen = r.generation
+        first_generated = column - len(gen.token_ids)  # the row's generated tokens fill columns first_generated..
+        last = column - 1 if routed else column  # a routed row's token at `column` is the LLM's own
+        for c in range(max(read_from + 1, first_generated), last + 1):
+            index = c - first_generated  # the token's index in the output
+            token = gen.token_ids[index] if c < column else proposal
+            accepted, replacement = self._accept(r, token, logits[c - 1 - logits_from], index)
+            if not accepted:
+                return c, replacement
+        return None
+
+    def _accept(self, r: Request, token: int, logits: torch.Tensor, index: int) -> tuple[bool, int | None]:
+        """Verification's rule for one token against the LLM's next-token logits: (kept?, the LLM's token if not)."""
+        params = r.params
+        if r.verify == "strict" and params.temperature > 0:
+            # Speculative sampling: keep with probability min(1, p_LLM / p_SLM), else draw from the normalised
+            # max(0, p_LLM - p_SLM); the output then follows the LLM's (sampling-processed) distribution.
+            target, draft = sampling_probs(logits[None], params)[0], r.draft_probs[index]
+            if torch.rand((), generator=r.generator, device=target.device) * draft[token] <= target[token]:
+                return True, None
+            residual = (target - draft).clamp(min=0)
+            residual = residual if residual.sum() > 0 else target
+            return False, int(torch.multinomial(residual / residual.sum(), 1, generator=r.generator))
+        best = int(logits.argmax())
+        if r.verify == "strict":
+            kept = token == best
+        else:  # a tolerance in nats: keep what the LLM finds nearly as likely as its own choice
+            logp = torch.log_softmax(logits.float(), -1)
+            kept = bool(logp[token] >= logp[best] - r.verify)
+        if kept:
+            return True, None
+        return False, best if params.temperature == 0 else int(sample(logits[None], params, r.generator)[0])
+
+    def _roll_back(self, rejected: dict[int, tuple[int, int]], column: int, chosen: torch.Tensor, sources: list,
+                   scores: list) -> dict[int, int]:
+        """Put each rejecting row back to its rejected column, the LLM's token there; returns how many earlier
+        tokens each row dropped.
+
+        Rows roll back by different amounts. Each rolled-back row is moved right by the tokens it drops,
+        with as many padding columns on its left, so every row still ends at `column`: the batch stays
+        rectangular and left-padded, which is all the backends and the rest of this loop assume (masking
+        the dropped columns in place would leave holes in the middle of rows that every backend's
+        positions would have to skip). Both caches have read every column before `column`, so they move
+        the same way (`Backend.shift_rows`)."""
+        shifts = [column - rejected[i][0] if i in rejected else 0 for i in range(len(self.requests))]
+        for backend, cache in self._caches():
+            backend.shift_rows(cache, shifts)
+        ids, mask = torch.full_like(self.ids, self.engine.pad_id), torch.zeros_like(self.mask)
+        for i, d in enumerate(shifts):
+            ids[i, d:], mask[i, d:] = self.ids[i, : column - d], self.mask[i, : column - d]
+        self.ids, self.mask = ids, mask
+        for i, (at, token) in rejected.items():
+            r, dropped = self.requests[i], shifts[i]
+            gen = r.generation
+            keep = len(gen.token_ids) - dropped
+            if dropped:
+                scores[i] = gen.scores[keep]  # the policy's score at the rejected position
+            del gen.token_ids[keep:], gen.sources[keep:], gen.scores[keep:]
+            for index in [k for k in r.draft_probs if k >= keep]:
+                del r.draft_probs[index]
+            chosen[i], sources[i] = token, "fix"
+            gen.rollbacks += 1
+            gen.discarded += dropped + 1  # this step's own token was written too
+        return {i: shifts[i] for i in rejected}
 
     def _count_time(self, t: Timings, writer_s: float, router_s: float, llm_s: float, total_s: float,
                     llm_ran: bool) -> None:
@@ -383,21 +543,25 @@ class Batch:
             backend.select_rows(cache, index)
 
     def _finished(self, r: Request, token: int) -> bool:
-        gen, params = r.generation, r.params
-        if token in self.engine.eos_ids and not params.ignore_eos:
-            gen.finish_reason = "stop"
-            return True
+        reason = self._ends(r, r.generation.token_ids)
+        if reason:
+            r.generation.finish_reason = reason
+        return reason is not None
+
+    def _ends(self, r: Request, tokens: list[int]) -> str | None:
+        """Why an output ending in these tokens is complete ("stop" or "length"), or None."""
+        params = r.params
+        if tokens[-1] in self.engine.eos_ids and not params.ignore_eos:
+            return "stop"
         if params.stop:
             # Decode only the tail: enough tokens to hold the longest stop string.
             longest = max(len(s) for s in params.stop)
-            tail = self.engine.tokenizer.decode(gen.token_ids[-(longest + 2) :], skip_special_tokens=True)
+            tail = self.engine.tokenizer.decode(tokens[-(longest + 2) :], skip_special_tokens=True)
             if any(s in tail for s in params.stop):
-                gen.finish_reason = "stop"
-                return True
-        if len(gen.token_ids) >= params.max_new_tokens:
-            gen.finish_reason = "length"
-            return True
-        return False
+                return "stop"
+        if len(tokens) >= params.max_new_tokens:
+            return "length"
+        return None
 
     def _final_text(self, r: Request) -> str:
         text = self.engine.tokenizer.decode(r.generation.token_ids, skip_special_tokens=True)

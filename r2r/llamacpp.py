@@ -124,10 +124,21 @@ class LlamaCppBackend:
                 llama_cpp.llama_memory_seq_rm(self._memory, seq, max(0, length - pad), -1)
             cache.length = length
 
+    def shift_rows(self, cache: LlamaCache, shifts: list[int]) -> None:
+        # A row's column c sits at position c - pad: one more padding column per shift keeps every kept
+        # token's position, so only the dropped tail leaves the sequence.
+        for row, d in enumerate(shifts):
+            if d:
+                keep = cache.length - d - cache.pads[row]  # positions the row keeps
+                llama_cpp.llama_memory_seq_rm(self._memory, cache.seqs[row], max(0, keep), -1)
+                cache.pads[row] += d
+
     # --- forward passes -------------------------------------------------------------------------
-    def _feed(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor, every: bool):
+    def _feed(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
+              every_from: int | None = None):
         """Feed the new columns of every row in one llama_decode (chunked by n_batch); yield
-        (output index, row, new column) for each row's last real token, or for every real one."""
+        (output index, row, new column) for each row's last real token, or with `every_from` for every
+        real one from that new column on."""
         start, n_new = cache.length, new_ids.shape[1]
         rows = new_ids.shape[0]
         self._ensure_rows(cache, rows)
@@ -139,7 +150,8 @@ class LlamaCppBackend:
             cache.pads[b] = pad
             real = range(max(start, pad), start + n_new)
             for c in real:
-                tokens.append((ids[b][c - start], c - pad, cache.seqs[b], every or c == real[-1], (b, c - start)))
+                wants = c == real[-1] if every_from is None else c - start >= every_from
+                tokens.append((ids[b][c - start], c - pad, cache.seqs[b], wants, (b, c - start)))
         for out_index, (row, column) in self._decode(tokens):
             yield out_index, row, column
         cache.length = start + n_new
@@ -148,15 +160,17 @@ class LlamaCppBackend:
         """Logits [B, V] f32 and hidden [B, H] at each row's last real token (zeros for a row with none yet)."""
         logits = torch.zeros(new_ids.shape[0], self.vocab_size)
         hidden = torch.zeros(new_ids.shape[0], self.hidden_size)
-        for out_index, row, _ in self._feed(cache, new_ids, attention_mask, every=False):
+        for out_index, row, _ in self._feed(cache, new_ids, attention_mask):
             logits[row] = self._logits(out_index)
             hidden[row] = self._hidden(out_index)
         return logits, hidden
 
-    def forward_all(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        logits = torch.zeros(*new_ids.shape, self.vocab_size)
-        for out_index, row, column in self._feed(cache, new_ids, attention_mask, every=True):
-            logits[row, column] = self._logits(out_index)
+    def forward_all(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    keep_last: int | None = None) -> torch.Tensor:
+        skip = 0 if keep_last is None else new_ids.shape[1] - keep_last  # new columns whose logits nobody wants
+        logits = torch.zeros(new_ids.shape[0], new_ids.shape[1] - skip, self.vocab_size)
+        for out_index, row, column in self._feed(cache, new_ids, attention_mask, every_from=skip):
+            logits[row, column - skip] = self._logits(out_index)
         return logits
 
     def prefill(self, ids: list[int], start: int = 0):

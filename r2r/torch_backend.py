@@ -62,11 +62,12 @@ class TorchBackend:
         return self._logits(hidden)[:, 0], hidden[:, 0]
 
     @torch.inference_mode()
-    def forward_all(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        start = cache.length
-        logits = self._logits(self._read(cache, new_ids, attention_mask))
-        padding = attention_mask[:, start : cache.length] == 0
-        return logits.masked_fill(padding[..., None], 0.0)
+    def forward_all(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    keep_last: int | None = None) -> torch.Tensor:
+        keep = new_ids.shape[1] if keep_last is None else keep_last
+        hidden = self._read(cache, new_ids, attention_mask)[:, new_ids.shape[1] - keep :]  # the head only where asked
+        padding = attention_mask[:, cache.length - keep : cache.length] == 0
+        return self._logits(hidden).masked_fill(padding[..., None], 0.0)
 
     @torch.inference_mode()
     def prefill(self, ids: list[int], start: int = 0):
@@ -99,6 +100,19 @@ class TorchBackend:
         if length < cache.length:
             cache.kv.crop(length - cache.length)  # negative: columns to drop
             cache.length = length
+
+    def shift_rows(self, cache: TorchCache, shifts: list[int]) -> None:
+        # Keys keep the rotary positions they were computed at, and a row's positions count its real
+        # tokens only, so moving a row's entries right (and masking the new left columns) changes nothing.
+        if not any(shifts):
+            return
+        for layer in cache.kv.layers:
+            for tensor_name in ("keys", "values"):
+                old = getattr(layer, tensor_name)
+                new = torch.zeros_like(old)
+                for row, d in enumerate(shifts):
+                    new[row, :, d:] = old[row, :, : old.shape[2] - d]
+                setattr(layer, tensor_name, new)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(token_ids.to(self.device))

@@ -1,3 +1,4 @@
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -5,7 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from tiny import save_gguf, tiny_model, tiny_tokenizer  # noqa: E402
 
 from r2r.torch_backend import TorchBackend  # noqa: E402
 
@@ -41,3 +42,25 @@ def run_cli(monkeypatch, capsys):
         return code, out.out, out.err
 
     return run
+
+
+HAS_LLAMA = importlib.util.find_spec("llama_cpp") is not None
+BACKENDS = ["torch", pytest.param("llamacpp", marks=pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python "
+                                                                      "is not installed"))]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def kind(request):
+    """Each backend in turn, for the suites every backend must pass (test_backends, test_verify)."""
+    return request.param
+
+
+def make_backend(kind: str, model, tokenizer, folder, name: str):
+    """A tiny transformers model on the `kind` backend (llama.cpp: through a GGUF copy of its weights)."""
+    if kind == "torch":
+        return TorchBackend(model, name=name, vocab_size=len(tokenizer))
+    from r2r.llamacpp import LlamaCppBackend
+
+    path = folder / f"{name}.gguf"
+    save_gguf(model, tokenizer, path)
+    return LlamaCppBackend(path, name=name, n_ctx=2048, max_rows=8, vocab_size=len(tokenizer))

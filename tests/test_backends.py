@@ -1,12 +1,11 @@
 """The backend contract (r2r/backend.py), one suite run against every backend: the torch backend on a
 tiny model and llama.cpp on a GGUF file holding the same weights."""
 
-import importlib.util
-
 import pytest
 import torch
 
-from tiny import save_gguf, tiny_model
+from conftest import make_backend
+from tiny import tiny_model
 
 from r2r.backend import Backend, mask_for
 from r2r.engine import Engine, SamplingParams, left_pad, pad_columns_left
@@ -14,27 +13,9 @@ from r2r.errors import R2RError
 from r2r.policies import AlwaysLLM, RandomPolicy
 from r2r.torch_backend import TorchBackend
 
-HAS_LLAMA = importlib.util.find_spec("llama_cpp") is not None
-BACKENDS = ["torch", pytest.param("llamacpp", marks=pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python "
-                                                                      "is not installed"))]
 PROMPTS = ["What is 48 / 2?", "def add(a, b):\n    return", "Bonjour! Paris is the capital of which country?"]
 # llama.cpp keeps its KV cache in f16 and batches rows through other kernels: close, not bit-equal.
 TOLERANCE = {"torch": 1e-4, "llamacpp": 2e-2}
-
-
-def make_backend(kind: str, model, tokenizer, folder, name: str):
-    if kind == "torch":
-        return TorchBackend(model, name=name, vocab_size=len(tokenizer))
-    from r2r.llamacpp import LlamaCppBackend
-
-    path = folder / f"{name}.gguf"
-    save_gguf(model, tokenizer, path)
-    return LlamaCppBackend(path, name=name, n_ctx=2048, max_rows=8, vocab_size=len(tokenizer))
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def kind(request):
-    return request.param
 
 
 @pytest.fixture(scope="module")

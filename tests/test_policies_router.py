@@ -30,7 +30,7 @@ def test_random_policy_hits_its_rate():
 
 
 def make_checkpoint(slm, threshold=0.5):
-    embedding = slm.model.get_input_embeddings().weight
+    embedding = slm.embedding_table()
     config = RouterConfig(hidden_size=slm.hidden_size, embed_size=embedding.shape[1], top_k=16, dim=32, n_blocks=2)
     torch.manual_seed(0)
     return RouterCheckpoint(Router(config), threshold, slm_identity(slm))

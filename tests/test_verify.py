@@ -1,0 +1,148 @@
+"""Verification on catch-up, on both backends: strict under greedy is the LLM's own greedy output whatever
+the policy and the catch-up interval; strict under sampling follows the LLM's distribution; off is plain R2R."""
+
+import pytest
+import torch
+
+from conftest import make_backend
+from test_engine import run_with_joins
+from test_policies_router import make_checkpoint
+
+from r2r.engine import Engine, SamplingParams, parse_verify, sampling_probs
+from r2r.errors import R2RError
+from r2r.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
+
+PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain."]
+N_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def pair(kind, slm, llm, tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("verify")
+    if kind == "torch":
+        return slm, llm
+    return (make_backend(kind, slm.model, tokenizer, folder, "slm"),
+            make_backend(kind, llm.model, tokenizer, folder, "llm"))
+
+
+def policies(slm):
+    return {"router": NeuralPolicy(make_checkpoint(slm), slm.embed, threshold=0.5), "entropy": EntropyPolicy(3.0),
+            "random 0.1": RandomPolicy(0.1, seed=0), "random 0.5": RandomPolicy(0.5, seed=1), "slm": AlwaysSLM(),
+            "llm": AlwaysLLM()}
+
+
+def test_strict_under_greedy_is_the_llms_greedy_output_for_every_policy_and_interval(pair, tokenizer):
+    slm, llm = pair
+    alone = Engine.alone(llm, tokenizer)
+    prompts = [alone.encode_chat(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=N_TOKENS)
+    expected = [g.token_ids for g in alone.generate(prompts, params)]
+    assert [alone.generate([p], params)[0].token_ids for p in prompts] == expected
+    fixes = 0
+    for name, policy in policies(slm).items():
+        for n in (1, 2, 5, None):
+            engine = Engine(slm, llm, tokenizer, policy, verify="strict", max_unverified=n)
+            batched = engine.generate(prompts, params)
+            assert [g.token_ids for g in batched] == expected, (name, n)
+            assert [engine.generate([p], params)[0].token_ids for p in prompts] == expected, (name, n)
+            for g in batched:
+                assert g.llm_tokens == g.sources.count("llm") + g.sources.count("fix")
+                assert g.rollbacks == g.sources.count("fix") and g.discarded >= g.rollbacks
+            fixes += sum(g.rollbacks for g in batched)
+    assert fixes > 0  # the SLM did write tokens the LLM rejected
+
+
+def test_off_is_plain_r2r_and_a_huge_tolerance_rejects_nothing(pair, tokenizer):
+    slm, llm = pair
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=2))
+    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=N_TOKENS)
+    plain = engine.generate(prompts, params)
+    for verify, n in (("off", None), ("off", 2), (1e9, None), (1e9, 3)):
+        engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=2), verify=verify, max_unverified=n)
+        gens = engine.generate(prompts, params)
+        assert [(g.token_ids, g.sources) for g in gens] == [(g.token_ids, g.sources) for g in plain], (verify, n)
+        assert all(g.rollbacks == 0 for g in gens)
+
+
+def test_a_tolerance_keeps_only_tokens_the_llm_finds_nearly_as_likely(pair, tokenizer):
+    """Every token in a tolerance-verified output was either routed, put in by a fix, or within T nats of
+    the LLM's own choice given what precedes it."""
+    slm, llm = pair
+    tolerance = 1.0
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.1, seed=0), verify=tolerance, max_unverified=4)
+    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=N_TOKENS))
+    assert sum(g.rollbacks for g in gens) > 0
+    for prompt, gen in zip(prompts, gens):
+        logits, _ = llm.prefill(prompt + gen.token_ids[:-1], start=len(prompt) - 1)
+        logp = torch.log_softmax(logits.float(), -1)
+        for i, (token, source) in enumerate(zip(gen.token_ids, gen.sources)):
+            if source == "slm":
+                assert logp[i, token] >= logp[i].max() - tolerance - 1e-3, i
+            else:
+                assert token == int(logp[i].argmax()), i
+
+
+def test_requests_joining_a_verifying_batch_get_the_llms_output(pair, tokenizer):
+    slm, llm = pair
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.2, seed=3), verify="strict", max_unverified=3)
+    alone = Engine.alone(llm, tokenizer)
+    prompts = [engine.encode_chat(p) for p in PROMPTS] + [engine.encode_raw("Hi")]
+    params = SamplingParams(max_new_tokens=16)
+    requests = run_with_joins(engine, prompts, join_after=[2, 5, 9], params=params)
+    for prompt, r in zip(prompts, requests):
+        assert r.generation.token_ids == alone.generate([prompt], params)[0].token_ids
+
+
+def test_stream_shows_only_final_tokens_and_ends_with_all_of_them(pair, tokenizer):
+    slm, llm = pair
+    engine = Engine(slm, llm, tokenizer, AlwaysSLM(), verify="strict", max_unverified=4)
+    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    results, shown = [], {i: [] for i in range(len(prompts))}
+    for steps in engine.stream(prompts, SamplingParams(max_new_tokens=N_TOKENS), results):
+        for step in steps:
+            shown[step.request.index] += [token for token, _, _ in step.final]
+    for i, gen in enumerate(results):
+        assert shown[i] == gen.token_ids
+
+
+def test_strict_under_sampling_follows_the_llms_distribution(slm, llm, tokenizer):
+    """Many seeds on one prefix: the first token's frequencies match the LLM's sampling distribution, not the
+    SLM's (every token is verified at once: max_unverified 1)."""
+    engine = Engine(slm, llm, tokenizer, AlwaysSLM(), verify="strict", max_unverified=1)
+    prompt = engine.encode_chat("What is 48 / 2?")
+    base = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=20)
+    target = sampling_probs(llm.prefill(prompt)[0][-1:], base)[0]
+    draft = sampling_probs(slm.prefill(prompt)[0][-1:], base)[0]
+    runs = 3000
+    counts = torch.zeros_like(target)
+    for start in range(0, runs, 500):
+        from r2r.engine import Batch, Request
+
+        batch = Batch(engine)
+        requests = [Request(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
+                    for seed in range(start, start + 500)]
+        batch.add(requests)
+        while batch.requests:
+            batch.step()
+        for r in requests:
+            counts[r.generation.token_ids[0]] += 1
+    empirical = counts / runs
+    distance = lambda p, q: 0.5 * (p - q).abs().sum().item()  # noqa: E731
+    assert distance(target, draft) > 0.3  # the two models really differ here
+    assert distance(empirical, target) < 0.08, (distance(empirical, target), distance(empirical, draft))
+
+
+@pytest.mark.parametrize("value", ["sometimes", "-1", "nan", "inf", None])
+def test_bad_verify_values_are_refused(value):
+    with pytest.raises(R2RError, match="verify takes off, strict or a tolerance"):
+        parse_verify(value)
+
+
+def test_bad_intervals_and_a_missing_llm_are_refused(slm, llm, tokenizer):
+    with pytest.raises(R2RError, match="at least 1"):
+        Engine(slm, llm, tokenizer, verify="strict", max_unverified=0)
+    with pytest.raises(R2RError, match="needs both models"):
+        Engine(slm, None, tokenizer, verify="strict").generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    assert parse_verify("strict") == "strict" and parse_verify("0.5") == 0.5 and parse_verify(2) == 2.0
