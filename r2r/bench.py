@@ -8,7 +8,6 @@ import time
 import torch
 from transformers import DynamicCache
 
-from r2r.backend import mask_for
 
 BENCH_PROMPT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -212,47 +211,6 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
     return result
 
 
-def read_all(backend, cache, ids: list[int]) -> torch.Tensor:
-    """One unpadded row: read `ids` after the cached ones; the logits [n, V] at every one of them."""
-    return backend.forward_all(cache, torch.tensor([ids], device=backend.device),
-                               mask_for(cache, len(ids), backend.device))[0]
-
-
-def speculative_llamacpp(draft, target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
-                         k: int = 4) -> tuple[list[int], int]:
-    """Greedy speculative decoding on two llama.cpp backends: the draft proposes k tokens, the target
-    checks them in one call and keeps the longest agreeing prefix plus its own next token. Lossless:
-    the output is the target's greedy output. Returns (tokens, target calls)."""
-    draft_cache, target_cache = draft.new_cache(), target.new_cache()
-    # The target reads all but the last token it has emitted; the draft reads what it has not seen.
-    logits = read_all(target, target_cache, prompt_ids)
-    out = [int(logits[-1].argmax())]
-    context = list(prompt_ids) + out
-    calls = 1
-    while len(out) < max_new_tokens and out[-1] not in eos_ids:
-        proposal = []
-        for _ in range(min(k, max_new_tokens - len(out))):
-            unseen = (context + proposal)[draft_cache.length :]
-            d_logits, _ = draft.forward(draft_cache, torch.tensor([unseen]), mask_for(draft_cache, len(unseen), "cpu"))
-            proposal.append(int(d_logits[0].argmax()))
-            if proposal[-1] in eos_ids:
-                break
-        checked = read_all(target, target_cache, [context[-1]] + proposal).argmax(-1).tolist()
-        calls += 1
-        accepted = 0
-        while accepted < len(proposal) and checked[accepted] == proposal[accepted]:
-            accepted += 1
-        new = proposal[:accepted] + [checked[accepted]]
-        for token in new:
-            out.append(token)
-            if token in eos_ids or len(out) >= max_new_tokens:
-                break
-        context = list(prompt_ids) + out
-        target.truncate(target_cache, len(context) - 1)
-        draft.truncate(draft_cache, min(draft_cache.length, len(context) - 1))
-    return out, calls
-
-
 @torch.inference_mode()
 def speculative_torch(draft_model, target_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' assisted generation (greedy, lossless): the reference speculative decoder."""
@@ -262,19 +220,22 @@ def speculative_torch(draft_model, target_model, prompt_ids: list[int], max_new_
     return out[0, len(prompt_ids):].tolist()
 
 
-def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: float | None, spec_k: int,
-            entropy_threshold: float, progress=None) -> dict:
-    """Every way to get answers from the pair on the same GSM8K dev prompts, one prompt at a time:
-    each model alone on each backend, speculative decoding, and R2R on each backend."""
+def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: float | None, spec_k: list[int],
+            entropy_threshold: float, progress=None, verify: list = (), max_unverified: int | None = None,
+            backends: tuple[str, ...] = ("torch", "llamacpp")) -> dict:
+    """Every way to get answers from the pair on the same GSM8K dev prompts, one prompt at a time, on each
+    backend: each model alone, R2R, R2R with each verification setting, and speculative decoding (this
+    engine: the SLM drafts k tokens, the LLM checks them strictly); transformers' assisted generation as
+    an outside anchor."""
     from r2r import policies
     from r2r.engine import Engine, SamplingParams
     from r2r.models import load_pair
     from r2r.tasks import gsm8k, gsm8k_prompt
 
     router_path = policies.router_path_for(router_path, None)
-    pairs = {name: load_pair(None, None, "cpu", dtype=dtype, backend=name) for name in ("torch", "llamacpp")}
-    tokenizer = pairs["torch"][2]
-    prompts = [Engine.alone(pairs["torch"][0], tokenizer, "slm").encode_chat(gsm8k_prompt(item))
+    pairs = {name: load_pair(None, None, "cpu", dtype=dtype, backend=name) for name in backends}
+    tokenizer = next(iter(pairs.values()))[2]
+    prompts = [Engine.alone(next(iter(pairs.values()))[0], tokenizer, "slm").encode_chat(gsm8k_prompt(item))
                for item in gsm8k()[:n_prompts]]
     params = SamplingParams(max_new_tokens=n_tokens)
 
@@ -288,18 +249,23 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
         systems[f"LLM alone ({name})"] = Engine.alone(llm_b, tokenizer, "llm")
         systems[f"SLM alone ({name})"] = Engine.alone(slm_b, tokenizer, "slm")
         systems[f"R2R ({name})"] = Engine(slm_b, llm_b, tokenizer, policy_for(slm_b))
-    eos = systems["LLM alone (torch)"].eos_ids
+        for v in verify:
+            systems[f"R2R verify={v}{f' n={max_unverified}' if max_unverified else ''} ({name})"] = Engine(
+                slm_b, llm_b, tokenizer, policy_for(slm_b), v, max_unverified)
+        for k in spec_k:
+            systems[f"speculative k={k} ({name})"] = Engine(slm_b, llm_b, tokenizer, policies.build("slm"), "strict", k)
     results = {}
-    task = progress.add_task("bench", total=len(systems) + 2) if progress else None
+    task = progress.add_task("bench", total=len(systems) + ("torch" in pairs)) if progress else None
     for name, engine in systems.items():
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
-        tokens = llm_tokens = llm_calls = steps = 0
+        tokens = llm_tokens = llm_calls = steps = rollbacks = 0
         router_s = slm_s = llm_s = 0.0
         start = time.perf_counter()
         for p in prompts:
             gen = engine.generate([p], params)[0]
             tokens += len(gen.token_ids)
             llm_tokens += gen.llm_tokens
+            rollbacks += gen.rollbacks
             llm_calls += gen.timings.llm_calls
             steps += gen.timings.steps
             router_s += gen.timings.router_s
@@ -307,7 +273,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
             llm_s += gen.timings.llm_s
         seconds = time.perf_counter() - start
         results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                         "llm_rate": llm_tokens / tokens if engine.routes else None,
+                         "llm_rate": llm_tokens / tokens if engine.routes else None, "rollbacks": rollbacks,
                          "llm_calls": llm_calls, "router_ms": 1000 * router_s / max(steps, 1),
                          # What the steps cost inside the run (the first of each includes the prompt):
                          "slm_ms_per_step": 1000 * slm_s / max(steps, 1),
@@ -315,18 +281,15 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
         if progress:
             progress.advance(task)
 
-    slm_t, llm_t = pairs["torch"][0], pairs["torch"][1]
-    spec = [("speculative (transformers assisted)", lambda p: (speculative_torch(slm_t.model, llm_t.model, p, n_tokens), None)),
-            (f"speculative (llama.cpp, k={spec_k})",
-             lambda p: speculative_llamacpp(pairs["llamacpp"][0], pairs["llamacpp"][1], p, n_tokens, eos, spec_k))]
-    for name, run in spec:
-        run(prompts[0][:32])  # warm-up
-        tokens = 0
-        start = time.perf_counter()
+    if "torch" in pairs:
+        slm_t, llm_t = pairs["torch"][0], pairs["torch"][1]
+        speculative_torch(slm_t.model, llm_t.model, prompts[0][:32], 4)  # warm-up
+        tokens, start = 0, time.perf_counter()
         for p in prompts:
-            tokens += len(run(p)[0])
+            tokens += len(speculative_torch(slm_t.model, llm_t.model, p, n_tokens))
         seconds = time.perf_counter() - start
-        results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "llm_rate": None}
+        results["speculative (transformers assisted)"] = {"tokens": tokens, "seconds": seconds,
+                                                          "tokens_per_s": tokens / seconds, "llm_rate": None}
         if progress:
             progress.advance(task)
 
@@ -347,7 +310,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
         predicted_ms = len(prompts) * (m["t_slm_prompt_ms"] + m["t_llm_prompt_ms"]) + r["tokens"] * per_token_ms
         m["predicted_tokens_per_s"] = 1000 * r["tokens"] / predicted_ms
         r["cost_model"] = m
-    fastest_llm = max(("LLM alone (torch)", "LLM alone (llamacpp)"), key=lambda n: results[n]["tokens_per_s"])
+    fastest_llm = max((f"LLM alone ({name})" for name in pairs), key=lambda n: results[n]["tokens_per_s"])
     for r in results.values():
         r["vs_fastest_llm"] = r["tokens_per_s"] / results[fastest_llm]["tokens_per_s"]
     return {"prompts": n_prompts, "max_new_tokens": n_tokens, "dtype": dtype, "router": str(router_path or "entropy"),

@@ -11,7 +11,7 @@ from rich.progress import Progress
 
 from r2r import tables
 from r2r.errors import R2RError
-from r2r.options import Backend, Device, Dtype, EntropyThreshold, Llm, Out, Slm, console, count
+from r2r.options import Backend, Device, Dtype, EntropyThreshold, Llm, MaxUnverified, Out, Slm, console, count
 from r2r.policies import DEFAULT_ENTROPY_THRESHOLD
 
 bench_app = typer.Typer(help="Benchmarks that print ratios measured side by side in one run. Without a "
@@ -26,17 +26,35 @@ def bench_compare(
     tokens: int = count(128, "--tokens", help="Max new tokens per prompt."),
     router_path: Optional[Path] = typer.Option(None, "--router-path", help="R2R's router (default: the shipped one, else entropy routing)."),
     threshold: Optional[float] = typer.Option(None, "--threshold", help="R2R's threshold (default: the router's own)."),
-    spec_k: int = count(4, "--spec-k", help="Draft tokens per speculative round (llama.cpp)."),
+    spec_k: str = typer.Option("4", "--spec-k", help="Comma-separated draft tokens per check, one speculative "
+                               "system each (this engine: --router slm --verify strict --max-unverified k)."),
+    verify: str = typer.Option("1", "--verify", help="Comma-separated verification settings, one R2R system each "
+                               "besides plain R2R (strict, or tolerances in nats; empty: none)."),
+    max_unverified: MaxUnverified = None,
+    backends: str = typer.Option("torch,llamacpp", "--backends", help="Which backends to run, comma-separated."),
     dtype: Dtype = "bfloat16",
     out: Optional[Path] = typer.Option(Path("runs/bench.json"), "--out", help="Write the figures as JSON here."),
 ):
-    """Tokens/s of each model alone, speculative decoding and R2R, on torch and llama.cpp, in one run."""
+    """Tokens/s of each model alone, speculative decoding and R2R (with and without verification), per backend,
+    in one run."""
     if ctx.invoked_subcommand is not None:
         return
     from r2r.bench import compare
+    from r2r.engine import parse_verify
 
+    try:
+        ks = [int(k) for k in spec_k.split(",") if k.strip()]
+    except ValueError:
+        raise R2RError(f"--spec-k takes comma-separated whole numbers, got {spec_k!r}") from None
+    if any(k < 1 for k in ks):
+        raise R2RError("every --spec-k value must be at least 1")
+    names = [b.strip() for b in backends.split(",") if b.strip()]
+    if not names or set(names) - {"torch", "llamacpp"}:
+        raise R2RError(f"--backends takes torch, llamacpp or both, got {backends!r}")
+    settings = [parse_verify(v.strip()) for v in verify.split(",") if v.strip()]
     with Progress(console=console, transient=True) as progress:
-        result = compare(prompts, tokens, dtype, router_path, threshold, spec_k, DEFAULT_ENTROPY_THRESHOLD, progress)
+        result = compare(prompts, tokens, dtype, router_path, threshold, ks, DEFAULT_ENTROPY_THRESHOLD, progress,
+                         settings, max_unverified, tuple(names))
     console.print(*tables.bench_compare(result, prompts, tokens, dtype), sep="\n")
     save(result, out)
 

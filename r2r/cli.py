@@ -16,11 +16,12 @@ from typer.core import TyperGroup
 
 from r2r import tables
 from r2r.bench_cli import bench_app
+from r2r.engine import DEFAULT_VERIFY
 from r2r.errors import R2RError
 from r2r.models import load_alone
 from r2r.options import (AsJson, Backend, Device, Dtype, JudgeKind, JudgeModel, JudgeUrl, Llm, MaxNewTokens,
-                         RouterChoice, RouterOpt, RouterPath, Seed, Slm, Temperature, Threshold, TopK, TopP, console,
-                         count)
+                         MaxUnverified, RouterChoice, RouterOpt, RouterPath, Seed, Slm, Temperature, Threshold, TopK,
+                         TopP, Verify, console, count)
 
 
 class DefaultRunGroup(TyperGroup):
@@ -42,10 +43,12 @@ app.add_typer(models_app, name="models")
 app.add_typer(bench_app, name="bench")
 err_console = Console(stderr=True)
 
-def build_engine(slm, llm, device, dtype, backend, router: RouterChoice | None, threshold, router_path, seed):
+def build_engine(slm, llm, device, dtype, backend, router: RouterChoice | None, threshold, router_path, seed,
+                 verify="off", max_unverified=None):
     from r2r.models import load_engine
 
-    return load_engine(slm, llm, device, dtype, backend, router.value if router else None, threshold, router_path, seed)
+    return load_engine(slm, llm, device, dtype, backend, router.value if router else None, threshold, router_path,
+                       seed, verify, max_unverified)
 
 
 def progress_bar(*columns: ProgressColumn) -> Progress:
@@ -67,6 +70,7 @@ def generate(
     prompt: str = typer.Argument(..., help="The user's chat message (or plain text with --raw)."),
     raw: bool = typer.Option(False, "--raw", help="Plain completion: no chat template."),
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
+    verify: Verify = DEFAULT_VERIFY, max_unverified: MaxUnverified = None,
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     seed: Seed = None, as_json: AsJson = False,
@@ -76,7 +80,8 @@ def generate(
     if not prompt.strip():
         raise R2RError("the prompt is empty: give the text to answer")
     params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
-    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, seed)
+    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, seed, verify,
+                          max_unverified)
     prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
     generation = engine.generate([prompt_ids], params)[0]
     if as_json:
@@ -84,12 +89,13 @@ def generate(
         return
     console.print(tables.highlighted(engine.tokenizer, generation, console.is_terminal))
     console.print()
-    console.print(tables.stats(generation, engine.policy, console.is_terminal))
+    console.print(tables.stats(generation, engine.policy, console.is_terminal, engine.verify))
 
 
 @app.command()
 def chat(
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
+    verify: Verify = DEFAULT_VERIFY, max_unverified: MaxUnverified = None,
     max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
@@ -98,7 +104,8 @@ def chat(
     from r2r.text import Detokenizer
 
     params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
-    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, seed)
+    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, seed, verify,
+                          max_unverified)
     messages = []
     while True:
         try:
@@ -112,16 +119,16 @@ def chat(
         try:
             for steps in engine.stream([engine.encode_messages(messages)], params, results):
                 for step in steps:
-                    piece = detok.push(step.token_id, final=step.finished)
-                    if step.source == "llm" and piece and not console.is_terminal:
-                        piece = f"[[{piece}]]"
-                    console.print(piece, style=tables.LLM_STYLE if step.source == "llm" else None, end="", markup=False,
-                                  highlight=False)
+                    for n, (token, source, _) in enumerate(step.final, 1):  # only what verification cannot take back
+                        piece = detok.push(token, final=step.finished and n == len(step.final))
+                        if piece and not console.is_terminal and source in tables.MARKS:
+                            piece = piece.join(tables.MARKS[source])
+                        console.print(piece, style=tables.STYLES.get(source), end="", markup=False, highlight=False)
         except KeyboardInterrupt:
             console.print("\n[dim](interrupted)[/]")
         console.print()
         if results:
-            console.print(tables.stats(results[0], engine.policy, console.is_terminal))
+            console.print(tables.stats(results[0], engine.policy, console.is_terminal, engine.verify))
             messages.append({"role": "assistant", "content": results[0].text})
 
 
@@ -130,6 +137,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port", min=1, max=65535),
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
+    verify: Verify = DEFAULT_VERIFY, max_unverified: MaxUnverified = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
     model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
     max_batch: int = count(8, "--max-batch", help="Requests decoding at once."),
@@ -141,7 +149,8 @@ def serve(
 
     from r2r.server import Limits, create_app
 
-    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, None)
+    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, None, verify,
+                          max_unverified)
     server_app = create_app(engine, model_name, Limits(max_batch=max_batch, max_queue=max_queue,
                                                          max_tokens=max_tokens))
     console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
@@ -151,7 +160,8 @@ def serve(
 @app.command("eval")
 def eval_command(
     benchmark: str = typer.Option(..., "--benchmark", help="gsm8k, aime2025, gpqa or humaneval."),
-    systems: str = typer.Option("slm,llm,entropy,random", "--systems", help="Comma-separated: slm,llm,r2r,entropy,random."),
+    systems: str = typer.Option("slm,llm,entropy,random", "--systems", help="Comma-separated: slm,llm,r2r,entropy,random,"
+                                "spec (speculative decoding: the SLM drafts --spec-k tokens, the LLM checks them)."),
     ids: Optional[str] = typer.Option(None, "--ids", help="Items by position: 0-199, or 0,5,9-12 (default: all)."),
     max_new_tokens: int = count(512, "--max-new-tokens"),
     out: Path = typer.Option(Path("runs/eval"), "--out", help="Results go to OUT/BENCHMARK/."),
@@ -160,6 +170,10 @@ def eval_command(
     llm_rate: float = typer.Option(0.15, "--llm-rate", min=0, max=1, help="entropy/random target LLM rate when r2r is not among the systems."),
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Comma-separated r2r thresholds (or entropy LLM rates without a router)."),
     batch_size: int = count(1, "--batch-size", help="Items decoded together."),
+    verify: str = typer.Option("off", "--verify", help="Comma-separated verification settings for r2r, entropy and "
+                               "random (off, strict, tolerances in nats): one system each, e.g. r2r+verify=1."),
+    max_unverified: MaxUnverified = None,
+    spec_k: int = count(4, "--spec-k", help="Draft tokens per check for the spec system."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
     """Evaluate systems on a benchmark: accuracy with 95% CI, LLM rate, avg. params, speed; JSON, table, plots, HTML."""
@@ -171,7 +185,8 @@ def eval_command(
     except ValueError:
         raise R2RError(f"--sweep takes comma-separated numbers, got {sweep!r}") from None
     table = evaluate(benchmark, names, ids, max_new_tokens, out, slm, llm, device, dtype, router_path, threshold,
-                     llm_rate, sweep_values, batch_size, console, backend)
+                     llm_rate, sweep_values, batch_size, console, backend, verify.split(","), max_unverified,
+                     spec_k)
     console.print(markdown_table(table), markup=False, highlight=False)
     console.print(f"results, summary.json, plots and report.html in {out / benchmark}")
 

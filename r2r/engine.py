@@ -29,6 +29,9 @@ from r2r.errors import R2RError
 from r2r.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 
 
+DEFAULT_VERIFY = "off"  # what `r2r generate`, `chat` and `serve` verify with unless told otherwise
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 256

@@ -16,14 +16,25 @@ from r2r import policies, tasks
 from r2r.engine import Batch, Engine, Request, SamplingParams
 from r2r.errors import R2RError
 
-SYSTEMS = ("slm", "llm", "r2r", "entropy", "random")
+SYSTEMS = ("slm", "llm", "r2r", "entropy", "random", "spec")
+ROUTED = ("r2r", "entropy", "random")  # the systems verification applies to
 
 
 @dataclass
 class SystemSpec:
-    name: str  # as in the results file: "slm", "r2r", "entropy@0.15", ...
+    name: str  # as in the results file: "slm", "r2r", "entropy@0.15", "r2r+verify=1", "spec+k=4"...
     kind: str  # one of SYSTEMS
-    value: float | None = None  # r2r: threshold; entropy/random: target LLM rate
+    value: float | None = None  # r2r: threshold; entropy/random: target LLM rate; spec: draft tokens per check
+    verify: str | float = "off"
+    max_unverified: int | None = None
+
+    def with_verify(self, verify: str | float, max_unverified: int | None) -> SystemSpec:
+        """This routed system with verification on catch-up, named for it."""
+        if verify == "off":
+            return self
+        suffix = f"+verify={verify:g}" if isinstance(verify, float) else f"+verify={verify}"
+        suffix += f"+n={max_unverified}" if max_unverified else ""
+        return SystemSpec(self.name + suffix, self.kind, self.value, verify, max_unverified)
 
 
 def parse_systems(text: str) -> list[str]:
@@ -41,16 +52,21 @@ def build_engine(spec: SystemSpec, slm, llm, tokenizer, router_path: Path | None
     if spec.kind == "llm":
         # The LLM alone, as the only model: its speed is the LLM's, not the LLM's plus an idle SLM's.
         return Engine.alone(llm, tokenizer, "llm"), None
+    if spec.kind == "spec":  # lossless speculative decoding: the SLM drafts, the LLM checks every k tokens
+        return Engine(slm, llm, tokenizer, policies.build("slm"), "strict", int(spec.value)), None
+    target_rate = None
     if spec.kind == "r2r":
         if router_path is None:
             raise R2RError("the r2r system needs a trained router: pass --router-path (or leave r2r out of --systems)")
-        return Engine(slm, llm, tokenizer, policies.build("router", slm, spec.value, router_path)), None
-    if spec.kind == "entropy":
+        policy = policies.build("router", slm, spec.value, router_path)
+    elif spec.kind == "entropy":
         # Calibrated to the target rate per request: routes the tokens whose entropy is in the top `rate`.
-        return Engine(slm, llm, tokenizer, policies.build("entropy", threshold=1.0)), spec.value
-    if spec.kind == "random":
-        return Engine(slm, llm, tokenizer, policies.build("random", threshold=spec.value, seed=0)), None
-    raise R2RError(f"unknown system {spec.kind!r}")
+        policy, target_rate = policies.build("entropy", threshold=1.0), spec.value
+    elif spec.kind == "random":
+        policy = policies.build("random", threshold=spec.value, seed=0)
+    else:
+        raise R2RError(f"unknown system {spec.kind!r}")
+    return Engine(slm, llm, tokenizer, policy, spec.verify, spec.max_unverified), target_rate
 
 
 def read_results(path: Path) -> list[dict]:
@@ -78,6 +94,8 @@ def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine
               "backends": [type(b).__name__ for b in (engine.writer, engine.llm if engine.routes else None) if b],
               # A retrained router is another system: its results must not join the old one's.
               "router": getattr(engine.policy, "identity", None)}
+    if engine.verify != "off":  # only then, so that results from before verification existed still resume
+        config |= {"verify": engine.verify, "max_unverified": engine.max_unverified}
     if config_path.exists() and json.loads(config_path.read_text()) != config:
         raise R2RError(f"{path} holds results of another configuration ({config_path}); use another --out "
                        "or delete those files")
@@ -105,9 +123,10 @@ def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine
             for item, request in zip(chunk, requests):
                 gen = request.generation
                 extracted, correct = tasks.grade(benchmark, item, gen.text)
-                sources = "".join("L" if s == "llm" else "S" for s in gen.sources)
+                sources = "".join({"llm": "L", "fix": "F"}.get(s, "S") for s in gen.sources)
                 row = {"id": item.id, "output": gen.text, "extracted": extracted, "correct": correct,
                        "tokens": len(gen.token_ids), "llm_tokens": gen.llm_tokens, "avg_params_b": gen.avg_params_b,
+                       "rollbacks": gen.rollbacks, "discarded": gen.discarded,
                        "time_s": gen.elapsed_s, "batch_time_s": time.perf_counter() - began,
                        "finish_reason": gen.finish_reason, "sources": sources, "token_ids": gen.token_ids}
                 f.write(json.dumps(row) + "\n")
@@ -142,6 +161,7 @@ def summarize(rows: list[dict]) -> dict:
         # token-weighted, like llm_rate: the average over every generated token
         "avg_params_b": sum(r["avg_params_b"] * r["tokens"] for r in rows) / tokens if tokens else 0.0,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "rollbacks_per_100_tokens": 100 * sum(r.get("rollbacks", 0) for r in rows) / tokens if tokens else 0.0,
         "mean_latency_s": seconds / n if n else 0.0,
         "mean_tokens": tokens / n if n else 0.0,
     }
@@ -155,7 +175,7 @@ def routing_profile(rows: list[dict], bins: int = 10) -> list[float]:
         for i, s in enumerate(r["sources"]):
             b = min(int(i / n * bins), bins - 1)
             total[b] += 1
-            routed[b] += s == "L"
+            routed[b] += s in "LF"  # routed, or put in by verification
     return [x / t if t else 0.0 for x, t in zip(routed, total)]
 
 
@@ -170,12 +190,13 @@ def summaries(out_dir: Path, item_ids: set[str] | None = None) -> dict[str, dict
 
 
 def markdown_table(table: dict[str, dict]) -> str:
-    lines = ["| system | items | accuracy (95% CI) | LLM rate | avg. params (B) | tokens/s | latency (s) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| system | items | accuracy (95% CI) | LLM rate | avg. params (B) | tokens/s | latency (s) | "
+             "rollbacks / 100 tokens |", "|---|---|---|---|---|---|---|---|"]
     for name, s in table.items():
         low, high = s["accuracy_ci95"]
         lines.append(f"| {name} | {s['items']} | {s['accuracy']:.1%} ({low:.1%}–{high:.1%}) | {s['llm_rate']:.1%} | "
-                     f"{s['avg_params_b']:.3f} | {s['tokens_per_s']:.2f} | {s['mean_latency_s']:.1f} |")
+                     f"{s['avg_params_b']:.3f} | {s['tokens_per_s']:.2f} | {s['mean_latency_s']:.1f} | "
+                     f"{s.get('rollbacks_per_100_tokens', 0.0):.2f} |")
     return "\n".join(lines)
 
 
@@ -288,7 +309,8 @@ def highlight(row: dict, tokenizer) -> str:
 def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_tokens: int, out: Path,
              slm: str | None, llm: str | None, device: str, dtype: str, router_path: Path | None,
              threshold: float | None, llm_rate: float, sweep: list[float], batch_size: int, console,
-             backend: str = "torch") -> dict:
+             backend: str = "torch", verify: list = ("off",), max_unverified: int | None = None,
+             spec_k: int = 4) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
@@ -301,6 +323,10 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
         raise R2RError("--llm-rate and --sweep values must be in [0, 1]")
     out_dir = out / benchmark
     out_dir.mkdir(parents=True, exist_ok=True)
+    from r2r.engine import check_max_unverified, parse_verify
+
+    verify = [parse_verify(v) for v in verify]
+    check_max_unverified(max_unverified)
     needs_llm = any(s != "slm" for s in system_names) or bool(sweep)
     slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=needs_llm, dtype=dtype, backend=backend)
     router_path = policies.router_path_for(router_path, slm)
@@ -319,6 +345,11 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
             specs.append(SystemSpec(name, name, threshold if name == "r2r" else None))
     sweep_kind = "r2r" if router_path is not None else "entropy"
     specs += [SystemSpec(f"{sweep_kind}@{v:g}", sweep_kind, v) for v in sweep]
+    specs = [s.with_verify(v, max_unverified) if s.kind in ROUTED else s
+             for s in specs for v in (verify if s.kind in ROUTED else ["off"])]
+    for spec in specs:
+        if spec.kind == "spec":
+            spec.name, spec.value = f"spec+k={spec_k}", spec_k
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=console) as progress:

@@ -29,7 +29,7 @@ from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice, ChoiceDelta
 from pydantic import BaseModel, ConfigDict, Field
 
-from r2r.engine import Batch, Engine, Request, SamplingParams, Step
+from r2r.engine import Batch, Engine, Request, SamplingParams, Step, parse_verify
 from r2r.errors import R2RError
 from r2r.text import Detokenizer
 
@@ -76,6 +76,8 @@ class CommonBody(BaseModel):
     r2r_threshold: Optional[float] = None
     r2r_llm_rate: Optional[float] = Field(None, ge=0, le=1)
     r2r_policy: Optional[Literal["slm", "llm"]] = None
+    r2r_verify: Optional[Union[float, str]] = None  # off, strict or a tolerance in nats (default: the server's)
+    r2r_max_unverified: Optional[int] = Field(None, ge=1)
 
 
 class ChatMessage(BaseModel):
@@ -241,7 +243,8 @@ async def list_models(http: HTTPRequest):
     return {"object": "list", "data": [{
         "id": s.model_name, "object": "model", "created": 0, "owned_by": "r2r",
         "r2r": {"slm": engine.slm.name if engine.slm else None, "llm": engine.llm.name if engine.llm else None,
-                "policy": engine.policy.name, "threshold": engine.policy.threshold},
+                "policy": engine.policy.name, "threshold": engine.policy.threshold, "verify": engine.verify,
+                "max_unverified": engine.max_unverified},
     }]}
 
 
@@ -310,10 +313,13 @@ def make_request(body: CommonBody, prompt_ids: list[int], s: ServerState) -> Req
         raise APIError(400, "this server has no LLM loaded", param="r2r_policy")
     try:
         params.validate()
+        verify = None if body.r2r_verify is None else parse_verify(body.r2r_verify)
     except R2RError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param="r2r_verify" if body.r2r_verify is not None else None) from None
+    if verify not in (None, "off") and not s.engine.routes:
+        raise APIError(400, "verification needs both models; this server runs one", param="r2r_verify")
     return Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
-                   target_rate=body.r2r_llm_rate)
+                   target_rate=body.r2r_llm_rate, verify=verify, max_unverified=body.r2r_max_unverified)
 
 
 async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompt_ids: list[int], chat: bool):
@@ -353,7 +359,8 @@ class Reply:
     chat: bool
 
     def whole(self, gen) -> dict:
-        r2r = {"token_ids": gen.token_ids, "sources": gen.sources, "scores": gen.scores}
+        r2r = {"token_ids": gen.token_ids, "sources": gen.sources, "scores": gen.scores, "rollbacks": gen.rollbacks,
+               "discarded_tokens": gen.discarded}
         if self.chat:
             choice = ChatChoice(index=0, message=ChatCompletionMessage(role="assistant", content=gen.text),
                                 finish_reason=gen.finish_reason, logprobs=None)
@@ -389,6 +396,8 @@ class Reply:
 
 
 async def stream_events(job: Job, reply: Reply, engine: Engine, include_usage: bool):
+    """One chunk per token once it is final (at once without verification; with it, once the LLM has
+    checked it), with its provenance; the last chunk carries the usage."""
     request = job.request
     detok = Detokenizer(engine.tokenizer)
     hold = max((len(s) for s in request.params.stop), default=1) - 1  # a stop string may be forming
@@ -402,18 +411,19 @@ async def stream_events(job: Job, reply: Reply, engine: Engine, include_usage: b
                 error = {"error": {"message": event.message, "type": "server_error", "param": None, "code": None}}
                 yield f"data: {json.dumps(error)}\n\n"
                 break
-            finished = event.finished
-            text += detok.push(event.token_id, final=finished)
-            if finished:  # the final text has any stop string cut off
-                final = request.generation.text
-                delta, sent = final[sent:], len(final)
-            else:
-                safe = len(text) - hold
-                delta, sent = (text[sent:safe], safe) if safe > sent else ("", sent)
-            extra = {"r2r": {"token_id": event.token_id, "source": event.source, "score": event.score}}
-            if finished:
-                extra["usage"] = usage(request.generation)
-            yield reply.chunk(delta, request.generation.finish_reason if finished else None, extra)
+            for n, (token, source, score) in enumerate(event.final, 1):
+                finished = event.finished and n == len(event.final)
+                text += detok.push(token, final=finished)
+                if finished:  # the final text has any stop string cut off
+                    final = request.generation.text
+                    delta, sent = final[sent:], len(final)
+                else:
+                    safe = len(text) - hold
+                    delta, sent = (text[sent:safe], safe) if safe > sent else ("", sent)
+                extra = {"r2r": {"token_id": token, "source": source, "score": score}}
+                if finished:
+                    extra["usage"] = usage(request.generation)
+                yield reply.chunk(delta, request.generation.finish_reason if finished else None, extra)
         if finished and include_usage:
             yield reply.usage_chunk(request.generation)
         yield "data: [DONE]\n\n"
@@ -426,7 +436,7 @@ def usage(gen) -> CompletionUsage:
     n = len(gen.token_ids)
     return CompletionUsage(prompt_tokens=len(gen.prompt_ids), completion_tokens=n,
                            total_tokens=len(gen.prompt_ids) + n, llm_tokens=gen.llm_tokens, llm_rate=gen.llm_rate,
-                           avg_activated_params_b=gen.avg_params_b)
+                           avg_activated_params_b=gen.avg_params_b, rollbacks=gen.rollbacks)
 
 
 class BackgroundServer:

@@ -6,36 +6,43 @@ from rich.table import Table
 from rich.text import Text
 
 LLM_STYLE = "bold black on yellow"
+STYLES = {"llm": LLM_STYLE, "fix": "bold black on green"}  # by token source; the SLM's tokens are plain
+MARKS = {"llm": ("[[", "]]"), "fix": ("{{", "}}")}  # the same where output is not a terminal
 
 
 def highlighted(tokenizer, generation, terminal: bool) -> Text:
-    """The answer with the LLM's tokens highlighted; where output is not a terminal, in [[...]] instead."""
+    """The answer with the LLM's tokens highlighted (verification's fixes in their own colour); where output
+    is not a terminal, routed tokens in [[...]] and fixes in {{...}} instead."""
     from r2r.text import token_pieces
 
-    text, in_llm_span = Text(), False
+    text, span = Text(), "slm"
     for piece, source in zip(token_pieces(tokenizer, generation.token_ids), generation.sources):
         if terminal:
-            text.append(piece, style=LLM_STYLE if source == "llm" else None)
+            text.append(piece, style=STYLES.get(source))
             continue
-        if (source == "llm") != in_llm_span:
-            text.append("[[" if source == "llm" else "]]")
-            in_llm_span = source == "llm"
+        if source != span:
+            text.append(MARKS.get(span, ("", ""))[1] + MARKS.get(source, ("", ""))[0])
+            span = source
         text.append(piece)
-    return text.append("]]") if in_llm_span else text
+    return text.append(MARKS.get(span, ("", ""))[1])
 
 
-def stats(generation, policy, terminal: bool) -> Table:
+def stats(generation, policy, terminal: bool, verify="off") -> Table:
     table = Table(show_header=False, box=None, padding=(0, 2))
     t = generation.timings
+    marked = "highlighted" if terminal else "in [[ ]]" + (", fixes in {{ }}" if verify != "off" else "")
     rows = [
         ("policy", policy.name + (f" (threshold {policy.threshold:g})" if policy.threshold is not None else "")),
         ("tokens", f"{len(generation.token_ids)} ({generation.finish_reason})"),
-        ("LLM tokens", f"{generation.llm_tokens}  ({'highlighted' if terminal else 'in [[ ]]'})"),
+        ("LLM tokens", f"{generation.llm_tokens}  ({marked})"),
         ("LLM rate", f"{generation.llm_rate:.1%}"),
         ("avg. activated params", f"{generation.avg_params_b:.3f} B"),
         ("speed", f"{generation.tokens_per_s:.1f} tokens/s"),
         ("time SLM / router / LLM", f"{t.slm_s:.2f} / {t.router_s:.3f} / {t.llm_s:.2f} s"),
     ]
+    if verify != "off":
+        rows.insert(3, ("verification", f"{verify}: {generation.rollbacks} rollbacks, "
+                                        f"{generation.sources.count('fix')} fixes, {generation.discarded} tokens discarded"))
     for name, value in rows:
         table.add_row(Text(name, style="dim"), value)
     return table
@@ -91,12 +98,12 @@ def label_report(result: dict) -> Table:
 def bench_compare(result: dict, prompts: int, tokens: int, dtype: str) -> list:
     """`r2r bench`: every system's speed against the fastest LLM alone, then R2R's cost model."""
     base = result["baseline"]
-    table = Table("system", "tokens", "seconds", "tokens/s", "LLM rate", f"x {base}",
+    table = Table("system", "tokens", "seconds", "tokens/s", "LLM rate", "rollbacks", f"x {base}",
                   title=f"{prompts} GSM8K dev prompts, <= {tokens} new tokens, greedy, one at a time ({dtype} torch)")
     for name, r in result["systems"].items():
         rate = "" if r["llm_rate"] is None else f"{r['llm_rate']:.1%}"
         table.add_row(name, str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}", rate,
-                      f"{r['vs_fastest_llm']:.2f}")
+                      str(r.get("rollbacks", "")), f"{r['vs_fastest_llm']:.2f}")
     return [table, *(cost_model(name, r) for name, r in result["systems"].items() if "cost_model" in r)]
 
 

@@ -72,6 +72,27 @@ def test_forward_all_gives_every_new_position(backend, kind, tokenizer):
                 assert close(logits[i, column - 3], ref[column - pad], kind), (i, column)
 
 
+def test_forward_all_keeps_only_the_last_columns_asked_for(backend, kind, tokenizer):
+    rows = token_rows(tokenizer)
+    ids, mask = left_pad(rows, tokenizer.pad_token_id, backend.device)
+    every = backend.forward_all(backend.new_cache(), ids, mask)
+    last = backend.forward_all(backend.new_cache(), ids, mask, keep_last=4)
+    assert last.shape == (len(rows), 4, len(tokenizer)) and close(last, every[:, -4:], kind)
+
+
+def test_shift_rows_moves_a_row_right_as_if_it_had_fewer_tokens(backend, kind, tokenizer):
+    """What verification's rollback does: row 0 drops its last 3 tokens and gains 3 columns of left padding."""
+    rows = token_rows(tokenizer)
+    cache, ids, mask = prefilled(backend, rows, tokenizer)
+    backend.shift_rows(cache, [3, 0, 0])
+    assert cache.length == ids.shape[1]
+    ids[0], mask[0] = ids[0].roll(3), mask[0].roll(3)
+    ids[0, :3], mask[0, :3] = tokenizer.pad_token_id, 0
+    logits, _, _ = continue_one(backend, cache, ids, mask, token=7)
+    assert close(logits[0], backend.prefill(rows[0][:-3] + [7])[0][-1], kind)
+    assert close(logits[1], backend.prefill(rows[1] + [7])[0][-1], kind)
+
+
 def test_prefill_from_a_start_position(backend, kind, tokenizer):
     row = token_rows(tokenizer)[2]
     logits, hidden = backend.prefill(row)

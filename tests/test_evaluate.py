@@ -119,3 +119,25 @@ def test_summary_covers_every_system_run_in_the_directory(run_cli, pair, tmp_pat
     code, out, err = run_cli(*common, "--systems", "slm", "--ids", "0")  # fewer items: the table follows --ids
     summary = json.loads((tmp_path / "gsm8k" / "summary.json").read_text())["systems"]
     assert code == 0 and summary["llm"]["items"] == 1 and "| llm |" in out
+
+
+def test_eval_runs_verified_and_speculative_systems(run_cli, pair, tmp_path):
+    """--verify makes one system per setting; strict verification and speculative decoding give the LLM's
+    own answers (float32, so chunked and one-token LLM forwards agree to the last bit that matters)."""
+    code, out, err = run_cli("eval", "--benchmark", "gsm8k", "--systems", "llm,random,spec", "--ids", "0-2",
+                             "--max-new-tokens", "10", "--llm-rate", "0.2", "--verify", "off,strict,1",
+                             "--max-unverified", "3", "--spec-k", "3", "--out", tmp_path, *pair, "--dtype", "float32")
+    assert code == 0, err
+    d = tmp_path / "gsm8k"
+    summary = json.loads((d / "summary.json").read_text())["systems"]
+    assert set(summary) == {"llm", "random", "random+verify=strict+n=3", "random+verify=1+n=3", "spec+k=3"}
+    llm = {r["id"]: r["token_ids"] for r in read_results(d / "llm.jsonl")}
+    for name in ("random+verify=strict+n=3", "spec+k=3"):
+        rows = read_results(d / f"{name}.jsonl")
+        assert {r["id"]: r["token_ids"] for r in rows} == llm, name
+        assert all(r["llm_tokens"] == sum(c in "LF" for c in r["sources"]) for r in rows)
+    assert sum(r["rollbacks"] for r in read_results(d / "spec+k=3.jsonl")) > 0
+    assert "rollbacks / 100 tokens" in out
+    code, _, err = run_cli("eval", "--benchmark", "gsm8k", "--systems", "random", "--ids", "0", "--verify", "maybe",
+                           "--out", tmp_path, *pair)
+    assert code != 0 and "verify takes off, strict or a tolerance" in err and len(err.strip().splitlines()) == 1

@@ -110,6 +110,11 @@ BAD_REQUESTS = [
      400),
     ("bad routing knob", json.dumps({"messages": [{"role": "user", "content": "hi"}], "r2r_llm_rate": 2}).encode(),
      400),
+    ("bad verify", json.dumps({"messages": [{"role": "user", "content": "hi"}], "r2r_verify": "always"}).encode(), 400),
+    ("negative tolerance", json.dumps({"messages": [{"role": "user", "content": "hi"}], "r2r_verify": -1}).encode(),
+     400),
+    ("bad verify interval", json.dumps({"messages": [{"role": "user", "content": "hi"}], "r2r_verify": "strict",
+                                        "r2r_max_unverified": 0}).encode(), 400),
 ]
 
 
@@ -184,3 +189,19 @@ def test_an_engine_failure_fails_only_the_requests_in_flight(server, client, slm
     assert response.status_code == 500
     assert "simulated device failure" in response.json()["error"]["message"]
     assert chat(client, "What is 48 / 2?", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_strict_verification_streams_the_llms_own_answer(client):
+    """r2r_verify strict: the answer is the LLM's greedy one, streamed token by token as it is checked, with
+    verification's fixes marked in the provenance."""
+    for prompt in ("What is 48 / 2?", "Bonjour!"):
+        llm_only = chat(client, prompt, max_tokens=30, extra_body={"r2r_policy": "llm"})
+        knobs = {"r2r_verify": "strict", "r2r_max_unverified": 3, "r2r_threshold": 0.1}
+        whole = chat(client, prompt, max_tokens=30, extra_body=knobs)
+        assert whole.model_extra["r2r"]["token_ids"] == llm_only.model_extra["r2r"]["token_ids"]
+        chunks = list(chat(client, prompt, max_tokens=30, stream=True, extra_body=knobs))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == llm_only.choices[0].message.content
+        provenance = [c.model_extra["r2r"] for c in chunks if c.model_extra.get("r2r")]
+        assert [p["token_id"] for p in provenance] == whole.model_extra["r2r"]["token_ids"]
+        assert {p["source"] for p in provenance} <= {"slm", "llm", "fix"}  # the random policy draws anew each time
+        assert whole.usage.model_extra["llm_tokens"] == sum(s != "slm" for s in whole.model_extra["r2r"]["sources"])
