@@ -202,3 +202,35 @@ def test_eval_grades_the_real_slm_on_gsm8k_and_humaneval(tmp_path):
             code_and_after = row["output"].split("```python", 1)[-1].split("```", 1)
             assert len(code_and_after) == 1 or not code_and_after[1].strip(), row["output"]
             assert row["extracted"] == "passed" or row["extracted"].startswith("failed"), row["extracted"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "llamacpp"])
+def test_strict_verification_gives_the_llms_greedy_output(backend):
+    """Verification on catch-up, strict: the shipped router (the LLM checks at routed tokens and at the
+    end) and speculative decoding (the SLM alone, checked every 4 tokens) both write the LLM's own greedy
+    output, 128 tokens on 3 prompts. Torch in float32: a multi-token LLM forward and a one-token step then
+    agree to well below any logit gap. On llama.cpp (Q4_K_M) they round differently, so where the output
+    leaves the LLM's one-token path, its two top tokens must nearly tie there."""
+    if backend == "llamacpp":
+        pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from r2r import policies
+
+    slm, llm, tokenizer = load_pair(None, None, "cpu", backend=backend, dtype="float32")
+    alone = Engine.alone(llm, tokenizer)
+    prompts = [alone.encode_chat(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True)
+    expected = [alone.generate([p], params)[0].token_ids for p in prompts]
+    router = policies.build("router", slm, None, policies.router_path_for(None, None))
+    rollbacks = 0
+    for policy, interval in ((router, None), (AlwaysSLM(), 4)):
+        engine = Engine(slm, llm, tokenizer, policy, verify="strict", max_unverified=interval)
+        for prompt, want in zip(prompts, expected):
+            gen = engine.generate([prompt], params)[0]
+            rollbacks += gen.rollbacks
+            split = next((i for i, (a, b) in enumerate(zip(gen.token_ids, want)) if a != b), None)
+            if backend == "torch":
+                assert split is None, (policy.name, split)
+            elif split is not None:
+                logits, _ = llm.prefill(prompt + want[:split])
+                assert abs((logits[-1, want[split]] - logits[-1, gen.token_ids[split]]).item()) < 0.5
+    assert rollbacks > 0  # the LLM did correct the SLM
