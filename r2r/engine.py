@@ -380,15 +380,15 @@ class Batch:
             if any(verifying):
                 # Logits at the caught-up columns that predict unread generated tokens (the prompt's need no
                 # check); the last one also serves routing.
-                keep = max(min(column - read_from, len(r.generation.token_ids) + 1)
-                           for r, v in zip(requests, verifying) if v)
-                all_logits = engine.llm.forward_all(self.llm_cache, self.ids[:, read_from:], self.mask, keep)
+                checked = max(min(column - read_from, len(r.generation.token_ids) + 1)
+                              for r, v in zip(requests, verifying) if v)
+                all_logits = engine.llm.forward_all(self.llm_cache, self.ids[:, read_from:], self.mask, checked)
                 llm_logits = all_logits[:, -1]
             else:
                 llm_logits, _ = engine.llm.forward(self.llm_cache, self.ids[:, read_from:], self.mask)
             for i, r in enumerate(requests):
                 if verifying[i]:
-                    found = self._first_rejection(r, all_logits[i], column - keep, column, int(proposal[i]),
+                    found = self._first_rejection(r, all_logits[i], column - checked, column, int(proposal[i]),
                                                   routed[i], read_from)
                     if found:
                         rejected[i] = found

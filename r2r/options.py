@@ -52,7 +52,7 @@ def count(default: int, name: str, help: str | None = None):
 Verify = Annotated[str, typer.Option("--verify", help="Check the SLM's tokens at each LLM catch-up: off, strict "
                                      "(the LLM's own output: lossless) or a tolerance in nats (keep a token the LLM "
                                      "finds within that of its own choice).")]
-MaxUnverified = Annotated[Optional[int], typer.Option("--max-unverified", min=1, help="With --verify: catch up "
+MaxUnverified = Annotated[Optional[int], typer.Option("--max-unverified", help="With --verify: catch up "
                                                       "and check once this many tokens are unread by the LLM "
                                                       "(default: no limit). --router slm --verify strict "
                                                       "--max-unverified k is speculative decoding.")]

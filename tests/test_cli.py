@@ -46,6 +46,9 @@ def test_generate_prints_text_and_stats(run_cli, pair):
         (["generate", "hi", "--router", "router"], "no router checkpoint"),
         (["generate", "hi", "--router", "entropy", "--threshold", "-2"], "entropy threshold"),
         (["generate", "hi", "--router-path", "x", "--router", "slm"], "--router-path goes with"),
+        (["generate", "hi", "--verify", "maybe"], "verify takes off, strict or a tolerance"),
+        (["generate", "hi", "--verify", "-2"], "verify takes off, strict or a tolerance"),
+        (["generate", "hi", "--verify", "strict", "--max-unverified", "0"], "at least 1"),
     ],
 )
 def test_bad_input_gives_one_line_error(run_cli, pair, args, message):
@@ -116,3 +119,17 @@ def test_step_cost_benchmark_runs(run_cli, pair, tmp_path):
     assert set(ms) == {"slm", "llm"} and all(v > 0 for row in ms.values() for v in row.values())
     code, out, err = run_cli("bench", "steps", "--new-tokens", "1,x", *pair)
     assert code != 0 and "comma-separated" in err
+
+
+def test_generate_with_verification_reports_fixes(run_cli, pair):
+    code, out, err = run_cli("generate", "What is 48 / 2?", "--router", "random", "--threshold", "0.3", "--verify",
+                             "strict", "--max-unverified", "3", "--max-new-tokens", "16", "--json", *pair)
+    assert code == 0, err
+    result = json.loads(out)
+    assert set(result["sources"]) <= {"slm", "llm", "fix"}
+    assert result["fix_tokens"] == result["sources"].count("fix") and result["rollbacks"] == result["fix_tokens"]
+    assert result["llm_tokens"] == result["sources"].count("llm") + result["fix_tokens"]
+    code, out, err = run_cli("generate", "What is 48 / 2?", "--router", "slm", "--verify", "1", "--max-new-tokens",
+                             "12", *pair)
+    assert code == 0, err
+    assert "verification" in out and "rollbacks" in out

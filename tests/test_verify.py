@@ -107,22 +107,23 @@ def test_stream_shows_only_final_tokens_and_ends_with_all_of_them(pair, tokenize
         assert shown[i] == gen.token_ids
 
 
-def test_strict_under_sampling_follows_the_llms_distribution(slm, llm, tokenizer):
+def test_strict_under_sampling_follows_the_llms_distribution(pair, tokenizer):
     """Many seeds on one prefix: the first token's frequencies match the LLM's sampling distribution, not the
     SLM's (every token is verified at once: max_unverified 1)."""
+    slm, llm = pair
     engine = Engine(slm, llm, tokenizer, AlwaysSLM(), verify="strict", max_unverified=1)
     prompt = engine.encode_chat("What is 48 / 2?")
     base = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=20)
     target = sampling_probs(llm.prefill(prompt)[0][-1:], base)[0]
     draft = sampling_probs(slm.prefill(prompt)[0][-1:], base)[0]
-    runs = 3000
+    runs, rows = 3000, llm.max_rows or 500
     counts = torch.zeros_like(target)
-    for start in range(0, runs, 500):
+    for start in range(0, runs, rows):
         from r2r.engine import Batch, Request
 
         batch = Batch(engine)
         requests = [Request(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
-                    for seed in range(start, start + 500)]
+                    for seed in range(start, min(start + rows, runs))]
         batch.add(requests)
         while batch.requests:
             batch.step()
