@@ -8,7 +8,6 @@ import time
 import torch
 from transformers import DynamicCache
 
-
 BENCH_PROMPT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May? Explain step by step."
@@ -234,8 +233,8 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
 
     router_path = policies.router_path_for(router_path, None)
     pairs = {name: load_pair(None, None, "cpu", dtype=dtype, backend=name) for name in backends}
-    tokenizer = next(iter(pairs.values()))[2]
-    prompts = [Engine.alone(next(iter(pairs.values()))[0], tokenizer, "slm").encode_chat(gsm8k_prompt(item))
+    first_slm, _, tokenizer = next(iter(pairs.values()))
+    prompts = [Engine.alone(first_slm, tokenizer, "slm").encode_chat(gsm8k_prompt(item))
                for item in gsm8k()[:n_prompts]]
     params = SamplingParams(max_new_tokens=n_tokens)
 

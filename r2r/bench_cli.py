@@ -11,6 +11,7 @@ from rich.progress import Progress
 
 from r2r import tables
 from r2r.errors import R2RError
+from r2r.models import BACKENDS
 from r2r.options import Backend, Device, Dtype, EntropyThreshold, Llm, MaxUnverified, Out, Slm, console, count
 from r2r.policies import DEFAULT_ENTROPY_THRESHOLD
 
@@ -42,14 +43,9 @@ def bench_compare(
     from r2r.bench import compare
     from r2r.engine import parse_verify
 
-    try:
-        ks = [int(k) for k in spec_k.split(",") if k.strip()]
-    except ValueError:
-        raise R2RError(f"--spec-k takes comma-separated whole numbers, got {spec_k!r}") from None
-    if any(k < 1 for k in ks):
-        raise R2RError("every --spec-k value must be at least 1")
+    ks = whole_numbers(spec_k, "--spec-k")
     names = [b.strip() for b in backends.split(",") if b.strip()]
-    if not names or set(names) - {"torch", "llamacpp"}:
+    if not names or set(names) - set(BACKENDS):
         raise R2RError(f"--backends takes torch, llamacpp or both, got {backends!r}")
     settings = [parse_verify(v.strip()) for v in verify.split(",") if v.strip()]
     with Progress(console=console, transient=True) as progress:
@@ -136,15 +132,23 @@ def bench_steps(
     """Per-step cost of each model for k new tokens (the inputs of the cost model)."""
     from r2r.bench import step_costs
 
-    try:
-        ks = [int(k) for k in new_tokens.split(",")]
-    except ValueError:
-        raise R2RError(f"--new-tokens takes comma-separated whole numbers, got {new_tokens!r}") from None
-    if not ks or min(ks) < 1:
+    ks = whole_numbers(new_tokens, "--new-tokens")
+    if not ks:
         raise R2RError("every --new-tokens value must be at least 1")
     result = step_costs(slm, llm, device, dtype, context, ks, backend)
     console.print(tables.bench_steps(result, ks, backend, dtype, context))
     save(result, out)
+
+
+def whole_numbers(text: str, option: str) -> list[int]:
+    """A comma-separated list of whole numbers >= 1 (empty text: none)."""
+    try:
+        values = [int(k) for k in text.split(",")] if text.strip() else []
+    except ValueError:
+        raise R2RError(f"{option} takes comma-separated whole numbers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise R2RError(f"every {option} value must be at least 1")
+    return values
 
 
 def save(result: dict, out: Path | None) -> None:

@@ -206,7 +206,7 @@ class Engine:
 
     def __init__(self, slm: Backend | None, llm: Backend | None, tokenizer, policy: RoutingPolicy | None = None,
                  verify: str | float = "off", max_unverified: int | None = None):
-        """`verify`, `max_unverified`: the defaults of requests that do not set their own (see `Batch._verify`)."""
+        """`verify`, `max_unverified`: the defaults of requests that do not set their own (see `Batch._accept`)."""
         if slm is None and llm is None:
             raise R2RError("an engine needs at least one model")
         self.slm, self.llm, self.tokenizer = slm, llm, tokenizer
@@ -226,6 +226,23 @@ class Engine:
         self.max_context = min(m.max_context for m in models)
         self.verify, self.max_unverified = parse_verify(verify), check_max_unverified(max_unverified)
         self.sync = torch.cuda.synchronize if self.writer.device.type == "cuda" else (lambda: None)
+
+    def check(self, r: Request) -> None:
+        """Refuse a request this engine cannot run (before it joins a batch, where it would fail the others),
+        and fill in the engine's verification defaults."""
+        r.params.validate()
+        if not r.prompt_ids:
+            raise R2RError("every prompt needs at least one token")
+        if self.llm is None and r.force == "llm":
+            raise R2RError("this request asks for the LLM, but no LLM is loaded")
+        if self.llm is None and r.force is None and self.policy.routes_to_llm:
+            raise R2RError(f"the {self.policy.name!r} policy routes to an LLM, but no LLM is loaded")
+        if self.slm is None and r.force == "slm":
+            raise R2RError("this request asks for the SLM, but no SLM is loaded")
+        r.verify = parse_verify(self.verify if r.verify is None else r.verify)
+        r.max_unverified = check_max_unverified(self.max_unverified if r.max_unverified is None else r.max_unverified)
+        if r.verify != "off" and not self.routes:
+            raise R2RError("verification needs both models: the LLM checks the SLM's tokens")
 
     @classmethod
     def alone(cls, model: Backend, tokenizer, role: str = "llm") -> Engine:
@@ -289,19 +306,7 @@ class Batch:
     def add(self, requests: list[Request]) -> None:
         engine = self.engine
         for r in requests:
-            r.params.validate()
-            if not r.prompt_ids:
-                raise R2RError("every prompt needs at least one token")
-            routes_to_llm = r.force == "llm" or (r.force is None and engine.policy.routes_to_llm)
-            if engine.llm is None and routes_to_llm:
-                raise R2RError(f"the {engine.policy.name!r} policy routes to an LLM, but no LLM is loaded")
-            if engine.slm is None and r.force == "slm":
-                raise R2RError("this request asks for the SLM, but no SLM is loaded")
-            r.verify = parse_verify(engine.verify if r.verify is None else r.verify)
-            r.max_unverified = check_max_unverified(engine.max_unverified if r.max_unverified is None
-                                                    else r.max_unverified)
-            if r.verify != "off" and not engine.routes:
-                raise R2RError("verification needs both models: the LLM checks the SLM's tokens")
+            engine.check(r)
         params_b = ((engine.slm.num_params if engine.slm else 0) / 1e9,
                     (engine.policy.num_params if engine.routes else 0) / 1e9,
                     (engine.llm.num_params if engine.llm else 0) / 1e9)
@@ -494,7 +499,7 @@ class Batch:
         for i, d in enumerate(shifts):
             ids[i, d:], mask[i, d:] = self.ids[i, : column - d], self.mask[i, : column - d]
         self.ids, self.mask = ids, mask
-        for i, (at, token) in rejected.items():
+        for i, (_, token) in rejected.items():
             r, dropped = self.requests[i], shifts[i]
             gen = r.generation
             keep = len(gen.token_ids) - dropped

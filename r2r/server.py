@@ -29,7 +29,7 @@ from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice, ChoiceDelta
 from pydantic import BaseModel, ConfigDict, Field
 
-from r2r.engine import Batch, Engine, Request, SamplingParams, Step, parse_verify
+from r2r.engine import Batch, Engine, Request, SamplingParams, Step
 from r2r.errors import R2RError
 from r2r.text import Detokenizer
 
@@ -309,17 +309,13 @@ def make_request(body: CommonBody, prompt_ids: list[int], s: ServerState) -> Req
                             top_k=body.top_k, stop=tuple(stop), seed=body.seed)
     if body.r2r_threshold is not None and not math.isfinite(body.r2r_threshold):
         raise APIError(400, "r2r_threshold must be a finite number", param="r2r_threshold")
-    if body.r2r_policy == "llm" and s.engine.llm is None:
-        raise APIError(400, "this server has no LLM loaded", param="r2r_policy")
+    request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
+                      target_rate=body.r2r_llm_rate, verify=body.r2r_verify, max_unverified=body.r2r_max_unverified)
     try:
-        params.validate()
-        verify = None if body.r2r_verify is None else parse_verify(body.r2r_verify)
+        s.engine.check(request)  # here, not in the engine thread, where it would fail the whole batch
     except R2RError as e:
-        raise APIError(400, str(e), param="r2r_verify" if body.r2r_verify is not None else None) from None
-    if verify not in (None, "off") and not s.engine.routes:
-        raise APIError(400, "verification needs both models; this server runs one", param="r2r_verify")
-    return Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
-                   target_rate=body.r2r_llm_rate, verify=verify, max_unverified=body.r2r_max_unverified)
+        raise APIError(400, str(e)) from None
+    return request
 
 
 async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompt_ids: list[int], chat: bool):
