@@ -44,6 +44,10 @@ class Backend(Protocol):
     max_context: int
     """The most positions one row may hold (prompt + generated)."""
 
+    kv_capacity: int | None
+    """Tokens the caches of all rows hold together (a shared pool: the sum of the rows' real tokens,
+    padding excluded, must stay within it); None when each row's cache is only limited by memory."""
+
     max_rows: int | None
     """The most rows one cache may hold at once; None when only memory limits it."""
 

@@ -44,11 +44,11 @@ app.add_typer(bench_app, name="bench")
 err_console = Console(stderr=True)
 
 def build_engine(slm, llm, device, dtype, backend, router: RouterChoice | None, threshold, router_path, seed,
-                 verify="off", max_unverified=None):
+                 verify="off", max_unverified=None, llama=None):
     from r2r.models import load_engine
 
     return load_engine(slm, llm, device, dtype, backend, router.value if router else None, threshold, router_path,
-                       seed, verify, max_unverified)
+                       seed, verify, max_unverified, llama)
 
 
 def progress_bar(*columns: ProgressColumn) -> Progress:
@@ -134,27 +134,39 @@ def chat(
 
 @app.command()
 def serve(
-    host: str = typer.Option("127.0.0.1", "--host"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. On a loopback address (the "
+                             "default) requests must name localhost in Host and Origin."),
     port: int = typer.Option(8000, "--port", min=1, max=65535),
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
     verify: Verify = DEFAULT_VERIFY, max_unverified: MaxUnverified = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
     model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
-    max_batch: int = count(8, "--max-batch", help="Requests decoding at once."),
+    max_batch: int = count(8, "--max-batch", help="Requests decoding (or having their prompt read) at once."),
     max_queue: int = count(64, "--max-queue", help="Requests waiting for a slot (then 429)."),
     max_tokens: int = count(4096, "--max-tokens", help="The most new tokens a request may ask for."),
+    kv_cache_tokens: Optional[int] = typer.Option(None, "--kv-cache-tokens", min=1, help="llama.cpp: the KV-cache "
+                                                  "tokens all requests share, per model (default: --max-batch x "
+                                                  "4096). A request holds prompt + max_tokens of them while it runs."),
+    prefill_chunk: int = count(128, "--prefill-chunk", help="Prompt tokens read between two decode steps (running "
+                               "streams keep going while a long prompt is read)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="R2R_API_KEY", help="Require 'Authorization: "
+                                          "Bearer KEY' on /v1/ (also from $R2R_API_KEY)."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0, help="On SIGINT/SIGTERM: seconds in-flight "
+                                        "requests get to finish before they are cut (a second signal exits at once)."),
+    docs: bool = typer.Option(False, "--docs", help="Serve the API docs at /docs and /openapi.json."),
 ):
     """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) and a playground at /."""
-    import uvicorn
+    from r2r import server
 
-    from r2r.server import Limits, create_app
-
+    llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}
     engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, None, verify,
-                          max_unverified)
-    server_app = create_app(engine, model_name, Limits(max_batch=max_batch, max_queue=max_queue,
-                                                         max_tokens=max_tokens))
+                          max_unverified, llama)
+    limits = server.Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
+                           drain_timeout=drain_timeout)
+    app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=server.is_loopback(host),
+                            docs=docs)
     console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
-    uvicorn.run(server_app, host=host, port=port, log_level="warning")
+    server.run(app, host, port)
 
 
 @app.command("eval")

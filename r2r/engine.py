@@ -45,14 +45,16 @@ class SamplingParams:
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise R2RError(f"max new tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise R2RError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise R2RError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise R2RError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise R2RError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
         if any(not s for s in self.stop):
             raise R2RError("stop strings must not be empty")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise R2RError(f"the seed must fit in 64 bits (-2^63 to 2^64 - 1), got {self.seed}")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -182,6 +184,7 @@ class Request:
     final: int = 0  # tokens of the output that can no longer change (verification may take back the rest)
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # token index -> the SLM's distribution
     # it was drawn from (kept for strict verification under sampling only)
+    prefill: Prefill | None = None  # its prompt, read ahead before it joins a batch (see `Prefill`)
 
 
 @dataclass
@@ -224,6 +227,9 @@ class Engine:
         self.eos_ids = eos_token_ids(tokenizer).union(*(m.eos_ids for m in models))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.max_context = min(m.max_context for m in models)
+        # The tokens every row's caches hold together, and how many rows: what the server admits against.
+        self.kv_capacity = min((m.kv_capacity for m in models if m.kv_capacity is not None), default=None)
+        self.max_rows = min((m.max_rows for m in models if m.max_rows is not None), default=None)
         self.verify, self.max_unverified = parse_verify(verify), check_max_unverified(max_unverified)
         self.sync = torch.cuda.synchronize if self.writer.device.type == "cuda" else (lambda: None)
 
@@ -284,6 +290,37 @@ class Engine:
             yield batch.step()
 
 
+class Prefill:
+    """A request's prompt read ahead, in chunks, before it joins a batch.
+
+    The server reads a newcomer's prompt one chunk between two decode steps, so the streams already
+    running keep producing tokens while a long prompt is read. Each model reads the prompt alone,
+    into a cache of its own, up to all but the prompt's last token (the request's first decode step
+    reads that one and proposes the first new token); `Batch.add` fits that cache into the batch."""
+
+    def __init__(self, engine: Engine, request: Request):
+        self.models = [engine.writer] + ([engine.llm] if engine.routes else [])  # in `Batch._caches` order
+        self.caches = [m.new_cache() for m in self.models]
+        self.ids = torch.tensor([request.prompt_ids], device=engine.writer.device)
+        self.goal = len(request.prompt_ids) - 1
+        request.prefill = self
+
+    @property
+    def done(self) -> bool:
+        return all(c.length >= self.goal for c in self.caches)
+
+    def advance(self, chunk: int) -> int:
+        """Read up to `chunk` more prompt tokens with each model; returns how many the slowest read."""
+        read = 0
+        for model, cache in zip(self.models, self.caches):
+            n = min(chunk, self.goal - cache.length)
+            if n > 0:
+                end = cache.length + n
+                model.forward(cache, self.ids[:, cache.length : end], torch.ones_like(self.ids[:, :end]))
+                read = max(read, n)
+        return read
+
+
 class Batch:
     """Requests decoding in lockstep: one row each in both models' caches.
 
@@ -304,6 +341,8 @@ class Batch:
         return engine.writer.new_cache(), engine.llm.new_cache() if engine.routes else None
 
     def add(self, requests: list[Request]) -> None:
+        """Requests join the batch: left-padded to its width, read up to where each cache is. A request
+        with a `Prefill` brings its prompt already read (server-side chunked prefill)."""
         engine = self.engine
         for r in requests:
             engine.check(r)
@@ -316,11 +355,20 @@ class Batch:
             r.started = now
             if r.params.seed is not None:
                 r.generator = torch.Generator(engine.writer.device).manual_seed(r.params.seed)
+        plain = [r for r in requests if r.prefill is None]
+        groups = ([(plain, None)] if plain else []) + [([r], r.prefill) for r in requests if r.prefill is not None]
+        for group, prefill in groups:
+            self._join(group, prefill)
+            for r in group:
+                r.prefill = None
+
+    def _join(self, requests: list[Request], prefill: Prefill | None) -> None:
+        engine = self.engine
         ids, mask = left_pad([r.prompt_ids for r in requests], engine.pad_id, engine.writer.device)
         if not self.requests:
-            # An empty batch: the newcomers are the batch; the next step reads their prompts.
+            # An empty batch: the newcomers are the batch; the next step reads what their caches have not.
             self.ids, self.mask = ids, mask
-            self.writer_cache, self.llm_cache = self._new_caches()
+            self.writer_cache, self.llm_cache = (prefill.caches + [None])[:2] if prefill else self._new_caches()
             self.requests = list(requests)
             return
         width = self.ids.shape[1]
@@ -328,12 +376,25 @@ class Batch:
             self._pad_left(ids.shape[1] - width)
         elif ids.shape[1] < width:
             ids, mask = pad_columns_left(ids, mask, width - ids.shape[1], engine.pad_id)
-        # Prefill the newcomers up to where each cache is, then append their rows.
-        for backend, cache in self._caches():
-            if cache.length:
-                fresh = backend.new_cache()
-                backend.forward(fresh, ids[:, : cache.length], mask[:, : cache.length])
-                backend.append_rows(cache, fresh)
+        pad = self.ids.shape[1] - len(requests[0].prompt_ids) if prefill else 0  # the prefilled row's padding
+        # Bring the newcomers' caches up to where each of the batch's is, then append their rows (only once
+        # every forward has run: a failure leaves the batch as it was). A prefilled cache has read the prompt
+        # alone: cut it to what the batch's cache covers and pad it to the batch's columns (positions count
+        # real tokens only, so padding it afterwards changes nothing).
+        joining = []
+        for k, (backend, cache) in enumerate(self._caches()):
+            if not cache.length:
+                continue
+            fresh = prefill.caches[k] if prefill else backend.new_cache()
+            keep = max(0, min(fresh.length, cache.length - pad))
+            backend.truncate(fresh, keep)  # (to 0: reused as new, holding no more rows than the request needs)
+            if keep:
+                backend.pad_left(fresh, pad)
+            if fresh.length < cache.length:
+                backend.forward(fresh, ids[:, fresh.length : cache.length], mask[:, : cache.length])
+            joining.append((backend, cache, fresh))
+        for backend, cache, fresh in joining:
+            backend.append_rows(cache, fresh)
         self.ids, self.mask = torch.cat([self.ids, ids]), torch.cat([self.mask, mask])
         self.requests += requests
 

@@ -71,7 +71,9 @@ class LlamaCppBackend:
         self.vocab_size = min(vocab_size or self.n_vocab, self.n_vocab)
         self.hidden_size = llama_cpp.llama_model_n_embd(self._model)
         self.num_params = llama_cpp.llama_model_n_params(self._model)
-        self.n_ctx = self.max_context = n_ctx  # the KV pool every row shares
+        self.n_ctx = self.kv_capacity = n_ctx  # the KV pool every row shares
+        # One row may grow to the whole pool, but not past the context the model was trained for.
+        self.max_context = min(n_ctx, llama_cpp.llama_model_n_ctx_train(self._model) or n_ctx)
         self.max_rows = max_rows
         self.eos_ids = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)}
         self._free_seqs = list(range(max_rows))[::-1]

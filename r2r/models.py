@@ -258,8 +258,9 @@ def parse_backends(spec: str) -> dict[str, str]:
     return roles
 
 
-def _load_llamacpp(spec: str | None, default: PackagedModel, role: str):
-    """(backend, tokenizer) for a GGUF file run by llama.cpp; the tokenizer comes from transformers."""
+def _load_llamacpp(spec: str | None, default: PackagedModel, role: str, llama: dict):
+    """(backend, tokenizer) for a GGUF file run by llama.cpp; the tokenizer comes from transformers. `llama`:
+    the context's sizes (`n_ctx`, `max_rows`) when not llama.cpp's defaults here."""
     from transformers import AutoTokenizer
 
     from r2r.llamacpp import LlamaCppBackend
@@ -278,16 +279,18 @@ def _load_llamacpp(spec: str | None, default: PackagedModel, role: str):
         tokenizer = AutoTokenizer.from_pretrained(**tokenizer_source)
     except Exception as e:
         raise R2RError(f"cannot read the tokenizer of {role} model {gguf_file}: {str(e).strip().splitlines()[0]}") from None
-    return LlamaCppBackend(gguf_file, name=spec or default.name, vocab_size=len(tokenizer)), tokenizer
+    return LlamaCppBackend(gguf_file, name=spec or default.name, vocab_size=len(tokenizer), **llama), tokenizer
 
 
 ROLES = {"slm": DEFAULT_SLM, "llm": DEFAULT_LLM}
 
 
-def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "bfloat16", backend: str = "torch"):
+def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "bfloat16", backend: str = "torch",
+               llama: dict | None = None):
     """One model on its backend: `spec` (None: the default pair's model for `role`, "slm" or "llm").
 
-    Returns (backend, tokenizer). The backend returns logits over the tokenizer's ids only."""
+    Returns (backend, tokenizer). The backend returns logits over the tokenizer's ids only. `llama`: sizes
+    for a llama.cpp context (`n_ctx`: the KV pool its rows share; `max_rows`)."""
     import torch
 
     from r2r.torch_backend import TorchBackend
@@ -297,20 +300,20 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
     name = parse_backends(backend)[role]
     default, label = ROLES[role], role.upper()
     if name == "llamacpp":
-        return _load_llamacpp(spec, default, label)
+        return _load_llamacpp(spec, default, label, llama or {})
     model, tokenizer = _load_one(resolve(spec, default), label, pick_device(device), getattr(torch, dtype))
     return TorchBackend(model, name=spec or default.name, vocab_size=len(tokenizer)), tokenizer
 
 
 def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True,
-              dtype: str = "bfloat16", backend: str = "torch"):
+              dtype: str = "bfloat16", backend: str = "torch", llama: dict | None = None):
     """Load the SLM and (if `need_llm`) the LLM, each on its backend; refuse pairs whose tokenizers differ.
 
     Returns (slm_backend, llm_backend or None, tokenizer)."""
-    slm_backend, tokenizer = load_model(slm, "slm", device, dtype, backend)
+    slm_backend, tokenizer = load_model(slm, "slm", device, dtype, backend, llama)
     if not need_llm:
         return slm_backend, None, tokenizer
-    llm_backend, llm_tokenizer = load_model(llm, "llm", device, dtype, backend)
+    llm_backend, llm_tokenizer = load_model(llm, "llm", device, dtype, backend, llama)
     if not same_tokenizer(tokenizer, llm_tokenizer):
         raise R2RError(
             f"the SLM and LLM tokenizers differ ({len(tokenizer)} vs {len(llm_tokenizer)} tokens): "
@@ -329,7 +332,7 @@ def load_alone(spec: str | None, role: str, device: str = "auto", dtype: str = "
 
 def load_engine(slm: str | None, llm: str | None, device: str, dtype: str, backend: str, policy: str | None,
                 threshold: float | None = None, router_path: Path | None = None, seed: int | None = None,
-                verify: str | float = "off", max_unverified: int | None = None):
+                verify: str | float = "off", max_unverified: int | None = None, llama: dict | None = None):
     """The pair with a routing policy by name (None: the shipped router for the default pair, else
     entropy) and verification; for the `slm` policy without verification the SLM alone, loading no LLM."""
     from r2r import policies
@@ -338,6 +341,6 @@ def load_engine(slm: str | None, llm: str | None, device: str, dtype: str, backe
     verify, max_unverified = parse_verify(verify), check_max_unverified(max_unverified)  # before the slow load
     kind, router_path = policies.choose(policy, router_path, slm)
     slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=kind != "slm" or verify != "off", dtype=dtype,
-                                        backend=backend)
+                                        backend=backend, llama=llama)
     return Engine(slm_b, llm_b, tokenizer, policies.build(kind, slm_b, threshold, router_path, seed), verify,
                   max_unverified)

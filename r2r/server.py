@@ -2,23 +2,31 @@
 
 One engine thread (`Scheduler`) owns the models and a running `Batch`; the HTTP handlers
 (asyncio, module level, reading the server's state from `app.state.r2r`) submit requests to it
-and receive each decode step through an asyncio queue. Requests join the batch between steps and
-leave when done or when their client goes away. Bodies are validated by FastAPI against the
-models below; every error is an OpenAI-style JSON error.
+and receive each decode step through an asyncio queue. A request is checked in full before it
+queues (body, sampling values, seed, context), so nothing a client sends can fail the batch. Its
+prompt is then read in chunks between decode steps (chunked prefill), so the streams already
+running keep going while a long prompt is read; it joins the batch once read and leaves when done
+or when its client goes away. `Guard` refuses what should never reach a handler (oversized bodies,
+non-JSON posts, foreign Host/Origin on a loopback server, a missing API key). Every error is an
+OpenAI-style JSON body; internals go to the server's log, not to clients.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import hmac
 import importlib.resources
+import ipaddress
 import json
-import math
+import logging
 import threading
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from fastapi import APIRouter, FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -27,19 +35,29 @@ from openai.types import Completion, CompletionChoice, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice, ChoiceDelta
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
-from r2r.engine import Batch, Engine, Request, SamplingParams, Step
+from r2r.engine import Batch, Engine, Prefill, Request, SamplingParams, Step, parse_verify
 from r2r.errors import R2RError
 from r2r.text import Detokenizer
+
+log = logging.getLogger("r2r.server")
 
 
 @dataclass
 class Limits:
-    max_batch: int = 8  # requests decoding at once
+    max_batch: int = 8  # requests decoding (or having their prompt read) at once
     max_queue: int = 64  # requests waiting for a slot; beyond that: 429
     max_tokens: int = 4096  # the most new tokens one request may ask for
-    context_length: int = 32768  # prompt + new tokens
+    context_length: int = 32768  # prompt + new tokens of one request
+    # Prompt tokens read per model between two decode steps. On a 2-core CPU 128 tokens of the default
+    # pair take about as long as one catch-up of the LLM, so running streams slow down by a factor ~2
+    # while a long prompt is read instead of stopping, and the prompt is still read in batches large
+    # enough to keep the matrix kernels busy.
+    prefill_chunk: int = 128
+    max_body_bytes: int = 1 << 20  # a request body's limit (413 beyond): 8x what the longest context holds
+    drain_timeout: float = 30.0  # seconds in-flight requests get to finish after a shutdown signal
 
 
 class APIError(Exception):
@@ -49,11 +67,38 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return error_response(self.status, self.message, self.param, self.code, self.kind)
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   kind: str = "invalid_request_error") -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
 
 
 # ---- request bodies (unknown fields are ignored, as OpenAI clients send many) -----------------
+
+def utf8_text(text: str) -> str:
+    """JSON can carry lone UTF-16 surrogates (\\ud800) that no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"is not valid Unicode text: it holds a lone surrogate ({text[e.start]!r}) at {e.start}") \
+            from None
+    return text
+
+
+def verify_setting(value):
+    try:
+        return parse_verify(value)
+    except R2RError as e:
+        raise ValueError(str(e)) from None
+
+
+Text = Annotated[str, AfterValidator(utf8_text)]
+Number = Annotated[float, Field(allow_inf_nan=False)]
+VerifySetting = Annotated[Union[Number, str], AfterValidator(verify_setting)]
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -64,25 +109,25 @@ class CommonBody(BaseModel):
     requested: Optional[str] = Field(None, alias="model")  # the model id the client asks for
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: Number = Field(1.0, ge=0, le=2)  # OpenAI's range
+    top_p: Number = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # what a 64-bit generator takes
+    stop: Optional[Union[Text, list[Text]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = 1
     # R2R routing knobs (extra body fields)
-    r2r_threshold: Optional[float] = None
-    r2r_llm_rate: Optional[float] = Field(None, ge=0, le=1)
+    r2r_threshold: Optional[Number] = None
+    r2r_llm_rate: Optional[Number] = Field(None, ge=0, le=1)
     r2r_policy: Optional[Literal["slm", "llm"]] = None
-    r2r_verify: Optional[Union[float, str]] = None  # off, strict or a tolerance in nats (default: the server's)
+    r2r_verify: Optional[VerifySetting] = None  # off, strict or a tolerance in nats (default: the server's)
     r2r_max_unverified: Optional[int] = Field(None, ge=1)
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class ChatBody(CommonBody):
@@ -90,23 +135,26 @@ class ChatBody(CommonBody):
 
 
 class CompletionBody(CommonBody):
-    prompt: Union[str, list[str]]
+    prompt: Union[Text, list[Text]]
 
 
 # ---- the engine thread ------------------------------------------------------------------------
 
 @dataclass
 class Failure:
-    """The engine failed while this request was in flight."""
+    """The request could not go on: an engine failure while it was in flight, or the server shutting down."""
 
     message: str
+    status: int = 500
 
 
 class Job:
-    """A request and the asyncio queue its handler reads its `Step`s (or a `Failure`) from."""
+    """A request, the asyncio queue its handler reads its `Step`s (or a `Failure`) from, and the KV-cache
+    tokens it holds while admitted (prompt + max new tokens: all it can ever need)."""
 
     def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
         self.request, self.loop, self.events = request, loop, asyncio.Queue()
+        self.kv_tokens = len(request.prompt_ids) + request.params.max_new_tokens
 
     def send(self, event: Step | Failure) -> None:
         try:
@@ -116,15 +164,20 @@ class Job:
 
 
 class Scheduler:
-    """Runs the decode loop in its own thread; requests join between steps (continuous batching)."""
+    """Runs the engine in its own thread. Each turn: admit waiting requests while there is a slot and KV
+    room, read one chunk of one admitted prompt, and run one decode step of the batch (continuous
+    batching with chunked prefill)."""
 
     def __init__(self, engine: Engine, limits: Limits):
         self.engine, self.limits = engine, limits
         self.batch = Batch(engine)
-        self.pending: collections.deque[Job] = collections.deque()
-        self.running: dict[int, Job] = {}  # id(request) -> its job
+        self.pending: collections.deque[Job] = collections.deque()  # waiting for a slot
+        self.reading: collections.deque[Job] = collections.deque()  # admitted, prompt being read (round robin)
+        self.running: dict[int, Job] = {}  # id(request) -> its job, for the requests in the batch
+        self.kv_in_use = 0  # KV tokens held by admitted jobs
         self.wakeup = threading.Condition()
         self.stopping = False
+        self.deadline: float | None = None  # set when draining: in-flight requests are cut at this time
         self.thread = threading.Thread(target=self._run, name="r2r-engine", daemon=True)
 
     def start(self):
@@ -136,8 +189,23 @@ class Scheduler:
             self.wakeup.notify()
         self.thread.join(timeout=10)
 
+    def drain(self, seconds: float) -> None:
+        """Stop admitting (503), fail what waits in the queue, give in-flight requests `seconds` to finish."""
+        with self.wakeup:
+            self.deadline = time.monotonic() + seconds if self.deadline is None else min(self.deadline,
+                                                                                          time.monotonic() + seconds)
+            for job in self.pending:
+                job.send(Failure("the server is shutting down; retry on another server", 503))
+            self.pending.clear()
+            self.wakeup.notify()
+
     def submit(self, job: Job) -> None:
         with self.wakeup:
+            if self.deadline is not None or self.stopping:
+                raise APIError(503, "the server is shutting down; retry on another server", kind="server_error",
+                               code="shutting_down")
+            # Clients that gave up while queued leave the queue (and free their place in it).
+            self.pending = collections.deque(j for j in self.pending if not j.request.cancelled)
             if len(self.pending) >= self.limits.max_queue:
                 raise APIError(429, "the server is busy: too many requests waiting; retry later",
                                code="queue_full", kind="rate_limit_error")
@@ -145,40 +213,195 @@ class Scheduler:
             self.wakeup.notify()
 
     def load(self) -> dict:
-        return {"running": len(self.batch.requests), "waiting": len(self.pending)}
+        return {"running": len(self.batch.requests) + len(self.reading), "prefilling": len(self.reading),
+                "waiting": sum(not j.request.cancelled for j in self.pending)}
 
     def _run(self):
         while True:
             with self.wakeup:
-                while not self.stopping and not self.pending and not self.batch.requests:
+                while not self.stopping and not self.pending and not self.reading and not self.batch.requests:
                     self.wakeup.wait()
                 if self.stopping:
                     return
-                joining = []
-                while self.pending and len(self.batch.requests) + len(joining) < self.limits.max_batch:
-                    job = self.pending.popleft()
-                    if not job.request.cancelled:
-                        joining.append(job)
-            self.running.update((id(job.request), job) for job in joining)
-            try:
-                if joining:
-                    self.batch.add([job.request for job in joining])
-                steps = self.batch.step()
-            except Exception as e:  # keep serving: fail the requests in flight, start a fresh batch
-                message = str(e) if isinstance(e, R2RError) else f"internal error: {type(e).__name__}: {e}"
-                for job in self.running.values():
-                    job.send(Failure(message))
-                self.running.clear()
-                self.batch = Batch(self.engine)
+                self._admit()
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                self._cut("the server is shutting down: this request was cut off at the drain deadline")
+            self._read_one_chunk()
+            self._decode_step()
+
+    def _admit(self) -> None:
+        """Waiting requests, first come first served, take a slot while one is free and their KV tokens fit."""
+        capacity = self.engine.kv_capacity
+        while self.pending:
+            job = self.pending[0]
+            if job.request.cancelled:
+                self.pending.popleft()
                 continue
-            for step in steps:
-                job = self.running[id(step.request)]
-                job.send(step)
-                if step.finished:
-                    del self.running[id(step.request)]
-            # Cancelled requests left the batch at this step without a last Step.
-            for key in set(self.running) - {id(r) for r in self.batch.requests}:
-                del self.running[key]
+            if len(self.batch.requests) + len(self.reading) >= self.limits.max_batch:
+                return
+            if capacity is not None and self.kv_in_use + job.kv_tokens > capacity:
+                return  # the head waits for room (make_request refused any job that could never fit)
+            self.pending.popleft()
+            self.kv_in_use += job.kv_tokens
+            Prefill(self.engine, job.request)
+            self.reading.append(job)
+
+    def _read_one_chunk(self) -> None:
+        while self.reading and self.reading[0].request.cancelled:
+            self._release(self.reading.popleft())
+        if not self.reading:
+            return
+        job = self.reading[0]
+        try:
+            job.request.prefill.advance(self.limits.prefill_chunk)
+            if not job.request.prefill.done:
+                self.reading.rotate(-1)  # the next prompt gets the next chunk
+                return
+            self.reading.popleft()
+            self.batch.add([job.request])  # leaves the batch as it was if it fails
+            self.running[id(job.request)] = job
+        except Exception as e:  # only this request was being read: only it fails
+            if job in self.reading:
+                self.reading.remove(job)
+            self._release(job, failure(e))
+
+    def _decode_step(self) -> None:
+        if not self.batch.requests:
+            return
+        try:
+            steps = self.batch.step()
+        except Exception as e:  # a step runs every row at once: fail the requests in it, start a fresh batch
+            problem = failure(e)
+            for job in list(self.running.values()):
+                self._release(job, problem)
+            self.running.clear()
+            self.batch = Batch(self.engine)
+            return
+        for step in steps:
+            job = self.running[id(step.request)]
+            job.send(step)
+            if step.finished:
+                self._release(self.running.pop(id(step.request)))
+        # Cancelled requests left the batch at this step without a last Step.
+        for key in set(self.running) - {id(r) for r in self.batch.requests}:
+            self._release(self.running.pop(key))
+
+    def _release(self, job: Job, problem: Failure | None = None) -> None:
+        self.kv_in_use -= job.kv_tokens
+        job.kv_tokens = 0
+        job.request.prefill = None  # its caches, if it was being read
+        if problem:
+            job.send(problem)
+
+    def _cut(self, message: str) -> None:
+        for job in list(self.reading) + list(self.running.values()):
+            self._release(job, Failure(message, 503))
+            job.request.cancelled = True
+        self.reading.clear()
+        self.batch.step()  # drops the cancelled rows (and returns no step: every row is cancelled)
+        self.running.clear()
+
+
+def failure(e: Exception) -> Failure:
+    """What a client may see of an engine error: our own messages; other exceptions stay in the log."""
+    if isinstance(e, R2RError):
+        return Failure(str(e))
+    log.exception("engine failure")
+    return Failure("internal error in the engine (the server's log has the details)")
+
+
+# ---- what never reaches a handler ----------------------------------------------------------------
+
+def is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class Guard:
+    """ASGI middleware: API key, loopback-only Host/Origin, JSON-only posts, and the body-size limit.
+
+    A web page the user visits can send a "simple" cross-origin POST (text/plain, no preflight) to a
+    server on localhost, or reach it through DNS rebinding under a foreign Host name: refusing foreign
+    Host and Origin headers and non-JSON bodies closes both."""
+
+    def __init__(self, app, api_key: str | None, loopback_only: bool, max_body_bytes: int):
+        self.app, self.api_key, self.loopback_only, self.max_body_bytes = app, api_key, loopback_only, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self.refusal(scope, headers)
+        if refusal is None and scope["method"] == "POST":
+            body, refusal = await self.read_body(receive, headers)
+            if refusal is None:
+                receive = replay(body, receive)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope, headers: dict) -> JSONResponse | None:
+        if self.loopback_only:
+            host = urllib.parse.urlsplit("//" + headers.get("host", "")).hostname
+            if not is_loopback(host):
+                return error_response(403, f"this server answers only requests addressed to localhost, not to "
+                                           f"{headers.get('host')!r} (start it with --host to serve other names)",
+                                      code="forbidden_host")
+            origin = headers.get("origin")
+            if origin is not None and not is_loopback(urllib.parse.urlsplit(origin).hostname):
+                return error_response(403, f"requests from web pages at {origin} are refused: this server answers "
+                                           "only its own playground on localhost", code="forbidden_origin")
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            sent = headers.get("authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {self.api_key}".encode()):
+                return error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' "
+                                           "with the key the server was started with (--api-key)",
+                                      code="invalid_api_key")
+        if scope["method"] == "POST":
+            kind = headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                return error_response(415, f"the request body must be JSON sent with content-type: "
+                                           f"application/json, not {kind or 'no content type'!r}",
+                                      code="unsupported_media_type")
+        return None
+
+    async def read_body(self, receive, headers: dict) -> tuple[bytes, JSONResponse | None]:
+        too_large = error_response(413, f"the request body is over this server's limit of {self.max_body_bytes} "
+                                        "bytes", code="request_too_large")
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return b"", too_large
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", Response(status_code=499)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return b"", too_large
+            if not message.get("more_body"):
+                return b"".join(chunks), None
+
+
+def replay(body: bytes, receive):
+    """A receive channel that gives the body already read, then whatever the client sends next (a disconnect)."""
+    sent = False
+
+    async def receive_again():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return receive_again
 
 
 # ---- the app ----------------------------------------------------------------------------------
@@ -189,24 +412,43 @@ class ServerState:
     model_name: str
     limits: Limits
     scheduler: Scheduler
+    tokenizing: concurrent.futures.ThreadPoolExecutor  # off the event loop; one thread: tokenizers are not
+    # safe to reconfigure from several threads at once
 
 
-def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = None) -> FastAPI:
+def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = None, api_key: str | None = None,
+               loopback_only: bool = True, docs: bool = False) -> FastAPI:
+    """`loopback_only`: refuse requests whose Host or Origin is not localhost (for a server bound to a
+    loopback address). `docs`: serve /docs and /openapi.json."""
     limits = limits or Limits()
+    if engine.max_rows is not None and limits.max_batch > engine.max_rows:
+        raise R2RError(f"--max-batch {limits.max_batch} is more than the backend holds ({engine.max_rows} rows at "
+                       f"once): lower --max-batch")
     limits.context_length = min(limits.context_length, engine.max_context)
-    state = ServerState(engine, model_name, limits, Scheduler(engine, limits))
+    state = ServerState(engine, model_name, limits, Scheduler(engine, limits),
+                        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-tokenize"))
 
     async def lifespan(app):
         state.scheduler.start()
         yield
         state.scheduler.stop()
+        state.tokenizing.shutdown(wait=False)
 
-    app = FastAPI(title="R2R", lifespan=lifespan)
+    app = FastAPI(title="R2R", lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.r2r = state
     app.add_exception_handler(APIError, lambda _, e: e.response())
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, lambda _, e: error_response(e.status_code, str(e.detail)))
+    app.add_exception_handler(Exception, internal_error)
+    app.add_middleware(Guard, api_key=api_key, loopback_only=loopback_only, max_body_bytes=limits.max_body_bytes)
     app.include_router(routes)
     return app
+
+
+def internal_error(http: HTTPRequest, e: Exception) -> JSONResponse:
+    log.error("internal error on %s", http.url.path, exc_info=e)
+    return error_response(500, "internal error (the server's log has the details)", kind="server_error")
 
 
 def validation_error(http: HTTPRequest, e: RequestValidationError) -> JSONResponse:
@@ -263,7 +505,7 @@ async def favicon():
 async def chat_completions(body: ChatBody, http: HTTPRequest):
     s = server(http)
     check_body(body, s)
-    prompt_ids = s.engine.encode_messages([m.model_dump() for m in body.messages])
+    prompt_ids = await tokenize(s, s.engine.encode_messages, [m.model_dump() for m in body.messages])
     return await respond(http, s, body, prompt_ids, chat=True)
 
 
@@ -278,7 +520,14 @@ async def completions(body: CompletionBody, http: HTTPRequest):
         prompt = prompt[0]
     if not prompt:
         raise APIError(400, "prompt is empty", param="prompt")
-    return await respond(http, s, body, s.engine.encode_raw(prompt), chat=False)
+    return await respond(http, s, body, await tokenize(s, s.engine.encode_raw, prompt), chat=False)
+
+
+async def tokenize(s: ServerState, encode, *args) -> list[int]:
+    try:
+        return await asyncio.get_running_loop().run_in_executor(s.tokenizing, encode, *args)
+    except R2RError as e:
+        raise APIError(400, str(e)) from None
 
 
 def check_body(body: CommonBody, s: ServerState) -> None:
@@ -291,24 +540,24 @@ def check_body(body: CommonBody, s: ServerState) -> None:
 
 
 def make_request(body: CommonBody, prompt_ids: list[int], s: ServerState) -> Request:
-    limits = s.limits
+    limits, capacity = s.limits, s.engine.kv_capacity
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    room = limits.context_length - len(prompt_ids)
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        raise APIError(400, f"max_tokens is at most {limits.max_tokens} on this server", param="max_tokens")
+    # One request's limit: the context one row may hold, and the KV pool all rows share where the backend has one.
+    context = min(limits.context_length, capacity or limits.context_length)
+    room = context - len(prompt_ids)
     if room <= 0 or (max_tokens is not None and max_tokens > room):
-        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but the "
-                            f"context length is {limits.context_length}", param="messages",
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but this "
+                            f"server holds at most {context} tokens per request", param="messages",
                        code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(limits.max_tokens, room)
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if max_tokens > limits.max_tokens:
-        raise APIError(400, f"max_tokens is at most {limits.max_tokens} on this server", param="max_tokens")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                             top_k=body.top_k, stop=tuple(stop), seed=body.seed)
-    if body.r2r_threshold is not None and not math.isfinite(body.r2r_threshold):
-        raise APIError(400, "r2r_threshold must be a finite number", param="r2r_threshold")
     request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                       target_rate=body.r2r_llm_rate, verify=body.r2r_verify, max_unverified=body.r2r_max_unverified)
     try:
@@ -333,10 +582,10 @@ async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompt_id
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
                     request.cancelled = True
-                    return JSONResponse({}, status_code=499)
+                    return Response(status_code=499)
                 continue
             if isinstance(event, Failure):
-                raise APIError(500, event.message, kind="server_error")
+                raise APIError(event.status, event.message, kind="server_error")
             if event.finished:
                 break
     except asyncio.CancelledError:
@@ -433,6 +682,25 @@ def usage(gen) -> CompletionUsage:
     return CompletionUsage(prompt_tokens=len(gen.prompt_ids), completion_tokens=n,
                            total_tokens=len(gen.prompt_ids) + n, llm_tokens=gen.llm_tokens, llm_rate=gen.llm_rate,
                            avg_activated_params_b=gen.avg_params_b, rollbacks=gen.rollbacks)
+
+
+def run(app: FastAPI, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM. The first signal stops admitting new requests (503) and gives those in
+    flight the limits' drain timeout to finish (then they are cut with an error a client can read); a
+    second signal exits at once."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if self.should_exit:
+                self.force_exit = True  # uvicorn then stops waiting for connections
+                app.state.r2r.scheduler.drain(0)
+            else:
+                app.state.r2r.scheduler.drain(app.state.r2r.limits.drain_timeout)
+            super().handle_exit(sig, frame)
+
+    drain = app.state.r2r.limits.drain_timeout
+    Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain + 5)).run()
 
 
 class BackgroundServer:

@@ -149,6 +149,10 @@ def test_truncate_then_continue_equals_a_fresh_cache(backend, kind, tokenizer):
     fresh_logits, fresh_hidden = backend.forward(backend.new_cache(), ids[:, :6], mask[:, :6])
     assert close(logits, fresh_logits, kind) and close(hidden, fresh_hidden, kind)
     assert mask_for(cache, 2, backend.device).shape == (1, 8)
+    backend.truncate(cache, 0)  # all the way: the cache is as good as new
+    assert cache.length == 0
+    logits, hidden = backend.forward(cache, ids[:, :6], mask[:, :6])
+    assert close(logits, fresh_logits, kind) and close(hidden, fresh_hidden, kind)
 
 
 @pytest.fixture(scope="module")

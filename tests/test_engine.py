@@ -172,29 +172,42 @@ def test_empty_prompt_and_missing_llm_are_refused(slm, tokenizer):
         Engine(slm, None, tokenizer, AlwaysLLM()).generate([[1, 2]], SamplingParams())
 
 
-def run_with_joins(engine, prompts, join_after, params):
-    """Start with prompts[0]; add each later prompt after `join_after[i]` steps. Returns the requests."""
-    from r2r.engine import Batch, Request
+def run_with_joins(engine, prompts, join_after, params, prefill_chunk=None):
+    """Start with prompts[0]; add each later prompt after `join_after[i]` steps. With `prefill_chunk`, a
+    newcomer's prompt is read from then on, that many tokens per step, between steps (as the server does),
+    and it joins once read. Returns the requests."""
+    from r2r.engine import Batch, Prefill, Request
 
     batch = Batch(engine)
     requests = [Request(p, params) for p in prompts]
     batch.add(requests[:1])
-    steps = 0
-    while batch.requests:
+    steps, reading = 0, []
+    while batch.requests or reading:
         for request, after in zip(requests[1:], join_after):
             if after == steps:
-                batch.add([request])
+                if prefill_chunk:
+                    reading.append(Prefill(engine, request))
+                else:
+                    batch.add([request])
+        for prefill in list(reading):
+            prefill.advance(prefill_chunk)
+            if prefill.done:
+                reading.remove(prefill)
+                batch.add([next(r for r in requests if r.prefill is prefill)])
         batch.step()
         steps += 1
     return requests
 
 
-def test_requests_joining_a_running_batch_decode_as_if_alone(slm, llm, tokenizer):
+@pytest.mark.parametrize("prefill_chunk", [None, 1, 7])
+def test_requests_joining_a_running_batch_decode_as_if_alone(slm, llm, tokenizer, prefill_chunk):
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=3))
     short, long_ = engine.encode_raw("Hi"), engine.encode_chat("Bonjour! Paris is the capital of which country?" * 3)
     prompts = [engine.encode_chat("What is 48 / 2?"), short, long_, engine.encode_chat("def add(a, b):")]
-    # A shorter newcomer (padded to the batch), a longer one (the batch is padded to it), one late.
-    requests = run_with_joins(engine, prompts, join_after=[3, 5, 9], params=SamplingParams(max_new_tokens=16))
+    # A shorter newcomer (padded to the batch), a longer one (the batch is padded to it), one late; with
+    # chunked prefill, read a token or 7 per step while the batch decodes.
+    requests = run_with_joins(engine, prompts, join_after=[3, 5, 9], params=SamplingParams(max_new_tokens=16),
+                              prefill_chunk=prefill_chunk)
     assert sum(r.generation.llm_tokens for r in requests) > 0
     for prompt, r in zip(prompts, requests):
         gen = r.generation

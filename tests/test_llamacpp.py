@@ -62,11 +62,13 @@ def test_always_one_model_equals_its_own_greedy_output(gguf_pair, tokenizer, pol
     assert [g.token_ids for g in engine.generate(prompts, params)] == expected  # batched, left-padded
 
 
-def test_requests_joining_and_mixed_routing_decode_as_if_alone(gguf_pair, tokenizer):
+@pytest.mark.parametrize("prefill_chunk", [None, 6])
+def test_requests_joining_and_mixed_routing_decode_as_if_alone(gguf_pair, tokenizer, prefill_chunk):
     slm, llm = gguf_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=3))
     prompts = [engine.encode_chat(p) for p in PROMPTS] + [engine.encode_raw("Hi")]
-    requests = run_with_joins(engine, prompts, join_after=[2, 4, 7], params=SamplingParams(max_new_tokens=12))
+    requests = run_with_joins(engine, prompts, join_after=[2, 4, 7], params=SamplingParams(max_new_tokens=12),
+                              prefill_chunk=prefill_chunk)
     assert sum(r.generation.llm_tokens for r in requests) > 0
     for prompt, r in zip(prompts, requests):
         for i, (token, source) in enumerate(zip(r.generation.token_ids, r.generation.sources)):

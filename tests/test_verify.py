@@ -84,13 +84,14 @@ def test_a_tolerance_keeps_only_tokens_the_llm_finds_nearly_as_likely(pair, toke
                 assert token == int(logp[i].argmax()), i
 
 
-def test_requests_joining_a_verifying_batch_get_the_llms_output(pair, tokenizer):
+@pytest.mark.parametrize("prefill_chunk", [None, 5])
+def test_requests_joining_a_verifying_batch_get_the_llms_output(pair, tokenizer, prefill_chunk):
     slm, llm = pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.2, seed=3), verify="strict", max_unverified=3)
     alone = Engine.alone(llm, tokenizer)
     prompts = [engine.encode_chat(p) for p in PROMPTS] + [engine.encode_raw("Hi")]
     params = SamplingParams(max_new_tokens=16)
-    requests = run_with_joins(engine, prompts, join_after=[2, 5, 9], params=params)
+    requests = run_with_joins(engine, prompts, join_after=[2, 5, 9], params=params, prefill_chunk=prefill_chunk)
     for prompt, r in zip(prompts, requests):
         assert r.generation.token_ids == alone.generate([prompt], params)[0].token_ids
 

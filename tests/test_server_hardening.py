@@ -1,0 +1,495 @@
+"""Server hardening, item by item (issue "Server hardening"): each bad input gets a clear 4xx without hurting
+requests in flight or after it; long prompts are read in chunks; admission follows what the backend holds;
+access control; graceful shutdown; and a bounded soak test mixing all of it."""
+
+import concurrent.futures
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from conftest import make_backend
+from r2r.engine import Engine
+from r2r.errors import R2RError
+from r2r.policies import RandomPolicy
+from r2r.server import BackgroundServer, Limits, create_app
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def engine(slm, llm, tokenizer):
+    return Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=4, max_queue=16, max_tokens=400, context_length=512,
+                                                prefill_chunk=4, max_body_bytes=64 * 1024))
+    with BackgroundServer(app) as srv:
+        yield srv.url
+
+
+def body(content="What is 48 / 2?", **kw):
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0, **kw}
+
+
+def post(url, payload, **kw):
+    return httpx.post(url + CHAT, json=payload, timeout=60, **kw)
+
+
+def answer(url, content="What is 48 / 2?", r2r_policy="llm", **kw):
+    response = post(url, body(content, r2r_policy=r2r_policy, **kw))
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+class Stream:
+    """A streaming request in a thread: its text and the arrival time of each token chunk."""
+
+    def __init__(self, url, payload):
+        self.text, self.times, self.error, self.done = "", [], None, threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(url, payload), daemon=True)
+        self.thread.start()
+
+    def _run(self, url, payload):
+        try:
+            with httpx.stream("POST", url + CHAT, json={**payload, "stream": True}, timeout=120) as response:
+                if response.status_code != 200:
+                    self.error = json.loads(response.read())["error"]
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.error = event["error"]
+                    elif event.get("r2r"):
+                        self.times.append(time.monotonic())
+                        self.text += event["choices"][0]["delta"].get("content") or ""
+        finally:
+            self.done.set()
+
+    def wait(self, timeout=120):
+        assert self.done.wait(timeout)
+        return self
+
+
+LONG_RUNNING = "Bonjour!"  # the tiny SLM answers it with no EOS for 450 tokens
+
+
+def slow_down(model, monkeypatch, seconds=0.01):
+    """Each forward of `model` takes `seconds` more: a stream that lasts long enough to act on it."""
+    forward = model.forward
+
+    def slow(*args):
+        time.sleep(seconds)
+        return forward(*args)
+
+    monkeypatch.setattr(model, "forward", slow)
+
+
+def unharmed(url, expected):
+    """A request after the bad one is answered as before."""
+    assert answer(url) == expected
+
+
+@pytest.fixture(scope="module")
+def expected(server):
+    return answer(server)
+
+
+# 1. A bad seed (or any value the backend cannot take) is refused before it joins the batch.
+def test_1_an_overflowing_seed_is_a_400_and_a_concurrent_stream_goes_on(server, expected):
+    reference = answer(server, "def add(a, b):", max_tokens=40)
+    stream = Stream(server, body("def add(a, b):", max_tokens=40, r2r_policy="llm"))
+    for seed in (1180591620717411303424, -(2**70)):
+        response = post(server, body(seed=seed))
+        assert response.status_code == 400 and response.json()["error"]["param"] == "seed", response.text
+    assert stream.wait().error is None and stream.text == reference
+    assert post(server, body(seed=2**64 - 1, temperature=1)).status_code == 200
+    unharmed(server, expected)
+
+
+# 2. Admission against the KV the backend really holds (llama.cpp: one pool every row shares).
+@pytest.fixture(scope="module")
+def gguf_files(slm, llm, tokenizer, tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    folder = tmp_path_factory.mktemp("hardening")
+    for model, name in ((slm, "slm"), (llm, "llm")):
+        make_backend("llamacpp", model.model, tokenizer, folder, name)
+    return folder / "slm.gguf", folder / "llm.gguf"
+
+
+def gguf_engine(files, tokenizer, n_ctx, max_rows):
+    from r2r.llamacpp import LlamaCppBackend
+
+    small, large = (LlamaCppBackend(f, name=f.stem, n_ctx=n_ctx, max_rows=max_rows, vocab_size=len(tokenizer))
+                    for f in files)
+    return Engine(small, large, tokenizer, RandomPolicy(0.3, seed=0))
+
+
+def test_2_llamacpp_admits_against_its_shared_kv_pool(gguf_files, tokenizer):
+    engine = gguf_engine(gguf_files, tokenizer, n_ctx=700, max_rows=4)
+    assert engine.kv_capacity == 700 and engine.max_context == 512  # the tiny model's trained context
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=4, max_tokens=450))
+    scheduler = app.state.r2r.scheduler
+    admit, seen = scheduler._admit, []
+
+    def watched():  # what admission left in flight and waiting, each turn
+        admit()
+        seen.append((scheduler.kv_in_use, len(scheduler.pending)))
+
+    scheduler._admit = watched
+    with BackgroundServer(app) as srv:
+        too_long = post(srv.url, body("48 / 2 " * 200, max_tokens=400))
+        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+        # Three requests whose prompt + max_tokens take 60% of the pool each: one at a time, none fails.
+        reference = answer(srv.url, LONG_RUNNING, max_tokens=400, r2r_policy="slm")
+        streams = [Stream(srv.url, body(LONG_RUNNING, max_tokens=400, r2r_policy="slm")) for _ in range(3)]
+        for s in streams:
+            assert s.wait().error is None and s.text == reference
+    assert max(used for used, _ in seen) <= 700
+    assert any(used and waiting for used, waiting in seen)  # one did wait for room
+
+
+# 3. A long prompt is read in chunks between decode steps: running streams keep getting tokens.
+def test_3_a_running_stream_keeps_receiving_tokens_while_a_long_prompt_is_read(server, engine):
+    running = Stream(server, body(LONG_RUNNING, max_tokens=300, r2r_policy="slm"))
+    while not running.times:
+        time.sleep(0.01)
+    submitted = time.monotonic()
+    long_prompt = "Natalia sold clips to 48 of her friends in April. " * 8  # ~230 tokens: ~60 chunks of 4
+    assert len(engine.encode_chat(long_prompt)) > 200
+    newcomer = Stream(server, body(long_prompt, max_tokens=4, r2r_policy="slm")).wait()
+    running.wait()
+    assert newcomer.error is None and running.error is None, (newcomer.error, running.error)
+    during = [t for t in running.times if submitted < t < newcomer.times[0]]
+    assert len(running.times) > 100, "the running stream ended too early to tell"
+    # Read in one go, the prompt would hold every stream until it is read; in chunks, a token per chunk.
+    assert len(during) >= 20, (len(during), len(running.times))
+
+
+# 4. --max-batch beyond what the backend can hold is refused at start.
+def test_4_max_batch_beyond_the_backends_rows_is_refused_at_start(gguf_files, tokenizer):
+    engine = gguf_engine(gguf_files, tokenizer, n_ctx=2048, max_rows=8)
+    with pytest.raises(R2RError, match="--max-batch 9 is more than the backend holds"):
+        create_app(engine, "tiny-r2r", Limits(max_batch=9))
+    create_app(engine, "tiny-r2r", Limits(max_batch=8))
+
+
+# 5. The body-size limit, and an event loop that stays free while big bodies are handled.
+def test_5_bodies_over_the_limit_are_413_and_health_stays_quick(server, expected):
+    big = json.dumps(body("x" * 100_000)).encode()
+    response = httpx.post(server + CHAT, content=big, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: the limit counts what arrives
+        for i in range(0, len(big), 8192):
+            yield big[i : i + 8192]
+
+    response = httpx.post(server + CHAT, content=chunked(), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    # Just under the limit: tokenised off the event loop (then refused: longer than the context).
+    near = body("48 / 2 " * 8000)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        posts = [pool.submit(post, server, near) for _ in range(4)]
+        slowest = 0.0
+        while not all(p.done() for p in posts):
+            start = time.monotonic()
+            assert httpx.get(server + "/health", timeout=10).status_code == 200
+            slowest = max(slowest, time.monotonic() - start)
+        assert all(p.result().status_code == 400 for p in posts)
+    assert slowest < 1.0, slowest
+    unharmed(server, expected)
+
+
+# 6. Unhandled errors are JSON: lone surrogates and deep nesting are 400s, anything else a 500 without internals.
+@pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "\\ud800x"}], "max_tokens": 4}',
+                                 b'{"prompt": "ok", "stop": ["\\udfff"]}', b"[" * 30_000 + b"]" * 30_000],
+                         ids=["lone surrogate", "surrogate in stop", "nested 100k deep"])
+def test_6_malformed_text_and_deep_json_are_400s(server, expected, raw):
+    path = "/v1/completions" if b"prompt" in raw else CHAT
+    response = httpx.post(server + path, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"]
+    unharmed(server, expected)
+
+
+def test_6_an_unexpected_error_is_a_json_500_without_internals(server, engine, expected, monkeypatch):
+    def broken(*args):
+        raise KeyError("secret internals")
+
+    monkeypatch.setattr(engine, "encode_messages", broken)
+    response = post(server, body())
+    assert response.status_code == 500
+    assert "secret" not in response.text and "KeyError" not in response.text
+    assert response.json()["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    unharmed(server, expected)
+
+
+def test_6_an_engine_failure_while_a_prompt_is_read_fails_only_that_request(server, engine, slm, expected,
+                                                                           monkeypatch):
+    reference = answer(server, "def add(a, b):", max_tokens=60)
+    running = Stream(server, body("def add(a, b):", max_tokens=60, r2r_policy="llm"))
+    while not running.times:
+        time.sleep(0.01)
+    original = slm.forward
+
+    def failing_on_long_reads(cache, new_ids, mask):
+        if new_ids.shape[1] > 1:  # a chunk of a prompt, never a decode step
+            raise RuntimeError("simulated failure")
+        return original(cache, new_ids, mask)
+
+    monkeypatch.setattr(slm, "forward", failing_on_long_reads)
+    response = post(server, body("Paris is the capital of France. " * 5))
+    assert response.status_code == 500 and "simulated" not in response.text
+    monkeypatch.undo()
+    assert running.wait().error is None and running.text == reference
+    unharmed(server, expected)
+
+
+# 7. A queued client that gives up leaves the queue.
+def test_7_queued_clients_that_give_up_leave_the_queue(engine, slm, monkeypatch):
+    slow_down(slm, monkeypatch)
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=1, max_queue=2, max_tokens=400, context_length=512))
+    with BackgroundServer(app) as srv:
+        busy = Stream(srv.url, body(LONG_RUNNING, max_tokens=400, r2r_policy="slm"))
+        while not busy.times:
+            time.sleep(0.01)
+        for _ in range(2):  # two clients queue, then time out
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(srv.url + CHAT, json=body(), timeout=0.3)
+        with pytest.raises(httpx.TimeoutException):
+            with httpx.stream("POST", srv.url + CHAT, json={**body(), "stream": True}, timeout=0.3) as r:
+                r.read()
+        time.sleep(0.7)  # a non-streaming handler notices a disconnect within 0.5 s
+        assert httpx.get(srv.url + "/health").json()["waiting"] == 0
+        queued = [concurrent.futures.ThreadPoolExecutor(1).submit(post, srv.url, body()) for _ in range(2)]
+        assert all(q.result().status_code == 200 for q in queued)  # not 429
+        assert busy.wait().error is None
+
+
+# 9. Values no sampler should take, and error bodies that name the field, not the code.
+@pytest.mark.parametrize("field, value", [("temperature", 1e308), ("temperature", "inf"), ("temperature", "nan"),
+                                          ("top_p", "-inf"), ("r2r_threshold", "inf"), ("r2r_verify", "inf"),
+                                          ("r2r_llm_rate", "nan"), ("seed", 2**64)])
+def test_9_non_finite_and_out_of_range_values_are_400s(server, expected, field, value):
+    response = post(server, body(**{field: value}))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert field in error["message"] and "Error" not in error["message"] and "Traceback" not in error["message"]
+    unharmed(server, expected)
+
+
+# 10. Access: API key, Host and Origin on a loopback server, JSON-only posts, no docs unless asked.
+def test_10_api_key_host_origin_content_type_and_docs(engine):
+    app = create_app(engine, "tiny-r2r", Limits(max_tokens=16, context_length=512), api_key="sesame")
+    with BackgroundServer(app) as srv:
+        url = srv.url
+        good = {"authorization": "Bearer sesame"}
+        assert post(url, body()).status_code == 401
+        assert post(url, body(), headers={"authorization": "Bearer wrong"}).json()["error"]["code"] == "invalid_api_key"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0)
+        assert client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=3).choices[0].message.content is not None
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+        assert httpx.get(url + "/health").status_code == 200  # health checks need no key
+        foreign = [{"host": "evil.example"}, {"origin": "http://evil.example"}, {"origin": "null"}]
+        for headers in foreign:
+            response = post(url, body(), headers={**good, **headers})
+            assert response.status_code == 403, (headers, response.text)
+        response = httpx.post(url + CHAT, content=json.dumps(body()), headers={**good, "content-type": "text/plain"})
+        assert response.status_code == 415
+        assert post(url, body(), headers={**good, "origin": url}).status_code == 200  # the playground itself
+        assert httpx.get(url + "/docs").status_code == 404 and httpx.get(url + "/openapi.json").status_code == 404
+    with BackgroundServer(create_app(engine, "tiny-r2r", docs=True)) as srv:
+        assert httpx.get(srv.url + "/openapi.json").status_code == 200
+
+
+def test_10_a_server_bound_to_all_interfaces_answers_other_host_names(engine):
+    app = create_app(engine, "tiny-r2r", Limits(max_tokens=16, context_length=512), loopback_only=False)
+    with BackgroundServer(app) as srv:
+        assert post(srv.url, body(), headers={"host": "r2r.internal:8000"}).status_code == 200
+
+
+# 11. Greedy output and batch company: on torch float32 a request's tokens do not depend on the others in its
+# batch; llama.cpp's batched kernels sum in another order than its one-row kernels (README: "What a client can rely
+# on"), which the e2e suite measures on the real pair.
+def test_11_torch_float32_greedy_output_does_not_depend_on_batch_company(server):
+    prompts = ["What is 48 / 2?", "def add(a, b):", "Bonjour!", "Paris is the capital of"]
+    for policy in ("slm", "llm"):
+        alone = [answer(server, p, max_tokens=24, r2r_policy=policy) for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            for _ in range(3):
+                together = list(pool.map(lambda p: answer(server, p, max_tokens=24, r2r_policy=policy), prompts))
+                assert together == alone
+
+
+# 8. Shutdown: a deadline for in-flight streams, and a second signal exits at once.
+SERVE_TINY = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from tiny import tiny_model, tiny_tokenizer
+from r2r.engine import Engine
+from r2r.policies import RandomPolicy
+from r2r.server import Limits, create_app, run
+from r2r.torch_backend import TorchBackend
+tok = tiny_tokenizer()
+slm = TorchBackend(tiny_model(tok, hidden=32, seed=0))
+forward = slm.forward
+slm.forward = lambda *args: (time.sleep(0.02), forward(*args))[1]  # a stream that lasts ~10 s
+engine = Engine(slm, TorchBackend(tiny_model(tok, hidden=64, seed=1)), tok, RandomPolicy(0.3, seed=0))
+run(create_app(engine, "tiny", Limits(max_tokens=480, drain_timeout={drain})), "127.0.0.1", {port})
+"""
+
+
+def start_tiny_server(drain: float):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = SERVE_TINY.format(tests=str(Path(__file__).parent), drain=drain, port=port)
+    process = subprocess.Popen([sys.executable, "-c", code])
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("the tiny server did not start")
+
+
+def endless(url):
+    """A stream that runs for ~10 s."""
+    stream = Stream(url, body(LONG_RUNNING, max_tokens=480, r2r_policy="slm"))
+    while not stream.times and not stream.done.is_set():
+        time.sleep(0.01)
+    return stream
+
+
+def test_8_sigterm_cuts_streams_at_the_drain_deadline_and_a_second_signal_exits_at_once():
+    process, url = start_tiny_server(drain=1.0)
+    try:
+        stream = endless(url)
+        assert not stream.done.is_set(), "the stream ended by itself"
+        start = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        stream.wait(30)
+        assert stream.error is not None and "shutting down" in stream.error["message"]
+        assert process.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+        assert time.monotonic() - start < 10
+    finally:
+        process.kill()
+    process, url = start_tiny_server(drain=600.0)
+    try:
+        stream = endless(url)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert process.poll() is None  # draining: the stream has 600 s
+        with pytest.raises(httpx.HTTPError):  # and nobody new gets in
+            post(url, body())
+        start = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(15)
+        assert time.monotonic() - start < 10
+        stream.wait(30)
+    finally:
+        process.kill()
+
+
+# Soak: everything at once, bounded.
+BAD = [
+    (body(seed=2**70), 400), (body(temperature="inf"), 400), ({"messages": "hi"}, 400),
+    (body(max_tokens=10**6), 400), (body("48 / 2 " * 600), 400), (body(r2r_verify="always"), 400),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, 400), (body(model="gpt-17"), 404),
+]
+
+
+def test_soak_8_clients_200_requests_of_every_kind(engine):
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=3, max_queue=4, max_tokens=64, context_length=512,
+                                                prefill_chunk=16))
+    prompts = [f"What is {n} / 2?" for n in range(40, 46)] + ["Paris is the capital of France. " * 12]
+    process = psutil.Process(os.getpid())  # the server runs in this process
+    with BackgroundServer(app) as srv:
+        url = srv.url
+        answers = {p: answer(url, p, max_tokens=24) for p in prompts}
+        counts = {"good": 0, "bad": 0, "disconnected": 0, "429": 0}
+        lock = threading.Lock()
+
+        def good(rng):
+            prompt = rng.choice(prompts)
+            while True:
+                if rng.random() < 0.5:
+                    stream = Stream(url, body(prompt, max_tokens=24, r2r_policy="llm")).wait()
+                    if stream.error is None and stream.times:
+                        return stream.text == answers[prompt]
+                    response = post(url, body(prompt, max_tokens=24, r2r_policy="llm"))  # 429 mid-open? retry
+                else:
+                    response = post(url, body(prompt, max_tokens=24, r2r_policy="llm"))
+                if response.status_code == 429:
+                    with lock:
+                        counts["429"] += 1
+                    time.sleep(0.05)
+                    continue
+                return response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == \
+                    answers[prompt]
+
+        def one(i):
+            rng = random.Random(i)
+            kind = rng.choices(["good", "bad", "disconnected"], [6, 3, 1])[0]
+            if kind == "bad":
+                payload, status = BAD[i % len(BAD)]
+                response = httpx.post(url + CHAT, content=json.dumps(payload).encode("utf-8", "surrogatepass"),
+                                      headers={"content-type": "application/json"}, timeout=60)
+                ok = response.status_code == status or response.status_code == 429
+            elif kind == "disconnected":
+                with httpx.stream("POST", url + CHAT, json={**body(LONG_RUNNING, max_tokens=64, r2r_policy="slm"),
+                                                            "stream": True}, timeout=60) as response:
+                    for line in response.iter_lines():
+                        if '"r2r"' in line:
+                            break
+                ok = True
+            else:
+                ok = good(rng)
+            with lock:
+                counts[kind] += 1
+            return ok
+
+        def run(first, n):
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                return list(pool.map(one, range(first, first + n)))
+
+        assert all(run(0, 20))
+        time.sleep(0.5)
+        rss, threads, fds = process.memory_info().rss, process.num_threads(), process.num_fds()
+        python_threads = set(threading.enumerate())
+        assert all(run(20, 200))
+        for _ in range(100):
+            load = httpx.get(url + "/health").json()
+            if load["running"] == 0 and load["waiting"] == 0:
+                break
+            time.sleep(0.05)
+        assert load["running"] == 0 and load["waiting"] == 0
+        assert process.memory_info().rss <= 1.10 * rss
+        for _ in range(40):  # client threads that just finished take a moment to exit
+            if process.num_threads() <= threads:
+                break
+            time.sleep(0.05)
+        assert process.num_threads() <= threads, [t.name for t in set(threading.enumerate()) - python_threads]
+        assert process.num_fds() <= fds + 2, fds
+        assert counts["good"] > 100 and counts["bad"] > 40 and counts["disconnected"] > 10, counts
+        assert counts["429"] > 0, counts  # the queue did overflow
