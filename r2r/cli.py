@@ -147,7 +147,7 @@ def serve(
     kv_cache_tokens: Optional[int] = typer.Option(None, "--kv-cache-tokens", min=1, help="llama.cpp: the KV-cache "
                                                   "tokens all requests share, per model (default: --max-batch x "
                                                   "4096). A request holds prompt + max_tokens of them while it runs."),
-    prefill_chunk: int = count(128, "--prefill-chunk", help="Prompt tokens read between two decode steps (running "
+    prefill_chunk: int = count(64, "--prefill-chunk", help="Prompt tokens read between two decode steps (running "
                                "streams keep going while a long prompt is read)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="R2R_API_KEY", help="Require 'Authorization: "
                                           "Bearer KEY' on /v1/ (also from $R2R_API_KEY)."),

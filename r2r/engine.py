@@ -604,7 +604,9 @@ class Batch:
         if len(rows) == len(self.requests):
             return
         self.requests = [self.requests[i] for i in rows]
-        if not rows:
+        if not rows:  # drop the caches now: on llama.cpp their cells would shift where the next request's go
+            self.ids = self.mask = None
+            self.writer_cache, self.llm_cache = self._new_caches()
             return
         index = torch.tensor(rows, device=self.ids.device)
         self.ids, self.mask = self.ids[index], self.mask[index]

@@ -28,6 +28,9 @@ except ImportError as e:  # the wheel is built from source at install time; it m
     IMPORT_ERROR = str(e)
 
 
+MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp (src/llama-cparams.h): sequences one context holds
+
+
 @dataclass
 class LlamaCache:
     seqs: list[int] = field(default_factory=list)  # row -> llama.cpp sequence id
@@ -44,6 +47,9 @@ class LlamaCppBackend:
         if llama_cpp is None:
             raise R2RError(f"the llama.cpp backend is not available ({IMPORT_ERROR}); install it with "
                            "`pip install llama-cpp-python` (it compiles llama.cpp) or use --backend torch")
+        if not 1 <= max_rows <= MAX_SEQUENCES:
+            raise R2RError(f"llama.cpp holds 1 to {MAX_SEQUENCES} sequences per context, asked for {max_rows}: "
+                           "lower the batch size (--max-batch)")
         path = Path(gguf_file).expanduser()
         if not path.is_file() or path.suffix != ".gguf":
             raise R2RError(f"the llama.cpp backend needs a .gguf file, got {gguf_file}")

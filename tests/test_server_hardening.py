@@ -186,6 +186,10 @@ def test_4_max_batch_beyond_the_backends_rows_is_refused_at_start(gguf_files, to
     with pytest.raises(R2RError, match="--max-batch 9 is more than the backend holds"):
         create_app(engine, "tiny-r2r", Limits(max_batch=9))
     create_app(engine, "tiny-r2r", Limits(max_batch=8))
+    from r2r.llamacpp import LlamaCppBackend
+
+    with pytest.raises(R2RError, match="lower the batch size"):  # `r2r serve` sizes llama.cpp to --max-batch
+        LlamaCppBackend(gguf_files[0], max_rows=300)
 
 
 # 5. The body-size limit, and an event loop that stays free while big bodies are handled.
