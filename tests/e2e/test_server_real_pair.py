@@ -1,0 +1,65 @@
+"""The hardened server on the real default pair (llama.cpp), on loopback: admission against the shared KV
+pool, a stream that keeps going while a long prompt is read, bad requests that hurt no one, and the same
+answer for the same request on an idle server. Needs `r2r models prepare`; scripts/server-checks.py runs
+the full list against `r2r serve`."""
+
+import importlib.util
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from r2r.models import load_engine
+from r2r.server import BackgroundServer, Limits, create_app
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                                  reason="llama-cpp-python is not installed")]
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+            "How many clips did Natalia sell altogether in April and May?")
+
+
+@pytest.fixture(scope="module")
+def url():
+    engine = load_engine(None, None, "cpu", "bfloat16", "llamacpp", None, llama={"max_rows": 4, "n_ctx": 4096})
+    with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=4, max_tokens=2048))) as srv:
+        yield srv.url + "/v1/chat/completions"
+
+
+def body(content=QUESTION, **kw):
+    return {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 48, **kw}
+
+
+def stream_times(url, payload, times, errors):
+    with httpx.stream("POST", url, json={**payload, "stream": True}, timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event["error"])
+                elif event.get("r2r"):
+                    times.append(time.monotonic())
+
+
+def test_the_hardened_server_on_the_real_pair(url):
+    answer = httpx.post(url, json=body(), timeout=600).json()["choices"][0]["message"]["content"]
+    assert httpx.post(url, json=body(), timeout=600).json()["choices"][0]["message"]["content"] == answer  # idle
+    # Beyond the 4096-token pool: refused at once, not after a prefill.
+    start = time.monotonic()
+    response = httpx.post(url, json=body("clips " * 5000), timeout=600)
+    assert response.status_code == 400 and time.monotonic() - start < 5
+    # A stream keeps getting tokens while a ~1,100-token prompt is read (64-token chunks), and a bad seed is
+    # refused without touching it.
+    times, errors = [], []
+    running = threading.Thread(target=stream_times, args=(url, body(max_tokens=400), times, errors))
+    running.start()
+    while len(times) < 3:
+        time.sleep(0.05)
+    assert httpx.post(url, json=body(seed=2**70), timeout=60).status_code == 400
+    submitted = time.monotonic()
+    newcomer_times = []
+    stream_times(url, body(" ".join([QUESTION] * 35), max_tokens=4), newcomer_times, errors)
+    running.join()
+    assert not errors and newcomer_times
+    assert sum(submitted < t < newcomer_times[0] for t in times) >= 5
