@@ -64,3 +64,17 @@ def make_backend(kind: str, model, tokenizer, folder, name: str):
     path = folder / f"{name}.gguf"
     save_gguf(model, tokenizer, path)
     return LlamaCppBackend(path, name=name, n_ctx=2048, max_rows=8, vocab_size=len(tokenizer))
+
+
+def assert_idle_soon(url: str) -> None:
+    """A server at `url` is running and queueing nothing within 5 s."""
+    import time
+
+    import httpx
+
+    for _ in range(100):
+        load = httpx.get(url + "/health").json()
+        if load["running"] == 0 and load["waiting"] == 0:
+            return
+        time.sleep(0.05)
+    assert load["running"] == 0 and load["waiting"] == 0, load

@@ -10,6 +10,7 @@ import openai
 import psutil
 import pytest
 
+from conftest import assert_idle_soon
 from r2r.engine import Engine
 from r2r.policies import RandomPolicy
 from r2r.server import BackgroundServer, Limits, create_app
@@ -134,12 +135,7 @@ def test_disconnected_stream_frees_its_slot(server, client):
         for line in response.iter_lines():
             if line.startswith("data: {") and '"r2r"' in line:
                 break  # one token, then hang up
-    for _ in range(100):
-        load = httpx.get(server + "/health").json()
-        if load["running"] == 0 and load["waiting"] == 0:
-            break
-        time.sleep(0.05)
-    assert load["running"] == 0 and load["waiting"] == 0
+    assert_idle_soon(server)
 
 
 def test_load_8_concurrent_streaming_clients(server, client):

@@ -19,7 +19,7 @@ import openai
 import psutil
 import pytest
 
-from conftest import make_backend
+from conftest import assert_idle_soon, make_backend
 from r2r.engine import Engine
 from r2r.errors import R2RError
 from r2r.policies import RandomPolicy
@@ -482,12 +482,7 @@ def test_soak_8_clients_200_requests_of_every_kind(engine):
         rss, threads, fds = process.memory_info().rss, process.num_threads(), process.num_fds()
         python_threads = set(threading.enumerate())
         assert all(run(20, 200))
-        for _ in range(100):
-            load = httpx.get(url + "/health").json()
-            if load["running"] == 0 and load["waiting"] == 0:
-                break
-            time.sleep(0.05)
-        assert load["running"] == 0 and load["waiting"] == 0
+        assert_idle_soon(url)
         assert process.memory_info().rss <= 1.10 * rss
         for _ in range(40):  # client threads that just finished take a moment to exit
             if process.num_threads() <= threads:
