@@ -107,7 +107,6 @@ try:
     record("3 stream during a long prefill", len(during) > 0, prompt_tokens=prompt_tokens,
            prefill_s=round(first - submitted, 1), stream_tokens_during=len(during),
            stream_tok_s_before=round(before, 2), stream_tok_s_during=round(len(during) / (first - submitted), 2))
-    server_rss = None
     # 5: 4 MB body; /health meanwhile
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         big = pool.submit(raw, json.dumps(body("x" * 4_000_000)).encode())
