@@ -309,16 +309,12 @@ class Prefill:
     def done(self) -> bool:
         return all(c.length >= self.goal for c in self.caches)
 
-    def advance(self, chunk: int) -> int:
-        """Read up to `chunk` more prompt tokens with each model; returns how many the slowest read."""
-        read = 0
+    def advance(self, chunk: int) -> None:
+        """Read up to `chunk` more prompt tokens with each model."""
         for model, cache in zip(self.models, self.caches):
-            n = min(chunk, self.goal - cache.length)
-            if n > 0:
-                end = cache.length + n
+            end = min(cache.length + chunk, self.goal)
+            if end > cache.length:
                 model.forward(cache, self.ids[:, cache.length : end], torch.ones_like(self.ids[:, :end]))
-                read = max(read, n)
-        return read
 
 
 class Batch:

@@ -426,7 +426,8 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     if engine.max_rows is not None and limits.max_batch > engine.max_rows:
         raise R2RError(f"--max-batch {limits.max_batch} is more than the backend holds ({engine.max_rows} rows at "
                        f"once): lower --max-batch")
-    limits.context_length = min(limits.context_length, engine.max_context)
+    # One request's limit: what one row may hold, and the KV pool all rows share where the backend has one.
+    limits.context_length = min(limits.context_length, engine.max_context, engine.kv_capacity or engine.max_context)
     state = ServerState(engine, model_name, limits, Scheduler(engine, limits),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-tokenize"))
 
@@ -542,14 +543,13 @@ def check_body(body: CommonBody, s: ServerState) -> None:
 
 
 def make_request(body: CommonBody, prompt_ids: list[int], s: ServerState) -> Request:
-    limits, capacity = s.limits, s.engine.kv_capacity
+    limits = s.limits
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     if max_tokens is not None and max_tokens > limits.max_tokens:
         raise APIError(400, f"max_tokens is at most {limits.max_tokens} on this server", param="max_tokens")
-    # One request's limit: the context one row may hold, and the KV pool all rows share where the backend has one.
-    context = min(limits.context_length, capacity or limits.context_length)
+    context = limits.context_length
     room = context - len(prompt_ids)
     if room <= 0 or (max_tokens is not None and max_tokens > room):
         raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but this "
