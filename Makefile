@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 DEMO_QUESTION := Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May? Reason step by step, then finish with 'The answer is N'.
 
-.PHONY: setup models browser demo test test-fast bench clean
+.PHONY: setup models browser web demo test test-fast bench clean
 
 setup: $(INSTALLED)
 
@@ -25,6 +25,22 @@ $(INSTALLED): pyproject.toml
 models: setup
 	$(BIN)/r2r models prepare --install
 
+# The playground's renderers (marked, KaTeX, highlight.js) from the npm registry, pinned by web/package-lock.json,
+# copied into the package so the page works with no internet. Without them the page shows plain text.
+WEB := r2r/static/vendor
+web: $(WEB)/.installed
+
+$(WEB)/.installed: web/package-lock.json
+	@command -v npm >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq npm >/dev/null; }
+	cd web && npm ci --no-audit --no-fund --loglevel=error
+	rm -rf $(WEB) && mkdir -p $(WEB)/fonts
+	cp web/node_modules/marked/lib/marked.umd.js web/node_modules/katex/dist/katex.min.js \
+	  web/node_modules/katex/dist/katex.min.css web/node_modules/@highlightjs/cdn-assets/highlight.min.js $(WEB)/
+	cp web/node_modules/@highlightjs/cdn-assets/styles/github.min.css $(WEB)/highlight.min.css
+	cp web/node_modules/katex/dist/fonts/*.woff2 $(WEB)/fonts/
+	for p in marked katex @highlightjs/cdn-assets; do cp web/node_modules/$$p/LICENSE $(WEB)/LICENSE.$$(basename $$p); done
+	touch $@
+
 # Debian's Chromium, for the playground's browser test (playwright drives it; it downloads no browser).
 browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
@@ -32,11 +48,11 @@ browser:
 demo: models
 	$(BIN)/r2r generate "$(DEMO_QUESTION)" --max-new-tokens 384
 
-test: models browser
+test: models browser web
 	$(BIN)/python -m pytest -v -rs
 
 # Unit tests on tiny models only: no model download, seconds.
-test-fast: setup
+test-fast: setup web
 	$(BIN)/python -m pytest -q -m "not e2e"
 
 bench: models

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import concurrent.futures
 import hmac
+import html
 import importlib.resources
 import ipaddress
 import json
@@ -37,6 +38,7 @@ from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice, ChoiceDelta
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
+from starlette.staticfiles import StaticFiles
 
 from r2r.engine import Batch, Engine, Prefill, Request, SamplingParams, Step, parse_verify
 from r2r.errors import R2RError
@@ -446,6 +448,9 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     app.add_exception_handler(Exception, internal_error)
     app.add_middleware(Guard, api_key=api_key, loopback_only=loopback_only, max_body_bytes=limits.max_body_bytes)
     app.include_router(routes)
+    # The playground's renderers (`make web` puts them there; without them the page shows plain text).
+    static = importlib.resources.files("r2r").joinpath("static")
+    app.mount("/static", StaticFiles(directory=str(static), check_dir=False), name="static")
     return app
 
 
@@ -489,14 +494,15 @@ async def list_models(http: HTTPRequest):
         "id": s.model_name, "object": "model", "created": 0, "owned_by": "r2r",
         "r2r": {"slm": engine.slm.name if engine.slm else None, "llm": engine.llm.name if engine.llm else None,
                 "policy": engine.policy.name, "threshold": engine.policy.threshold, "verify": engine.verify,
-                "max_unverified": engine.max_unverified},
+                "max_unverified": engine.max_unverified, "max_batch": s.limits.max_batch,
+                "max_tokens": s.limits.max_tokens},
     }]}
 
 
 @routes.get("/", response_class=HTMLResponse)
 async def playground(http: HTTPRequest):
     page = importlib.resources.files("r2r").joinpath("playground.html").read_text()
-    return page.replace("{{MODEL}}", server(http).model_name)
+    return page.replace("{{MODEL}}", html.escape(server(http).model_name))
 
 
 @routes.get("/favicon.ico", include_in_schema=False)
