@@ -152,6 +152,11 @@ def whole_numbers(text: str, option: str) -> list[int]:
 
 
 def save(result: dict, out: Path | None) -> None:
+    """Name the machine the figures came from (on screen and in the JSON); write them to `out` if given."""
+    from r2r.bench import processor
+
+    result["processor"] = processor()
+    console.print(f"measured on {result['processor']}")
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))

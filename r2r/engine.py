@@ -413,16 +413,25 @@ class Batch:
         engine, requests = self.engine, self.requests
         column = self.ids.shape[1]  # where this step's tokens go
         # 1. The writer (the SLM of a pair) reads the columns it has not read yet and proposes a token per row.
+        #    When every row forces the LLM, the SLM has nothing to propose and does not run (it reads these
+        #    columns later if a request ever needs it), so "LLM alone" through a pair costs the LLM alone.
         t0 = time.perf_counter()
-        logits, hidden = engine.writer.forward(self.writer_cache, self.ids[:, self.writer_cache.length :], self.mask)
-        proposal = sample_rows(logits, requests)
-        for i, r in enumerate(requests):
-            if r.verify == "strict" and r.params.temperature > 0:  # the ratio test needs what the SLM drew from
-                r.draft_probs[len(r.generation.token_ids)] = sampling_probs(logits[i : i + 1], r.params)[0]
+        slm_idle = engine.routes and all(r.force == "llm" for r in requests)
+        if slm_idle:
+            proposal = self.ids[:, -1].clone()  # a placeholder: every row takes the LLM's token
+        else:
+            logits, hidden = engine.writer.forward(self.writer_cache, self.ids[:, self.writer_cache.length :],
+                                                   self.mask)
+            proposal = sample_rows(logits, requests)
+            for i, r in enumerate(requests):
+                if r.verify == "strict" and r.params.temperature > 0:  # the ratio test needs what the SLM drew from
+                    r.draft_probs[len(r.generation.token_ids)] = sampling_probs(logits[i : i + 1], r.params)[0]
         engine.sync()
         t1 = time.perf_counter()
         # 2. The policy decides which rows the LLM takes (a request may force one model).
-        if engine.routes:
+        if slm_idle:
+            routed, scores = [True] * len(requests), [0.0] * len(requests)
+        elif engine.routes:
             to_llm, scores = engine.policy.route(logits, hidden, proposal, self._thresholds())
             routed = [r.force == "llm" if r.force else bool(x) for r, x in zip(requests, to_llm.tolist())]
             scores = scores.tolist()

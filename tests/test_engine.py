@@ -258,6 +258,34 @@ def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
     assert requests[1].generation.token_ids == slm_only.token_ids
 
 
+def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, monkeypatch):
+    """"LLM alone" through a pair costs the LLM alone; the SLM reads what it skipped once a row needs it."""
+    from r2r.engine import Batch, Request
+    from r2r.policies import EntropyPolicy
+
+    engine = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0))
+    prompt = encode(engine)[0]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    alone = [Engine(slm, llm, tokenizer, policy).generate([prompt], params)[0].token_ids
+             for policy in (AlwaysLLM(), AlwaysSLM())]
+    calls = []
+    forward = slm.forward
+    monkeypatch.setattr(slm, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    llm_row, slm_row = Request(prompt, params, force="llm"), Request(prompt, params, force="slm")
+    batch = Batch(engine)
+    batch.add([llm_row])
+    calls.clear()
+    for _ in range(5):
+        batch.step()
+    assert not calls  # the SLM never ran for the LLM's row
+    batch.add([slm_row])
+    while batch.requests:
+        batch.step()
+    assert calls
+    assert [llm_row.generation.token_ids, slm_row.generation.token_ids] == alone
+    assert llm_row.generation.sources == ["llm"] * 12 and slm_row.generation.sources == ["slm"] * 12
+
+
 def test_target_llm_rate_is_tracked_per_request(slm, llm, tokenizer):
     from r2r.engine import Batch, Request
     from r2r.policies import EntropyPolicy
