@@ -78,3 +78,22 @@ def assert_idle_soon(url: str) -> None:
             return
         time.sleep(0.05)
     assert load["running"] == 0 and load["waiting"] == 0, load
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Debian's Chromium, headless, driven by playwright (which downloads no browser of its own)."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "needs Debian's chromium (make test installs it: apt-get install chromium)"
+    assert (Path(__file__).parents[1] / "r2r/static/vendor/katex.min.js").exists(), \
+        "needs the playground's renderers: run `make web`"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        yield browser
+        browser.close()

@@ -1,9 +1,7 @@
 """The playground page in headless Chromium (playwright): compare mode, rendered math, the knobs, stop."""
 
 import json
-import shutil
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -12,9 +10,6 @@ from conftest import assert_idle_soon
 from r2r.engine import Engine
 from r2r.policies import RandomPolicy
 from r2r.server import BackgroundServer, Limits, create_app
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-VENDOR = Path(__file__).parents[1] / "r2r" / "static" / "vendor"
 
 
 class SlowRandom(RandomPolicy):
@@ -31,20 +26,6 @@ def server(slm, llm, tokenizer):
     app = create_app(engine, "tiny-r2r", Limits(max_tokens=400, context_length=512))
     with BackgroundServer(app) as srv:
         yield srv.url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    assert CHROMIUM, "needs Debian's chromium (make test installs it: apt-get install chromium)"
-    assert (VENDOR / "katex.min.js").exists(), "needs the page's renderers: run `make web`"
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        yield browser
-        browser.close()
 
 
 @pytest.fixture

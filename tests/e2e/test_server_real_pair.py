@@ -63,3 +63,25 @@ def test_the_hardened_server_on_the_real_pair(url):
     running.join()
     assert not errors and newcomer_times
     assert sum(submitted < t < newcomer_times[0] for t in times) >= 5
+
+
+def test_the_playground_compares_the_three_systems_on_the_real_pair(url, browser):
+    page = browser.new_page()
+    page.goto(url.removesuffix("/v1/chat/completions") + "/")
+    page.check("#compare")
+    page.fill("#maxTokens", "64")
+    page.fill("#question", QUESTION + " Reason step by step.")
+    page.press("#question", "Enter")
+    page.wait_for_function("[...document.querySelectorAll('.pane .status')].every(s => "
+                           "s.textContent.startsWith('finished in'))", timeout=300_000)
+    shares = {}
+    for system in ("slm", "r2r", "llm"):
+        pane = page.locator(f'.pane[data-system="{system}"]')
+        stats = pane.locator(".stats").text_content()
+        assert f"{pane.locator('.raw span').count()} tokens" in stats, stats
+        shares[system] = float(stats.split("LLM share ")[1].split("%")[0])
+        raw = pane.locator(".raw").text_content()
+        if "\\[" in raw and "\\]" in raw or "\\(" in raw and "\\)" in raw:  # the model wrote a formula
+            assert pane.locator(".rendered .katex").count() >= 1
+    assert shares["slm"] == 0 and shares["llm"] == 100 and shares["r2r"] < 100
+    page.close()
