@@ -69,6 +69,9 @@ def test_compare_mode_streams_into_every_pane_with_its_stats(page, tmp_path):
             assert 0 < routed < raw.count()  # random routing at 0.5 over 24 tokens
             assert "router score" in pane.locator(".raw span").first.get_attribute("title")
     page.screenshot(path=str(tmp_path / "compare.png"), full_page=True)
+    page.uncheck("#withSlm")  # two panes: R2R against the LLM alone
+    assert [page.get_attribute(f".pane:nth-child({i})", "data-system") for i in (1, 2)] == ["r2r", "llm"]
+    assert page.locator(".pane").count() == 2
 
 
 def sse(*pieces: tuple[str, str]) -> str:
