@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 DEMO_QUESTION := Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May? Reason step by step, then finish with 'The answer is N'.
 
-.PHONY: setup models browser web demo test test-fast bench clean
+.PHONY: setup models browser web llama-server demo test test-fast bench clean
 
 setup: $(INSTALLED)
 
@@ -40,6 +40,12 @@ $(WEB)/.installed: web/package-lock.json
 	cp web/node_modules/katex/dist/fonts/*.woff2 $(WEB)/fonts/
 	for p in marked katex @highlightjs/cdn-assets; do cp web/node_modules/$$p/LICENSE $(WEB)/LICENSE.$$(basename $$p); done
 	touch $@
+
+# The prepared LLM on llama.cpp's own HTTP server (xllamacpp's prebuilt CPU wheel), on loopback, until ^C:
+# then `r2r generate "..." --llm http://127.0.0.1:$(LLAMA_SERVER_PORT)` runs R2R with the LLM behind it.
+LLAMA_SERVER_PORT ?= 8080
+llama-server: models
+	$(BIN)/python scripts/llama-server.py $$($(BIN)/python -c "from r2r.models import DEFAULT_LLM, gguf_path; print(gguf_path(DEFAULT_LLM))") --port $(LLAMA_SERVER_PORT)
 
 # Debian's Chromium, for the playground's browser test (playwright drives it; it downloads no browser).
 browser:

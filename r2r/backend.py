@@ -51,6 +51,10 @@ class Backend(Protocol):
     max_rows: int | None
     """The most rows one cache may hold at once; None when only memory limits it."""
 
+    verifies: bool
+    """Whether `forward_all` works: the logits at every new column, which verification needs (a remote
+    server may return only the next token's)."""
+
     @property
     def device(self) -> torch.device:
         """Where the tensors the backend returns live (and where it wants its inputs)."""
@@ -63,6 +67,10 @@ class Backend(Protocol):
         """Read `new_ids` [B, n] (the columns after `cache.length`); `attention_mask` covers every
         column up to and including them. Returns the logits [B, V] and last hidden state [B, H] at
         each row's last column."""
+
+    def read(self, cache: Cache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """As `forward`, for columns whose outputs nobody needs (a prompt read ahead, a newcomer catching up
+        with its batch). A local model reads them at once; a remote one leaves them to its next forward."""
 
     def forward_all(self, cache: Cache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
                     keep_last: int | None = None) -> torch.Tensor:

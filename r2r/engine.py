@@ -231,6 +231,8 @@ class Engine:
         self.kv_capacity = min((m.kv_capacity for m in models if m.kv_capacity is not None), default=None)
         self.max_rows = min((m.max_rows for m in models if m.max_rows is not None), default=None)
         self.verify, self.max_unverified = parse_verify(verify), check_max_unverified(max_unverified)
+        if self.verify != "off":
+            self._check_verifiable()
         self.sync = torch.cuda.synchronize if self.writer.device.type == "cuda" else (lambda: None)
 
     def check(self, r: Request) -> None:
@@ -247,8 +249,15 @@ class Engine:
             raise R2RError("this request asks for the SLM, but no SLM is loaded")
         r.verify = parse_verify(self.verify if r.verify is None else r.verify)
         r.max_unverified = check_max_unverified(self.max_unverified if r.max_unverified is None else r.max_unverified)
-        if r.verify != "off" and not self.routes:
+        if r.verify != "off":
+            self._check_verifiable()
+
+    def _check_verifiable(self) -> None:
+        if not self.routes:
             raise R2RError("verification needs both models: the LLM checks the SLM's tokens")
+        if not self.llm.verifies:
+            raise R2RError(f"the LLM {self.llm.name} cannot return log-probabilities at every caught-up position, "
+                           "which verification needs: use --verify off with it")
 
     @classmethod
     def alone(cls, model: Backend, tokenizer, role: str = "llm") -> Engine:
@@ -314,7 +323,7 @@ class Prefill:
         for model, cache in zip(self.models, self.caches):
             end = min(cache.length + chunk, self.goal)
             if end > cache.length:
-                model.forward(cache, self.ids[:, cache.length : end], torch.ones_like(self.ids[:, :end]))
+                model.read(cache, self.ids[:, cache.length : end], torch.ones_like(self.ids[:, :end]))
 
 
 class Batch:
@@ -387,7 +396,7 @@ class Batch:
             if keep:
                 backend.pad_left(fresh, pad)
             if fresh.length < cache.length:
-                backend.forward(fresh, ids[:, fresh.length : cache.length], mask[:, : cache.length])
+                backend.read(fresh, ids[:, fresh.length : cache.length], mask[:, : cache.length])
             joining.append((backend, cache, fresh))
         for backend, cache, fresh in joining:
             backend.append_rows(cache, fresh)

@@ -223,7 +223,7 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
         if positions:
             cache = llm.new_cache()
             ids = r["prompt_ids"] + r["response_ids"][: positions[-1]]
-            llm.forward(cache, torch.tensor([ids], device=llm.device), mask_for(cache, len(ids), llm.device))
+            llm.read(cache, torch.tensor([ids], device=llm.device), mask_for(cache, len(ids), llm.device))
             for pos in reversed(positions):
                 tok = p["slm_tokens"][pos]
                 cont = continue_to_sentence_end(llm, cache, len(r["prompt_ids"]) + pos, tok, max_new_tokens,

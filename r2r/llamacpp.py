@@ -40,6 +40,7 @@ class LlamaCache:
 
 class LlamaCppBackend:
     device = torch.device("cpu")  # tensors handed to the engine live on the CPU
+    verifies = True
 
     def __init__(self, gguf_file: str | Path, name: str = "model", n_ctx: int = 16384, max_rows: int = 16,
                  n_threads: int | None = None, n_batch: int = 512, vocab_size: int | None = None):
@@ -172,6 +173,9 @@ class LlamaCppBackend:
             logits[row] = self._logits(out_index)
             hidden[row] = self._hidden(out_index)
         return logits, hidden
+
+    def read(self, cache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        self.forward(cache, new_ids, attention_mask)
 
     def forward_all(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
                     keep_last: int | None = None) -> torch.Tensor:

@@ -310,9 +310,13 @@ def load_pair(slm: str | None = None, llm: str | None = None, device: str = "aut
     """Load the SLM and (if `need_llm`) the LLM, each on its backend; refuse pairs whose tokenizers differ.
 
     Returns (slm_backend, llm_backend or None, tokenizer)."""
+    from r2r.remote import RemoteBackend, is_remote
+
     slm_backend, tokenizer = load_model(slm, "slm", device, dtype, backend, llama)
     if not need_llm:
         return slm_backend, None, tokenizer
+    if is_remote(llm):  # an LLM on a serving engine: it must share the SLM's tokenizer (checked on connecting)
+        return slm_backend, RemoteBackend(llm, tokenizer, slm_backend.eos_ids, vocab_size=slm_backend.vocab_size), tokenizer
     llm_backend, llm_tokenizer = load_model(llm, "llm", device, dtype, backend, llama)
     if not same_tokenizer(tokenizer, llm_tokenizer):
         raise R2RError(

@@ -18,8 +18,10 @@ RouterChoice = Enum("RouterChoice", {name: name for name in POLICIES}, type=str)
 # Options that many commands share, declared once.
 Slm = Annotated[Optional[str], typer.Option("--slm", help="SLM: local dir, .gguf file or hub id (default: the "
                                             "prepared Qwen2.5-Coder-0.5B)")]
-Llm = Annotated[Optional[str], typer.Option("--llm", help="LLM: local dir, .gguf file or hub id (default: the "
-                                            "prepared Qwen2.5-Coder-1.5B)")]
+Llm = Annotated[Optional[str], typer.Option("--llm", help="LLM: local dir, .gguf file, hub id, or the address of a "
+                                            "server running it (http://host:port, llama.cpp's server; "
+                                            "?model=NAME picks a served model) (default: the prepared "
+                                            "Qwen2.5-Coder-1.5B)")]
 Device = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Weights and compute: bfloat16, float16 or float32.")]
 Backend = Annotated[str, typer.Option("--backend", help="torch (transformers) or llamacpp (the GGUF files as "

@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException
 from starlette.staticfiles import StaticFiles
 
 from r2r.engine import Batch, Engine, Prefill, Request, SamplingParams, Step, parse_verify
-from r2r.errors import R2RError
+from r2r.errors import R2RError, RemoteError
 from r2r.text import Detokenizer
 
 log = logging.getLogger("r2r.server")
@@ -308,6 +308,9 @@ class Scheduler:
 
 def failure(e: Exception) -> Failure:
     """What a client may see of an engine error: our own messages; other exceptions stay in the log."""
+    if isinstance(e, RemoteError):  # its message names an address clients need not know
+        log.error("remote model failure: %s", e)
+        return Failure("the LLM's server failed this request (the server's log has the details)", 502)
     if isinstance(e, R2RError):
         return Failure(str(e))
     log.exception("engine failure")

@@ -17,6 +17,7 @@ class TorchCache:
 class TorchBackend:
     max_rows = None  # only memory limits a batch
     kv_capacity = None  # each row has its own cache columns
+    verifies = True
 
     def __init__(self, model: torch.nn.Module, name: str = "model", vocab_size: int | None = None):
         """`model`: a transformers *ForCausalLM; `vocab_size`: the tokenizer's size (default: every row
@@ -63,6 +64,9 @@ class TorchBackend:
         return self._logits(hidden)[:, 0], hidden[:, 0]
 
     @torch.inference_mode()
+    def read(self, cache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        self.forward(cache, new_ids, attention_mask)
+
     def forward_all(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
                     keep_last: int | None = None) -> torch.Tensor:
         keep = new_ids.shape[1] if keep_last is None else keep_last

@@ -55,6 +55,16 @@ def test_batched_forward_agrees_with_prefill_of_each_row(backend, kind, tokenize
         assert close(logits[i], ref_logits[-1], kind) and close(hidden[i], ref_hidden[-1], kind)
 
 
+def test_read_takes_columns_in_without_outputs(backend, kind, tokenizer):
+    rows = token_rows(tokenizer)
+    ids, mask = left_pad(rows, tokenizer.pad_token_id, backend.device)
+    cache = backend.new_cache()
+    assert backend.read(cache, ids[:, :-2], mask[:, :-2]) is None and cache.length == ids.shape[1] - 2
+    logits, _ = backend.forward(cache, ids[:, -2:], mask)
+    whole, _ = backend.forward(backend.new_cache(), ids, mask)
+    assert close(logits, whole, kind)
+
+
 def test_forward_all_gives_every_new_position(backend, kind, tokenizer):
     rows = token_rows(tokenizer)
     ids, mask = left_pad(rows, tokenizer.pad_token_id, backend.device)

@@ -1,0 +1,230 @@
+"""The backend contract (backend.py) for an LLM on a serving engine the user already runs.
+
+R2R's SLM and router run where `r2r` runs; the LLM is any llama.cpp server (or, next, vLLM) the user
+points `--llm` at: `--llm http://host:port` (`?model=NAME` picks a served model, `?engine=llamacpp`
+skips detection). Nothing is patched: each row of a batch is one ordinary completion request whose
+prompt is the row's token ids so far, asking for one token and its top log-probabilities, and the
+server's prefix cache makes it read only what is new. The rows go out concurrently, so the server
+batches them.
+
+The cache is therefore only each row's token ids (what the server has been shown); the logits are
+the server's top-`top_logprobs` log-probabilities, every other token at a floor far below them.
+That is exact for greedy decoding (the argmax is the server's); sampling draws from those top
+tokens, with the engine's own seeded generator. Verification needs the LLM's log-probabilities at
+every caught-up position, which llama.cpp's server does not return: `verifies` is False there and
+the engine refuses verification up front.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+
+import httpx
+import torch
+
+from r2r.errors import R2RError, RemoteError
+
+FLOOR = -1e9  # the logit of tokens outside the server's top log-probabilities: finite, so no NaN downstream
+PROBE = "Roads to Rome: 12 × 7 = 84, naïve café ☕ — ok?\n<|im_end|>"  # digits, accents, an emoji, a special
+
+
+def is_remote(spec: str | None) -> bool:
+    return spec is not None and spec.startswith(("http://", "https://"))
+
+
+@dataclass
+class RemoteCache:
+    rows: list[list[int]] = field(default_factory=list)  # each row's real tokens sent so far (no padding)
+    length: int = 0  # columns of the token streams already read
+
+
+class LlamaServerApi:
+    """llama.cpp's own server (`llama-server`, or xllamacpp's embedded one): /completion takes token ids."""
+
+    engine = "llamacpp"
+
+    def __init__(self, client: "Client", model: str | None):
+        self.client = client
+        models = client.get("/v1/models")["data"]
+        self.model = pick_model(models, model, client.url)
+        meta = next(m for m in models if m["id"] == self.model).get("meta", {})
+        props = client.get("/props")
+        settings = props.get("default_generation_settings", {})
+        self.max_context = int(settings.get("n_ctx") or meta.get("n_ctx") or 0)
+        self.num_params = int(meta.get("n_params") or 0)
+        self.hidden_size = int(meta.get("n_embd") or 0)
+        self.slots = int(props.get("total_slots") or 1)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.client.post("/tokenize", {"content": text, "add_special": False, "parse_special": True})["tokens"]
+
+    def next_token(self, ids: list[int], top: int) -> dict[int, float]:
+        """The next token's top log-probabilities after `ids` (greedy: the first is the server's argmax)."""
+        out = self.client.post("/completion", {"prompt": ids, "n_predict": 1, "n_probs": top, "temperature": 0,
+                                               "cache_prompt": True, "return_tokens": True})
+        probs = out.get("completion_probabilities") or []
+        if probs:
+            return {int(p["id"]): float(p["logprob"]) for p in probs[0]["top_logprobs"]}
+        if out.get("tokens"):  # a token that ends inside a UTF-8 character: the server holds its text and
+            return {int(out["tokens"][0]): 0.0}  # its probabilities back, but says which token it chose
+        raise RemoteError(f"the LLM server at {self.client.url} returned no token for a {len(ids)}-token prompt")
+
+
+ENGINES = {"llamacpp": LlamaServerApi}
+
+
+def pick_model(models: list[dict], asked: str | None, url: str) -> str:
+    ids = [m["id"] for m in models]
+    if asked is not None:
+        if asked not in ids:
+            raise R2RError(f"the LLM server at {url} does not serve {asked!r}; it serves {', '.join(map(repr, ids))}")
+        return asked
+    if len(ids) != 1:
+        raise R2RError(f"the LLM server at {url} serves {len(ids)} models ({', '.join(map(repr, ids))}): name one "
+                       "with ?model=NAME in the --llm address")
+    return ids[0]
+
+
+class Client:
+    """JSON over HTTP with a timeout and bounded retries (with backoff) when the server cannot be reached or
+    drops the connection; every failure ends as one R2RError naming the server."""
+
+    def __init__(self, url: str, timeout: float, retries: int):
+        self.url, self.retries = url.rstrip("/"), retries
+        self.http = httpx.Client(base_url=self.url, timeout=timeout, limits=httpx.Limits(max_connections=64))
+
+    def get(self, path: str) -> dict:
+        return self._call("GET", path, None)
+
+    def post(self, path: str, body: dict) -> dict:
+        return self._call("POST", path, body)
+
+    def _call(self, method: str, path: str, body: dict | None) -> dict:
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.http.request(method, path, json=body)
+                break
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+                if attempt == self.retries:
+                    raise RemoteError(f"the LLM server at {self.url} cannot be reached ({type(e).__name__}: {e}) "
+                                   f"after {self.retries + 1} tries") from None
+                time.sleep(0.5 * 2**attempt)
+            except httpx.TimeoutException:
+                raise RemoteError(f"the LLM server at {self.url} did not answer {method} {path} within "
+                               f"{self.http.timeout.read:.0f} s") from None
+        if response.status_code != 200:
+            try:
+                message = response.json()["error"]["message"]
+            except Exception:
+                message = response.text[:300]
+            raise RemoteError(f"the LLM server at {self.url} refused {method} {path} ({response.status_code}): {message}")
+        try:
+            return response.json()
+        except ValueError:
+            raise RemoteError(f"the LLM server at {self.url} answered {method} {path} with something other than "
+                           "JSON: is it an LLM server?") from None
+
+
+class RemoteBackend:
+    device = torch.device("cpu")
+    kv_capacity = None  # the server manages its own memory
+
+    def __init__(self, address: str, tokenizer, eos_ids: set[int], timeout: float = 120.0, retries: int = 3,
+                 top_logprobs: int = 20, vocab_size: int | None = None):
+        """`address`: the server's URL, optionally with ?model=NAME and ?engine=llamacpp. `tokenizer`: the SLM's,
+        which the server's model must share (checked here)."""
+        parts = urllib.parse.urlsplit(address)
+        query = dict(urllib.parse.parse_qsl(parts.query))
+        unknown = set(query) - {"model", "engine"}
+        if unknown:
+            raise R2RError(f"--llm {address}: unknown setting(s) {', '.join(sorted(unknown))} (use model=, engine=)")
+        url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+        self.client = Client(url, timeout, retries)
+        engine = query.get("engine") or self._detect()
+        if engine not in ENGINES:
+            raise R2RError(f"--llm {address}: engine {engine!r} is not supported (use {', '.join(ENGINES)})")
+        self.api = ENGINES[engine](self.client, query.get("model"))
+        self.name = f"{self.api.model} @ {url}"
+        self.top_logprobs = top_logprobs
+        self.vocab_size = vocab_size or len(tokenizer)
+        self.eos_ids = set(eos_ids)
+        self.max_context, self.num_params, self.hidden_size = self.api.max_context, self.api.num_params, self.api.hidden_size
+        self.max_rows = None  # rows beyond the server's slots queue there
+        self.verifies = False
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(8, self.api.slots), thread_name_prefix="r2r-remote")
+        self._check_tokenizer(tokenizer)
+
+    def _detect(self) -> str:
+        owners = {m.get("owned_by") for m in self.client.get("/v1/models").get("data", [])}
+        if "llamacpp" in owners:
+            return "llamacpp"
+        raise R2RError(f"cannot tell which engine serves {self.client.url} (/v1/models says owned_by "
+                       f"{', '.join(map(str, owners)) or 'nothing'}): add ?engine=llamacpp to the --llm address")
+
+    def _check_tokenizer(self, tokenizer) -> None:
+        ours = tokenizer.encode(PROBE, add_special_tokens=False)
+        theirs = self.api.tokenize(PROBE)
+        if ours != theirs:
+            raise R2RError(f"the LLM at {self.client.url} ({self.api.model}) does not share the SLM's tokenizer "
+                           f"(a probe text gives {len(theirs)} tokens there, {len(ours)} here): R2R needs one "
+                           "tokenizer for both models")
+
+    def new_cache(self) -> RemoteCache:
+        return RemoteCache()
+
+    def read(self, cache: RemoteCache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Only remembers the ids: the server reads them with the row's next request (its prefix cache keeps
+        what it has read), so a request that never needs the LLM never reaches it."""
+        n = new_ids.shape[1]
+        if not cache.rows:
+            cache.rows = [[] for _ in range(new_ids.shape[0])]
+        new_mask = attention_mask[:, attention_mask.shape[1] - n :]
+        for row, ids, keep in zip(cache.rows, new_ids.tolist(), new_mask.tolist()):
+            row.extend(t for t, k in zip(ids, keep) if k)  # padding is never sent
+        cache.length += n
+
+    def forward(self, cache: RemoteCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
+        self.read(cache, new_ids, attention_mask)
+        tops = list(self.pool.map(lambda ids: self.api.next_token(ids, self.top_logprobs), cache.rows))
+        logits = torch.full((len(cache.rows), self.vocab_size), FLOOR)
+        for i, top in enumerate(tops):
+            for token, logprob in top.items():
+                if token < self.vocab_size:
+                    logits[i, token] = logprob
+        return logits, torch.zeros(len(cache.rows), max(self.hidden_size, 1))
+
+    def forward_all(self, cache, new_ids, attention_mask, keep_last=None):
+        raise R2RError(f"verification needs the LLM's log-probabilities at every caught-up position, which "
+                       f"{self.api.engine}'s server does not return: use --verify off with this LLM")
+
+    def prefill(self, ids: list[int], start: int = 0):
+        raise R2RError(f"{self.api.engine}'s server does not return log-probabilities at prompt positions; this "
+                       "step needs a local model")
+
+    def select_rows(self, cache: RemoteCache, rows: torch.Tensor) -> None:
+        cache.rows = [cache.rows[i] for i in rows.tolist()]
+
+    def append_rows(self, cache: RemoteCache, other: RemoteCache) -> None:
+        cache.rows += other.rows
+        other.rows = []
+
+    def pad_left(self, cache: RemoteCache, n: int) -> None:
+        cache.length += n  # padding is never sent
+
+    def truncate(self, cache: RemoteCache, length: int) -> None:
+        drop = cache.length - length
+        if drop > 0:  # the last columns are real tokens in every row (padding is on the left)
+            cache.rows = [row[: max(0, len(row) - drop)] for row in cache.rows]
+            cache.length = length
+
+    def shift_rows(self, cache: RemoteCache, shifts: list[int]) -> None:
+        cache.rows = [row[: len(row) - s] if s else row for row, s in zip(cache.rows, shifts)]
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        raise R2RError("a remote LLM has no embedding table here: the router reads the SLM's")
+
+    def embedding_table(self) -> torch.Tensor:
+        raise R2RError("a remote LLM has no embedding table here: the router reads the SLM's")

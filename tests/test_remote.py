@@ -1,0 +1,190 @@
+"""The LLM on llama.cpp's own server (xllamacpp's, on loopback), as the remote backend: the same tokens as the
+server's own greedy generation, R2R batches that match the same GGUF run locally, and the faults a user
+meets (no server, a server that dies mid-generation, a wrong model name, another tokenizer)."""
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import HAS_LLAMA
+from tiny import save_gguf, tiny_model, tiny_tokenizer
+
+from r2r.engine import Batch, Engine, Request, SamplingParams
+from r2r.errors import R2RError
+from r2r.policies import AlwaysLLM, RandomPolicy
+
+pytest.importorskip("xllamacpp", reason="the remote tests start llama.cpp's server from the xllamacpp wheel")
+SERVER = Path(__file__).parents[1] / "scripts" / "llama-server.py"
+PROMPTS = ["Natalia sold clips to 48 of her friends.", "def add(a, b):", "Paris is the capital of"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """scripts/llama-server.py on a GGUF file, on loopback; restartable on the same port."""
+
+    def __init__(self, gguf: Path, slots: int = 4):
+        self.gguf, self.slots, self.port = gguf, slots, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = None
+
+    def start(self) -> "LlamaServer":
+        self.process = subprocess.Popen([sys.executable, str(SERVER), str(self.gguf), "--port", str(self.port),
+                                         "--slots", str(self.slots), "--ctx-per-slot", "512", "--threads", "1"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(600):
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            assert self.process.poll() is None, "the llama.cpp server exited"
+            time.sleep(0.1)
+        raise RuntimeError("the llama.cpp server did not start")
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def own_greedy(self, ids: list[int], n: int) -> list[int]:
+        out = httpx.post(self.url + "/completion", json={"prompt": ids, "n_predict": n, "temperature": 0,
+                                                         "ignore_eos": True, "return_tokens": True, "cache_prompt": False},
+                         timeout=120).json()
+        return out["tokens"]
+
+
+@pytest.fixture(scope="module")
+def llm_gguf(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("remote") / "tiny-llm.gguf"
+    save_gguf(tiny_model(tokenizer, hidden=64, seed=1), tokenizer, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(llm_gguf):
+    srv = LlamaServer(llm_gguf).start()
+    yield srv
+    srv.stop()
+
+
+def remote(url, tokenizer, slm, **kw):
+    from r2r.remote import RemoteBackend
+
+    return RemoteBackend(url, tokenizer, slm.eos_ids, vocab_size=len(tokenizer), **kw)
+
+
+def test_the_llm_alone_through_the_remote_backend_equals_the_servers_own_greedy(server, slm, tokenizer):
+    llm = remote(server.url, tokenizer, slm)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for engine in (Engine.alone(llm, tokenizer), Engine(slm, llm, tokenizer, AlwaysLLM())):
+        prompts = [engine.encode_chat(p) for p in PROMPTS[:2]]
+        outs = engine.generate(prompts, params)  # the two rows go to the server at once
+        for ids, out in zip(prompts, outs):
+            assert len(out.token_ids) == 40
+            assert out.token_ids == server.own_greedy(ids, 40)
+            assert out.sources == ["llm"] * 40
+
+
+@pytest.mark.skipif(not HAS_LLAMA, reason="compares with llama-cpp-python on the same GGUF")
+def test_r2r_batches_with_the_remote_llm_match_the_same_gguf_run_locally(server, llm_gguf, slm, tokenizer):
+    """Rows join, finish and leave at different times; the remote cache (each row's ids) must follow."""
+    from r2r.llamacpp import LlamaCppBackend
+
+    local = LlamaCppBackend(llm_gguf, name="local", n_ctx=2048, max_rows=8, vocab_size=len(tokenizer))
+    outs = {}
+    for name, llm in (("remote", remote(server.url, tokenizer, slm)), ("local", local)):
+        engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=3))
+        requests = [Request(engine.encode_chat(p), SamplingParams(max_new_tokens=n, ignore_eos=True))
+                    for p, n in zip(PROMPTS, (12, 30, 20))]
+        batch = Batch(engine)
+        batch.add(requests[:2])
+        for _ in range(5):
+            batch.step()
+        batch.add(requests[2:])  # joins a running batch
+        while batch.requests:
+            batch.step()
+        outs[name] = [(r.generation.token_ids, r.generation.sources) for r in requests]
+    assert outs["remote"] == outs["local"]
+    assert {s for _, sources in outs["remote"] for s in sources} == {"slm", "llm"}
+
+
+def test_verification_is_refused_up_front(server, slm, tokenizer):
+    llm = remote(server.url, tokenizer, slm)
+    with pytest.raises(R2RError, match="verify off"):
+        Engine(slm, llm, tokenizer, RandomPolicy(0.2), verify=1.0)
+
+
+def test_no_server_wrong_model_and_another_tokenizer_are_refused(server, slm, tokenizer, tmp_path):
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(R2RError, match=f"{nobody}.*cannot be reached"):
+        remote(nobody, tokenizer, slm, retries=1)
+    with pytest.raises(R2RError, match="does not serve 'nope'"):
+        remote(server.url + "?model=nope", tokenizer, slm)
+    with pytest.raises(R2RError, match="unknown setting"):
+        remote(server.url + "?modle=x", tokenizer, slm)
+    other = tiny_tokenizer(extra_words=("zebra quokka",))
+    gguf = tmp_path / "other.gguf"
+    save_gguf(tiny_model(other, hidden=32, seed=2), other, gguf)
+    srv = LlamaServer(gguf, slots=1).start()
+    try:
+        with pytest.raises(R2RError, match="does not share the SLM's tokenizer"):
+            remote(srv.url, tokenizer, slm)
+    finally:
+        srv.stop()
+
+
+def test_a_server_that_dies_mid_generation_fails_that_request_and_the_next_one_works(llm_gguf, slm, tokenizer):
+    srv = LlamaServer(llm_gguf, slots=1).start()
+    try:
+        llm = remote(srv.url, tokenizer, slm, retries=1, timeout=10)
+        engine = Engine(slm, llm, tokenizer, AlwaysLLM())
+        prompt = engine.encode_chat(PROMPTS[0])
+        params = SamplingParams(max_new_tokens=2000, ignore_eos=True)
+        batch = Batch(engine)
+        request = Request(prompt, params)
+        batch.add([request])
+        for _ in range(3):
+            batch.step()
+        srv.stop()
+        start = time.monotonic()
+        with pytest.raises(R2RError, match=f"{srv.url}.*cannot be reached"):
+            batch.step()
+        assert time.monotonic() - start < 10
+        srv.start()
+        out = engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+        assert out.token_ids == srv.own_greedy(prompt, 8)
+    finally:
+        srv.stop()
+
+
+def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_gguf, slm, tokenizer):
+    from r2r.server import BackgroundServer, Limits, create_app
+
+    srv = LlamaServer(llm_gguf, slots=2).start()
+    try:
+        engine = Engine(slm, remote(srv.url, tokenizer, slm, retries=0, timeout=10), tokenizer, RandomPolicy(0.5, seed=0))
+        with BackgroundServer(create_app(engine, "tiny", Limits(max_tokens=64, context_length=512))) as r2r:
+            chat = r2r.url + "/v1/chat/completions"
+            body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 16, "temperature": 0}
+            first = httpx.post(chat, json={**body, "r2r_policy": "llm"}, timeout=60)
+            assert first.status_code == 200
+            srv.stop()
+            failed = httpx.post(chat, json={**body, "r2r_policy": "llm"}, timeout=60)
+            assert failed.status_code == 502, failed.text
+            assert "LLM's server failed" in failed.json()["error"]["message"] and srv.url not in failed.text
+            assert httpx.post(chat, json={**body, "r2r_policy": "slm"}, timeout=60).status_code == 200  # still up
+            srv.start()
+            again = httpx.post(chat, json={**body, "r2r_policy": "llm"}, timeout=60)
+            assert again.status_code == 200
+            assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+            assert httpx.post(chat, json=body, timeout=60).json()["usage"]["llm_tokens"] > 0  # R2R routes again
+    finally:
+        srv.stop()
