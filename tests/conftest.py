@@ -1,7 +1,11 @@
 import importlib.util
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -68,10 +72,6 @@ def make_backend(kind: str, model, tokenizer, folder, name: str):
 
 def assert_idle_soon(url: str) -> None:
     """A server at `url` is running and queueing nothing within 5 s."""
-    import time
-
-    import httpx
-
     for _ in range(100):
         load = httpx.get(url + "/health").json()
         if load["running"] == 0 and load["waiting"] == 0:
@@ -97,3 +97,45 @@ def browser():
             "--disable-component-update", "--disable-sync"])
         yield browser
         browser.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """scripts/llama-server.py on a GGUF file, on loopback; restartable on the same port."""
+
+    SCRIPT = Path(__file__).parents[1] / "scripts" / "llama-server.py"
+
+    def __init__(self, gguf: Path, slots: int = 4, ctx_per_slot: int = 512, threads: int = 1):
+        self.gguf, self.slots, self.ctx, self.threads, self.port = gguf, slots, ctx_per_slot, threads, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = None
+
+    def start(self) -> "LlamaServer":
+        self.process = subprocess.Popen([sys.executable, str(self.SCRIPT), str(self.gguf), "--port", str(self.port),
+                                         "--slots", str(self.slots), "--ctx-per-slot", str(self.ctx),
+                                         "--threads", str(self.threads)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(600):
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            assert self.process.poll() is None, "the llama.cpp server exited"
+            time.sleep(0.1)
+        raise RuntimeError("the llama.cpp server did not start")
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def own_greedy(self, ids: list[int], n: int) -> list[int]:
+        out = httpx.post(self.url + "/completion", json={"prompt": ids, "n_predict": n, "temperature": 0,
+                                                         "ignore_eos": True, "return_tokens": True, "cache_prompt": False},
+                         timeout=120).json()
+        return out["tokens"]

@@ -2,15 +2,11 @@
 server's own greedy generation, R2R batches that match the same GGUF run locally, and the faults a user
 meets (no server, a server that dies mid-generation, a wrong model name, another tokenizer)."""
 
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import HAS_LLAMA
+from conftest import HAS_LLAMA, LlamaServer, free_port
 from tiny import save_gguf, tiny_model, tiny_tokenizer
 
 from r2r.engine import Batch, Engine, Request, SamplingParams
@@ -18,47 +14,7 @@ from r2r.errors import R2RError
 from r2r.policies import AlwaysLLM, RandomPolicy
 
 pytest.importorskip("xllamacpp", reason="the remote tests start llama.cpp's server from the xllamacpp wheel")
-SERVER = Path(__file__).parents[1] / "scripts" / "llama-server.py"
 PROMPTS = ["Natalia sold clips to 48 of her friends.", "def add(a, b):", "Paris is the capital of"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LlamaServer:
-    """scripts/llama-server.py on a GGUF file, on loopback; restartable on the same port."""
-
-    def __init__(self, gguf: Path, slots: int = 4):
-        self.gguf, self.slots, self.port = gguf, slots, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process = None
-
-    def start(self) -> "LlamaServer":
-        self.process = subprocess.Popen([sys.executable, str(SERVER), str(self.gguf), "--port", str(self.port),
-                                         "--slots", str(self.slots), "--ctx-per-slot", "512", "--threads", "1"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(600):
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            assert self.process.poll() is None, "the llama.cpp server exited"
-            time.sleep(0.1)
-        raise RuntimeError("the llama.cpp server did not start")
-
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.wait()
-
-    def own_greedy(self, ids: list[int], n: int) -> list[int]:
-        out = httpx.post(self.url + "/completion", json={"prompt": ids, "n_predict": n, "temperature": 0,
-                                                         "ignore_eos": True, "return_tokens": True, "cache_prompt": False},
-                         timeout=120).json()
-        return out["tokens"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,61 @@
+"""The default pair's LLM on llama.cpp's own server (scripts/llama-server.py, xllamacpp), R2R's SLM and router
+here: the LLM's tokens equal the server's own greedy output, and R2R runs end to end through `r2r generate`,
+`r2r serve` and `r2r eval`. Needs `r2r models prepare`."""
+
+import json
+import os
+
+import httpx
+import pytest
+from conftest import LlamaServer
+
+from r2r.engine import Engine, SamplingParams
+from r2r.models import DEFAULT_LLM, gguf_path, load_model
+from r2r.policies import AlwaysLLM
+from r2r.remote import RemoteBackend
+from r2r.server import BackgroundServer, Limits, create_app
+from r2r.tasks import gsm8k, gsm8k_prompt
+
+pytestmark = [pytest.mark.e2e]
+pytest.importorskip("xllamacpp", reason="starts llama.cpp's server from the xllamacpp wheel")
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = LlamaServer(gguf_path(DEFAULT_LLM), slots=2, ctx_per_slot=4096, threads=os.cpu_count()).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def slm():
+    return load_model(None, "slm", "cpu", "bfloat16", "llamacpp")
+
+
+def test_the_llm_through_the_remote_backend_equals_the_servers_own_greedy(server, slm):
+    slm_backend, tokenizer = slm
+    llm = RemoteBackend(server.url, tokenizer, slm_backend.eos_ids, vocab_size=slm_backend.vocab_size)
+    engine = Engine(slm_backend, llm, tokenizer, AlwaysLLM())
+    prompts = [engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:2]]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        assert out.token_ids == server.own_greedy(ids, 32)
+
+
+def test_r2r_with_the_remote_llm_end_to_end(server, slm, run_cli, tmp_path):
+    code, out, err = run_cli("generate", "What is 48 / 2? Answer with the number.", "--llm", server.url,
+                             "--backend", "llamacpp", "--max-new-tokens", "24")
+    assert code == 0, err
+    assert "24" in out.replace("[[", "").replace("]]", "")  # [[...]]: the LLM's tokens, on a plain terminal
+    code, out, err = run_cli("eval", "--benchmark", "gsm8k", "--ids", "0-1", "--llm", server.url, "--backend",
+                             "llamacpp", "--systems", "r2r", "--max-new-tokens", "256", "--out", tmp_path)
+    assert code == 0, err
+    rows = [json.loads(line) for line in (tmp_path / "gsm8k" / "r2r.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["llm_tokens"] > 0 for r in rows)
+    from r2r.models import load_engine
+
+    engine = load_engine(None, server.url, "cpu", "bfloat16", "llamacpp", None)
+    with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=2, max_tokens=256))) as r2r:
+        body = {"messages": [{"role": "user", "content": "What is 48 / 2?"}], "max_tokens": 48, "temperature": 0}
+        answer = httpx.post(r2r.url + "/v1/chat/completions", json=body, timeout=300).json()
+        assert answer["usage"]["llm_tokens"] > 0 and "24" in answer["choices"][0]["message"]["content"]
