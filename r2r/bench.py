@@ -177,6 +177,63 @@ def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, contex
     return {"dtype": dtype, "backend": backend, "device": str(slm_backend.device), "context": context, "ms": table}
 
 
+def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: list[int], n_prompts: int,
+           n_tokens: int, router_path=None, progress=None) -> dict:
+    """The LLM on a server (`llm_url`) against the same LLM here (`backend`), in one run: one catch-up of k
+    new tokens on a `context`-token prefix the server has cached and on one it has never seen, and R2R's
+    tokens/s on the same GSM8K dev prompts with either LLM (same SLM, same router)."""
+    from r2r import policies
+    from r2r.engine import Engine, SamplingParams
+    from r2r.models import load_pair
+    from r2r.remote import RemoteBackend
+    from r2r.tasks import gsm8k, gsm8k_prompt
+
+    slm_b, local_llm, tokenizer = load_pair(None, None, "cpu", dtype=dtype, backend=backend)
+    llms = {"local": local_llm, "remote": RemoteBackend(llm_url, tokenizer, slm_b.eos_ids, vocab_size=slm_b.vocab_size)}
+    task = progress.add_task("bench remote", total=2 * len(new_tokens) * 2 + 4) if progress else None
+    catch_up = {}
+    for where, llm in llms.items():
+        catch_up[where] = {}
+        for k in new_tokens:
+            catch_up[where][k] = {"cached_ms": step_ms(llm, context, k), "cold_ms": cold_ms(llm, context + k)}
+            if progress:
+                progress.advance(task, 2)
+    kind, router = policies.choose(None, router_path, None)
+    prompts = [Engine.alone(slm_b, tokenizer, "slm").encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:n_prompts]]
+    params = SamplingParams(max_new_tokens=n_tokens)
+    systems, outputs = {}, {}
+    for where, llm in llms.items():
+        for name, engine in ((f"LLM alone ({where})", Engine.alone(llm, tokenizer, "llm")),
+                             (f"R2R ({where})", Engine(slm_b, llm, tokenizer, policies.build(kind, slm_b, None, router)))):
+            engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
+            start = time.perf_counter()
+            gens = [engine.generate([p], params)[0] for p in prompts]
+            seconds = time.perf_counter() - start
+            tokens = sum(len(g.token_ids) for g in gens)
+            systems[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                             "llm_rate": sum(g.llm_tokens for g in gens) / tokens}
+            outputs[name] = [g.token_ids for g in gens]
+            if progress:
+                progress.advance(task)
+    same = {kind: sum(a == b for a, b in zip(outputs[f"{kind} (local)"], outputs[f"{kind} (remote)"]))
+            for kind in ("LLM alone", "R2R")}
+    return {"llm_url": llm_url, "remote": llms["remote"].name, "backend": backend, "dtype": dtype, "context": context,
+            "catch_up": catch_up, "prompts": n_prompts, "max_new_tokens": n_tokens, "systems": systems,
+            "same_output": same}
+
+
+@torch.inference_mode()
+def cold_ms(backend, n: int, repeats: int = 3) -> float:
+    """Median milliseconds of one forward over n tokens nobody has read before (random ids, a fresh cache)."""
+    times = []
+    for _ in range(repeats):
+        ids = torch.randint(0, min(1000, backend.vocab_size), (1, n), device=backend.device)
+        start = time.perf_counter()
+        backend.forward(backend.new_cache(), ids, torch.ones_like(ids))
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
 def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_threshold: float, dtype: str,
                       progress=None) -> dict:
     """Does one router serve both backends? The SLM on torch and on llama.cpp reads the same GSM8K
@@ -348,6 +405,8 @@ def step_ms(backend, context: int, k: int, repeats: int = 5) -> float:
         backend.forward(cache, ids[:, :context], mask)
     times = []
     for _ in range(repeats):
+        # New tokens each time: a server's prefix cache would otherwise hold them from the last repeat.
+        ids[:, context:] = torch.randint(0, min(1000, backend.vocab_size), (1, k), device=backend.device)
         start = time.perf_counter()
         backend.forward(cache, ids[:, context:], mask)
         if backend.device.type == "cuda":

@@ -140,6 +140,27 @@ def bench_steps(
     save(result, out)
 
 
+@bench_app.command("remote")
+def bench_remote(
+    llm: str = typer.Option(..., "--llm", help="The LLM's server: http://host:port (as `--llm` elsewhere)."),
+    backend: Backend = "llamacpp",
+    context: int = count(300, "--context", help="Tokens the server (or the local cache) already holds."),
+    new_tokens: str = typer.Option("1,4,16", "--new-tokens", help="Comma-separated catch-up sizes k."),
+    prompts: int = count(2, "--prompts", help="GSM8K dev prompts for the tokens/s comparison."),
+    tokens: int = count(128, "--tokens", help="Max new tokens per prompt."),
+    dtype: Dtype = "bfloat16", out: Out = None,
+):
+    """The LLM behind a server vs the same LLM here: catch-up latency for k new tokens (prefix cached, and
+    cold), and R2R's tokens/s with either LLM, in one run."""
+    from r2r.bench import remote
+
+    ks = whole_numbers(new_tokens, "--new-tokens")
+    with Progress(console=console, transient=True) as progress:
+        result = remote(llm, backend, dtype, context, ks, prompts, tokens, progress=progress)
+    console.print(*tables.bench_remote(result, ks), sep="\n")
+    save(result, out)
+
+
 def whole_numbers(text: str, option: str) -> list[int]:
     """A comma-separated list of whole numbers >= 1 (empty text: none)."""
     try:

@@ -168,3 +168,21 @@ def bench_steps(result: dict, ks: list[int], backend: str, dtype: str, context: 
     for role, row in result["ms"].items():
         table.add_row(role.upper(), *[f"{row[k]:.0f}" for k in ks])
     return table
+
+
+def bench_remote(result: dict, ks: list[int]) -> list:
+    """`r2r bench remote`: catch-up latency and tokens/s, the LLM local vs behind a server."""
+    steps = Table("LLM", *[f"k={k} {state}" for k in ks for state in ("cached", "cold")],
+                  title=f"ms per LLM catch-up of k tokens ({result['context']}-token prefix)")
+    for where, row in result["catch_up"].items():
+        steps.add_row(where, *[f"{row[k][state]:.0f}" for k in ks for state in ("cached_ms", "cold_ms")])
+    speed = Table("system", "tokens", "seconds", "tokens/s", "LLM rate",
+                  title=f"{result['prompts']} GSM8K dev prompts, {result['max_new_tokens']} tokens, one at a time")
+    for name, r in result["systems"].items():
+        speed.add_row(name, str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}", f"{r['llm_rate']:.1%}")
+    s = result["systems"]
+    ratio = s["R2R (remote)"]["tokens_per_s"] / s["R2R (local)"]["tokens_per_s"]
+    same = result["same_output"]
+    return [steps, speed, f"R2R remote / local = {ratio:.2f}x; same output, local vs remote: LLM alone "
+                          f"{same['LLM alone']}/{result['prompts']}, R2R {same['R2R']}/{result['prompts']} "
+                          f"(remote: {result['remote']}; local: {result['backend']})"]
