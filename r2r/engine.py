@@ -250,14 +250,17 @@ class Engine:
         r.verify = parse_verify(self.verify if r.verify is None else r.verify)
         r.max_unverified = check_max_unverified(self.max_unverified if r.max_unverified is None else r.max_unverified)
         if r.verify != "off":
-            self._check_verifiable()
+            self._check_verifiable(r)
 
-    def _check_verifiable(self) -> None:
+    def _check_verifiable(self, r: Request | None = None) -> None:
         if not self.routes:
             raise R2RError("verification needs both models: the LLM checks the SLM's tokens")
         if not self.llm.verifies:
             raise R2RError(f"the LLM {self.llm.name} cannot return log-probabilities at every caught-up position, "
                            "which verification needs: use --verify off with it")
+        if r is not None and r.verify == "strict" and r.params.temperature > 0 and not self.llm.full_logits:
+            raise R2RError(f"strict verification while sampling needs the LLM's whole distribution; {self.llm.name} "
+                           "gives its top tokens only: sample with temperature 0, or verify with a tolerance")
 
     @classmethod
     def alone(cls, model: Backend, tokenizer, role: str = "llm") -> Engine:

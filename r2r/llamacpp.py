@@ -41,6 +41,7 @@ class LlamaCache:
 class LlamaCppBackend:
     device = torch.device("cpu")  # tensors handed to the engine live on the CPU
     verifies = True
+    full_logits = True
 
     def __init__(self, gguf_file: str | Path, name: str = "model", n_ctx: int = 16384, max_rows: int = 16,
                  n_threads: int | None = None, n_batch: int = 512, vocab_size: int | None = None):

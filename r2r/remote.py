@@ -1,7 +1,7 @@
 """The backend contract (backend.py) for an LLM on a serving engine the user already runs.
 
-R2R's SLM and router run where `r2r` runs; the LLM is any llama.cpp server (or, next, vLLM) the user
-points `--llm` at: `--llm http://host:port` (`?model=NAME` picks a served model, `?engine=llamacpp`
+R2R's SLM and router run where `r2r` runs; the LLM is any llama.cpp or vLLM server the user points
+`--llm` at: `--llm http://host:port` (`?model=NAME` picks a served model, `?engine=llamacpp|vllm`
 skips detection). Nothing is patched: each row of a batch is one ordinary completion request whose
 prompt is the row's token ids so far, asking for one token and its top log-probabilities, and the
 server's prefix cache makes it read only what is new. The rows go out concurrently, so the server
@@ -9,11 +9,10 @@ batches them.
 
 The cache is therefore only each row's token ids (what the server has been shown); the logits are
 the server's top-`top_logprobs` log-probabilities, every other token at a floor far below them.
-That is exact for greedy decoding (the argmax is the server's); sampling draws from those top
-tokens, with the engine's own seeded generator. Verification needs the LLM's log-probabilities at
-every caught-up position, which llama.cpp's server does not return: `verifies` is False there and
-the engine refuses verification up front.
-"""
+That is exact for greedy decoding and for verification's greedy and tolerance rules (the argmax,
+and a token's own log-probability whenever it is among the top); sampling draws from those top
+tokens with the engine's own seeded generator, and the speculative sampling test, which needs the
+whole distribution, is refused (`full_logits`)."""
 
 from __future__ import annotations
 
@@ -41,6 +40,9 @@ class RemoteCache:
     length: int = 0  # columns of the token streams already read
 
 
+Step = tuple[int, dict[int, float]]  # a token the server chose greedily, and the top log-probabilities it chose from
+
+
 class LlamaServerApi:
     """llama.cpp's own server (`llama-server`, or xllamacpp's embedded one): /completion takes token ids."""
 
@@ -55,25 +57,58 @@ class LlamaServerApi:
         settings = props.get("default_generation_settings", {})
         self.max_context = int(settings.get("n_ctx") or meta.get("n_ctx") or 0)
         self.num_params = int(meta.get("n_params") or 0)
-        self.hidden_size = int(meta.get("n_embd") or 0)
         self.slots = int(props.get("total_slots") or 1)
 
     def tokenize(self, text: str) -> list[int]:
         return self.client.post("/tokenize", {"content": text, "add_special": False, "parse_special": True})["tokens"]
 
-    def next_token(self, ids: list[int], top: int) -> dict[int, float]:
-        """The next token's top log-probabilities after `ids` (greedy: the first is the server's argmax)."""
-        out = self.client.post("/completion", {"prompt": ids, "n_predict": 1, "n_probs": top, "temperature": 0,
+    def greedy(self, ids: list[int], n: int, top: int) -> list[Step]:
+        out = self.client.post("/completion", {"prompt": ids, "n_predict": n, "n_probs": top, "temperature": 0,
                                                "cache_prompt": True, "return_tokens": True})
-        probs = out.get("completion_probabilities") or []
-        if probs:
-            return {int(p["id"]): float(p["logprob"]) for p in probs[0]["top_logprobs"]}
-        if out.get("tokens"):  # a token that ends inside a UTF-8 character: the server holds its text and
-            return {int(out["tokens"][0]): 0.0}  # its probabilities back, but says which token it chose
-        raise RemoteError(f"the LLM server at {self.client.url} returned no token for a {len(ids)}-token prompt")
+        # The server drops the probabilities of a token that ends inside a UTF-8 character (its text is held
+        # back), so they are a subsequence of `tokens`: matched in order by id. Such a token keeps only what
+        # the server chose (its argmax).
+        probs, steps = out.get("completion_probabilities") or [], []
+        for token in map(int, out.get("tokens") or []):
+            if probs and int(probs[0]["id"]) == token:
+                steps.append((token, {int(p["id"]): float(p["logprob"]) for p in probs.pop(0)["top_logprobs"]}))
+            else:
+                steps.append((token, {token: 0.0}))
+        return steps
 
 
-ENGINES = {"llamacpp": LlamaServerApi}
+class VllmApi:
+    """vLLM's OpenAI-compatible server: /v1/completions takes token ids and returns them as "token_id:N"."""
+
+    engine = "vllm"
+
+    def __init__(self, client: "Client", model: str | None):
+        self.client = client
+        models = client.get("/v1/models")["data"]
+        self.model = pick_model(models, model, client.url)
+        self.max_context = int(next(m for m in models if m["id"] == self.model).get("max_model_len") or 0)
+        self.num_params = 0  # vLLM does not say; `?params=` in the address does
+        self.slots = 64
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.client.post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})["tokens"]
+
+    def greedy(self, ids: list[int], n: int, top: int) -> list[Step]:
+        out = self.client.post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": n, "temperature": 0,
+                                                   "logprobs": top, "return_tokens_as_token_ids": True})
+        logprobs = out["choices"][0].get("logprobs") or {}
+        steps = []
+        for token, tops in zip(logprobs.get("tokens") or [], logprobs.get("top_logprobs") or []):
+            steps.append((token_id(token), {token_id(k): float(v) for k, v in (tops or {token: 0.0}).items()}))
+        return steps
+
+
+def token_id(text: str) -> int:
+    """vLLM's "token_id:N" (return_tokens_as_token_ids) as N."""
+    return int(text.removeprefix("token_id:"))
+
+
+ENGINES = {"llamacpp": LlamaServerApi, "vllm": VllmApi}
 
 
 def pick_model(models: list[dict], asked: str | None, url: str) -> str:
@@ -131,16 +166,22 @@ class Client:
 class RemoteBackend:
     device = torch.device("cpu")
     kv_capacity = None  # the server manages its own memory
+    max_rows = None  # rows beyond the server's slots wait there
+    verifies = True
+    full_logits = False  # only the server's top log-probabilities: no exact speculative sampling test
+    hidden_size = 1  # the LLM's hidden state is never used (the router reads the SLM's)
 
     def __init__(self, address: str, tokenizer, eos_ids: set[int], timeout: float = 120.0, retries: int = 3,
                  top_logprobs: int = 20, vocab_size: int | None = None):
-        """`address`: the server's URL, optionally with ?model=NAME and ?engine=llamacpp. `tokenizer`: the SLM's,
-        which the server's model must share (checked here)."""
+        """`address`: the server's URL, optionally with ?model=NAME, ?engine=llamacpp|vllm and ?params=N (the
+        LLM's parameter count, for the average-parameters figure, where the server does not report it).
+        `tokenizer`: the SLM's, which the server's model must share (checked here)."""
         parts = urllib.parse.urlsplit(address)
         query = dict(urllib.parse.parse_qsl(parts.query))
-        unknown = set(query) - {"model", "engine"}
+        unknown = set(query) - {"model", "engine", "params"}
         if unknown:
-            raise R2RError(f"--llm {address}: unknown setting(s) {', '.join(sorted(unknown))} (use model=, engine=)")
+            raise R2RError(f"--llm {address}: unknown setting(s) {', '.join(sorted(unknown))} (use model=, engine=, "
+                           "params=)")
         url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
         self.client = Client(url, timeout, retries)
         engine = query.get("engine") or self._detect()
@@ -151,18 +192,22 @@ class RemoteBackend:
         self.top_logprobs = top_logprobs
         self.vocab_size = vocab_size or len(tokenizer)
         self.eos_ids = set(eos_ids)
-        self.max_context, self.num_params, self.hidden_size = self.api.max_context, self.api.num_params, self.api.hidden_size
-        self.max_rows = None  # rows beyond the server's slots queue there
-        self.verifies = False
+        self.max_context = self.api.max_context
+        try:
+            self.num_params = int(float(query.get("params", self.api.num_params)))
+        except ValueError:
+            raise R2RError(f"--llm {address}: params= takes a number of parameters, e.g. params=1.5e9") from None
         self.pool = concurrent.futures.ThreadPoolExecutor(max(8, self.api.slots), thread_name_prefix="r2r-remote")
         self._check_tokenizer(tokenizer)
 
     def _detect(self) -> str:
         owners = {m.get("owned_by") for m in self.client.get("/v1/models").get("data", [])}
-        if "llamacpp" in owners:
-            return "llamacpp"
-        raise R2RError(f"cannot tell which engine serves {self.client.url} (/v1/models says owned_by "
-                       f"{', '.join(map(str, owners)) or 'nothing'}): add ?engine=llamacpp to the --llm address")
+        for engine in ENGINES:
+            if engine in owners:
+                return engine
+        raise RemoteError(f"cannot tell which engine serves {self.client.url} (/v1/models says owned_by "
+                          f"{', '.join(map(str, owners)) or 'nothing'}): add ?engine=llamacpp or ?engine=vllm "
+                          "to the --llm address")
 
     def _check_tokenizer(self, tokenizer) -> None:
         ours = tokenizer.encode(PROBE, add_special_tokens=False)
@@ -188,21 +233,54 @@ class RemoteBackend:
 
     def forward(self, cache: RemoteCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
         self.read(cache, new_ids, attention_mask)
-        tops = list(self.pool.map(lambda ids: self.api.next_token(ids, self.top_logprobs), cache.rows))
+        tops = list(self.pool.map(lambda row: self._next(row), cache.rows))  # the rows at once: the server batches
         logits = torch.full((len(cache.rows), self.vocab_size), FLOOR)
         for i, top in enumerate(tops):
-            for token, logprob in top.items():
-                if token < self.vocab_size:
-                    logits[i, token] = logprob
-        return logits, torch.zeros(len(cache.rows), max(self.hidden_size, 1))
+            self._fill(logits[i], top)
+        return logits, torch.zeros(len(cache.rows), self.hidden_size)
 
-    def forward_all(self, cache, new_ids, attention_mask, keep_last=None):
-        raise R2RError(f"verification needs the LLM's log-probabilities at every caught-up position, which "
-                       f"{self.api.engine}'s server does not return: use --verify off with this LLM")
+    def forward_all(self, cache: RemoteCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    keep_last: int | None = None) -> torch.Tensor:
+        """The logits at the last `keep_last` columns of each row, by letting the server continue greedily from
+        the first of them: while its tokens are the row's, one request gives every position's top
+        log-probabilities (reading its prefix cache, which prompt log-probabilities would bypass); where it
+        chose otherwise, the next positions come from a request that continues after the row's own token."""
+        self.read(cache, new_ids, attention_mask)
+        keep = new_ids.shape[1] if keep_last is None else keep_last
+        out = torch.zeros(len(cache.rows), keep, self.vocab_size)  # padding columns: zeros
+
+        def row_logits(i: int) -> None:
+            row = cache.rows[i]
+            first = len(row) - keep  # the row position of the first kept column (negative: padding)
+            position = max(first, 0)
+            while position < len(row):
+                steps = self.api.greedy(row[: position + 1], len(row) - position, self.top_logprobs)
+                if not steps:
+                    raise RemoteError(f"the LLM server at {self.client.url} returned no token for a "
+                                      f"{position + 1}-token prompt")
+                for token, top in steps:
+                    out[i, position - first].fill_(FLOOR)
+                    self._fill(out[i, position - first], top)
+                    position += 1
+                    if position == len(row) or token != row[position]:
+                        break  # past the end, or the server went elsewhere: ask again after the row's token
+
+        list(self.pool.map(row_logits, range(len(cache.rows))))
+        return out
+
+    def _next(self, row: list[int]) -> dict[int, float]:
+        steps = self.api.greedy(row, 1, self.top_logprobs)
+        if not steps:
+            raise RemoteError(f"the LLM server at {self.client.url} returned no token for a {len(row)}-token prompt")
+        return steps[0][1]
+
+    def _fill(self, logits: torch.Tensor, top: dict[int, float]) -> None:
+        for token, logprob in top.items():
+            if token < self.vocab_size:
+                logits[token] = logprob
 
     def prefill(self, ids: list[int], start: int = 0):
-        raise R2RError(f"{self.api.engine}'s server does not return log-probabilities at prompt positions; this "
-                       "step needs a local model")
+        raise R2RError("a remote LLM gives no hidden states: this step needs a local model")
 
     def select_rows(self, cache: RemoteCache, rows: torch.Tensor) -> None:
         cache.rows = [cache.rows[i] for i in rows.tolist()]

@@ -18,6 +18,7 @@ class TorchBackend:
     max_rows = None  # only memory limits a batch
     kv_capacity = None  # each row has its own cache columns
     verifies = True
+    full_logits = True
 
     def __init__(self, model: torch.nn.Module, name: str = "model", vocab_size: int | None = None):
         """`model`: a transformers *ForCausalLM; `vocab_size`: the tokenizer's size (default: every row

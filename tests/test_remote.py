@@ -1,34 +1,61 @@
-"""The LLM on llama.cpp's own server (xllamacpp's, on loopback), as the remote backend: the same tokens as the
-server's own greedy generation, R2R batches that match the same GGUF run locally, and the faults a user
-meets (no server, a server that dies mid-generation, a wrong model name, another tokenizer)."""
+"""The LLM on a serving engine, as the remote backend, against real servers on loopback (llama.cpp's own, from
+the xllamacpp wheel; vLLM, from its own virtualenv): the same tokens as the server's own greedy generation
+(the LLM alone, and R2R with strict verification), R2R batches with and without tolerance verification that
+match the same model run locally, and the faults a user meets (no server, a server that dies mid-generation,
+a wrong model name, another tokenizer)."""
 
+import importlib.util
 import time
 
 import httpx
 import pytest
-from conftest import HAS_LLAMA, LlamaServer, free_port
+from conftest import HAS_LLAMA, LlamaServer, VllmServer, free_port
 from tiny import save_gguf, tiny_model, tiny_tokenizer
 
 from r2r.engine import Batch, Engine, Request, SamplingParams
 from r2r.errors import R2RError
 from r2r.policies import AlwaysLLM, RandomPolicy
+from r2r.torch_backend import TorchBackend
 
-pytest.importorskip("xllamacpp", reason="the remote tests start llama.cpp's server from the xllamacpp wheel")
 PROMPTS = ["Natalia sold clips to 48 of her friends.", "def add(a, b):", "Paris is the capital of"]
+NEEDS_LLAMA_SERVER = pytest.mark.skipif(importlib.util.find_spec("xllamacpp") is None,
+                                        reason="llama.cpp's server comes from the xllamacpp wheel")
+ENGINES = [
+    pytest.param("llamacpp", marks=NEEDS_LLAMA_SERVER),
+    pytest.param("vllm", marks=pytest.mark.skipif(not VllmServer.PYTHON.exists(),
+                                                  reason="vLLM lives in .venv-vllm: run `make vllm`")),
+]
 
 
 @pytest.fixture(scope="module")
-def llm_gguf(tokenizer, tmp_path_factory):
-    path = tmp_path_factory.mktemp("remote") / "tiny-llm.gguf"
-    save_gguf(tiny_model(tokenizer, hidden=64, seed=1), tokenizer, path)
-    return path
+def llm_files(tokenizer, tmp_path_factory):
+    """The tiny LLM as a GGUF file (llama.cpp) and a transformers directory (vLLM), and as a local backend."""
+    folder = tmp_path_factory.mktemp("remote")
+    model = tiny_model(tokenizer, hidden=128, seed=1)  # head size 32: the smallest vLLM's CPU attention runs
+    save_gguf(model, tokenizer, folder / "tiny-llm.gguf")
+    model.save_pretrained(folder / "tiny-llm")
+    tokenizer.save_pretrained(folder / "tiny-llm")
+    return {"gguf": folder / "tiny-llm.gguf", "dir": folder / "tiny-llm", "model": model}
 
 
-@pytest.fixture(scope="module")
-def server(llm_gguf):
-    srv = LlamaServer(llm_gguf).start()
+@pytest.fixture(scope="module", params=ENGINES)
+def server(request, llm_files):
+    srv = (LlamaServer(llm_files["gguf"]) if request.param == "llamacpp" else VllmServer(llm_files["dir"])).start()
+    srv.engine = request.param
     yield srv
     srv.stop()
+
+
+def same_model_here(server, llm_files, tokenizer):
+    """The served model run by this process: llama.cpp on the same GGUF, or torch on the same weights (float32,
+    as vLLM serves them here)."""
+    if server.engine == "vllm":
+        return TorchBackend(llm_files["model"], name="local", vocab_size=len(tokenizer))
+    if not HAS_LLAMA:
+        pytest.skip("compares with llama-cpp-python on the same GGUF")
+    from r2r.llamacpp import LlamaCppBackend
+
+    return LlamaCppBackend(llm_files["gguf"], name="local", n_ctx=2048, max_rows=8, vocab_size=len(tokenizer))
 
 
 def remote(url, tokenizer, slm, **kw):
@@ -49,12 +76,9 @@ def test_the_llm_alone_through_the_remote_backend_equals_the_servers_own_greedy(
             assert out.sources == ["llm"] * 40
 
 
-@pytest.mark.skipif(not HAS_LLAMA, reason="compares with llama-cpp-python on the same GGUF")
-def test_r2r_batches_with_the_remote_llm_match_the_same_gguf_run_locally(server, llm_gguf, slm, tokenizer):
+def test_r2r_batches_with_the_remote_llm_match_the_same_model_run_locally(server, llm_files, slm, tokenizer):
     """Rows join, finish and leave at different times; the remote cache (each row's ids) must follow."""
-    from r2r.llamacpp import LlamaCppBackend
-
-    local = LlamaCppBackend(llm_gguf, name="local", n_ctx=2048, max_rows=8, vocab_size=len(tokenizer))
+    local = same_model_here(server, llm_files, tokenizer)
     outs = {}
     for name, llm in (("remote", remote(server.url, tokenizer, slm)), ("local", local)):
         engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=3))
@@ -72,13 +96,43 @@ def test_r2r_batches_with_the_remote_llm_match_the_same_gguf_run_locally(server,
     assert {s for _, sources in outs["remote"] for s in sources} == {"slm", "llm"}
 
 
-def test_verification_is_refused_up_front(server, slm, tokenizer):
+def test_strict_verification_through_the_remote_llm_gives_the_servers_own_greedy_output(server, slm, tokenizer):
     llm = remote(server.url, tokenizer, slm)
-    with pytest.raises(R2RError, match="verify off"):
-        Engine(slm, llm, tokenizer, RandomPolicy(0.2), verify=1.0)
+    for n in (None, 4):
+        engine = Engine(slm, llm, tokenizer, RandomPolicy(0.2, seed=1), verify="strict", max_unverified=n)
+        prompts = [engine.encode_chat(p) for p in PROMPTS[:2]]
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
+        for ids, out in zip(prompts, outs):
+            assert out.token_ids == server.own_greedy(ids, 32)
+        assert sum(o.rollbacks for o in outs) > 0  # the SLM's tokens were taken back, and the output is the LLM's
+
+
+def test_tolerance_verification_through_the_remote_llm_matches_the_same_model_run_locally(server, llm_files, slm,
+                                                                                             tokenizer):
+    local = same_model_here(server, llm_files, tokenizer)
+    outs = {}
+    for name, llm in (("remote", remote(server.url, tokenizer, slm)), ("local", local)):
+        engine = Engine(slm, llm, tokenizer, RandomPolicy(0.2, seed=5), verify=1.0, max_unverified=6)
+        prompts = [engine.encode_chat(p) for p in PROMPTS]
+        gens = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+        outs[name] = [(g.token_ids, g.sources, g.rollbacks) for g in gens]
+    assert outs["remote"] == outs["local"]
+    assert any("fix" in sources for _, sources, _ in outs["remote"])
+
+
+def test_sampled_strict_verification_is_refused_with_a_remote_llm(server, slm, tokenizer):
+    from r2r.engine import Request
+
+    engine = Engine(slm, remote(server.url, tokenizer, slm), tokenizer, RandomPolicy(0.2), verify="strict")
+    with pytest.raises(R2RError, match="whole distribution"):
+        engine.check(Request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.7)))
 
 
 def test_no_server_wrong_model_and_another_tokenizer_are_refused(server, slm, tokenizer, tmp_path):
+    if server.engine != "llamacpp":
+        with pytest.raises(R2RError, match="does not serve 'nope'"):
+            remote(server.url + "?model=nope", tokenizer, slm)
+        return
     nobody = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(R2RError, match=f"{nobody}.*cannot be reached"):
         remote(nobody, tokenizer, slm, retries=1)
@@ -97,8 +151,9 @@ def test_no_server_wrong_model_and_another_tokenizer_are_refused(server, slm, to
         srv.stop()
 
 
-def test_a_server_that_dies_mid_generation_fails_that_request_and_the_next_one_works(llm_gguf, slm, tokenizer):
-    srv = LlamaServer(llm_gguf, slots=1).start()
+@NEEDS_LLAMA_SERVER
+def test_a_server_that_dies_mid_generation_fails_that_request_and_the_next_one_works(llm_files, slm, tokenizer):
+    srv = LlamaServer(llm_files["gguf"], slots=1).start()
     try:
         llm = remote(srv.url, tokenizer, slm, retries=1, timeout=10)
         engine = Engine(slm, llm, tokenizer, AlwaysLLM())
@@ -121,10 +176,11 @@ def test_a_server_that_dies_mid_generation_fails_that_request_and_the_next_one_w
         srv.stop()
 
 
-def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_gguf, slm, tokenizer):
+@NEEDS_LLAMA_SERVER
+def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_files, slm, tokenizer):
     from r2r.server import BackgroundServer, Limits, create_app
 
-    srv = LlamaServer(llm_gguf, slots=2).start()
+    srv = LlamaServer(llm_files["gguf"], slots=2).start()
     try:
         engine = Engine(slm, remote(srv.url, tokenizer, slm, retries=0, timeout=10), tokenizer, RandomPolicy(0.5, seed=0))
         with BackgroundServer(create_app(engine, "tiny", Limits(max_tokens=64, context_length=512))) as r2r:
