@@ -116,7 +116,18 @@ def mask_for(cache: Cache, n_new: int, device) -> torch.Tensor:
 def greedy(backend: Backend, cache: Cache, new_ids: list[int], max_new_tokens: int, eos_ids: set[int],
            stop: Callable[[list[int]], bool] | None = None) -> list[int]:
     """One row, greedy: read `new_ids` after what `cache` holds, then write up to `max_new_tokens`
-    tokens, stopping before an EOS or after a token for which `stop(tokens_so_far)` is true."""
+    tokens, stopping before an EOS or after a token for which `stop(tokens_so_far)` is true. A model
+    behind a server (`complete`) writes them there in one request; the cache then holds what it was shown."""
+    if hasattr(backend, "complete"):  # remote.RemoteBackend: its cache is the row's ids
+        backend.read(cache, torch.tensor([new_ids]), mask_for(cache, len(new_ids), backend.device))
+        out = []
+        for token in backend.complete([cache.rows[0]], max_new_tokens)[0]:
+            if token in eos_ids:
+                break
+            out.append(token)
+            if stop is not None and stop(out):
+                break
+        return out
     out = []
     for _ in range(max_new_tokens):
         logits, _ = backend.forward(cache, torch.tensor([new_ids], device=backend.device),

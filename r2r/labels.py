@@ -157,10 +157,14 @@ def step_responses(prompts: list[dict], llm_engine, out: Path, max_new_tokens: i
         chunk = todo[i : i + batch_size]
         prompt_ids = [llm_engine.encode_chat(p["prompt"]) for p in chunk]
         began = time.perf_counter()
-        gens = llm_engine.generate(prompt_ids, params)
-        log_throughput(out, "responses", len(chunk), sum(len(g.token_ids) for g in gens), time.perf_counter() - began)
-        parts.write([{"id": p["id"], "domain": p["domain"], "prompt_ids": ids, "response_ids": g.token_ids,
-                      "finish_reason": g.finish_reason} for p, ids, g in zip(chunk, prompt_ids, gens)])
+        if hasattr(llm_engine.llm, "complete"):  # an LLM behind a server writes whole responses there
+            written = llm_engine.llm.complete(prompt_ids, max_new_tokens)
+            answers = [(ids, "length" if len(ids) == max_new_tokens else "stop") for ids in written]
+        else:
+            answers = [(g.token_ids, g.finish_reason) for g in llm_engine.generate(prompt_ids, params)]
+        log_throughput(out, "responses", len(chunk), sum(len(a) for a, _ in answers), time.perf_counter() - began)
+        parts.write([{"id": p["id"], "domain": p["domain"], "prompt_ids": ids, "response_ids": answer,
+                      "finish_reason": finish} for p, ids, (answer, finish) in zip(chunk, prompt_ids, answers)])
         if progress:
             progress.advance(task, len(chunk))
 

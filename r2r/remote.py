@@ -268,6 +268,16 @@ class RemoteBackend:
         list(self.pool.map(row_logits, range(len(cache.rows))))
         return out
 
+    def complete(self, rows: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuations the server writes itself, one request per row (at once), ending before an EOS:
+        what the label pipeline asks of an LLM alone, without a request per token."""
+        def one(ids: list[int]) -> list[int]:
+            out = [token for token, _ in self.api.greedy(ids, max_new_tokens, 0)]
+            ends = [i for i, token in enumerate(out) if token in self.eos_ids]
+            return out[: ends[0]] if ends else out
+
+        return list(self.pool.map(one, rows))
+
     def _next(self, row: list[int]) -> dict[int, float]:
         steps = self.api.greedy(row, 1, self.top_logprobs)
         if not steps:

@@ -200,3 +200,16 @@ def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_files, 
             assert httpx.post(chat, json=body, timeout=60).json()["usage"]["llm_tokens"] > 0  # R2R routes again
     finally:
         srv.stop()
+
+
+def test_what_the_server_writes_itself_equals_the_engines_token_by_token_greedy(server, slm, tokenizer):
+    """The label pipeline's LLM-alone steps (responses, continuations) run as server-side generations."""
+    from r2r.backend import greedy
+
+    llm = remote(server.url, tokenizer, slm)
+    engine = Engine.alone(llm, tokenizer)
+    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    whole = llm.complete(prompts, 24)
+    assert whole == [g.token_ids for g in engine.generate(prompts, SamplingParams(max_new_tokens=24))]
+    cache = llm.new_cache()
+    assert greedy(llm, cache, prompts[0], 24, engine.eos_ids, stop=lambda out: len(out) == 5) == whole[0][:5]
