@@ -147,8 +147,10 @@ class VllmServer(LlamaServer):
 
     PYTHON = Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python"
 
-    def __init__(self, model_dir: Path, name: str = "tiny", max_len: int = 512, threads: int = 1):
+    def __init__(self, model_dir: Path, name: str = "tiny", max_len: int = 512, threads: int = 1,
+                 dtype: str = "float32"):
         self.model_dir, self.name, self.max_len, self.threads, self.port = model_dir, name, max_len, threads, free_port()
+        self.dtype = dtype
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = None
 
@@ -157,7 +159,7 @@ class VllmServer(LlamaServer):
 
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(self.threads)}
         self.process = subprocess.Popen([str(self.PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                         str(self.model_dir), "--served-model-name", self.name, "--dtype", "float32",
+                                         str(self.model_dir), "--served-model-name", self.name, "--dtype", self.dtype,
                                          "--max-model-len", str(self.max_len), "--port", str(self.port),
                                          "--enforce-eager"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         env=env)

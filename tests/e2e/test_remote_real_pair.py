@@ -1,29 +1,35 @@
-"""The default pair's LLM on llama.cpp's own server (scripts/llama-server.py, xllamacpp), R2R's SLM and router
+"""The default pair's LLM on a serving engine (llama.cpp's own server from xllamacpp; vLLM), R2R's SLM and router
 here: the LLM's tokens equal the server's own greedy output, and R2R runs end to end through `r2r generate`,
 `r2r serve` and `r2r eval`. Needs `r2r models prepare`."""
 
+import importlib.util
 import json
 import os
 
 import httpx
 import pytest
-from conftest import LlamaServer
+from conftest import LlamaServer, VllmServer
 
 from r2r.engine import Engine, SamplingParams
-from r2r.models import DEFAULT_LLM, gguf_path, load_model
+from r2r.models import DEFAULT_LLM, converted_dir, gguf_path, load_model
 from r2r.policies import AlwaysLLM
 from r2r.remote import RemoteBackend
 from r2r.server import BackgroundServer, Limits, create_app
 from r2r.tasks import gsm8k, gsm8k_prompt
 
 pytestmark = [pytest.mark.e2e]
-pytest.importorskip("xllamacpp", reason="starts llama.cpp's server from the xllamacpp wheel")
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = LlamaServer(gguf_path(DEFAULT_LLM), slots=2, ctx_per_slot=4096, threads=os.cpu_count()).start()
-    yield srv
+@pytest.fixture(scope="module", params=[
+    pytest.param("llamacpp", marks=pytest.mark.skipif(importlib.util.find_spec("xllamacpp") is None,
+                                                      reason="llama.cpp's server comes from the xllamacpp wheel")),
+    pytest.param("vllm", marks=pytest.mark.skipif(not VllmServer.PYTHON.exists(), reason="run `make vllm`"))])
+def server(request):
+    if request.param == "llamacpp":
+        srv = LlamaServer(gguf_path(DEFAULT_LLM), slots=2, ctx_per_slot=4096, threads=os.cpu_count())
+    else:
+        srv = VllmServer(converted_dir(DEFAULT_LLM), DEFAULT_LLM.name, 4096, os.cpu_count(), "bfloat16")
+    yield srv.start()
     srv.stop()
 
 
