@@ -43,19 +43,28 @@ class RemoteCache:
 Step = tuple[int, dict[int, float]]  # a token the server chose greedily, and the top log-probabilities it chose from
 
 
-class LlamaServerApi:
-    """llama.cpp's own server (`llama-server`, or xllamacpp's embedded one): /completion takes token ids."""
+class ServerApi:
+    """An engine's HTTP API as the backend needs it: the served model's card, `tokenize`, and `greedy` (up to n
+    tokens the server chooses itself, each with the top log-probabilities it chose from)."""
 
-    engine = "llamacpp"
+    engine: str
 
     def __init__(self, client: "Client", model: str | None):
         self.client = client
         models = client.get("/v1/models")["data"]
         self.model = pick_model(models, model, client.url)
-        meta = next(m for m in models if m["id"] == self.model).get("meta", {})
-        props = client.get("/props")
-        settings = props.get("default_generation_settings", {})
-        self.max_context = int(settings.get("n_ctx") or meta.get("n_ctx") or 0)
+        self.card = next(m for m in models if m["id"] == self.model)
+
+
+class LlamaServerApi(ServerApi):
+    """llama.cpp's own server (`llama-server`, or xllamacpp's embedded one): /completion takes token ids."""
+
+    engine = "llamacpp"
+
+    def __init__(self, client: "Client", model: str | None):
+        super().__init__(client, model)
+        meta, props = self.card.get("meta", {}), client.get("/props")
+        self.max_context = int(props.get("default_generation_settings", {}).get("n_ctx") or meta.get("n_ctx") or 0)
         self.num_params = int(meta.get("n_params") or 0)
         self.slots = int(props.get("total_slots") or 1)
 
@@ -77,18 +86,16 @@ class LlamaServerApi:
         return steps
 
 
-class VllmApi:
+class VllmApi(ServerApi):
     """vLLM's OpenAI-compatible server: /v1/completions takes token ids and returns them as "token_id:N"."""
 
     engine = "vllm"
 
     def __init__(self, client: "Client", model: str | None):
-        self.client = client
-        models = client.get("/v1/models")["data"]
-        self.model = pick_model(models, model, client.url)
-        self.max_context = int(next(m for m in models if m["id"] == self.model).get("max_model_len") or 0)
+        super().__init__(client, model)
+        self.max_context = int(self.card.get("max_model_len") or 0)
         self.num_params = 0  # vLLM does not say; `?params=` in the address does
-        self.slots = 64
+        self.slots = 64  # it schedules as many as fit; this many requests go out at once
 
     def tokenize(self, text: str) -> list[int]:
         return self.client.post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})["tokens"]

@@ -120,15 +120,20 @@ class LlamaServer:
                                          "--slots", str(self.slots), "--ctx-per-slot", str(self.ctx),
                                          "--threads", str(self.threads)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(600):
+        return self.wait("/health", 60)
+
+    def wait(self, path: str, seconds: float):
+        """Until GET `path` answers 200 (the server is up), or fail if the process exits first."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url + "/health").status_code == 200:
+                if httpx.get(self.url + path).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
-            assert self.process.poll() is None, "the llama.cpp server exited"
+            assert self.process.poll() is None, f"the server at {self.url} exited"
             time.sleep(0.1)
-        raise RuntimeError("the llama.cpp server did not start")
+        raise RuntimeError(f"the server at {self.url} did not start within {seconds:.0f} s")
 
     def stop(self) -> None:
         self.process.kill()
@@ -163,15 +168,7 @@ class VllmServer(LlamaServer):
                                          "--max-model-len", str(self.max_len), "--port", str(self.port),
                                          "--enforce-eager"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         env=env)
-        for _ in range(3000):  # a first start compiles nothing in eager mode, but imports take a while
-            try:
-                if httpx.get(self.url + "/v1/models").status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            assert self.process.poll() is None, "the vLLM server exited"
-            time.sleep(0.1)
-        raise RuntimeError("the vLLM server did not start")
+        return self.wait("/v1/models", 300)  # eager mode compiles nothing, but its imports take a while
 
     def own_greedy(self, ids: list[int], n: int) -> list[int]:
         out = httpx.post(self.url + "/v1/completions", json={
