@@ -281,6 +281,9 @@ def label_run(
     judge: JudgeKind = "local", judge_url: JudgeUrl = None, judge_model: JudgeModel = None,
     max_new_tokens: int = count(256, "--max-new-tokens", help="Longest LLM response (step 0)."),
     continuation_tokens: int = count(32, "--continuation-tokens", help="Longest branch continuation (step 2)."),
+    rejoin_tokens: int = typer.Option(8, "--rejoin-tokens", min=0, help="--judge answer: a branch whose last N "
+                                      "tokens run in a row in the LLM's response has re-joined it and stops "
+                                      "(neutral); 0: every branch runs to its end."),
     batch_size: int = count(4, "--batch-size"),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
@@ -293,7 +296,8 @@ def label_run(
 
     with progress_bar(RateColumn(), TimeRemainingColumn()) as progress:
         dataset = labels.run(prompts, out, steps, lambda: load_pair(slm, llm, device, dtype=dtype, backend=backend),
-                             judge_for, max_new_tokens, continuation_tokens, batch_size, progress)
+                             judge_for, max_new_tokens, continuation_tokens, batch_size, progress,
+                             rollout=judge == "answer", rejoin_tokens=rejoin_tokens)
     if dataset:
         console.print(f"labelled dataset: {dataset}")
     for step, t in labels.throughput(out).items():

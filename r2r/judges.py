@@ -202,7 +202,54 @@ class FactsJudge:
         return out
 
 
-JUDGES = ("local", "remote", "semantic", "facts")
+def final_answer(text: str) -> str | None:
+    """The answer a text states: its last \\boxed{...}, or what follows its last "answer is". None when it
+    states none: unlike grading, a number said in passing is not taken for an answer."""
+    from r2r.tasks import NUMBER, last_boxed
+
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    said = list(re.finditer(r"answer is[:\s]*(.+)", text, flags=re.IGNORECASE))
+    if not said:
+        return None
+    tail = said[-1].group(1).strip()
+    inner = last_boxed(tail)
+    if inner is not None:
+        return inner.strip()
+    number = NUMBER.match(tail.lstrip("$*( "))
+    return number.group(0) if number else tail.rstrip(".").strip("*$ ") or None
+
+
+def same_answer(a: str, b: str) -> bool:
+    """One answer by the evaluation's rule (math-verify for numbers and expressions), else by normalised text."""
+    from r2r.tasks import math_equal
+
+    words = lambda s: re.sub(r"[\W_]+", " ", s.lower()).strip()  # noqa: E731
+    return math_equal(a, b) or words(a) == words(b)
+
+
+class AnswerJudge:
+    """Divergent when the branch through the SLM's token ends in another final answer than the LLM's own
+    response: the A and B of a case are the two branches written to the end (`rollout`). Neither answer
+    stated, or only one: unparseable."""
+
+    name = "answer"
+    rollout = True  # the continuations step writes branches to the end of the response, not of the sentence
+
+    def __call__(self, cases):
+        out = []
+        for context, a, b in cases:
+            answers = final_answer(context + a), final_answer(context + b)
+            raw = " vs ".join(repr(x) for x in answers)
+            if None in answers:
+                out.append(("unparseable", raw))
+            else:
+                out.append(("neutral" if same_answer(*answers) else "divergent", raw))
+        return out
+
+
+JUDGES = ("local", "remote", "semantic", "facts", "answer")
 
 
 def build(kind: str, llm_engine=None, url: str | None = None, model: str | None = None, device: str = "cpu"):
@@ -214,6 +261,8 @@ def build(kind: str, llm_engine=None, url: str | None = None, model: str | None 
         return SemanticJudge(device="cpu" if device == "auto" else device)
     if kind == "facts":
         return FactsJudge()
+    if kind == "answer":
+        return AnswerJudge()
     if kind == "remote":
         import os
 

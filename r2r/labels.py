@@ -3,7 +3,8 @@
   responses      the LLM answers each prompt (greedy, chat template, bounded length)
   prefill        the SLM reads each response once: its argmax and entropy at every position
   continuations  at each position where the SLM's argmax differs, the LLM continues from the
-                 SLM's token to the end of the sentence (the LLM's own branch is the response)
+                 SLM's token to the end of the sentence (the LLM's own branch is the response), or for
+                 the answer judge to the end of its answer (stopping early once it re-joins the response)
   judgements     a judge says whether the two branches are neutral or divergent
   labels         every response token labelled identical / neutral / divergent (/ unparseable)
 
@@ -205,13 +206,55 @@ def continue_to_sentence_end(llm, cache, prefix_length: int, token: int, max_new
                   stop=lambda out: SENTENCE_END.search(tokenizer.decode([token] + out, skip_special_tokens=True)))
 
 
-def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None) -> None:
-    """From each differing position, the LLM continues the SLM's token to the end of the sentence.
+REJOIN_TOKENS = 8  # a rollout whose last 8 tokens run in a row in the LLM's response has re-joined it
+ROLLOUT_MARGIN = 64  # a rollout may run this many tokens longer than the rest of the response
+
+
+def rejoin_point(branch: list[int], response: list[int], m: int) -> int | None:
+    """The index in `response` where the branch's last `m` tokens end, if they occur there in a row: the
+    branch has re-joined the LLM's own path (at any offset: it may have taken more or fewer tokens)."""
+    if m <= 0 or len(branch) < m:
+        return None
+    tail = branch[-m:]
+    return next((j for j in range(m - 1, len(response)) if response[j - m + 1 : j + 1] == tail), None)
+
+
+@torch.inference_mode()
+def continue_to_end(llm, cache, prefix_length: int, token: int, rest: list[int], margin: int, eos_ids: set[int],
+                    rejoin_tokens: int) -> tuple[list[int], bool]:
+    """The LLM's greedy branch from `token` placed at `prefix_length` in a cached sequence, to the end of its
+    answer (at most the response's remaining length `len(rest)` + `margin` tokens). Once the branch re-joins
+    the response's `rest` it stops, and the response's remainder from there stands for what it would write:
+    (branch ids, re-joined?)."""
+    llm.truncate(cache, prefix_length)
+    joined = []
+
+    def rejoined(out: list[int]) -> bool:
+        j = rejoin_point([token] + out, rest, rejoin_tokens)
+        if j is not None:
+            joined.append(j)
+        return j is not None
+
+    out = greedy(llm, cache, [token], len(rest) + margin, eos_ids, stop=rejoined)
+    return ([token] + out + rest[joined[0] + 1 :], True) if joined else ([token] + out, False)
+
+
+def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None, rollout: bool = False,
+                       rejoin_tokens: int = REJOIN_TOKENS) -> None:
+    """From each differing position, the LLM continues the SLM's token to the end of the sentence, or with
+    `rollout` (the answer judge) to the end of its answer.
 
     Per response the LLM reads prompt + response once; each position then costs only its own
     continuation: positions are visited from last to first, cutting the cache back each time.
     """
     llm, tokenizer = llm_engine.llm, llm_engine.tokenizer  # `Engine.alone(llm, tokenizer)`
+    mode = {"rollout": rollout, "rejoin_tokens": rejoin_tokens if rollout else None,
+            "max_new_tokens": None if rollout else max_new_tokens}
+    mode_file = out / "continuations.json"
+    if mode_file.exists() and json.loads(mode_file.read_text()) != mode:
+        raise R2RError(f"{out}'s continuations were made with {mode_file.read_text().strip()}, not {json.dumps(mode)}:"
+                       " use another --out for this judge or setting")
+    mode_file.write_text(json.dumps(mode))
     responses = {r["id"]: r for r in Parts(out, "responses").rows()}
     prefill = Parts(out, "prefill").rows()
     parts = Parts(out, "continuations")
@@ -228,18 +271,25 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
             cache = llm.new_cache()
             ids = r["prompt_ids"] + r["response_ids"][: positions[-1]]
             llm.read(cache, torch.tensor([ids], device=llm.device), mask_for(cache, len(ids), llm.device))
+            response = r["response_ids"]
             for pos in reversed(positions):
                 tok = p["slm_tokens"][pos]
+                row = {"id": r["id"], "position": pos, "slm_token": tok, "llm_token": response[pos],
+                       "context": tokenizer.decode(response[:pos], skip_special_tokens=True)}
+                if rollout:
+                    branch, rejoined = continue_to_end(llm, cache, len(r["prompt_ids"]) + pos, tok, response[pos + 1 :],
+                                                       ROLLOUT_MARGIN, llm_engine.eos_ids, rejoin_tokens)
+                    generated += len(branch)
+                    rows.append({**row, "slm_branch": tokenizer.decode(branch, skip_special_tokens=True),
+                                 "llm_branch": tokenizer.decode(response[pos:], skip_special_tokens=True),
+                                 "rejoined": rejoined})
+                    continue
                 cont = continue_to_sentence_end(llm, cache, len(r["prompt_ids"]) + pos, tok, max_new_tokens,
                                                 tokenizer, llm_engine.eos_ids)
                 generated += len(cont) + 1
-                response = r["response_ids"]
-                rows.append({
-                    "id": r["id"], "position": pos, "slm_token": tok, "llm_token": response[pos],
-                    "context": tokenizer.decode(response[:pos], skip_special_tokens=True),
-                    "slm_branch": to_sentence_end(tokenizer.decode([tok] + cont, skip_special_tokens=True)),
-                    "llm_branch": to_sentence_end(tokenizer.decode(response[pos:], skip_special_tokens=True)),
-                })
+                rows.append({**row,
+                             "slm_branch": to_sentence_end(tokenizer.decode([tok] + cont, skip_special_tokens=True)),
+                             "llm_branch": to_sentence_end(tokenizer.decode(response[pos:], skip_special_tokens=True))})
         # One part per response, so a response's positions are all there or none are.
         parts.write(sorted(rows, key=lambda row: row["position"]) or [{"id": r["id"], "position": -1}])
         log_throughput(out, "continuations", len(positions), generated, time.perf_counter() - began)
@@ -292,7 +342,8 @@ def step_labels(out: Path) -> Path:
 
 
 def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_tokens: int = 256,
-        continuation_tokens: int = 32, batch_size: int = 4, progress=None) -> Path | None:
+        continuation_tokens: int = 32, batch_size: int = 4, progress=None, rollout: bool = False,
+        rejoin_tokens: int = REJOIN_TOKENS) -> Path | None:
     """`r2r label`: the chosen steps (comma-separated, any subset of STEPS) in pipeline order.
     `load_pair()` gives (SLM, LLM, tokenizer), called only when a step needs a model; `judge_for(llm_alone)`
     gives the judge. Returns the labelled dataset's path when the labels step ran."""
@@ -311,7 +362,7 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
     if "prefill" in chosen:
         step_prefill(slm, out, progress)
     if "continuations" in chosen:
-        step_continuations(llm_alone, out, continuation_tokens, progress)
+        step_continuations(llm_alone, out, continuation_tokens, progress, rollout, rejoin_tokens)
     if "judgements" in chosen:
         step_judgements(judge_for(llm_alone), out, progress=progress)
     return step_labels(out) if "labels" in chosen else None

@@ -36,8 +36,9 @@ RouterPath = Annotated[Optional[Path], typer.Option("--router-path", help="Route
                                                     "--router router).")]
 Out = Annotated[Optional[Path], typer.Option("--out", help="Also write the figures as JSON here.")]
 Seed = Annotated[Optional[int], typer.Option("--seed")]
-JudgeKind = Annotated[str, typer.Option("--judge", help="local (the pair's LLM), remote, semantic or facts "
-                                        "(numbers and names, no model).")]
+JudgeKind = Annotated[str, typer.Option("--judge", help="local (the pair's LLM), remote, semantic, facts "
+                                        "(numbers and names, no model) or answer (the LLM writes each branch to "
+                                        "its final answer; divergent when the answer changes).")]
 JudgeUrl = Annotated[Optional[str], typer.Option("--judge-url", help="OpenAI-compatible base URL (remote judge).")]
 JudgeModel = Annotated[Optional[str], typer.Option("--judge-model", help="Model name at that endpoint (remote judge).")]
 EntropyThreshold = Annotated[float, typer.Option("--threshold", help="Entropy threshold (nats).")]

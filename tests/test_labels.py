@@ -44,11 +44,11 @@ def slm(llm):
     return TorchBackend(model, name="near-llm")
 
 
-def run_pipeline(out, slm, llm, tokenizer, judge=None):
+def run_pipeline(out, slm, llm, tokenizer, judge=None, rollout=False, rejoin_tokens=labels.REJOIN_TOKENS):
     llm_engine = Engine.alone(llm, tokenizer)
     labels.step_responses(PROMPTS, llm_engine, out, max_new_tokens=24, batch_size=2)
     labels.step_prefill(slm, out)
-    labels.step_continuations(llm_engine, out, max_new_tokens=8)
+    labels.step_continuations(llm_engine, out, max_new_tokens=8, rollout=rollout, rejoin_tokens=rejoin_tokens)
     labels.step_judgements(judge or EveryOtherJudge(), out, batch_size=4)
     return labels.step_labels(out)
 
@@ -105,8 +105,11 @@ def test_continuation_branches_end_at_the_sentence(tmp_path, slm, llm, tokenizer
     assert labels.to_sentence_end("x = 2.5 so\nnext") == "x = 2.5 so\n"
 
 
-def test_a_killed_run_resumes_to_the_same_dataset(tmp_path, slm, llm, tokenizer, monkeypatch):
-    whole = pq.read_table(run_pipeline(tmp_path / "whole", slm, llm, tokenizer)).to_pylist()
+@pytest.mark.parametrize("rollout", [False, True])
+def test_a_killed_run_resumes_to_the_same_dataset(tmp_path, slm, llm, tokenizer, monkeypatch, rollout):
+    judge = judges.AnswerJudge() if rollout else None
+    run = lambda out: run_pipeline(out, slm, llm, tokenizer, judge, rollout)  # noqa: E731
+    whole = pq.read_table(run(tmp_path / "whole")).to_pylist()
 
     out = tmp_path / "killed"
     real_write = labels.Parts.write
@@ -123,14 +126,67 @@ def test_a_killed_run_resumes_to_the_same_dataset(tmp_path, slm, llm, tokenizer,
     for die_at in (3, 4, 5, 5):  # dies in step 0, then in step 1, then in step 2, then in step 3
         writes.update(n=0, die_at=die_at)
         with pytest.raises(KeyboardInterrupt):
-            run_pipeline(out, slm, llm, tokenizer)
+            run(out)
         steps_reached.append(sorted(p.name for p in out.iterdir() if p.is_dir() and any(p.iterdir())))
     assert steps_reached[0] == ["responses"] and "continuations" in steps_reached[2]
     monkeypatch.setattr(labels.Parts, "write", real_write)
-    resumed = pq.read_table(run_pipeline(out, slm, llm, tokenizer)).to_pylist()
+    resumed = pq.read_table(run(out)).to_pylist()
     assert resumed == whole
     ids = [r["id"] for r in labels.Parts(out, "responses").rows()]
     assert sorted(ids) == sorted(p["id"] for p in PROMPTS)  # none lost, none duplicated
+
+
+def test_rollouts_run_to_the_end_of_the_answer_or_until_they_rejoin_the_response(tmp_path, slm, llm, tokenizer):
+    run_pipeline(tmp_path / "full", slm, llm, tokenizer, judges.AnswerJudge(), rollout=True, rejoin_tokens=0)
+    full = {(c["id"], c["position"]): c for c in labels.Parts(tmp_path / "full", "continuations").rows()
+            if c["position"] >= 0}
+    assert full and not any(c["rejoined"] for c in full.values())
+    llm_engine = Engine.alone(llm, tokenizer)
+    responses = {r["id"]: r for r in labels.Parts(tmp_path / "full", "responses").rows()}
+    for (rid, pos), c in list(full.items())[:6]:  # a branch is the LLM's greedy generation, to its end
+        r = responses[rid]
+        prefix = r["prompt_ids"] + r["response_ids"][:pos] + [c["slm_token"]]
+        rest = len(r["response_ids"]) - pos - 1
+        fresh = llm_engine.generate([prefix], SamplingParams(max_new_tokens=rest + labels.ROLLOUT_MARGIN))[0]
+        assert c["slm_branch"] == tokenizer.decode([c["slm_token"]] + fresh.token_ids, skip_special_tokens=True)
+        assert c["llm_branch"] == tokenizer.decode(r["response_ids"][pos:], skip_special_tokens=True)
+    run_pipeline(tmp_path / "early", slm, llm, tokenizer, judges.AnswerJudge(), rollout=True, rejoin_tokens=2)
+    early = {(c["id"], c["position"]): c for c in labels.Parts(tmp_path / "early", "continuations").rows()
+             if c["position"] >= 0}
+    assert early.keys() == full.keys()
+    rejoined = [k for k, c in early.items() if c["rejoined"]]
+    assert rejoined  # the near-LLM SLM's branches often fall back onto the LLM's path
+    for key in rejoined:  # from the re-join on, the response's own tokens stand for the rest of the branch
+        r = responses[key[0]]
+        assert early[key]["slm_branch"].endswith(tokenizer.decode(r["response_ids"][-2:], skip_special_tokens=True))
+    for key, c in early.items():
+        if not c["rejoined"]:
+            assert c["slm_branch"] == full[key]["slm_branch"]
+    with pytest.raises(R2RError, match="use another --out"):  # one output directory, one kind of branch
+        labels.step_continuations(llm_engine, tmp_path / "early", max_new_tokens=8)
+
+
+def test_rejoin_point():
+    response = [5, 6, 7, 8, 9, 10]
+    assert labels.rejoin_point([1, 7, 8], response, 2) == 3  # re-joined at 7, 8 (ends at index 3)
+    assert labels.rejoin_point([1, 2, 8, 9, 10], response, 3) == 5  # two tokens shorter: still the same path
+    assert labels.rejoin_point([1, 8, 7], response, 2) is None
+    assert labels.rejoin_point([7, 8], response, 0) is None  # 0: never stop early
+
+
+def test_answer_judge_compares_final_answers():
+    judge = judges.AnswerJudge()
+    cases = [
+        ("48 / 2 ", "= 24, so the answer is 24.", "is 24. The answer is \\boxed{24}"),  # another road, same answer
+        ("Half of 48 ", "is 25. The answer is 25.", "is 24. The answer is 24."),  # a changed number
+        ("x = ", "1/2, the answer is \\frac{1}{2}", "0.5, so the answer is 0.5"),  # one value, two forms
+        ("Who? ", "It was Alice. The answer is: Alice.", "The answer is alice"),  # short text answers
+        ("Then ", "we add 3 and 4 to get 7.", "the answer is 7."),  # no answer stated in one: not guessed
+        ("Then ", "we add.", "we add 3."),
+    ]
+    assert [v for v, _ in judge(cases)] == ["neutral", "divergent", "neutral", "neutral", "unparseable",
+                                            "unparseable"]
+    assert judges.build("answer").name == "answer" and judges.build("answer").rollout
 
 
 @pytest.mark.parametrize("raw, verdict", [
