@@ -308,16 +308,37 @@ def label_run(
 @label_app.command("prompts")
 def label_prompts(
     out: Path = typer.Option(..., "--out", help="Where to write the JSONL prompt set."),
-    per_domain: int = count(100, "--per-domain"),
+    recipe: str = typer.Option("default", "--recipe", help="default: math, logic, code and qa from reasoning-gym; "
+                               "math: problems with checkable answers for --judge answer (reasoning-gym's worded "
+                               "generators, CHAMP, and word problems the LLM writes)."),
+    per_domain: int = count(100, "--per-domain", help="default recipe: prompts per domain."),
+    generated: int = typer.Option(100, "--generated", min=0, help="math recipe: reasoning-gym prompts."),
+    written: int = typer.Option(0, "--written", min=0, help="math recipe: word problems the LLM writes "
+                                "(GSM8K's style, none sharing 8 words in a row with a GSM8K test question)."),
     seed: int = typer.Option(0, "--seed"),
+    llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
-    """Build the default training prompt set from reasoning-gym (math, logic, code, qa; no evaluation data)."""
+    """Build a training prompt set (no evaluation data); the same seed gives the same set."""
     from r2r import labels
 
-    prompts = labels.build_prompt_set(per_domain, seed)
+    if recipe == "default":
+        prompts = labels.build_prompt_set(per_domain, seed)
+    elif recipe == "math":
+        prompts = labels.math_prompt_set(generated, seed)
+        if written:
+            with progress_bar(RateColumn(), TimeRemainingColumn()) as progress:
+                prompts += labels.write_word_problems(load_alone(llm, "llm", device, dtype, backend), written, seed,
+                                                      progress=progress)
+    else:
+        raise R2RError(f"--recipe takes default or math, got {recipe!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    console.print(f"{len(prompts)} prompts in {len(labels.DOMAINS)} domains -> {out}")
+    domains = sorted({p["domain"] for p in prompts})
+    console.print(f"{len(prompts)} prompts in {len(domains)} domain(s) ({', '.join(domains)}) -> {out}")
+    overlaps = [p["gsm8k_overlap_words"] for p in prompts if "gsm8k_overlap_words" in p]
+    if overlaps:
+        console.print(f"written problems: {len(overlaps)}; longest run of words shared with a GSM8K test question: "
+                      f"{max(overlaps)} (median {sorted(overlaps)[len(overlaps) // 2]})")
 
 
 @label_app.command("agree")

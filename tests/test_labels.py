@@ -1,6 +1,7 @@
 """The label pipeline on a tiny pair: every step, resume after a kill mid-step, the judges' parser."""
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -260,6 +261,35 @@ def test_prompt_sets(tmp_path):
     path.write_text('{"id": "a", "domain": "m", "prompt": "x"}\n{"id": "a", "domain": "m", "prompt": "y"}\n')
     with pytest.raises(R2RError, match="duplicate"):
         labels.load_prompts(path)
+
+
+def test_math_prompt_set_is_deterministic_and_checkable():
+    from collections import Counter
+
+    from r2r.tasks import MATH_INSTRUCTION
+
+    prompts = labels.math_prompt_set(22, seed=0)
+    assert prompts == labels.math_prompt_set(22, seed=0) and prompts != labels.math_prompt_set(22, seed=1)
+    sources = Counter(p["id"].split("/")[1] for p in prompts)
+    assert sources["champ"] == 270 and set(sources) - {"champ"} == set(labels.WORD_GENERATORS)
+    assert sum(sources.values()) == 270 + 22
+    assert all(p["reference"] and p["prompt"].endswith(MATH_INSTRUCTION) for p in prompts)
+
+
+def test_written_problems_that_copy_a_gsm8k_question_are_dropped():
+    from r2r.tasks import gsm8k
+
+    questions = [q["question"] for q in gsm8k()[:50]]
+    grams = set().union(*(labels.word_ngrams(q, labels.OVERLAP_WORDS) for q in questions))
+    seen = set()
+    fresh = "A bakery sells 12 rolls an hour for 5 hours and gives away 7. How many rolls are left?"
+    assert labels.new_problem(fresh, seen, grams)
+    assert not labels.new_problem(fresh.upper().replace("?", " ?"), seen, grams)  # the same words again
+    assert not labels.new_problem("A farm has 3 cows and 4 ducks.", seen, grams)  # asks nothing
+    near_copy = "Here is one: " + questions[7]
+    assert not labels.new_problem(near_copy, seen, grams)
+    assert labels.longest_shared_run(near_copy, questions) == len(re.findall(r"[a-z0-9]+", questions[7].lower()))
+    assert labels.longest_shared_run(fresh, questions) < labels.OVERLAP_WORDS
 
 
 def test_label_cli(run_cli, tmp_path):
