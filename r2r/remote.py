@@ -132,7 +132,7 @@ def pick_model(models: list[dict], asked: str | None, url: str) -> str:
 
 class Client:
     """JSON over HTTP with a timeout and bounded retries (with backoff) when the server cannot be reached or
-    drops the connection; every failure ends as one R2RError naming the server."""
+    drops the connection; every failure ends as one RemoteError naming the server."""
 
     def __init__(self, url: str, timeout: float, retries: int):
         self.url, self.retries = url.rstrip("/"), retries
@@ -152,11 +152,11 @@ class Client:
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
                 if attempt == self.retries:
                     raise RemoteError(f"the LLM server at {self.url} cannot be reached ({type(e).__name__}: {e}) "
-                                   f"after {self.retries + 1} tries") from None
+                                      f"after {self.retries + 1} tries") from None
                 time.sleep(0.5 * 2**attempt)
             except httpx.TimeoutException:
                 raise RemoteError(f"the LLM server at {self.url} did not answer {method} {path} within "
-                               f"{self.http.timeout.read:.0f} s") from None
+                                  f"{self.http.timeout.read:.0f} s") from None
         if response.status_code != 200:
             try:
                 message = response.json()["error"]["message"]
@@ -167,7 +167,7 @@ class Client:
             return response.json()
         except ValueError:
             raise RemoteError(f"the LLM server at {self.url} answered {method} {path} with something other than "
-                           "JSON: is it an LLM server?") from None
+                              "JSON: is it an LLM server?") from None
 
 
 class RemoteBackend:
