@@ -1,4 +1,6 @@
 import importlib.util
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -119,7 +121,7 @@ class LlamaServer:
         self.process = subprocess.Popen([sys.executable, str(self.SCRIPT), str(self.gguf), "--port", str(self.port),
                                          "--slots", str(self.slots), "--ctx-per-slot", str(self.ctx),
                                          "--threads", str(self.threads)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         return self.wait("/health", 60)
 
     def wait(self, path: str, seconds: float):
@@ -136,7 +138,8 @@ class LlamaServer:
         raise RuntimeError(f"the server at {self.url} did not start within {seconds:.0f} s")
 
     def stop(self) -> None:
-        self.process.kill()
+        """Kill the server and every process it started (vLLM's engine core and workers outlive their parent)."""
+        os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
 
     def own_greedy(self, ids: list[int], n: int) -> list[int]:
@@ -160,14 +163,12 @@ class VllmServer(LlamaServer):
         self.process = None
 
     def start(self) -> "VllmServer":
-        import os
-
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(self.threads)}
         self.process = subprocess.Popen([str(self.PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
                                          str(self.model_dir), "--served-model-name", self.name, "--dtype", self.dtype,
                                          "--max-model-len", str(self.max_len), "--port", str(self.port),
                                          "--enforce-eager"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        env=env)
+                                        env=env, start_new_session=True)
         return self.wait("/v1/models", 300)  # eager mode compiles nothing, but its imports take a while
 
     def own_greedy(self, ids: list[int], n: int) -> list[int]:
