@@ -215,8 +215,8 @@ def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: lis
             outputs[name] = [g.token_ids for g in gens]
             if progress:
                 progress.advance(task)
-    same = {kind: sum(a == b for a, b in zip(outputs[f"{kind} (local)"], outputs[f"{kind} (remote)"]))
-            for kind in ("LLM alone", "R2R")}
+    same = {system: sum(a == b for a, b in zip(outputs[f"{system} (local)"], outputs[f"{system} (remote)"]))
+            for system in ("LLM alone", "R2R")}
     return {"llm_url": llm_url, "remote": llms["remote"].name, "backend": backend, "dtype": dtype, "context": context,
             "catch_up": catch_up, "prompts": n_prompts, "max_new_tokens": n_tokens, "systems": systems,
             "same_output": same}

@@ -240,7 +240,7 @@ class RemoteBackend:
 
     def forward(self, cache: RemoteCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
         self.read(cache, new_ids, attention_mask)
-        tops = list(self.pool.map(lambda row: self._next(row), cache.rows))  # the rows at once: the server batches
+        tops = list(self.pool.map(self._next, cache.rows))  # the rows at once: the server batches them
         logits = torch.full((len(cache.rows), self.vocab_size), FLOOR)
         for i, top in enumerate(tops):
             self._fill(logits[i], top)
@@ -261,11 +261,7 @@ class RemoteBackend:
             first = len(row) - keep  # the row position of the first kept column (negative: padding)
             position = max(first, 0)
             while position < len(row):
-                steps = self.api.greedy(row[: position + 1], len(row) - position, self.top_logprobs)
-                if not steps:
-                    raise RemoteError(f"the LLM server at {self.client.url} returned no token for a "
-                                      f"{position + 1}-token prompt")
-                for token, top in steps:
+                for token, top in self._greedy(row[: position + 1], len(row) - position):
                     out[i, position - first].fill_(FLOOR)
                     self._fill(out[i, position - first], top)
                     position += 1
@@ -286,10 +282,14 @@ class RemoteBackend:
         return list(self.pool.map(one, rows))
 
     def _next(self, row: list[int]) -> dict[int, float]:
-        steps = self.api.greedy(row, 1, self.top_logprobs)
+        return self._greedy(row, 1)[0][1]
+
+    def _greedy(self, ids: list[int], n: int) -> list[Step]:
+        """At least the first of the n tokens the server chooses after `ids`, with their top log-probabilities."""
+        steps = self.api.greedy(ids, n, self.top_logprobs)
         if not steps:
-            raise RemoteError(f"the LLM server at {self.client.url} returned no token for a {len(row)}-token prompt")
-        return steps[0][1]
+            raise RemoteError(f"the LLM server at {self.client.url} returned no token for a {len(ids)}-token prompt")
+        return steps
 
     def _fill(self, logits: torch.Tensor, top: dict[int, float]) -> None:
         for token, logprob in top.items():

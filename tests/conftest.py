@@ -139,8 +139,17 @@ class LlamaServer:
 
     def stop(self) -> None:
         """Kill the server and every process it started (vLLM's engine core and workers outlive their parent)."""
-        os.killpg(self.process.pid, signal.SIGKILL)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # stopped already
+            pass
         self.process.wait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
 
     def own_greedy(self, ids: list[int], n: int) -> list[int]:
         out = httpx.post(self.url + "/completion", json={"prompt": ids, "n_predict": n, "temperature": 0,

@@ -40,10 +40,9 @@ def llm_files(tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=ENGINES)
 def server(request, llm_files):
-    srv = (LlamaServer(llm_files["gguf"]) if request.param == "llamacpp" else VllmServer(llm_files["dir"])).start()
-    srv.engine = request.param
-    yield srv
-    srv.stop()
+    with LlamaServer(llm_files["gguf"]) if request.param == "llamacpp" else VllmServer(llm_files["dir"]) as srv:
+        srv.engine = request.param
+        yield srv
 
 
 def same_model_here(server, llm_files, tokenizer):
@@ -143,18 +142,14 @@ def test_no_server_wrong_model_and_another_tokenizer_are_refused(server, slm, to
     other = tiny_tokenizer(extra_words=("zebra quokka",))
     gguf = tmp_path / "other.gguf"
     save_gguf(tiny_model(other, hidden=32, seed=2), other, gguf)
-    srv = LlamaServer(gguf, slots=1).start()
-    try:
+    with LlamaServer(gguf, slots=1) as srv:
         with pytest.raises(R2RError, match="does not share the SLM's tokenizer"):
             remote(srv.url, tokenizer, slm)
-    finally:
-        srv.stop()
 
 
 @NEEDS_LLAMA_SERVER
 def test_a_server_that_dies_mid_generation_fails_that_request_and_the_next_one_works(llm_files, slm, tokenizer):
-    srv = LlamaServer(llm_files["gguf"], slots=1).start()
-    try:
+    with LlamaServer(llm_files["gguf"], slots=1) as srv:
         llm = remote(srv.url, tokenizer, slm, retries=1, timeout=10)
         engine = Engine(slm, llm, tokenizer, AlwaysLLM())
         prompt = engine.encode_chat(PROMPTS[0])
@@ -172,16 +167,13 @@ def test_a_server_that_dies_mid_generation_fails_that_request_and_the_next_one_w
         srv.start()
         out = engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
         assert out.token_ids == srv.own_greedy(prompt, 8)
-    finally:
-        srv.stop()
 
 
 @NEEDS_LLAMA_SERVER
 def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_files, slm, tokenizer):
     from r2r.server import BackgroundServer, Limits, create_app
 
-    srv = LlamaServer(llm_files["gguf"], slots=2).start()
-    try:
+    with LlamaServer(llm_files["gguf"], slots=2) as srv:
         engine = Engine(slm, remote(srv.url, tokenizer, slm, retries=0, timeout=10), tokenizer, RandomPolicy(0.5, seed=0))
         with BackgroundServer(create_app(engine, "tiny", Limits(max_tokens=64, context_length=512))) as r2r:
             chat = r2r.url + "/v1/chat/completions"
@@ -198,8 +190,6 @@ def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_files, 
             assert again.status_code == 200
             assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
             assert httpx.post(chat, json=body, timeout=60).json()["usage"]["llm_tokens"] > 0  # R2R routes again
-    finally:
-        srv.stop()
 
 
 def test_what_the_server_writes_itself_equals_the_engines_token_by_token_greedy(server, slm, tokenizer):

@@ -29,8 +29,8 @@ def server(request):
         srv = LlamaServer(gguf_path(DEFAULT_LLM), slots=2, ctx_per_slot=4096, threads=os.cpu_count())
     else:
         srv = VllmServer(converted_dir(DEFAULT_LLM), DEFAULT_LLM.name, 4096, os.cpu_count(), "bfloat16")
-    yield srv.start()
-    srv.stop()
+    with srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
