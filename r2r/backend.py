@@ -87,6 +87,10 @@ class Backend(Protocol):
     def select_rows(self, cache: Cache, rows: torch.Tensor) -> None:
         """Keep only these rows, in this order (finished requests leave the batch)."""
 
+    def copy_rows(self, cache: Cache, rows: list[int]) -> Cache:
+        """A new cache holding copies of these rows of `cache` (a row may be named more than once), which is
+        left as it was: branches that share a prefix read it once (the label pipeline's rollouts)."""
+
     def append_rows(self, cache: Cache, other: Cache) -> None:
         """Add `other`'s rows after this cache's (both cover the same columns); `other` is spent."""
 
@@ -113,30 +117,46 @@ def mask_for(cache: Cache, n_new: int, device) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def greedy(backend: Backend, cache: Cache, new_ids: list[int], max_new_tokens: int, eos_ids: set[int],
-           stop: Callable[[list[int]], bool] | None = None) -> list[int]:
-    """One row, greedy: read `new_ids` after what `cache` holds, then write up to `max_new_tokens`
-    tokens, stopping before an EOS or after a token for which `stop(tokens_so_far)` is true. A model
-    behind a server (`complete`) writes them there in one request; the cache then holds what it was shown."""
-    if hasattr(backend, "complete"):  # remote.RemoteBackend: its cache is the row's ids
-        backend.read(cache, torch.tensor([new_ids]), mask_for(cache, len(new_ids), backend.device))
-        out = []
-        for token in backend.complete([cache.rows[0]], max_new_tokens)[0]:
-            if token in eos_ids:
-                break
-            out.append(token)
-            if stop is not None and stop(out):
-                break
-        return out
-    out = []
-    for _ in range(max_new_tokens):
-        logits, _ = backend.forward(cache, torch.tensor([new_ids], device=backend.device),
-                                    mask_for(cache, len(new_ids), backend.device))
-        token = int(logits[0].argmax())
-        if token in eos_ids:
+def greedy(backend: Backend, cache: Cache, new_ids: list[list[int]], max_new_tokens: int | list[int], eos_ids: set[int],
+           stop: Callable[[int, list[int]], bool] | None = None, attention_mask: torch.Tensor | None = None
+           ) -> list[list[int]]:
+    """Rows decoded greedily together. Row i reads `new_ids[i]` (every row as many) after what `cache` holds, then
+    writes up to `max_new_tokens` (or its own entry of it) tokens, stopping before an EOS or after a token for
+    which `stop(i, tokens_so_far)` is true. `attention_mask` covers the columns `cache` holds (default: no
+    padding). A row that ends while others go on leaves the cache; the last ones stay in it, which a caller
+    may cut back and reuse. A model behind a server (`complete`) writes every row there, in one request each,
+    at once; each is then cut where it would have stopped."""
+    n_rows = len(new_ids)
+    limits = [max_new_tokens] * n_rows if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    outs: list[list[int]] = [[] for _ in range(n_rows)]
+    mask = attention_mask if attention_mask is not None else \
+        torch.ones(n_rows, cache.length, dtype=torch.long, device=backend.device)
+    ids = torch.tensor(new_ids, device=backend.device)
+
+    def add(i: int, token: int) -> bool:
+        """Whether row i goes on after `token`."""
+        if token in eos_ids or len(outs[i]) >= limits[i]:
+            return False
+        outs[i].append(token)
+        return len(outs[i]) < limits[i] and not (stop is not None and stop(i, outs[i]))
+
+    if hasattr(backend, "complete"):  # remote.RemoteBackend: its cache is each row's ids
+        backend.read(cache, ids, torch.cat([mask, mask.new_ones(n_rows, ids.shape[1])], dim=1))
+        for i, written in enumerate(backend.complete(cache.rows, max(limits))):
+            for token in written:
+                if not add(i, token):
+                    break
+        return outs
+    live = list(range(n_rows))  # cache row -> row
+    while live:
+        mask = torch.cat([mask, mask.new_ones(len(live), ids.shape[1])], dim=1)
+        logits, _ = backend.forward(cache, ids, mask)
+        going = [r for r, (i, token) in enumerate(zip(live, logits.argmax(-1).tolist())) if add(i, token)]
+        if not going:
             break
-        out.append(token)
-        if stop is not None and stop(out):
-            break
-        new_ids = [token]
-    return out
+        if len(going) < len(live):
+            keep = torch.tensor(going, device=backend.device)
+            backend.select_rows(cache, keep)
+            mask, live = mask[keep], [live[r] for r in going]
+        ids = torch.tensor([[outs[i][-1]] for i in live], device=backend.device)
+    return outs

@@ -120,7 +120,7 @@ class LocalJudge:
         while shared < min(len(self.cached), len(ids) - 1) and self.cached[shared] == ids[shared]:
             shared += 1
         llm.truncate(self.cache, shared)
-        answer = greedy(llm, self.cache, ids[shared:], self.ANSWER_TOKENS, self.engine.eos_ids)
+        answer = greedy(llm, self.cache, [ids[shared:]], self.ANSWER_TOKENS, self.engine.eos_ids)[0]
         self.cached = (ids + answer)[: self.cache.length]  # what the cache holds now
         return answer
 

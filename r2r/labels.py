@@ -294,16 +294,6 @@ def step_prefill(slm, out: Path, progress=None) -> None:
             progress.advance(task, 1)
 
 
-@torch.inference_mode()
-def continue_to_sentence_end(llm, cache, prefix_length: int, token: int, max_new_tokens: int, tokenizer,
-                             eos_ids: set[int]) -> list[int]:
-    """Greedy LLM continuation of `token` placed at `prefix_length` in a cached sequence, up to the
-    end of the sentence. The cache keeps the shared prefix: it is cut back, not recomputed."""
-    llm.truncate(cache, prefix_length)
-    return greedy(llm, cache, [token], max_new_tokens, eos_ids,
-                  stop=lambda out: SENTENCE_END.search(tokenizer.decode([token] + out, skip_special_tokens=True)))
-
-
 REJOIN_TOKENS = 8  # a rollout whose last 8 tokens run in a row in the LLM's response has re-joined it
 ROLLOUT_MARGIN = 64  # a rollout may run this many tokens longer than the rest of the response
 
@@ -318,32 +308,32 @@ def rejoin_point(branch: list[int], response: list[int], m: int) -> int | None:
 
 
 @torch.inference_mode()
-def continue_to_end(llm, cache, prefix_length: int, token: int, rest: list[int], margin: int, eos_ids: set[int],
-                    rejoin_tokens: int) -> tuple[list[int], bool]:
-    """The LLM's greedy branch from `token` placed at `prefix_length` in a cached sequence, to the end of its
-    answer (at most the response's remaining length `len(rest)` + `margin` tokens). Once the branch re-joins
-    the response's `rest` it stops, and the response's remainder from there stands for what it would write:
-    (branch ids, re-joined?)."""
-    llm.truncate(cache, prefix_length)
-    joined = []
-
-    def rejoined(out: list[int]) -> bool:
-        j = rejoin_point([token] + out, rest, rejoin_tokens)
-        if j is not None:
-            joined.append(j)
-        return j is not None
-
-    out = greedy(llm, cache, [token], len(rest) + margin, eos_ids, stop=rejoined)
-    return ([token] + out + rest[joined[0] + 1 :], True) if joined else ([token] + out, False)
+def llm_branches(llm, base, prompt_length: int, positions: list[int], tokens: list[int], limits: list[int],
+                 eos_ids: set[int], stop) -> list[list[int]]:
+    """The LLM's greedy branches, decoded together: branch i puts `tokens[i]` at response position `positions[i]`
+    (descending) and writes up to `limits[i]` tokens after it (`backend.greedy`'s `stop`). `base` is a one-row
+    cache holding the prompt and the response at least up to the first position; it is cut back to there and
+    copied once per branch, and each copy rolled back to its own position (left padding lines the rows up):
+    a response is read once, however many branches leave it."""
+    top = positions[0]
+    llm.truncate(base, prompt_length + top)
+    rows = llm.copy_rows(base, [0] * len(positions))
+    shifts = [top - pos for pos in positions]
+    llm.shift_rows(rows, shifts)
+    mask = torch.ones(len(positions), rows.length, dtype=torch.long, device=llm.device)
+    for i, d in enumerate(shifts):
+        mask[i, :d] = 0
+    return greedy(llm, rows, [[t] for t in tokens], limits, eos_ids, stop, mask)
 
 
 def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None, rollout: bool = False,
-                       rejoin_tokens: int = REJOIN_TOKENS) -> None:
+                       rejoin_tokens: int = REJOIN_TOKENS, batch_size: int = 1) -> None:
     """From each differing position, the LLM continues the SLM's token to the end of the sentence, or with
     `rollout` (the answer judge) to the end of its answer.
 
     Per response the LLM reads prompt + response once; each position then costs only its own
-    continuation: positions are visited from last to first, cutting the cache back each time.
+    continuation: positions are visited from last to first, `batch_size` branches decoded together, each
+    from a copy of the cache cut back to its position (`llm_branches`).
     """
     llm, tokenizer = llm_engine.llm, llm_engine.tokenizer  # `Engine.alone(llm, tokenizer)`
     mode = {"rollout": rollout, "rejoin_tokens": rejoin_tokens if rollout else None,
@@ -362,32 +352,50 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
     task = progress.add_task("2 continuations (LLM)", total=total, completed=total - sum(
         sum(p["different"]) for p in todo)) if progress else None
     for p in todo:
-        r = responses[p["id"]]
+        r, slm_tokens = responses[p["id"]], p["slm_tokens"]
+        response, prompt_length = r["response_ids"], len(r["prompt_ids"])
         positions = [pos for pos, diff in enumerate(p["different"]) if diff]
         began, generated, rows = time.perf_counter(), 0, []
         if positions:
-            cache = llm.new_cache()
-            ids = r["prompt_ids"] + r["response_ids"][: positions[-1]]
-            llm.read(cache, torch.tensor([ids], device=llm.device), mask_for(cache, len(ids), llm.device))
-            response = r["response_ids"]
-            for pos in reversed(positions):
-                tok = p["slm_tokens"][pos]
-                row = {"id": r["id"], "position": pos, "slm_token": tok, "llm_token": response[pos],
+            base = llm.new_cache()
+            ids = r["prompt_ids"] + response[: positions[-1]]
+            llm.read(base, torch.tensor([ids], device=llm.device), mask_for(base, len(ids), llm.device))
+        last_first = positions[::-1]  # the base cache is only ever cut back
+        for k in range(0, len(last_first), batch_size):
+            chunk = last_first[k : k + batch_size]
+            tokens = [slm_tokens[pos] for pos in chunk]
+            rests = [response[pos + 1 :] for pos in chunk]
+            joined: dict[int, int] = {}  # branch -> where in its rest it re-joined the response
+
+            def rejoined(i: int, branch: list[int]) -> bool:
+                j = rejoin_point([tokens[i]] + branch, rests[i], rejoin_tokens)
+                if j is not None:
+                    joined[i] = j
+                return j is not None
+
+            def sentence_ends(i: int, branch: list[int]) -> bool:
+                return bool(SENTENCE_END.search(tokenizer.decode([tokens[i]] + branch, skip_special_tokens=True)))
+
+            if rollout:  # to the end of the answer: at most the response's remaining length + a margin
+                branches = llm_branches(llm, base, prompt_length, chunk, tokens, [len(x) + ROLLOUT_MARGIN for x in rests],
+                                    llm_engine.eos_ids, rejoined)
+            else:
+                branches = llm_branches(llm, base, prompt_length, chunk, tokens, [max_new_tokens] * len(chunk),
+                                    llm_engine.eos_ids, sentence_ends)
+            for i, (pos, token, written) in enumerate(zip(chunk, tokens, branches)):
+                generated += len(written) + 1
+                row = {"id": r["id"], "position": pos, "slm_token": token, "llm_token": response[pos],
                        "context": tokenizer.decode(response[:pos], skip_special_tokens=True)}
                 if rollout:
-                    branch, rejoined = continue_to_end(llm, cache, len(r["prompt_ids"]) + pos, tok, response[pos + 1 :],
-                                                       ROLLOUT_MARGIN, llm_engine.eos_ids, rejoin_tokens)
-                    generated += len(branch)
+                    # A re-joined branch would go on as the response does: its remainder stands for the rest.
+                    branch = [token] + written + (rests[i][joined[i] + 1 :] if i in joined else [])
                     rows.append({**row, "slm_branch": tokenizer.decode(branch, skip_special_tokens=True),
                                  "llm_branch": tokenizer.decode(response[pos:], skip_special_tokens=True),
-                                 "rejoined": rejoined})
-                    continue
-                cont = continue_to_sentence_end(llm, cache, len(r["prompt_ids"]) + pos, tok, max_new_tokens,
-                                                tokenizer, llm_engine.eos_ids)
-                generated += len(cont) + 1
-                rows.append({**row,
-                             "slm_branch": to_sentence_end(tokenizer.decode([tok] + cont, skip_special_tokens=True)),
-                             "llm_branch": to_sentence_end(tokenizer.decode(response[pos:], skip_special_tokens=True))})
+                                 "rejoined": i in joined})
+                else:
+                    rows.append({**row,
+                                 "slm_branch": to_sentence_end(tokenizer.decode([token] + written, skip_special_tokens=True)),
+                                 "llm_branch": to_sentence_end(tokenizer.decode(response[pos:], skip_special_tokens=True))})
         # One part per response, so a response's positions are all there or none are.
         parts.write(sorted(rows, key=lambda row: row["position"]) or [{"id": r["id"], "position": -1}])
         log_throughput(out, "continuations", len(positions), generated, time.perf_counter() - began)
@@ -460,7 +468,7 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
     if "prefill" in chosen:
         step_prefill(slm, out, progress)
     if "continuations" in chosen:
-        step_continuations(llm_alone, out, continuation_tokens, progress, rollout, rejoin_tokens)
+        step_continuations(llm_alone, out, continuation_tokens, progress, rollout, rejoin_tokens, batch_size)
     if "judgements" in chosen:
         step_judgements(judge_for(llm_alone), out, progress=progress)
     return step_labels(out) if "labels" in chosen else None

@@ -116,6 +116,16 @@ class LlamaCppBackend:
         cache.pads[:] = [cache.pads[i] for i in keep]
         self._release(dropped)
 
+    def copy_rows(self, cache: LlamaCache, rows: list[int]) -> LlamaCache:
+        # The pool is unified: a copied sequence shares the source's KV cells, nothing is recomputed or moved.
+        new = self.new_cache()
+        self._ensure_rows(new, len(rows))
+        for seq, row in zip(new.seqs, rows):
+            llama_cpp.llama_memory_seq_cp(self._memory, cache.seqs[row], seq, -1, -1)
+        new.pads[:] = [cache.pads[row] for row in rows]
+        new.length = cache.length
+        return new
+
     def append_rows(self, cache: LlamaCache, other: LlamaCache) -> None:
         assert cache.length == other.length, "caches must cover the same columns"
         cache.seqs += other.seqs

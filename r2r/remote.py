@@ -302,6 +302,9 @@ class RemoteBackend:
     def select_rows(self, cache: RemoteCache, rows: torch.Tensor) -> None:
         cache.rows = [cache.rows[i] for i in rows.tolist()]
 
+    def copy_rows(self, cache: RemoteCache, rows: list[int]) -> RemoteCache:
+        return RemoteCache([list(cache.rows[row]) for row in rows], cache.length)
+
     def append_rows(self, cache: RemoteCache, other: RemoteCache) -> None:
         cache.rows += other.rows
         other.rows = []

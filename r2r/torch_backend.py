@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,12 @@ class TorchBackend:
     def select_rows(self, cache: TorchCache, rows: torch.Tensor) -> None:
         if cache.length:
             cache.kv.batch_select_indices(rows.to(self.device))
+
+    def copy_rows(self, cache: TorchCache, rows: list[int]) -> TorchCache:
+        kv = copy.deepcopy(cache.kv)
+        if cache.length:
+            kv.batch_select_indices(torch.tensor(rows, device=self.device))
+        return TorchCache(kv, cache.length)
 
     def append_rows(self, cache: TorchCache, other: TorchCache) -> None:
         if cache.length != other.length:

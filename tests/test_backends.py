@@ -141,6 +141,24 @@ def test_select_append_and_pad_rows_keep_each_row_as_if_alone(backend, kind, tok
     assert close(logits[0], alone[2], kind) and close(logits[1], alone[0], kind)
 
 
+def test_copied_rows_go_on_apart_and_leave_the_source_as_it_was(backend, kind, tokenizer):
+    rows = token_rows(tokenizer)
+    alone = [continue_one(backend, *prefilled(backend, [r], tokenizer), token=t)[0][0] for r, t in
+             ((rows[1], 7), (rows[1], 9), (rows[0], 7))]
+    cache, ids, mask = prefilled(backend, rows[:2], tokenizer)
+    copies = backend.copy_rows(cache, [1, 1, 0])
+    assert copies.length == cache.length
+    column = torch.tensor([[7], [9], [7]], device=backend.device)
+    mask3 = torch.cat([mask[[1, 1, 0]], mask.new_ones(3, 1)], dim=1)
+    logits, _ = backend.forward(copies, column, mask3)
+    for i in range(3):
+        assert close(logits[i], alone[i], kind)
+    del copies  # the source still reads on as if nothing had been copied
+    logits, _, _ = continue_one(backend, cache, ids, mask, token=9)
+    assert close(logits[0], continue_one(backend, *prefilled(backend, [rows[0]], tokenizer), token=9)[0][0], kind)
+    assert close(logits[1], alone[1], kind)
+
+
 def prefilled(backend, rows, tokenizer):
     ids, mask = left_pad(rows, tokenizer.pad_token_id, backend.device)
     cache = backend.new_cache()

@@ -45,11 +45,13 @@ def slm(llm):
     return TorchBackend(model, name="near-llm")
 
 
-def run_pipeline(out, slm, llm, tokenizer, judge=None, rollout=False, rejoin_tokens=labels.REJOIN_TOKENS):
+def run_pipeline(out, slm, llm, tokenizer, judge=None, rollout=False, rejoin_tokens=labels.REJOIN_TOKENS,
+                 batch_size=1):
     llm_engine = Engine.alone(llm, tokenizer)
     labels.step_responses(PROMPTS, llm_engine, out, max_new_tokens=24, batch_size=2)
     labels.step_prefill(slm, out)
-    labels.step_continuations(llm_engine, out, max_new_tokens=8, rollout=rollout, rejoin_tokens=rejoin_tokens)
+    labels.step_continuations(llm_engine, out, max_new_tokens=8, rollout=rollout, rejoin_tokens=rejoin_tokens,
+                              batch_size=batch_size)
     labels.step_judgements(judge or EveryOtherJudge(), out, batch_size=4)
     return labels.step_labels(out)
 
@@ -165,6 +167,18 @@ def test_rollouts_run_to_the_end_of_the_answer_or_until_they_rejoin_the_response
             assert c["slm_branch"] == full[key]["slm_branch"]
     with pytest.raises(R2RError, match="use another --out"):  # one output directory, one kind of branch
         labels.step_continuations(llm_engine, tmp_path / "early", max_new_tokens=8)
+
+
+@pytest.mark.parametrize("rollout", [False, True])
+def test_branches_decoded_together_equal_branches_decoded_one_at_a_time(tmp_path, slm, llm, tokenizer, rollout):
+    """Batched branches start from copies of one cache, each rolled back to its position: the same tokens."""
+    judge = judges.AnswerJudge() if rollout else None
+    run_pipeline(tmp_path / "one", slm, llm, tokenizer, judge, rollout, rejoin_tokens=2, batch_size=1)
+    run_pipeline(tmp_path / "three", slm, llm, tokenizer, judge, rollout, rejoin_tokens=2, batch_size=3)
+    one, three = (sorted(labels.Parts(tmp_path / d, "continuations").rows(), key=lambda c: (c["id"], c["position"]))
+                  for d in ("one", "three"))
+    assert len([c for c in one if c["position"] >= 0]) > 3  # some responses have several branches
+    assert one == three
 
 
 def test_rejoin_point():

@@ -8,6 +8,7 @@ import importlib.util
 import time
 
 import httpx
+import torch
 import pytest
 from conftest import HAS_LLAMA, LlamaServer, VllmServer, free_port
 from tiny import save_gguf, tiny_model, tiny_tokenizer
@@ -202,4 +203,13 @@ def test_what_the_server_writes_itself_equals_the_engines_token_by_token_greedy(
     whole = llm.complete(prompts, 24)
     assert whole == [g.token_ids for g in engine.generate(prompts, SamplingParams(max_new_tokens=24))]
     cache = llm.new_cache()
-    assert greedy(llm, cache, prompts[0], 24, engine.eos_ids, stop=lambda out: len(out) == 5) == whole[0][:5]
+    assert greedy(llm, cache, [prompts[0]], 24, engine.eos_ids, stop=lambda i, out: len(out) == 5)[0] == whole[0][:5]
+    # rollouts from copies of one cache rolled back to their positions: what the server writes from each prefix
+    from r2r.backend import mask_for
+    from r2r.labels import llm_branches
+
+    base, response = llm.new_cache(), whole[1]
+    llm.read(base, torch.tensor([prompts[1] + response[:3]]), mask_for(base, len(prompts[1]) + 3, llm.device))
+    branches = llm_branches(llm, base, len(prompts[1]), [3, 1], [response[3], 42], [6, 4], engine.eos_ids, None)
+    assert branches == [llm.complete([prompts[1] + response[:3] + [response[3]]], 6)[0],
+                        llm.complete([prompts[1] + response[:1] + [42]], 4)[0]]
