@@ -16,7 +16,6 @@ from typer.core import TyperGroup
 
 from r2r import tables
 from r2r.bench_cli import bench_app
-from r2r.engine import DEFAULT_VERIFY
 from r2r.errors import R2RError
 from r2r.models import load_alone
 from r2r.options import (AsJson, Backend, Device, Dtype, JudgeKind, JudgeModel, JudgeUrl, Llm, MaxNewTokens,
@@ -44,7 +43,7 @@ app.add_typer(bench_app, name="bench")
 err_console = Console(stderr=True)
 
 def build_engine(slm, llm, device, dtype, backend, router: RouterChoice | None, threshold, router_path, seed,
-                 verify="off", max_unverified=None, llama=None):
+                 verify=None, max_unverified=None, llama=None):
     from r2r.models import load_engine
 
     return load_engine(slm, llm, device, dtype, backend, router.value if router else None, threshold, router_path,
@@ -70,7 +69,7 @@ def generate(
     prompt: str = typer.Argument(..., help="The user's chat message (or plain text with --raw)."),
     raw: bool = typer.Option(False, "--raw", help="Plain completion: no chat template."),
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
-    verify: Verify = DEFAULT_VERIFY, max_unverified: MaxUnverified = None,
+    verify: Verify = None, max_unverified: MaxUnverified = None,
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     seed: Seed = None, as_json: AsJson = False,
@@ -95,7 +94,7 @@ def generate(
 @app.command()
 def chat(
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
-    verify: Verify = DEFAULT_VERIFY, max_unverified: MaxUnverified = None,
+    verify: Verify = None, max_unverified: MaxUnverified = None,
     max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
@@ -138,7 +137,7 @@ def serve(
                              "default) requests must name localhost in Host and Origin."),
     port: int = typer.Option(8000, "--port", min=1, max=65535),
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
-    verify: Verify = DEFAULT_VERIFY, max_unverified: MaxUnverified = None,
+    verify: Verify = None, max_unverified: MaxUnverified = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
     model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
     max_batch: int = count(8, "--max-batch", help="Requests decoding (or having their prompt read) at once."),
@@ -205,7 +204,9 @@ def eval_command(
 
 @app.command()
 def train(
-    dataset: Path = typer.Argument(..., help="A label dataset: the output directory of `r2r label`."),
+    datasets: list[Path] = typer.Argument(..., help="Label datasets (output directories of `r2r label`). With several, "
+                                          "a prompt comes from the first that judged it: give answer labels "
+                                          "first, facts labels after them."),
     out: Path = typer.Option(Path("runs/router"), "--out", help="Checkpoint directory (router.safetensors + router.json)."),
     objective: str = typer.Option("divergent", "--objective", help="divergent (the judge's verdict) or different (any mismatch)."),
     inputs: str = typer.Option("hidden,token,logits", "--inputs", help="Comma-separated router inputs."),
@@ -217,14 +218,14 @@ def train(
     ablations: bool = typer.Option(False, "--ablations", help="Also train every input set x objective and print the table."),
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
-    """Train the router on a label dataset (SLM features recomputed by prefill), calibrate, save, report."""
+    """Train the router on label datasets (SLM features recomputed by prefill), calibrate, save, report."""
     from r2r import train as training
 
     if not 0 < target_rate < 1:
         raise R2RError("--target-rate is a share of tokens, strictly between 0 and 1")
     slm_engine = load_alone(slm, "slm", device, dtype, backend)
     with progress_bar() as progress:
-        result = training.train_router(dataset, slm_engine.slm, out, objective, inputs, dim, blocks, target_rate, seed,
+        result = training.train_router(datasets, slm_engine.slm, out, objective, inputs, dim, blocks, target_rate, seed,
                                        epochs, ablations, progress)
     for skip in result["skipped"]:
         console.print(f"[yellow]ablation {skip['inputs']} / {skip['objective']} skipped: {skip['reason']}")

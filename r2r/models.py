@@ -336,14 +336,17 @@ def load_alone(spec: str | None, role: str, device: str = "auto", dtype: str = "
 
 def load_engine(slm: str | None, llm: str | None, device: str, dtype: str, backend: str, policy: str | None,
                 threshold: float | None = None, router_path: Path | None = None, seed: int | None = None,
-                verify: str | float = "off", max_unverified: int | None = None, llama: dict | None = None):
+                verify: str | float | None = None, max_unverified: int | None = None, llama: dict | None = None):
     """The pair with a routing policy by name (None: the shipped router for the default pair, else
-    entropy) and verification; for the `slm` policy without verification the SLM alone, loading no LLM."""
+    entropy) and verification (None: `DEFAULT_VERIFY` for a policy that routes, off for one model alone);
+    for the `slm` policy without verification the SLM alone, loading no LLM."""
     from r2r import policies
-    from r2r.engine import Engine, check_max_unverified, parse_verify
+    from r2r.engine import DEFAULT_VERIFY, Engine, check_max_unverified, parse_verify
 
-    verify, max_unverified = parse_verify(verify), check_max_unverified(max_unverified)  # before the slow load
     kind, router_path = policies.choose(policy, router_path, slm)
+    if verify is None:
+        verify = "off" if kind in ("slm", "llm") else DEFAULT_VERIFY
+    verify, max_unverified = parse_verify(verify), check_max_unverified(max_unverified)  # before the slow load
     slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=kind != "slm" or verify != "off", dtype=dtype,
                                         backend=backend, llama=llama)
     return Engine(slm_b, llm_b, tokenizer, policies.build(kind, slm_b, threshold, router_path, seed), verify,

@@ -52,9 +52,10 @@ TopK = Annotated[int, typer.Option("--top-k", help="0 turns it off.")]
 def count(default: int, name: str, help: str | None = None):
     """A whole-number option that must be at least 1."""
     return typer.Option(default, name, min=1, help=help)
-Verify = Annotated[str, typer.Option("--verify", help="Check the SLM's tokens at each LLM catch-up: off, strict "
-                                     "(the LLM's own output: lossless) or a tolerance in nats (keep a token the LLM "
-                                     "finds within that of its own choice).")]
+Verify = Annotated[Optional[str], typer.Option("--verify", help="Check the SLM's tokens at each LLM catch-up: off, "
+                                               "strict (the LLM's own output: lossless) or a tolerance in nats (keep "
+                                               "a token the LLM finds within that of its own choice). Default: 1 "
+                                               "when routing, off for --router slm or llm.", show_default=False)]
 MaxUnverified = Annotated[Optional[int], typer.Option("--max-unverified", help="With --verify: catch up "
                                                       "and check once this many tokens are unread by the LLM "
                                                       "(default: no limit). --router slm --verify strict "

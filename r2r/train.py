@@ -119,6 +119,43 @@ def features(dataset: Path, slm, top_k: int = 100, progress=None, cache: Path | 
                     torch.cat([torch.full((len(by_id[rid]),), i) for i, rid in enumerate(ids)]), ids)
 
 
+def merged_features(datasets: list[Path], slm, top_k: int = 100, progress=None) -> Features:
+    """Several label datasets as one. A prompt (the same prompt tokens) is taken from the first dataset that
+    judged it: one whose differing positions are all `unparseable` there (the answer judge found no final answer
+    to compare) falls through to the next, so answer labels come first and facts labels fill in the rest."""
+    if len(datasets) == 1:
+        return features(datasets[0], slm, top_k, progress)
+    taken: set[tuple[int, ...]] = set()
+    kept: list[Features] = []
+    for dataset in datasets:
+        data = features(dataset, slm, top_k, progress)
+        _, responses = load_dataset(dataset)
+        keep = torch.zeros(len(data.labels), dtype=torch.bool)
+        for i, rid in enumerate(data.ids):
+            key = tuple(responses[rid]["prompt_ids"])
+            rows = data.prompt == i
+            verdicts = {data.labels[j] for j in rows.nonzero()[:, 0].tolist()} - {"identical"}
+            if key in taken or verdicts == {"unparseable"}:
+                continue
+            taken.add(key)
+            keep |= rows
+        kept.append(data.subset(keep))
+    ids = [f"{d}/{rid}" for d, data in zip(datasets, kept) for rid in data.ids]
+    offsets = [0]
+    for data in kept[:-1]:
+        offsets.append(offsets[-1] + len(data.ids))
+    prompt = torch.cat([data.prompt + offset for data, offset in zip(kept, offsets)])
+    merged = Features(*(torch.cat([getattr(data, key) for data in kept]) for key in FEATURE_KEYS),
+                      [lab for data in kept for lab in data.labels], torch.cat([data.entropy for data in kept]),
+                      prompt, ids)
+    # Prompts none of whose rows were kept stay in `ids` with no tokens: drop them so the split counts real prompts.
+    used = sorted(set(prompt.tolist()))
+    renumber = torch.full((len(ids),), -1, dtype=torch.long)
+    renumber[torch.tensor(used, dtype=torch.long)] = torch.arange(len(used))
+    merged.prompt, merged.ids = renumber[merged.prompt], [ids[i] for i in used]
+    return merged
+
+
 def _read_cache(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Cached features per prompt id (empty when there is no cache or it is from an older format)."""
     if not path.exists():
@@ -251,7 +288,7 @@ RATES = (0.05, 0.10, 0.15, 0.20, 0.25)  # LLM rates the reports give recall at
 ABLATION_INPUTS = ("hidden", "hidden,token", "hidden,token,logits")
 
 
-def train_router(dataset: Path, slm, out: Path, objective: str = "divergent", inputs: str = "hidden,token,logits",
+def train_router(datasets: list[Path], slm, out: Path, objective: str = "divergent", inputs: str = "hidden,token,logits",
                  dim: int = 128, blocks: int = 2, target_rate: float = 0.12, seed: int = 0, epochs: int = 40,
                  ablations: bool = False, progress=None) -> dict:
     """Train the router asked for (and, with `ablations`, every input set x objective on the same split),
@@ -266,7 +303,7 @@ def train_router(dataset: Path, slm, out: Path, objective: str = "divergent", in
     def lookup(tokens):
         return embed[tokens]
 
-    data = features(dataset, slm, progress=progress)
+    data = merged_features(datasets, slm, progress=progress)
     judged = "different" not in data.labels
     _, held_out = split_by_prompt(data, VAL_FRACTION, seed)  # the split every run below uses
     measured = recall_measured_on(held_out)
@@ -296,7 +333,8 @@ def train_router(dataset: Path, slm, out: Path, objective: str = "divergent", in
             metrics = {"objective": objective, "recall_of": measured, "target_rate": target_rate,
                        "val_tokens": len(val.labels), "val_prompts": int(val.prompt.unique().numel()),
                        "val_auc": results[-1]["val_auc"], "recall_at_rate": results[-1]["recall"],
-                       "entropy_baseline": entropy_baseline, "dataset": str(dataset), "seed": seed}
+                       "entropy_baseline": entropy_baseline, "dataset": ", ".join(map(str, datasets)),
+                       "prompts": len(data.ids), "seed": seed}
             save_router(out, checkpoint(router, results[-1]["threshold"], slm, {"training": metrics}))
     (out / "training.json").write_text(json.dumps({"runs": results, "entropy": entropy_baseline}, indent=2))
     return {"runs": results, "entropy": entropy_baseline, "metrics": metrics, "skipped": skipped}

@@ -66,6 +66,23 @@ def test_training_learns_a_planted_rule_and_is_reproducible(dataset, slm):
     assert all(torch.equal(a, b) for a, b in zip(router.state_dict().values(), again.state_dict().values()))
 
 
+def test_merged_datasets_take_each_prompt_from_the_first_that_judged_it(slm, tokenizer, tmp_path):
+    answer = planted_dataset(tmp_path / "answer", slm, tokenizer, n_prompts=6, length=10)
+    rows = pq.read_table(answer / "labels.parquet").to_pylist()
+    for r in rows:  # no final answer in p0's response: the answer judge left every differing position unparseable
+        if r["id"] == "p0" and r["label"] != "identical":
+            r["label"] = "unparseable"
+    pq.write_table(pa.Table.from_pylist(rows), answer / "labels.parquet")
+    facts = planted_dataset(tmp_path / "facts", slm, tokenizer, n_prompts=8, length=10)  # the same 6 prompts, 2 more
+    merged = training.merged_features([answer, facts], slm, top_k=20)
+    assert sorted(merged.ids) == sorted([f"{answer}/p{i}" for i in range(1, 6)] + [f"{facts}/p{i}" for i in (0, 6, 7)])
+    assert len(merged.labels) == 8 * 10 and "unparseable" not in merged.labels
+    assert sorted(set(merged.prompt.tolist())) == list(range(8))  # every prompt index names a kept prompt
+    alone = training.features(facts, slm, top_k=20)
+    p0 = merged.ids.index(f"{facts}/p0")
+    assert torch.equal(merged.hidden[merged.prompt == p0], alone.hidden[alone.prompt == alone.ids.index("p0")])
+
+
 def test_feature_cache_adds_only_new_prompts_and_survives_a_kill(dataset, slm, tmp_path, monkeypatch):
     import shutil
 
