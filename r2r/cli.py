@@ -346,14 +346,22 @@ def label_prompts(
 def label_agree(
     out: Path = typer.Argument(..., help="A label output directory whose judgements step has run."),
     judge: str = typer.Option("semantic", "--judge", help="The second judge: local, remote, semantic or facts."),
+    against: Optional[Path] = typer.Option(None, "--against", help="Instead of running a second judge, compare with "
+                                           "this label directory's judgements (the same responses branched another "
+                                           "way, e.g. with --rejoin-tokens 0: how often stopping early changed a label)."),
     judge_url: JudgeUrl = None, judge_model: JudgeModel = None,
     llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
-    """Run a second judge on the same differing positions and report how often it agrees with the first."""
+    """Run a second judge on the same differing positions (or read another directory's verdicts) and report how
+    often it agrees with the first."""
     from r2r import labels
 
-    if not (out / "judgements").exists():
-        raise R2RError(f"{out} has no judgements yet: run `r2r label PROMPTS --out {out}` first")
+    for path in (out, against):
+        if path is not None and not (path / "judgements").exists():
+            raise R2RError(f"{path} has no judgements yet: run `r2r label PROMPTS --out {path}` first")
+    if against is not None:
+        print(json.dumps(labels.agreement(out, other_dir=against)))
+        return
     name = f"judgements-{judge}"
     labels.step_judgements(load_judge(judge, judge_url, judge_model, llm, device, dtype, backend), out, name=name)
     print(json.dumps(labels.agreement(out, name)))

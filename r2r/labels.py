@@ -516,15 +516,25 @@ def report(dataset: Path) -> dict:
             "overall": stats(rows)}
 
 
-def agreement(out: Path, other: str) -> dict:
-    """How often the judge behind OUT/<other>/ agrees with the pipeline's judge on the same positions."""
+def agreement(out: Path, other: str = "judgements", other_dir: Path | None = None) -> dict:
+    """How often the verdicts in OUT/<other>/ (or, with `other_dir`, in that label directory's <other>/) agree with
+    OUT's pipeline judge on the same positions. Between two directories that share responses but branched with
+    different --rejoin-tokens it measures early stopping: `rejoined` covers the positions whose branch stopped
+    early in OUT, where a longer branch could have reached another answer."""
     first = {(j["id"], j["position"]): j["verdict"] for j in Parts(out, "judgements").rows()}
-    second = {(j["id"], j["position"]): j["verdict"] for j in Parts(out, other).rows()}
+    second = {(j["id"], j["position"]): j["verdict"] for j in Parts(other_dir or out, other).rows()}
+    rejoined = {(c["id"], c["position"]) for c in Parts(out, "continuations").rows() if c.get("rejoined")}
+
+    def compare(keys: list) -> dict:
+        confusion: dict[str, int] = {}
+        for k in keys:
+            confusion[f"{first[k]}/{second[k]}"] = confusion.get(f"{first[k]}/{second[k]}", 0) + 1
+        same = sum(first[k] == second[k] for k in keys)
+        return {"positions": len(keys), "agreement": same / len(keys) if keys else 0.0,
+                "confusion (pipeline judge/other judge)": confusion}
+
     both = [k for k in first if k in second]
-    confusion: dict[str, int] = {}
-    for k in both:
-        key = f"{first[k]}/{second[k]}"
-        confusion[key] = confusion.get(key, 0) + 1
-    same = sum(first[k] == second[k] for k in both)
-    return {"positions": len(both), "agreement": same / len(both) if both else 0.0,
-            "confusion (pipeline judge/other judge)": confusion}
+    result = compare(both)
+    if rejoined:
+        result["rejoined"] = compare([k for k in both if k in rejoined])
+    return result

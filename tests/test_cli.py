@@ -21,7 +21,11 @@ def test_generate_json_has_the_contract_keys(run_cli, pair):
     for key in ("text", "token_ids", "sources", "llm_rate", "avg_params_b", "tokens_per_s"):
         assert key in result
     assert len(result["sources"]) == len(result["token_ids"]) <= 12
-    assert set(result["sources"]) <= {"slm", "llm"}
+    assert set(result["sources"]) <= {"slm", "llm", "fix"}  # routing verifies by default: "fix" is the LLM's fix
+    code, out, err = run_cli("generate", "What is 48 / 2?", "--router", "random", "--threshold", "0.5",
+                             "--max-new-tokens", "12", "--seed", "3", "--json", "--verify", "off", *pair)
+    assert code == 0, err
+    assert set(json.loads(out)["sources"]) <= {"slm", "llm"} and json.loads(out)["rollbacks"] == 0
 
 
 def test_generate_raw_and_slm_only(run_cli, pair):
@@ -101,7 +105,11 @@ def test_llm_tokens_are_marked_when_output_is_not_a_terminal(run_cli, pair):
     code, out, err = run_cli("generate", "Hello", "--router", "random", "--threshold", "0.5", "--seed", "1",
                              "--max-new-tokens", "12", *pair)
     assert code == 0, err
-    assert "[[" in out and "]]" in out and "(in [[ ]])" in out
+    assert "[[" in out and "]]" in out and "(in [[ ]], fixes in {{ }})" in out  # routing verifies by default
+    code, out, err = run_cli("generate", "Hello", "--router", "random", "--threshold", "0.5", "--seed", "1",
+                             "--max-new-tokens", "12", "--verify", "off", *pair)
+    assert code == 0, err
+    assert "[[" in out and "]]" in out and "(in [[ ]])" in out and "{{" not in out
 
 
 def test_serving_benchmark_runs(run_cli, pair, tmp_path):

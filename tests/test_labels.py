@@ -351,6 +351,24 @@ def test_agreement_between_two_judges(tmp_path, slm, llm, tokenizer):
     assert labels.agreement(tmp_path, "judgements-contrary")["agreement"] == 0.0
 
 
+def test_agreement_between_early_stopped_and_full_rollouts(tmp_path, slm, llm, tokenizer, run_cli):
+    """`r2r label agree EARLY --against FULL`: what stopping at a re-join changed, on the positions it stopped at."""
+    run_pipeline(tmp_path / "full", slm, llm, tokenizer, judges.AnswerJudge(), rollout=True, rejoin_tokens=0)
+    run_pipeline(tmp_path / "early", slm, llm, tokenizer, judges.AnswerJudge(), rollout=True, rejoin_tokens=2)
+    result = labels.agreement(tmp_path / "early", other_dir=tmp_path / "full")
+    stopped = [c for c in labels.Parts(tmp_path / "early", "continuations").rows() if c.get("rejoined")]
+    assert result["positions"] == len([c for c in labels.Parts(tmp_path / "full", "continuations").rows()
+                                       if c["position"] >= 0])
+    assert result["rejoined"]["positions"] == len(stopped) > 0
+    assert sum(result["rejoined"]["confusion (pipeline judge/other judge)"].values()) == len(stopped)
+    assert labels.agreement(tmp_path / "full", other_dir=tmp_path / "full")["agreement"] == 1.0
+    code, out, err = run_cli("label", "agree", tmp_path / "early", "--against", tmp_path / "full")
+    assert code == 0, err
+    assert json.loads(out)["rejoined"] == result["rejoined"]
+    code, out, err = run_cli("label", "agree", tmp_path / "early", "--against", tmp_path / "nowhere")
+    assert code != 0 and "has no judgements yet" in err and "Traceback" not in err
+
+
 def test_same_text_is_neutral_without_asking_the_judge():
     asked = []
 
