@@ -484,6 +484,10 @@ def prefill_rows(out: Path) -> list[dict]:
             for pos, (slm_token, ent, diff) in enumerate(zip(p["slm_tokens"], p["entropy"], p["different"]))]
 
 
+# The R2R paper's training-data statistics (R1-1.5B vs R1-32B): different and divergent token rates.
+PAPER_RATES = {"math": (0.068, 0.028), "code": (0.103, 0.047), "qa": (0.202, 0.097), "overall": (0.108, 0.049)}
+
+
 def report(dataset: Path) -> dict:
     """The paper's statistics table: per domain and overall, different and divergent rates, entropy by label.
     Before the judge has run (no labels.parquet yet), the prefill step gives everything but the
@@ -512,7 +516,8 @@ def report(dataset: Path) -> dict:
         return out
 
     domains = sorted({r["domain"] for r in rows})
-    return {"judged": judged, "domains": {d: stats([r for r in rows if r["domain"] == d]) for d in domains},
+    return {"judged": judged, "paper": {k: {"different_rate": d, "divergent_rate": v} for k, (d, v) in PAPER_RATES.items()},
+            "domains": {d: stats([r for r in rows if r["domain"] == d]) for d in domains},
             "overall": stats(rows)}
 
 

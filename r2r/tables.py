@@ -85,12 +85,16 @@ def judge_check(result: dict, judge: str) -> tuple[Table, str]:
 def label_report(result: dict) -> Table:
     """`r2r label report`: the paper's statistics table."""
     title = None if result["judged"] else "not judged yet: the prefill step's figures (divergent ones need the judge)"
-    table = Table("domain", "queries", "tokens", "different", "divergent", "H identical", "H different", "H neutral",
-                  "H divergent", title=title)
+    table = Table("domain", "queries", "tokens", "different", "divergent", "paper", "H identical",
+                  "H different", "H neutral", "H divergent", title=title,
+                  caption="paper: different/divergent, R1-1.5B vs R1-32B labelled by a 72B judge (the R2R paper's training data)")
     fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    paper = result.get("paper", {})
     for name, r in [*result["domains"].items(), ("overall", result["overall"])]:
+        p = paper.get(name.lower())
         table.add_row(name, str(r["queries"]), str(r["tokens"]), f"{r['different_rate']:.1%}",
                       "–" if r["divergent_rate"] is None else f"{r['divergent_rate']:.1%}",
+                      f"{p['different_rate']:.1%}/{p['divergent_rate']:.1%}" if p else "–",
                       *[fmt(r[f"mean_entropy_{label}"]) for label in ("identical", "different", "neutral", "divergent")])
     return table
 
