@@ -256,6 +256,15 @@ def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
     slm_only = Engine(slm, None, tokenizer).generate([prompt], params)[0]
     assert requests[0].generation.token_ids == llm_only.token_ids
     assert requests[1].generation.token_ids == slm_only.token_ids
+    # The engine's verification is for routed rows: a forced row is its model alone unless it asks for more.
+    verifying = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0), verify="strict")
+    forced = [Request(prompt, params, force="slm"), Request(prompt, params, force="slm", verify="strict")]
+    batch = Batch(verifying)
+    batch.add(forced)
+    while batch.requests:
+        batch.step()
+    assert forced[0].verify == "off" and forced[0].generation.token_ids == slm_only.token_ids
+    assert forced[1].generation.token_ids == llm_only.token_ids  # the SLM drafts, the LLM checks: speculative
 
 
 def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, monkeypatch):
