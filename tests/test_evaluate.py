@@ -141,3 +141,38 @@ def test_eval_runs_verified_and_speculative_systems(run_cli, pair, tmp_path):
     code, _, err = run_cli("eval", "--benchmark", "gsm8k", "--systems", "random", "--ids", "0", "--verify", "maybe",
                            "--out", tmp_path, *pair)
     assert code != 0 and "verify takes off, strict or a tolerance" in err and len(err.strip().splitlines()) == 1
+
+
+def test_paired_counts_and_the_speed_pareto_scripts(tmp_path):
+    """scripts/paired.py (exact McNemar on the items where two systems disagree) and scripts/pareto-speed.py
+    (eval accuracy against `r2r bench` tokens/s, speculative decoding at the LLM's accuracy)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).parent.parent / "scripts"
+    correct = {"slm": [0] * 10, "llm": [1] * 8 + [0] * 2, "r2r": [1] * 2 + [0] * 8, "r2r+verify=1": [1] * 9 + [0]}
+    for system, marks in correct.items():
+        (tmp_path / f"{system}.jsonl").write_text("".join(json.dumps(
+            {"id": str(i), "correct": bool(c), "tokens": 100, "llm_tokens": 0 if system == "slm" else 10})
+            + "\n" for i, c in enumerate(marks)))
+    out = subprocess.run([sys.executable, scripts / "paired.py", tmp_path, "r2r+verify=1", "r2r"],
+                         capture_output=True, text=True, check=True).stdout
+    # verify=1 alone right on items 2-8 (7), r2r alone on none: p = 2 * 0.5^7
+    assert "only r2r+verify=1 right 7, only r2r right 0, McNemar p=0.02" in out.splitlines()[-1]
+    summary = {"benchmark": "gsm8k", "ids": "0-9", "systems": {
+        s: {"accuracy": sum(m) / 10, "accuracy_ci95": [0.0, 1.0], "llm_rate": 0.1} for s, m in correct.items()}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    bench = {"processor": "test CPU", "systems": {
+        name + " (llamacpp)": {"tokens_per_s": speed} for name, speed in
+        (("LLM alone", 27.0), ("SLM alone", 48.0), ("R2R", 26.0), ("R2R verify=1.0", 20.0), ("speculative k=4", 19.0))}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    subprocess.run([sys.executable, scripts / "pareto-speed.py", tmp_path, tmp_path / "bench.json",
+                    tmp_path / "plot.png"], capture_output=True, text=True, check=True)
+    points = {p["system"]: p for p in json.loads((tmp_path / "plot.json").read_text())["points"]}
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert points["r2r+verify=1"]["tokens_per_s"] == 20.0 and points["r2r+verify=1"]["accuracy"] == 0.9
+    assert points["speculative k=4"]["accuracy"] == 0.8 and points["llm"]["tokens_per_s"] == 27.0
+    missing = subprocess.run([sys.executable, scripts / "pareto-speed.py", tmp_path / "nowhere", tmp_path / "bench.json",
+                              tmp_path / "x.png"], capture_output=True, text=True)
+    assert missing.returncode != 0 and "not found" in missing.stderr and "Traceback" not in missing.stderr
