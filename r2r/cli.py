@@ -285,7 +285,7 @@ def label_run(
     rejoin_tokens: int = typer.Option(8, "--rejoin-tokens", min=0, help="--judge answer: a branch whose last N "
                                       "tokens run in a row in the LLM's response has re-joined it and stops "
                                       "(neutral); 0: every branch runs to its end."),
-    batch_size: int = count(4, "--batch-size"),
+    batch_size: int = count(4, "--batch-size", help="Responses (step 0) and branches (step 2) decoded together."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
     """Run the label pipeline (or some of its steps); re-running resumes where it stopped."""
