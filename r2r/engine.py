@@ -252,7 +252,9 @@ class Engine:
         if self.slm is None and r.force == "slm":
             raise R2RError("this request asks for the SLM, but no SLM is loaded")
         # The engine's setting is for routed rows: a row forced onto one model is that model alone unless it asks.
-        r.verify = parse_verify((("off" if r.force else self.verify) if r.verify is None else r.verify))
+        if r.verify is None:
+            r.verify = "off" if r.force else self.verify
+        r.verify = parse_verify(r.verify)
         r.max_unverified = check_max_unverified(self.max_unverified if r.max_unverified is None else r.max_unverified)
         if r.verify != "off":
             self._check_verifiable(r)
