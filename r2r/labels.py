@@ -20,6 +20,7 @@ import json
 import re
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -376,12 +377,10 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
             def sentence_ends(i: int, branch: list[int]) -> bool:
                 return bool(SENTENCE_END.search(tokenizer.decode([tokens[i]] + branch, skip_special_tokens=True)))
 
-            if rollout:  # to the end of the answer: at most the response's remaining length + a margin
-                branches = llm_branches(llm, base, prompt_length, chunk, tokens, [len(x) + ROLLOUT_MARGIN for x in rests],
-                                    llm_engine.eos_ids, rejoined)
-            else:
-                branches = llm_branches(llm, base, prompt_length, chunk, tokens, [max_new_tokens] * len(chunk),
-                                    llm_engine.eos_ids, sentence_ends)
+            # A rollout runs to the end of the answer: at most the response's remaining length + a margin.
+            limits = [len(x) + ROLLOUT_MARGIN for x in rests] if rollout else [max_new_tokens] * len(chunk)
+            branches = llm_branches(llm, base, prompt_length, chunk, tokens, limits, llm_engine.eos_ids,
+                                    rejoined if rollout else sentence_ends)
             for i, (pos, token, written) in enumerate(zip(chunk, tokens, branches)):
                 generated += len(written) + 1
                 row = {"id": r["id"], "position": pos, "slm_token": token, "llm_token": response[pos],
@@ -531,12 +530,9 @@ def agreement(out: Path, other: str = "judgements", other_dir: Path | None = Non
     rejoined = {(c["id"], c["position"]) for c in Parts(out, "continuations").rows() if c.get("rejoined")}
 
     def compare(keys: list) -> dict:
-        confusion: dict[str, int] = {}
-        for k in keys:
-            confusion[f"{first[k]}/{second[k]}"] = confusion.get(f"{first[k]}/{second[k]}", 0) + 1
         same = sum(first[k] == second[k] for k in keys)
         return {"positions": len(keys), "agreement": same / len(keys) if keys else 0.0,
-                "confusion (pipeline judge/other judge)": confusion}
+                "confusion (pipeline judge/other judge)": dict(Counter(f"{first[k]}/{second[k]}" for k in keys))}
 
     both = [k for k in first if k in second]
     result = compare(both)

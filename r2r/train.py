@@ -127,33 +127,25 @@ def merged_features(datasets: list[Path], slm, top_k: int = 100, progress=None) 
         return features(datasets[0], slm, top_k, progress)
     taken: set[tuple[int, ...]] = set()
     kept: list[Features] = []
+    ids: list[str] = []  # the merged prompts, "<dataset>/<id>"
     for dataset in datasets:
         data = features(dataset, slm, top_k, progress)
         _, responses = load_dataset(dataset)
-        keep = torch.zeros(len(data.labels), dtype=torch.bool)
+        index = torch.full((len(data.ids),), -1, dtype=torch.long)  # this dataset's prompt -> merged prompt
         for i, rid in enumerate(data.ids):
             key = tuple(responses[rid]["prompt_ids"])
-            rows = data.prompt == i
-            verdicts = {data.labels[j] for j in rows.nonzero()[:, 0].tolist()} - {"identical"}
+            verdicts = {data.labels[j] for j in (data.prompt == i).nonzero()[:, 0].tolist()} - {"identical"}
             if key in taken or verdicts == {"unparseable"}:
                 continue
             taken.add(key)
-            keep |= rows
-        kept.append(data.subset(keep))
-    ids = [f"{d}/{rid}" for d, data in zip(datasets, kept) for rid in data.ids]
-    offsets = [0]
-    for data in kept[:-1]:
-        offsets.append(offsets[-1] + len(data.ids))
-    prompt = torch.cat([data.prompt + offset for data, offset in zip(kept, offsets)])
-    merged = Features(*(torch.cat([getattr(data, key) for data in kept]) for key in FEATURE_KEYS),
-                      [lab for data in kept for lab in data.labels], torch.cat([data.entropy for data in kept]),
-                      prompt, ids)
-    # Prompts none of whose rows were kept stay in `ids` with no tokens: drop them so the split counts real prompts.
-    used = sorted(set(prompt.tolist()))
-    renumber = torch.full((len(ids),), -1, dtype=torch.long)
-    renumber[torch.tensor(used, dtype=torch.long)] = torch.arange(len(used))
-    merged.prompt, merged.ids = renumber[merged.prompt], [ids[i] for i in used]
-    return merged
+            index[i] = len(ids)
+            ids.append(f"{dataset}/{rid}")
+        chosen = data.subset(index[data.prompt] >= 0)
+        chosen.prompt = index[chosen.prompt]
+        kept.append(chosen)
+    return Features(*(torch.cat([getattr(data, key) for data in kept]) for key in FEATURE_KEYS),
+                    [lab for data in kept for lab in data.labels], torch.cat([data.entropy for data in kept]),
+                    torch.cat([data.prompt for data in kept]), ids)
 
 
 def _read_cache(path: Path) -> dict[str, dict[str, torch.Tensor]]:
