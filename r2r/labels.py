@@ -328,9 +328,11 @@ def llm_branches(llm, base, prompt_length: int, positions: list[int], tokens: li
 
 
 def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None, rollout: bool = False,
-                       rejoin_tokens: int = REJOIN_TOKENS, batch_size: int = 1) -> None:
+                       rejoin_tokens: int = REJOIN_TOKENS, batch_size: int = 1, answered=None) -> None:
     """From each differing position, the LLM continues the SLM's token to the end of the sentence, or with
-    `rollout` (the answer judge) to the end of its answer.
+    `rollout` (the answer judge) to the end of its answer. `answered(text)`, with `rollout`: whether a response
+    states a final answer; one that does not (cut off at its length, say) gets no rollouts, since every
+    verdict there is `unparseable` whatever its branches say: the rows hold the SLM's token alone.
 
     Per response the LLM reads prompt + response once; each position then costs only its own
     continuation: positions are visited from last to first, `batch_size` branches decoded together, each
@@ -357,6 +359,13 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
         response, prompt_length = r["response_ids"], len(r["prompt_ids"])
         positions = [pos for pos, diff in enumerate(p["different"]) if diff]
         began, generated, rows = time.perf_counter(), 0, []
+        if positions and rollout and answered and not answered(tokenizer.decode(response, skip_special_tokens=True)):
+            rows = [{"id": r["id"], "position": pos, "slm_token": slm_tokens[pos], "llm_token": response[pos],
+                     "context": tokenizer.decode(response[:pos], skip_special_tokens=True),
+                     "slm_branch": tokenizer.decode([slm_tokens[pos]], skip_special_tokens=True),
+                     "llm_branch": tokenizer.decode(response[pos:], skip_special_tokens=True), "rejoined": False}
+                    for pos in positions]
+            positions = []
         if positions:
             base = llm.new_cache()
             ids = r["prompt_ids"] + response[: positions[-1]]
@@ -397,9 +406,9 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
                                  "llm_branch": to_sentence_end(tokenizer.decode(response[pos:], skip_special_tokens=True))})
         # One part per response, so a response's positions are all there or none are.
         parts.write(sorted(rows, key=lambda row: row["position"]) or [{"id": r["id"], "position": -1}])
-        log_throughput(out, "continuations", len(positions), generated, time.perf_counter() - began)
+        log_throughput(out, "continuations", len(rows), generated, time.perf_counter() - began)
         if progress:
-            progress.advance(task, len(positions))
+            progress.advance(task, len(rows))
 
 
 def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name: str = "judgements") -> None:
@@ -467,7 +476,8 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
     if "prefill" in chosen:
         step_prefill(slm, out, progress)
     if "continuations" in chosen:
-        step_continuations(llm_alone, out, continuation_tokens, progress, rollout, rejoin_tokens, batch_size)
+        step_continuations(llm_alone, out, continuation_tokens, progress, rollout, rejoin_tokens, batch_size,
+                           answered=lambda text: judges.final_answer(text) is not None)
     if "judgements" in chosen:
         step_judgements(judge_for(llm_alone), out, progress=progress)
     return step_labels(out) if "labels" in chosen else None

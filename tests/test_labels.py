@@ -169,6 +169,30 @@ def test_rollouts_run_to_the_end_of_the_answer_or_until_they_rejoin_the_response
         labels.step_continuations(llm_engine, tmp_path / "early", max_new_tokens=8)
 
 
+def test_responses_stating_no_answer_get_no_rollouts(tmp_path, slm, llm, tokenizer, monkeypatch):
+    run_pipeline(tmp_path / "all", slm, llm, tokenizer, judges.AnswerJudge(), rollout=True, rejoin_tokens=2)
+    llm_engine = Engine.alone(llm, tokenizer)
+    out = tmp_path / "skip"
+    labels.step_responses(PROMPTS, llm_engine, out, max_new_tokens=24, batch_size=2)
+    labels.step_prefill(slm, out)
+    first = labels.Parts(out, "responses").rows()[0]
+    silent = tokenizer.decode(first["response_ids"], skip_special_tokens=True)  # say it states no answer
+    decoded = []  # the positions branched from
+    real_branches = labels.llm_branches
+    monkeypatch.setattr(labels, "llm_branches", lambda *a: decoded.extend(a[3]) or real_branches(*a))
+    labels.step_continuations(llm_engine, out, 8, rollout=True, rejoin_tokens=2, answered=lambda t: t != silent)
+    labels.step_judgements(judges.AnswerJudge(), out)
+    rows = [c for c in labels.Parts(out, "continuations").rows() if c["position"] >= 0]
+    skipped = [c for c in rows if c["id"] == first["id"]]
+    assert skipped and all(c["slm_branch"] == tokenizer.decode([c["slm_token"]]) for c in skipped)
+    assert len(decoded) == len(rows) - len(skipped) > 0
+    both = {(c["id"], c["position"]): c for c in labels.Parts(tmp_path / "all", "continuations").rows()}
+    assert all(c == both[(c["id"], c["position"])] for c in rows if c["id"] != first["id"])  # rolled out as before
+    verdicts = {(j["id"], j["position"]): j["verdict"] for j in labels.Parts(out, "judgements").rows()}
+    whole = {(j["id"], j["position"]): j["verdict"] for j in labels.Parts(tmp_path / "all", "judgements").rows()}
+    assert verdicts == whole  # the skipped response's positions are unparseable either way
+
+
 @pytest.mark.parametrize("rollout", [False, True])
 def test_branches_decoded_together_equal_branches_decoded_one_at_a_time(tmp_path, slm, llm, tokenizer, rollout):
     """Batched branches start from copies of one cache, each rolled back to its position: the same tokens."""
