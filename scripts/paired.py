@@ -2,6 +2,10 @@
 accuracy, LLM rate, share of the SLM->LLM gap recovered, items only one of them gets right, exact McNemar p.
 
     python scripts/paired.py runs/eval/gsm8k r2r entropy
+    python scripts/paired.py runs/eval/gsm8k r2r runs/eval-entropy20/gsm8k:entropy   # B from another directory
+
+A system may be given as DIR:SYSTEM to take its results from another results directory (the same benchmark:
+items are matched by id); slm and llm come from RESULTS_DIR.
 """
 import json
 import sys
@@ -10,6 +14,9 @@ from pathlib import Path
 
 
 def load(results_dir: Path, system: str) -> dict[str, dict]:
+    if ":" in system:  # DIR:SYSTEM
+        other, system = system.rsplit(":", 1)
+        results_dir = Path(other)
     path = results_dir / f"{system}.jsonl"
     if not path.is_file():
         sys.exit(f"error: {path} not found: give an `r2r eval` results directory holding {system}, slm and llm")
@@ -27,13 +34,15 @@ def compare(rows: dict[str, dict], a: str, b: str, ids: list[str]) -> str:
     recovered = {s: f"{(acc[s] - acc['slm']) / gap:.0%}" if gap else "n/a" for s in (a, b)}
     return (f"{len(ids)} items | slm {acc['slm']:.1%} llm {acc['llm']:.1%} | {a} {acc[a]:.1%} at {rate[a]:.1%} "
             f"(gap {recovered[a]}) | {b} {acc[b]:.1%} at {rate[b]:.1%} (gap {recovered[b]}) | "
-            f"only {a} right {only_a}, only {b} right {only_b}, McNemar p={p:.2f}")
+            f"only {a} right {only_a}, only {b} right {only_b}, McNemar p={p:.2g}")
 
 
 def main():
     if len(sys.argv) != 4:
-        sys.exit("usage: python scripts/paired.py RESULTS_DIR SYSTEM_A SYSTEM_B")
+        sys.exit("usage: python scripts/paired.py RESULTS_DIR SYSTEM_A SYSTEM_B   (a system may be OTHER_DIR:SYSTEM)")
     results_dir, a, b = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    if a == b:
+        sys.exit(f"error: {a} against itself: give two systems")
     rows = {s: load(results_dir, s) for s in (a, b, "slm", "llm")}
     ids = sorted(set.intersection(*(set(r) for r in rows.values())), key=int)
     if not ids:

@@ -159,7 +159,13 @@ def test_paired_counts_and_the_speed_pareto_scripts(tmp_path):
     out = subprocess.run([sys.executable, scripts / "paired.py", tmp_path, "r2r+verify=1", "r2r"],
                          capture_output=True, text=True, check=True).stdout
     # verify=1 alone right on items 2-8 (7), r2r alone on none: p = 2 * 0.5^7
-    assert "only r2r+verify=1 right 7, only r2r right 0, McNemar p=0.02" in out.splitlines()[-1]
+    assert "only r2r+verify=1 right 7, only r2r right 0, McNemar p=0.016" in out.splitlines()[-1]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "entropy.jsonl").write_text((tmp_path / "r2r.jsonl").read_text())  # a system from another run
+    out = subprocess.run([sys.executable, scripts / "paired.py", tmp_path, "r2r+verify=1", f"{other}:entropy"],
+                         capture_output=True, text=True, check=True).stdout
+    assert f"only r2r+verify=1 right 7, only {other}:entropy right 0, McNemar p=0.016" in out.splitlines()[-1]
     summary = {"benchmark": "gsm8k", "ids": "0-9", "systems": {
         s: {"accuracy": sum(m) / 10, "accuracy_ci95": [0.0, 1.0], "llm_rate": 0.1} for s, m in correct.items()}}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
