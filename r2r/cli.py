@@ -348,7 +348,8 @@ def label_agree(
     judge: str = typer.Option("semantic", "--judge", help="The second judge: local, remote, semantic or facts."),
     against: Optional[Path] = typer.Option(None, "--against", help="Instead of running a second judge, compare with "
                                            "this label directory's judgements (the same responses branched another "
-                                           "way, e.g. with --rejoin-tokens 0: how often stopping early changed a label)."),
+                                           "way, e.g. with --rejoin-tokens 0: how often stopping early changed a label; "
+                                           "or a committed dataset's labels.parquet, labelled by another judge)."),
     judge_url: JudgeUrl = None, judge_model: JudgeModel = None,
     llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
@@ -356,9 +357,11 @@ def label_agree(
     often it agrees with the first."""
     from r2r import labels
 
-    for path in (out, against):
-        if path is not None and not (path / "judgements").exists():
-            raise R2RError(f"{path} has no judgements yet: run `r2r label PROMPTS --out {path}` first")
+    if not (out / "judgements").exists():
+        raise R2RError(f"{out} has no judgements yet: run `r2r label PROMPTS --out {out}` first")
+    if against is not None and not ((against / "judgements").exists() or (against / "labels.parquet").exists()):
+        raise R2RError(f"{against} has no judgements yet (nor a labels.parquet): run `r2r label PROMPTS --out "
+                       f"{against}` first")
     if against is not None:
         print(json.dumps(labels.agreement(out, other_dir=against)))
         return

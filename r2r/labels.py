@@ -531,12 +531,17 @@ def report(dataset: Path) -> dict:
 
 
 def agreement(out: Path, other: str = "judgements", other_dir: Path | None = None) -> dict:
-    """How often the verdicts in OUT/<other>/ (or, with `other_dir`, in that label directory's <other>/) agree with
+    """How often the verdicts in OUT/<other>/ (or, with `other_dir`, in that label directory's <other>/, else its
+    labels.parquet) agree with
     OUT's pipeline judge on the same positions. Between two directories that share responses but branched with
     different --rejoin-tokens it measures early stopping: `rejoined` covers the positions whose branch stopped
     early in OUT, where a longer branch could have reached another answer."""
     first = {(j["id"], j["position"]): j["verdict"] for j in Parts(out, "judgements").rows()}
     second = {(j["id"], j["position"]): j["verdict"] for j in Parts(other_dir or out, other).rows()}
+    if other_dir and not second and (other_dir / "labels.parquet").exists():
+        # a committed dataset keeps only its labels (data/labels/default): a differing position's label is its verdict
+        second = {(r["id"], r["position"]): r["label"] for r in pq.read_table(other_dir / "labels.parquet").to_pylist()
+                  if r["label"] != "identical"}
     rejoined = {(c["id"], c["position"]) for c in Parts(out, "continuations").rows() if c.get("rejoined")}
 
     def compare(keys: list) -> dict:
