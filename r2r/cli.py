@@ -282,9 +282,10 @@ def label_run(
     judge: JudgeKind = "local", judge_url: JudgeUrl = None, judge_model: JudgeModel = None,
     max_new_tokens: int = count(256, "--max-new-tokens", help="Longest LLM response (step 0)."),
     continuation_tokens: int = count(32, "--continuation-tokens", help="Longest branch continuation (step 2)."),
-    rejoin_tokens: int = typer.Option(8, "--rejoin-tokens", min=0, help="--judge answer: a branch whose last N "
+    rejoin_tokens: int = typer.Option(0, "--rejoin-tokens", min=0, help="--judge answer: a branch whose last N "
                                       "tokens run in a row in the LLM's response has re-joined it and stops "
-                                      "(neutral); 0: every branch runs to its end."),
+                                      "(neutral); 0 (default): every branch runs to its end (stopping at 8 "
+                                      "tokens changed 19% of the stopped verdicts on the default pair)."),
     batch_size: int = count(4, "--batch-size", help="Responses (step 0) and branches (step 2) decoded together."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):

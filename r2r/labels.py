@@ -295,7 +295,11 @@ def step_prefill(slm, out: Path, progress=None) -> None:
             progress.advance(task, 1)
 
 
-REJOIN_TOKENS = 8  # a rollout whose last 8 tokens run in a row in the LLM's response has re-joined it
+# A rollout whose last N tokens run in a row in the LLM's response has re-joined it and may stop, neutral. Off (0)
+# by default: measured on the default pair (10 math prompts, 129 stopped positions), a branch stopped at 8 tokens
+# had another final answer at its full end in 25 cases (19%), and even 32 tokens at the aligned offset missed 10 of 40
+# (the rest of a greedy path depends on the whole prefix). Full rollouts cost 4.6x the early-stopped ones there.
+REJOIN_TOKENS = 0
 ROLLOUT_MARGIN = 64  # a rollout may run this many tokens longer than the rest of the response
 
 
