@@ -249,6 +249,16 @@ class AnswerJudge:
         return out
 
 
+def off_reference(verdict: tuple[str, str], context: str, llm_branch: str, reference: str) -> tuple[str, str]:
+    """The answer judge with a reference: where the LLM's own final answer is not the reference, routing a token to
+    the LLM cannot make the answer right, and another answer from the SLM's branch is one wrong answer for another.
+    Such positions are not judged (`unparseable`, the raw answer says why); the others keep their verdict."""
+    answer = final_answer(context + llm_branch)
+    if not reference or answer is None or verdict[0] == "unparseable" or same_answer(answer, reference):
+        return verdict
+    return "unparseable", f"{verdict[1]}; the LLM's own answer misses the reference {reference!r}"
+
+
 JUDGES = ("local", "remote", "semantic", "facts", "answer")
 
 

@@ -415,7 +415,10 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
             progress.advance(task, len(rows))
 
 
-def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name: str = "judgements") -> None:
+def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name: str = "judgements",
+                    references: dict[str, str] | None = None) -> None:
+    """`references` (prompt id -> reference answer), for the answer judge: positions of a response whose own final
+    answer misses its prompt's reference are not judged (`judges.off_reference`)."""
     continuations = [c for c in Parts(out, "continuations").rows() if c["position"] >= 0]
     parts = Parts(out, name)
     done = {(j["id"], j["position"]) for j in parts.rows()}
@@ -426,6 +429,9 @@ def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name:
         chunk = todo[i : i + batch_size]
         began = time.perf_counter()
         verdicts = judges.judge_cases(judge, [(c["context"], c["llm_branch"], c["slm_branch"]) for c in chunk])
+        if references and getattr(judge, "rollout", False):
+            verdicts = [judges.off_reference(v, c["context"], c["llm_branch"], references.get(c["id"], ""))
+                        for c, v in zip(chunk, verdicts)]
         log_throughput(out, f"{name} ({judge.name})", len(chunk), 0, time.perf_counter() - began)
         parts.write([{"id": c["id"], "position": c["position"], "verdict": v, "raw": raw, "judge": judge.name}
                      for c, (v, raw) in zip(chunk, verdicts)])
@@ -470,7 +476,8 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
     chosen = [s.strip() for s in steps.split(",") if s.strip()]
     if not chosen or any(s not in STEPS for s in chosen):
         raise R2RError(f"--steps takes a comma-separated subset of {','.join(STEPS)}, got {steps!r}")
-    prompt_set = load_prompts(prompts) if "responses" in chosen else None
+    rollout_judged = rollout and "judgements" in chosen  # the answer judge reads the prompts' references
+    prompt_set = load_prompts(prompts) if "responses" in chosen or rollout_judged else None
     out.mkdir(parents=True, exist_ok=True)
     if any(s != "labels" for s in chosen):  # the labels step only joins Parquet parts: no model to load
         slm, llm, tokenizer = load_pair()
@@ -483,7 +490,15 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
         step_continuations(llm_alone, out, continuation_tokens, progress, rollout, rejoin_tokens, batch_size,
                            answered=lambda text: judges.final_answer(text) is not None)
     if "judgements" in chosen:
-        step_judgements(judge_for(llm_alone), out, progress=progress)
+        references = None
+        if rollout_judged:  # a reference is used only for the prompt the response answered, never for a namesake
+            by_id = {p["id"]: p for p in prompt_set}
+            for r in Parts(out, "responses").rows():
+                if r["id"] in by_id and llm_alone.encode_chat(by_id[r["id"]]["prompt"]) != r["prompt_ids"]:
+                    raise R2RError(f"{prompts} is not the prompt set {out}'s responses answer ({r['id']} has another "
+                                   "prompt there): give the prompt set the run was started with")
+            references = {i: p["reference"] for i, p in by_id.items()}
+        step_judgements(judge_for(llm_alone), out, progress=progress, references=references)
     return step_labels(out) if "labels" in chosen else None
 
 

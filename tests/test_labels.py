@@ -213,6 +213,36 @@ def test_rejoin_point():
     assert labels.rejoin_point([7, 8], response, 0) is None  # 0: never stop early
 
 
+def test_answer_judge_sets_aside_positions_where_the_llm_misses_the_reference():
+    half = "Half of 48 "
+    wrong_llm = judges.off_reference(("divergent", "'25' vs '26'"), half, "is 25. The answer is 25.", "24")
+    assert wrong_llm[0] == "unparseable" and "misses the reference '24'" in wrong_llm[1]
+    right_llm = ("divergent", "'24' vs '25'")
+    assert judges.off_reference(right_llm, half, "is 24. The answer is \\boxed{24}", "24") == right_llm
+    assert judges.off_reference(right_llm, half, "is 25. The answer is 25.", "") == right_llm  # no reference
+    neutral = ("neutral", "'24' vs '24'")
+    assert judges.off_reference(neutral, half, "is 24. The answer is 24.", "24.0") == neutral  # math-verify equal
+
+
+def test_the_answer_judge_gets_each_prompts_reference_and_only_its_own(tmp_path, slm, llm, tokenizer, monkeypatch):
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{**p, "reference": f"ref-{i}"} for i, p in enumerate(PROMPTS)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = []
+    real = judges.off_reference
+    monkeypatch.setattr(judges, "off_reference", lambda v, c, b, ref: seen.append(ref) or real(v, c, b, ref))
+    run = lambda path, steps: labels.run(path, tmp_path / "out", steps, lambda: (slm, llm, tokenizer),  # noqa: E731
+                                         lambda _: judges.AnswerJudge(), max_new_tokens=16, rollout=True)
+    run(prompts, "responses,prefill,continuations,judgements,labels")
+    judged = labels.Parts(tmp_path / "out", "judgements").rows()
+    references = {p["id"]: p["reference"] for p in rows}
+    assert seen and sorted(seen) == sorted(references[j["id"]] for j in judged)
+    namesake = tmp_path / "other.jsonl"  # the same ids, other prompts: its references are not these responses'
+    namesake.write_text("".join(json.dumps({**r, "prompt": r["prompt"] + " Again."}) + "\n" for r in rows))
+    with pytest.raises(R2RError, match="is not the prompt set"):
+        run(namesake, "judgements,labels")
+
+
 def test_answer_judge_compares_final_answers():
     judge = judges.AnswerJudge()
     cases = [
