@@ -491,13 +491,16 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
                            answered=lambda text: judges.final_answer(text) is not None)
     if "judgements" in chosen:
         references = None
-        if rollout_judged:  # a reference is used only for the prompt the response answered, never for a namesake
-            by_id = {p["id"]: p for p in prompt_set}
-            for r in Parts(out, "responses").rows():
-                if r["id"] in by_id and llm_alone.encode_chat(by_id[r["id"]]["prompt"]) != r["prompt_ids"]:
-                    raise R2RError(f"{prompts} is not the prompt set {out}'s responses answer ({r['id']} has another "
-                                   "prompt there): give the prompt set the run was started with")
-            references = {i: p["reference"] for i, p in by_id.items()}
+        if rollout_judged:
+            # A reference belongs to the prompt a response answered: matched by its prompt tokens, never by id alone
+            # (another prompt set may reuse the ids, and a regenerated one may differ in a few prompts).
+            by_prompt = {tuple(llm_alone.encode_chat(p["prompt"])): p["reference"] for p in prompt_set}
+            responses = Parts(out, "responses").rows()
+            references = {r["id"]: by_prompt[tuple(r["prompt_ids"])] for r in responses
+                          if tuple(r["prompt_ids"]) in by_prompt}
+            if responses and not references:
+                raise R2RError(f"{prompts} is not the prompt set {out}'s responses answer (none of its prompts is "
+                               "there): give the prompt set the run was started with")
         step_judgements(judge_for(llm_alone), out, progress=progress, references=references)
     return step_labels(out) if "labels" in chosen else None
 

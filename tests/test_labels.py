@@ -241,6 +241,14 @@ def test_the_answer_judge_gets_each_prompts_reference_and_only_its_own(tmp_path,
     namesake.write_text("".join(json.dumps({**r, "prompt": r["prompt"] + " Again."}) + "\n" for r in rows))
     with pytest.raises(R2RError, match="is not the prompt set"):
         run(namesake, "judgements,labels")
+    (tmp_path / "out" / "labels.parquet").unlink()
+    for part in (tmp_path / "out" / "judgements").iterdir():
+        part.unlink()
+    seen.clear()  # one prompt changed since: only the others' references are used
+    changed = [{**r, "prompt": r["prompt"] + " Again."} if i == 0 else r for i, r in enumerate(rows)]
+    namesake.write_text("".join(json.dumps(r) + "\n" for r in changed))
+    run(namesake, "judgements,labels")
+    assert sorted(seen) == sorted(references[j["id"]] if j["id"] != rows[0]["id"] else "" for j in judged)
 
 
 def test_answer_judge_compares_final_answers():
