@@ -363,14 +363,9 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
         response, prompt_length = r["response_ids"], len(r["prompt_ids"])
         positions = [pos for pos, diff in enumerate(p["different"]) if diff]
         began, generated, rows = time.perf_counter(), 0, []
-        if positions and rollout and answered and not answered(tokenizer.decode(response, skip_special_tokens=True)):
-            rows = [{"id": r["id"], "position": pos, "slm_token": slm_tokens[pos], "llm_token": response[pos],
-                     "context": tokenizer.decode(response[:pos], skip_special_tokens=True),
-                     "slm_branch": tokenizer.decode([slm_tokens[pos]], skip_special_tokens=True),
-                     "llm_branch": tokenizer.decode(response[pos:], skip_special_tokens=True), "rejoined": False}
-                    for pos in positions]
-            positions = []
-        if positions:
+        unanswered = bool(positions) and rollout and answered is not None and not answered(
+            tokenizer.decode(response, skip_special_tokens=True))  # its branches stay at the SLM's token
+        if positions and not unanswered:
             base = llm.new_cache()
             ids = r["prompt_ids"] + response[: positions[-1]]
             llm.read(base, torch.tensor([ids], device=llm.device), mask_for(base, len(ids), llm.device))
@@ -392,10 +387,10 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
 
             # A rollout runs to the end of the answer: at most the response's remaining length + a margin.
             limits = [len(x) + ROLLOUT_MARGIN for x in rests] if rollout else [max_new_tokens] * len(chunk)
-            branches = llm_branches(llm, base, prompt_length, chunk, tokens, limits, llm_engine.eos_ids,
-                                    rejoined if rollout else sentence_ends)
+            branches = [[] for _ in chunk] if unanswered else llm_branches(
+                llm, base, prompt_length, chunk, tokens, limits, llm_engine.eos_ids, rejoined if rollout else sentence_ends)
             for i, (pos, token, written) in enumerate(zip(chunk, tokens, branches)):
-                generated += len(written) + 1
+                generated += 0 if unanswered else len(written) + 1
                 row = {"id": r["id"], "position": pos, "slm_token": token, "llm_token": response[pos],
                        "context": tokenizer.decode(response[:pos], skip_special_tokens=True)}
                 if rollout:
@@ -410,9 +405,9 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
                                  "llm_branch": to_sentence_end(tokenizer.decode(response[pos:], skip_special_tokens=True))})
         # One part per response, so a response's positions are all there or none are.
         parts.write(sorted(rows, key=lambda row: row["position"]) or [{"id": r["id"], "position": -1}])
-        log_throughput(out, "continuations", len(rows), generated, time.perf_counter() - began)
+        log_throughput(out, "continuations", len(positions), generated, time.perf_counter() - began)
         if progress:
-            progress.advance(task, len(rows))
+            progress.advance(task, len(positions))
 
 
 def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name: str = "judgements",
