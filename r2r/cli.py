@@ -287,6 +287,11 @@ def label_run(
                                       "(neutral); 0 (default): every branch runs to its end (stopping at 8 "
                                       "tokens changed 19% of the stopped verdicts on the default pair)."),
     batch_size: int = count(4, "--batch-size", help="Responses (step 0) and branches (step 2) decoded together."),
+    writer: str = typer.Option("llm", "--writer", help="Who writes the responses: llm (the paper's labels) or slm "
+                               "(on-policy: the prefixes the router meets when it runs; needs --judge margin)."),
+    margin: float = typer.Option(1.0, "--margin", help="--judge margin: divergent where the LLM ranks the SLM's "
+                                 "token more than this many nats below its own (what --verify at this tolerance "
+                                 "rejects)."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
     """Run the label pipeline (or some of its steps); re-running resumes where it stopped."""
@@ -294,12 +299,16 @@ def label_run(
     from r2r.models import load_pair
 
     def judge_for(llm_alone):
-        return judges.build(judge, lambda: llm_alone, judge_url, judge_model, device)
+        return judges.build(judge, lambda: llm_alone, judge_url, judge_model, device, margin)
+
+    if judge == "margin":
+        judges.MarginJudge(margin)  # a bad --margin is refused before any model loads
 
     with progress_bar(RateColumn(), TimeRemainingColumn()) as progress:
         dataset = labels.run(prompts, out, steps, lambda: load_pair(slm, llm, device, dtype=dtype, backend=backend),
                              judge_for, max_new_tokens, continuation_tokens, batch_size, progress,
-                             rollout=judge == "answer", rejoin_tokens=rejoin_tokens)
+                             rollout=judge == "answer", rejoin_tokens=rejoin_tokens, margin=judge == "margin",
+                             writer=writer)
     if dataset:
         console.print(f"labelled dataset: {dataset}")
     for step, t in labels.throughput(out).items():

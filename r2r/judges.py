@@ -2,9 +2,11 @@
 
 Every judge has the same contract: `judge(cases) -> [(verdict, raw answer)]`, verdict one of
 "neutral", "divergent" or "unparseable" (an answer that says neither, or both, is recorded as
-such and never guessed). Four implementations: the pair's own LLM (local, the default), any
-OpenAI-compatible endpoint (a big model, as the paper used), a fast sentence-embedding judge, and a
-rule that compares the numbers and names the two continuations state.
+such and never guessed). The implementations: the pair's own LLM (local, the default), any
+OpenAI-compatible endpoint (a big model, as the paper used), a fast sentence-embedding judge, a
+rule that compares the numbers and names the two continuations state, and one that compares the final
+answers of two branches written to the end. The margin judge alone reads no text: the LLM's
+log-probability gap between its token and the SLM's decides (`MarginJudge.verdict`).
 """
 
 from __future__ import annotations
@@ -259,12 +261,36 @@ def off_reference(verdict: tuple[str, str], context: str, llm_branch: str, refer
     return "unparseable", f"{verdict[1]}; the LLM's own answer misses the reference {reference!r}"
 
 
-JUDGES = ("local", "remote", "semantic", "facts", "answer")
+class MarginJudge:
+    """Divergent where the LLM ranks the SLM's token more than `margin` nats (log-probability) below its own: the
+    tokens verification at that tolerance rejects. It reads the LLM's log-probabilities, which the label
+    pipeline's prefill step records with --judge margin, not two branches of text."""
+
+    name = "margin"
+
+    def __init__(self, margin: float = 1.0):
+        if not margin > 0:
+            raise R2RError(f"--margin is a log-probability gap in nats and must be above 0, got {margin}")
+        self.margin = margin
+
+    def verdict(self, gap: float) -> tuple[str, str]:
+        return ("divergent" if gap > self.margin else "neutral"), f"{gap:.3f}"
+
+    def __call__(self, cases):
+        raise R2RError("the margin judge reads the LLM's log-probabilities, not two texts: it labels in "
+                       "`r2r label run --judge margin`; compare it with another judge by `r2r label agree "
+                       "DIR --against OTHER`")
 
 
-def build(kind: str, llm_engine=None, url: str | None = None, model: str | None = None, device: str = "cpu"):
+JUDGES = ("local", "remote", "semantic", "facts", "answer", "margin")
+
+
+def build(kind: str, llm_engine=None, url: str | None = None, model: str | None = None, device: str = "cpu",
+          margin: float = 1.0):
     """A judge by name. `llm_engine`: a function giving the LLM alone (`Engine.alone`), called only
     for the local judge, so the others load no model."""
+    if kind == "margin":
+        return MarginJudge(margin)
     if kind == "local":
         return LocalJudge(llm_engine())
     if kind == "semantic":

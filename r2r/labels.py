@@ -1,11 +1,15 @@
 """The routing-label pipeline (the paper's section 3.1, README "Routing labels"), one resumable step after another:
 
-  responses      the LLM answers each prompt (greedy, chat template, bounded length)
-  prefill        the SLM reads each response once: its argmax and entropy at every position
+  responses      the LLM answers each prompt (greedy, chat template, bounded length); with --writer slm the SLM
+                 does (on-policy labels: the prefixes the router meets when it runs)
+  prefill        the SLM reads each response once: its argmax and entropy at every position; for the margin
+                 judge the LLM reads it too: its argmax and how many nats it ranks the SLM's token below it
   continuations  at each position where the SLM's argmax differs, the LLM continues from the
                  SLM's token to the end of the sentence (the LLM's own branch is the response), or for
-                 the answer judge to the end of its answer (stopping early once it re-joins the response)
-  judgements     a judge says whether the two branches are neutral or divergent
+                 the answer judge to the end of its answer (stopping early once it re-joins the response);
+                 the margin judge needs none
+  judgements     a judge says whether the two branches are neutral or divergent (the margin judge: whether
+                 the LLM's log-probability gap exceeds --margin nats, the tokens verification would reject)
   labels         every response token labelled identical / neutral / divergent (/ unparseable)
 
 Each step writes Parquet parts under OUT/<step>/ and skips what its parts already hold: kill it at
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 import uuid
 from collections import Counter
@@ -32,6 +37,7 @@ from r2r.backend import greedy, mask_for
 from r2r.errors import R2RError
 
 STEPS = ("responses", "prefill", "continuations", "judgements", "labels")
+WRITERS = ("llm", "slm")  # who writes the responses the other model reads
 DOMAINS = {
     # reasoning-gym generators per domain; never gsm_symbolic (built from GSM8K test questions)
     "math": ["basic_arithmetic", "chain_sum", "decimal_arithmetic", "fraction_simplification", "gcd", "lcm",
@@ -243,25 +249,41 @@ def to_sentence_end(text: str) -> str:
 
 # ---- the steps -----------------------------------------------------------------------------------
 
-def step_responses(prompts: list[dict], llm_engine, out: Path, max_new_tokens: int, batch_size: int,
-                   progress=None) -> None:
+def same_mode(out: Path, step: str, mode: dict, legacy: dict | None = None) -> None:
+    """A step's parts are all made one way (OUT/<step>.json says which): refuse to add parts made another way.
+    Parts from before the mode was recorded were made the `legacy` way."""
+    file = out / f"{step}.json"
+    made = json.loads(file.read_text()) if file.exists() else \
+        legacy if (out / step).is_dir() and any((out / step).glob("part-*.parquet")) else None
+    if made is not None and made != mode:
+        raise R2RError(f"{out}'s {step} step was made with {json.dumps(made)}, not {json.dumps(mode)}: use another "
+                       "--out for this setting")
+    out.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(mode))
+
+
+def step_responses(prompts: list[dict], engine, out: Path, max_new_tokens: int, batch_size: int,
+                   progress=None, writer: str = "llm") -> None:
+    """`engine` is the writer alone (`Engine.alone`): the LLM, or with `writer="slm"` the SLM."""
     from r2r.engine import SamplingParams
 
+    same_mode(out, "responses", {"writer": writer}, legacy={"writer": "llm"})
     parts = Parts(out, "responses")
     done = parts.done()
     todo = [p for p in prompts if p["id"] not in done]
-    task = progress.add_task("0 responses (LLM)", total=len(prompts), completed=len(prompts) - len(todo)) \
-        if progress else None
+    task = progress.add_task(f"0 responses ({writer.upper()})", total=len(prompts),
+                             completed=len(prompts) - len(todo)) if progress else None
     params = SamplingParams(max_new_tokens=max_new_tokens)
     for i in range(0, len(todo), batch_size):
         chunk = todo[i : i + batch_size]
-        prompt_ids = [llm_engine.encode_chat(p["prompt"]) for p in chunk]
+        prompt_ids = [engine.encode_chat(p["prompt"]) for p in chunk]
         began = time.perf_counter()
-        if hasattr(llm_engine.llm, "complete"):  # an LLM behind a server writes whole responses there
-            written = llm_engine.llm.complete(prompt_ids, max_new_tokens)
+        writing = engine.llm if writer == "llm" else engine.slm
+        if hasattr(writing, "complete"):  # an LLM behind a server writes whole responses there
+            written = writing.complete(prompt_ids, max_new_tokens)
             answers = [(ids, "length" if len(ids) == max_new_tokens else "stop") for ids in written]
         else:
-            answers = [(g.token_ids, g.finish_reason) for g in llm_engine.generate(prompt_ids, params)]
+            answers = [(g.token_ids, g.finish_reason) for g in engine.generate(prompt_ids, params)]
         log_throughput(out, "responses", len(chunk), sum(len(a) for a, _ in answers), time.perf_counter() - began)
         parts.write([{"id": p["id"], "domain": p["domain"], "prompt_ids": ids, "response_ids": answer,
                       "finish_reason": finish} for p, ids, (answer, finish) in zip(chunk, prompt_ids, answers)])
@@ -270,10 +292,14 @@ def step_responses(prompts: list[dict], llm_engine, out: Path, max_new_tokens: i
 
 
 @torch.inference_mode()
-def step_prefill(slm, out: Path, progress=None) -> None:
-    """One SLM forward over prompt + response per item: argmax and entropy at every response position."""
+def step_prefill(slm, out: Path, progress=None, llm=None) -> None:
+    """One SLM forward over prompt + response per item: argmax and entropy at every response position. With
+    `llm` (the margin judge), one LLM forward too: its argmax (`llm_tokens`, the LLM's token at each position;
+    without it, the response's token, which the LLM wrote) and `gap`, its log-probability of that token minus
+    its log-probability of the SLM's."""
     from r2r.policies import entropy
 
+    same_mode(out, "prefill", {"llm_reads": llm is not None}, legacy={"llm_reads": False})
     responses = Parts(out, "responses").rows()
     parts = Parts(out, "prefill")
     done = parts.done()
@@ -286,11 +312,16 @@ def step_prefill(slm, out: Path, progress=None) -> None:
         # Position t predicts token t+1: response token j is predicted at len(prompt) - 1 + j.
         start = len(r["prompt_ids"]) - 1
         predicted, _ = slm.prefill(ids[:-1], start)
-        slm_tokens = predicted.argmax(-1).tolist()
-        entropies = entropy(predicted).tolist()
-        log_throughput(out, "prefill", 1, len(ids), time.perf_counter() - began)
-        parts.write([{"id": r["id"], "slm_tokens": slm_tokens, "entropy": entropies,
-                      "different": [s != t for s, t in zip(slm_tokens, r["response_ids"])]}])
+        slm_tokens = predicted.argmax(-1)
+        row = {"id": r["id"], "slm_tokens": slm_tokens.tolist(), "entropy": entropy(predicted).tolist()}
+        llm_tokens = r["response_ids"]
+        if llm is not None:
+            logprobs = torch.log_softmax(llm.prefill(ids[:-1], start)[0].float(), -1)
+            best = logprobs.max(-1)
+            llm_tokens = row["llm_tokens"] = best.indices.tolist()
+            row["gap"] = (best.values - logprobs.gather(1, slm_tokens.to(logprobs.device)[:, None])[:, 0]).tolist()
+        log_throughput(out, "prefill", 1, len(ids) * (1 if llm is None else 2), time.perf_counter() - began)
+        parts.write([{**row, "different": [s != t for s, t in zip(row["slm_tokens"], llm_tokens)]}])
         if progress:
             progress.advance(task, 1)
 
@@ -343,13 +374,8 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
     from a copy of the cache cut back to its position (`llm_branches`).
     """
     llm, tokenizer = llm_engine.llm, llm_engine.tokenizer  # `Engine.alone(llm, tokenizer)`
-    mode = {"rollout": rollout, "rejoin_tokens": rejoin_tokens if rollout else None,
-            "max_new_tokens": None if rollout else max_new_tokens}
-    mode_file = out / "continuations.json"
-    if mode_file.exists() and json.loads(mode_file.read_text()) != mode:
-        raise R2RError(f"{out}'s continuations were made with {mode_file.read_text().strip()}, not {json.dumps(mode)}:"
-                       " use another --out for this judge or setting")
-    mode_file.write_text(json.dumps(mode))
+    same_mode(out, "continuations", {"rollout": rollout, "rejoin_tokens": rejoin_tokens if rollout else None,
+                                     "max_new_tokens": None if rollout else max_new_tokens})
     responses = {r["id"]: r for r in Parts(out, "responses").rows()}
     prefill = Parts(out, "prefill").rows()
     parts = Parts(out, "continuations")
@@ -413,7 +439,21 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
 def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name: str = "judgements",
                     references: dict[str, str] | None = None) -> None:
     """`references` (prompt id -> reference answer), for the answer judge: positions of a response whose own final
-    answer misses its prompt's reference are not judged (`judges.off_reference`)."""
+    answer misses its prompt's reference are not judged (`judges.off_reference`). The margin judge reads the
+    prefill step's gaps instead of branches: cheap, so its verdicts are rewritten whole for the current margin."""
+    if isinstance(judge, judges.MarginJudge):
+        prefill = Parts(out, "prefill").rows()
+        if any("gap" not in p for p in prefill):
+            raise R2RError(f"{out}'s prefill step ran without the LLM's reading: the margin judge needs a run made "
+                           "with --judge margin from its prefill step on (use another --out)")
+        began = time.perf_counter()
+        verdicts = [{"id": p["id"], "position": pos, "verdict": verdict, "raw": raw, "judge": judge.name}
+                    for p in prefill for pos, (gap, diff) in enumerate(zip(p["gap"], p["different"])) if diff
+                    for verdict, raw in [judge.verdict(gap)]]
+        shutil.rmtree(out / name, ignore_errors=True)
+        Parts(out, name).write(verdicts)
+        log_throughput(out, f"{name} ({judge.name})", len(verdicts), 0, time.perf_counter() - began)
+        return
     continuations = [c for c in Parts(out, "continuations").rows() if c["position"] >= 0]
     parts = Parts(out, name)
     done = {(j["id"], j["position"]) for j in parts.rows()}
@@ -444,7 +484,9 @@ def step_labels(out: Path) -> Path:
         p = prefill.get(r["id"])
         if p is None:
             raise R2RError(f"prefill is missing for {r['id']}: run the prefill step first")
-        for pos, (token, slm_token, ent, diff) in enumerate(zip(r["response_ids"], p["slm_tokens"], p["entropy"],
+        # The LLM's token: the response's where the LLM wrote it, its argmax where it read the SLM's (--writer slm).
+        llm_tokens = p.get("llm_tokens") or r["response_ids"]
+        for pos, (token, slm_token, ent, diff) in enumerate(zip(llm_tokens, p["slm_tokens"], p["entropy"],
                                                                 p["different"])):
             judged = verdicts.get((r["id"], pos))
             if diff and judged is None:
@@ -462,26 +504,34 @@ def step_labels(out: Path) -> Path:
 
 def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_tokens: int = 256,
         continuation_tokens: int = 32, batch_size: int = 4, progress=None, rollout: bool = False,
-        rejoin_tokens: int = REJOIN_TOKENS) -> Path | None:
+        rejoin_tokens: int = REJOIN_TOKENS, margin: bool = False, writer: str = "llm") -> Path | None:
     """`r2r label`: the chosen steps (comma-separated, any subset of STEPS) in pipeline order.
     `load_pair()` gives (SLM, LLM, tokenizer), called only when a step needs a model; `judge_for(llm_alone)`
-    gives the judge. Returns the labelled dataset's path when the labels step ran."""
+    gives the judge. `rollout`: the answer judge's; `margin`: the margin judge's (the LLM reads in the prefill
+    step, no continuations). Returns the labelled dataset's path when the labels step ran."""
     from r2r.engine import Engine
 
     chosen = [s.strip() for s in steps.split(",") if s.strip()]
     if not chosen or any(s not in STEPS for s in chosen):
         raise R2RError(f"--steps takes a comma-separated subset of {','.join(STEPS)}, got {steps!r}")
+    if writer not in WRITERS:
+        raise R2RError(f"--writer takes {' or '.join(WRITERS)}, got {writer!r}")
+    if writer == "slm" and not margin:
+        raise R2RError("--writer slm needs --judge margin: the other judges compare the LLM's branches with a "
+                       "response the LLM wrote")
     rollout_judged = rollout and "judgements" in chosen  # the answer judge reads the prompts' references
     prompt_set = load_prompts(prompts) if "responses" in chosen or rollout_judged else None
     out.mkdir(parents=True, exist_ok=True)
-    if any(s != "labels" for s in chosen):  # the labels step only joins Parquet parts: no model to load
+    llm_alone = None
+    if set(chosen) - {"labels"} - ({"judgements"} if margin else set()):  # those only read Parquet parts
         slm, llm, tokenizer = load_pair()
         llm_alone = Engine.alone(llm, tokenizer, "llm")
     if "responses" in chosen:
-        step_responses(prompt_set, llm_alone, out, max_new_tokens, batch_size, progress)
+        writer_alone = llm_alone if writer == "llm" else Engine.alone(slm, tokenizer, "slm")
+        step_responses(prompt_set, writer_alone, out, max_new_tokens, batch_size, progress, writer)
     if "prefill" in chosen:
-        step_prefill(slm, out, progress)
-    if "continuations" in chosen:
+        step_prefill(slm, out, progress, llm if margin else None)
+    if "continuations" in chosen and not margin:
         step_continuations(llm_alone, out, continuation_tokens, progress, rollout, rejoin_tokens, batch_size,
                            answered=lambda text: judges.final_answer(text) is not None)
     if "judgements" in chosen:

@@ -38,7 +38,8 @@ Out = Annotated[Optional[Path], typer.Option("--out", help="Also write the figur
 Seed = Annotated[Optional[int], typer.Option("--seed")]
 JudgeKind = Annotated[str, typer.Option("--judge", help="local (the pair's LLM), remote, semantic, facts "
                                         "(numbers and names, no model) or answer (the LLM writes each branch to "
-                                        "its final answer; divergent when the answer changes).")]
+                                        "its final answer; divergent when the answer changes) or margin (the LLM's log-probability gap "
+                                        "between its token and the SLM's, see --margin).")]
 JudgeUrl = Annotated[Optional[str], typer.Option("--judge-url", help="OpenAI-compatible base URL (remote judge).")]
 JudgeModel = Annotated[Optional[str], typer.Option("--judge-model", help="Model name at that endpoint (remote judge).")]
 EntropyThreshold = Annotated[float, typer.Option("--threshold", help="Entropy threshold (nats).")]

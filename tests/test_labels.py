@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from r2r import judges, labels
 from r2r.engine import Engine, SamplingParams
@@ -205,6 +206,96 @@ def test_branches_decoded_together_equal_branches_decoded_one_at_a_time(tmp_path
     assert one == three
 
 
+def run_margin(out, slm, llm, tokenizer, margin=1.0, steps="responses,prefill,continuations,judgements,labels",
+               writer="slm", prompts=None):
+    path = out.parent / f"{out.name}-prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in prompts or PROMPTS))
+    return labels.run(path, out, steps, lambda: (slm, llm, tokenizer), lambda _: judges.MarginJudge(margin),
+                      max_new_tokens=24, batch_size=2, margin=True, writer=writer)
+
+
+def test_on_policy_margin_labels(tmp_path, slm, llm, tokenizer):
+    """--writer slm --judge margin: the SLM writes, the LLM reads; divergent where the LLM ranks the SLM's token
+    more than the margin below its own (the tokens --verify at that tolerance rejects)."""
+    rows = pq.read_table(run_margin(tmp_path / "d", slm, llm, tokenizer)).to_pylist()
+    responses = {r["id"]: r for r in labels.Parts(tmp_path / "d", "responses").rows()}
+    slm_alone = Engine.alone(slm, tokenizer, "slm")
+    for r in list(responses.values())[:2]:  # the SLM's own greedy responses
+        assert slm_alone.generate([r["prompt_ids"]], SamplingParams(max_new_tokens=24))[0].token_ids == r["response_ids"]
+    assert not any(c["position"] >= 0 for c in labels.Parts(tmp_path / "d", "continuations").rows())  # no branches
+    labels_of = {label: [x for x in rows if x["label"] == label] for label in ("identical", "neutral", "divergent")}
+    assert all(labels_of.values())
+    for row in rows[:40] + labels_of["neutral"][:5] + labels_of["divergent"][:5]:  # checked against a fresh forward
+        r = responses[row["id"]]
+        logprobs = torch.log_softmax(llm.prefill(r["prompt_ids"] + r["response_ids"][: row["position"]])[0][-1], -1)
+        assert row["slm_token"] == r["response_ids"][row["position"]] and row["token"] == logprobs.argmax().item()
+        gap = (logprobs.max() - logprobs[row["slm_token"]]).item()
+        assert row["label"] == ("identical" if row["token"] == row["slm_token"] else
+                                "divergent" if gap > 1.0 else "neutral")
+        if row["label"] != "identical":
+            assert float(row["judge_raw"]) == pytest.approx(gap, abs=2e-3)
+    # Another margin re-judges the same positions without a model (the verdicts are rewritten whole).
+    stricter = pq.read_table(run_margin(tmp_path / "d", None, None, None, margin=0.25, steps="judgements,labels")
+                             ).to_pylist()
+    assert [x["label"] == "identical" for x in stricter] == [x["label"] == "identical" for x in rows]
+    assert sum(x["label"] == "divergent" for x in stricter) > len(labels_of["divergent"])
+    assert labels.agreement(tmp_path / "d", other_dir=tmp_path / "d")["agreement"] == 1.0
+
+
+def test_margin_labels_of_llm_responses_need_no_branches(tmp_path, slm, llm, tokenizer):
+    """--judge margin on the LLM's responses: the paper's differing positions, judged by the LLM's gap."""
+    run_pipeline(tmp_path / "paper", slm, llm, tokenizer)
+    rows = pq.read_table(run_margin(tmp_path / "m", slm, llm, tokenizer, writer="llm")).to_pylist()
+    paper = pq.read_table(tmp_path / "paper" / "labels.parquet").to_pylist()
+    assert [(x["token"], x["slm_token"]) for x in rows] == [(x["token"], x["slm_token"]) for x in paper]
+    assert [x["label"] == "identical" for x in rows] == [x["label"] == "identical" for x in paper]
+    assert {x["label"] for x in rows} == {"identical", "neutral", "divergent"}
+
+
+def test_a_killed_margin_run_resumes_to_the_same_dataset(tmp_path, slm, llm, tokenizer, monkeypatch):
+    whole = pq.read_table(run_margin(tmp_path / "whole", slm, llm, tokenizer)).to_pylist()
+    real_write = labels.Parts.write
+    writes = {"n": 0, "die_at": 0}
+
+    def write_or_die(self, rows):
+        writes["n"] += 1
+        if writes["n"] == writes["die_at"]:
+            raise KeyboardInterrupt
+        return real_write(self, rows)
+
+    monkeypatch.setattr(labels.Parts, "write", write_or_die)
+    reached = []
+    for die_at in (2, 4, 5):  # in the responses, in the prefill (SLM and LLM), in the judgements
+        writes.update(n=0, die_at=die_at)
+        with pytest.raises(KeyboardInterrupt):
+            run_margin(tmp_path / "killed", slm, llm, tokenizer)
+        reached.append({step: len(labels.Parts(tmp_path / "killed", step).rows()) for step in ("responses", "prefill")})
+    assert reached == [{"responses": 2, "prefill": 0}, {"responses": 5, "prefill": 1}, {"responses": 5, "prefill": 5}]
+    assert not labels.Parts(tmp_path / "killed", "judgements").rows()
+    monkeypatch.setattr(labels.Parts, "write", real_write)
+    assert pq.read_table(run_margin(tmp_path / "killed", slm, llm, tokenizer)).to_pylist() == whole
+
+
+def test_margin_and_writer_misuse_is_refused(tmp_path, slm, llm, tokenizer):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps(PROMPTS[0]) + "\n")
+    with pytest.raises(R2RError, match="--writer slm needs --judge margin"):
+        labels.run(prompts, tmp_path / "x", "responses", lambda: (slm, llm, tokenizer), lambda _: None, writer="slm")
+    with pytest.raises(R2RError, match="--writer takes llm or slm"):
+        labels.run(prompts, tmp_path / "x", "responses", lambda: (slm, llm, tokenizer), lambda _: None, writer="both")
+    with pytest.raises(R2RError, match="must be above 0"):
+        judges.MarginJudge(0)
+    with pytest.raises(R2RError, match="not two texts"):
+        judges.check(judges.MarginJudge())
+    run_pipeline(tmp_path / "paper", slm, llm, tokenizer)  # LLM-written, read by the SLM alone
+    with pytest.raises(R2RError, match="ran without the LLM's reading"):
+        labels.step_judgements(judges.MarginJudge(), tmp_path / "paper")
+    with pytest.raises(R2RError, match="use another --out"):  # its responses are the LLM's, its prefill SLM-only
+        run_margin(tmp_path / "paper", slm, llm, tokenizer)
+    with pytest.raises(R2RError, match="use another --out"):
+        run_margin(tmp_path / "paper", slm, llm, tokenizer, writer="llm")
+
+
 def test_rejoin_point():
     response = [5, 6, 7, 8, 9, 10]
     assert labels.rejoin_point([1, 7, 8], response, 2) == 3  # re-joined at 7, 8 (ends at index 3)
@@ -395,6 +486,15 @@ def test_label_cli(run_cli, tmp_path):
     assert checked["cases"] == len(checked["answers"]) >= 20 and 0 <= checked["accuracy"] <= 1
     code, out, err = run_cli("label", "check-judge", tmp_path / "p.jsonl", "--judge", "semantic")
     assert code != 0 and "judge check set" in err
+    code, out, err = run_cli("label", prompts, "--out", tmp_path / "m", "--max-new-tokens", "12", "--writer", "slm",
+                             "--judge", "margin", "--margin", "0.5", *pair)
+    assert code == 0, err
+    assert {r["judge"] for r in labels.Parts(tmp_path / "m", "judgements").rows()} <= {"margin"}
+    assert json.loads((tmp_path / "m" / "responses.json").read_text()) == {"writer": "slm"}
+    for bad, says in ((["--margin", "-1"], "must be above 0"), (["--writer", "slm"], "needs --judge margin")):
+        code, out, err = run_cli("label", prompts, "--out", tmp_path / "n", "--judge", "margin" if bad[0] ==
+                                 "--margin" else "facts", *bad, *pair)
+        assert code != 0 and says in err and "Traceback" not in err
 
 
 def test_agreement_between_two_judges(tmp_path, slm, llm, tokenizer):
