@@ -326,6 +326,7 @@ def label_prompts(
     generated: int = typer.Option(100, "--generated", min=0, help="math recipe: reasoning-gym prompts."),
     written: int = typer.Option(0, "--written", min=0, help="math recipe: word problems the LLM writes "
                                 "(GSM8K's style, none sharing 8 words in a row with a GSM8K test question)."),
+    champ: bool = typer.Option(True, "--champ/--no-champ", help="math recipe: CHAMP's 270 competition problems."),
     seed: int = typer.Option(0, "--seed"),
     llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
@@ -335,7 +336,7 @@ def label_prompts(
     if recipe == "default":
         prompts = labels.build_prompt_set(per_domain, seed)
     elif recipe == "math":
-        prompts = labels.math_prompt_set(generated, seed)
+        prompts = labels.math_prompt_set(generated, seed, champ)
         if written:
             with progress_bar(RateColumn(), TimeRemainingColumn()) as progress:
                 prompts += labels.write_word_problems(load_alone(llm, "llm", device, dtype, backend), written, seed,

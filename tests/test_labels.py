@@ -441,6 +441,7 @@ def test_math_prompt_set_is_deterministic_and_checkable():
     assert sources["champ"] == 270 and set(sources) - {"champ"} == set(labels.WORD_GENERATORS)
     assert sum(sources.values()) == 270 + 22
     assert all(p["reference"] and p["prompt"].endswith(MATH_INSTRUCTION) for p in prompts)
+    assert labels.math_prompt_set(22, seed=0, champ=False) == [p for p in prompts if "/champ/" not in p["id"]]
 
 
 def test_written_problems_that_copy_a_gsm8k_question_are_dropped():
