@@ -240,6 +240,10 @@ def calibrate(
     target_rate: Optional[float] = typer.Option(None, "--target-rate", help="Set the threshold for this LLM rate."),
     target_recall: Optional[float] = typer.Option(None, "--target-recall", help="Set it for this recall of divergent tokens."),
     write: bool = typer.Option(False, "--write", help="Store the chosen threshold in the checkpoint."),
+    all_prompts: bool = typer.Option(False, "--all-prompts", help="Sweep on every prompt of DATASET, not its "
+                                     "validation split: for a dataset the router was not trained on (e.g. margin "
+                                     "labels of the SLM's own answers to an evaluation set)."),
+    as_json: AsJson = False,
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
     """Sweep thresholds on validation data: recall of divergent tokens vs LLM rate (table + plot)."""
@@ -251,7 +255,10 @@ def calibrate(
     if write and (target_rate is None) == (target_recall is None):
         raise R2RError("--write needs exactly one of --target-rate or --target-recall")
     slm_engine = load_alone(slm, "slm", device, dtype, backend)
-    result = training.calibrate(router_path, dataset, slm_engine.slm, target_rate, target_recall, write)
+    result = training.calibrate(router_path, dataset, slm_engine.slm, target_rate, target_recall, write, all_prompts)
+    if as_json:
+        print(json.dumps(result))
+        return
     console.print(tables.calibration(result))
     console.print(f"plot: {result['plot']}")
     if result["chosen"]:

@@ -63,7 +63,12 @@ def training(result: dict, rates) -> Table:
 
 def calibration(result: dict) -> Table:
     """`r2r calibrate`: recall of the router and of entropy at LLM rates, with the thresholds."""
-    table = Table("LLM rate", "threshold", "router recall", "entropy recall", title=f"recall of {result['recall_of']} tokens")
+    own = result["own_threshold"]
+    table = Table("LLM rate", "threshold", "router recall", "entropy recall",
+                  title=f"recall of {result['recall_of']} tokens ({result['val_tokens']} tokens; ROC-AUC router "
+                        f"{result['auc']:.3f}, entropy {result['entropy_auc']:.3f})",
+                  caption=f"its own threshold {own['threshold']:.4f}: {own['rate']:.1%} of tokens, recall "
+                          f"{own['recall']:.1%}")
     for row in result["table"]:
         table.add_row(f"{row['rate']:.0%}", f"{row['threshold']:.4f}", f"{row['router_recall']:.1%}",
                       f"{row['entropy_recall']:.1%}")

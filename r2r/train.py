@@ -333,11 +333,12 @@ def train_router(datasets: list[Path], slm, out: Path, objective: str = "diverge
 
 
 def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None = None,
-              target_recall: float | None = None, write: bool = False) -> dict:
+              target_recall: float | None = None, write: bool = False, all_prompts: bool = False) -> dict:
     """Sweep a router's threshold on the validation prompts it was trained without: recall of divergent
     tokens (different ones before the judge has run) against LLM rate, beside entropy's, as a table
     and `calibration.png` next to the router. With a target rate or recall, the threshold that reaches
-    it (stored in the checkpoint with `write`)."""
+    it (stored in the checkpoint with `write`). `all_prompts`: every prompt of `dataset`, for one the
+    router never saw (how its recall carries over to other prompts, an evaluation set's say)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -352,7 +353,7 @@ def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None =
     seed = ckpt.extra.get("training", {}).get("seed", 0)
     data = features(dataset, slm)
     data = data.subset(torch.tensor([lab != "unparseable" for lab in data.labels]))
-    _, val = split_by_prompt(data, VAL_FRACTION, seed)
+    val = data if all_prompts else split_by_prompt(data, VAL_FRACTION, seed)[1]
     scores = router_scores(ckpt.router, val, lambda t: embed[t])
     measured = recall_measured_on(val)
     divergent = val.target(measured)
@@ -362,13 +363,17 @@ def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None =
     ax.plot([100 * r for r in rates], [100 * recall[r] for r in rates], label="router")
     ax.plot([100 * r for r in rates], [100 * entropy_recall[r] for r in rates], label="entropy", linestyle="--")
     ax.set(xlabel="LLM rate (% of tokens)", ylabel=f"recall of {measured} tokens (%)",
-           title=f"{len(val.labels)} validation tokens")
+           title=f"{len(val.labels)} {'' if all_prompts else 'validation '}tokens of {dataset}")
     ax.grid(alpha=0.3)
     ax.legend()
     plot_path = Path(router_path) / "calibration.png"
     fig.savefig(plot_path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     result = {"recall_of": measured, "val_tokens": len(val.labels), "plot": str(plot_path),
+              "auc": roc_auc(scores, divergent), "entropy_auc": roc_auc(val.entropy, divergent),
+              "own_threshold": {"threshold": ckpt.threshold, "rate": float((scores >= ckpt.threshold).float().mean()),
+                                "recall": float(((scores >= ckpt.threshold) & (divergent > 0.5)).sum()
+                                                / max(divergent.sum(), 1))},
               "table": [{"rate": r, "threshold": threshold_at_rate(scores, r), "router_recall": recall[r],
                          "entropy_recall": entropy_recall[r]} for r in rates[4::5]], "chosen": None}
     if target_rate is not None or target_recall is not None:

@@ -136,6 +136,11 @@ def test_train_and_calibrate_cli(run_cli, dataset, tmp_path):
     assert code == 0, err
     assert (tmp_path / "router" / "calibration.png").exists()
     assert load_router(tmp_path / "router").threshold != ckpt.threshold
+    code, out, err = run_cli("calibrate", tmp_path / "router", dataset, "--slm", slm_dir, "--all-prompts", "--json")
+    assert code == 0, err
+    every = json.loads(out)
+    assert every["val_tokens"] == len(pq.read_table(dataset / "labels.parquet")) and 0 <= every["auc"] <= 1
+    assert every["own_threshold"]["threshold"] == load_router(tmp_path / "router").threshold
     code, out, err = run_cli("train", tmp_path, "--slm", slm_dir)
     assert code == 2 and "not a label dataset" in err
 
