@@ -274,11 +274,11 @@ def step_responses(prompts: list[dict], engine, out: Path, max_new_tokens: int, 
     task = progress.add_task(f"0 responses ({writer.upper()})", total=len(prompts),
                              completed=len(prompts) - len(todo)) if progress else None
     params = SamplingParams(max_new_tokens=max_new_tokens)
+    writing = engine.llm if writer == "llm" else engine.slm
     for i in range(0, len(todo), batch_size):
         chunk = todo[i : i + batch_size]
         prompt_ids = [engine.encode_chat(p["prompt"]) for p in chunk]
         began = time.perf_counter()
-        writing = engine.llm if writer == "llm" else engine.slm
         if hasattr(writing, "complete"):  # an LLM behind a server writes whole responses there
             written = writing.complete(prompt_ids, max_new_tokens)
             answers = [(ids, "length" if len(ids) == max_new_tokens else "stop") for ids in written]

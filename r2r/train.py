@@ -369,11 +369,15 @@ def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None =
     plot_path = Path(router_path) / "calibration.png"
     fig.savefig(plot_path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+    def at_threshold(threshold: float) -> dict:
+        routed = scores >= threshold
+        return {"threshold": threshold, "rate": float(routed.float().mean()),
+                "recall": float((routed & (divergent > 0.5)).sum() / max(divergent.sum(), 1))}
+
     result = {"recall_of": measured, "val_tokens": len(val.labels), "plot": str(plot_path),
               "auc": roc_auc(scores, divergent), "entropy_auc": roc_auc(val.entropy, divergent),
-              "own_threshold": {"threshold": ckpt.threshold, "rate": float((scores >= ckpt.threshold).float().mean()),
-                                "recall": float(((scores >= ckpt.threshold) & (divergent > 0.5)).sum()
-                                                / max(divergent.sum(), 1))},
+              "own_threshold": at_threshold(ckpt.threshold),
               "table": [{"rate": r, "threshold": threshold_at_rate(scores, r), "router_recall": recall[r],
                          "entropy_recall": entropy_recall[r]} for r in rates[4::5]], "chosen": None}
     if target_rate is not None or target_recall is not None:
@@ -383,9 +387,7 @@ def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None =
             # The highest threshold that still catches the target share of divergent tokens.
             threshold = float(scores[divergent > 0.5].sort(descending=True).values[
                 max(0, round(target_recall * int(divergent.sum())) - 1)])
-        routed = scores >= threshold
-        result["chosen"] = {"threshold": threshold, "rate": float(routed.float().mean()),
-                            "recall": float((routed & (divergent > 0.5)).sum() / max(divergent.sum(), 1))}
+        result["chosen"] = at_threshold(threshold)
         if write:
             ckpt.threshold = threshold
             save_router(router_path, ckpt)
