@@ -171,6 +171,8 @@ def routing_profile(rows: list[dict], bins: int = 10) -> list[float]:
     """LLM rate by relative position in the response (the paper's routing-behaviour figure)."""
     routed, total = [0] * bins, [0] * bins
     for r in rows:
+        if "sources" not in r:  # a slim row (id, grade and counts only, as committed under data/evals/)
+            continue
         n = len(r["sources"])
         for i, s in enumerate(r["sources"]):
             b = min(int(i / n * bins), bins - 1)
@@ -375,6 +377,6 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
     examples = []
     for name in names:
         rows = [r for r in read_results(out_dir / f"{name}.jsonl") if r["id"] in item_ids]
-        examples += [(name, r) for r in rows[:2] if name not in ("llm",)]
+        examples += [(name, r) for r in rows if name != "llm" and "token_ids" in r][:2]
     html_report(benchmark, table, images, examples[:6], tokenizer, out_dir)
     return table
