@@ -171,8 +171,6 @@ def routing_profile(rows: list[dict], bins: int = 10) -> list[float]:
     """LLM rate by relative position in the response (the paper's routing-behaviour figure)."""
     routed, total = [0] * bins, [0] * bins
     for r in rows:
-        if "sources" not in r:  # a slim row (id, grade and counts only, as committed under data/evals/)
-            continue
         n = len(r["sources"])
         for i, s in enumerate(r["sources"]):
             b = min(int(i / n * bins), bins - 1)

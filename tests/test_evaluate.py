@@ -58,19 +58,19 @@ def test_eval_resumes_without_redoing_or_duplicating(run_cli, pair, tmp_path):
 
 
 def test_eval_resumes_from_slim_rows(run_cli, pair, tmp_path):
-    """Committed results (data/evals/) keep only ids, grades and counts: a run resumes from them and reports."""
+    """Committed results (data/evals/) keep no outputs or token ids: a run resumes from them and reports."""
     args = ["eval", "--benchmark", "gsm8k", "--systems", "slm,entropy", "--ids", "0-1", "--max-new-tokens", "5",
             "--out", tmp_path, *pair]
     assert run_cli(*args)[0] == 0
     d = tmp_path / "gsm8k"
     for name in ("slm", "entropy"):
         path = d / f"{name}.jsonl"
-        slim = [{k: v for k, v in r.items() if k not in ("output", "token_ids", "sources")} for r in read_results(path)]
+        slim = [{k: v for k, v in r.items() if k not in ("output", "token_ids")} for r in read_results(path)]
         path.write_text("".join(json.dumps(r) + "\n" for r in slim))
     code, out, err = run_cli(*[("0-3" if a == "0-1" else a) for a in args])
     assert code == 0, err
     rows = read_results(d / "entropy.jsonl")
-    assert [r["id"] for r in rows] == ["0", "1", "2", "3"] and "sources" not in rows[0] and "sources" in rows[2]
+    assert [r["id"] for r in rows] == ["0", "1", "2", "3"] and "output" not in rows[0] and "output" in rows[2]
     assert json.loads((d / "summary.json").read_text())["systems"]["entropy"]["items"] == 4
     assert "entropy" in (d / "report.html").read_text()
 

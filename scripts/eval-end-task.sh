@@ -1,0 +1,32 @@
+#!/bin/bash
+# The answer-label issue's end task on GSM8K dev items (llama.cpp, batch 4, 512 tokens): R2R with the shipped
+# router and entropy routing, each with verification off and at 1 nat, then the SLM and the LLM alone.
+# Entropy aims at a fixed LLM share ($ENTROPY_RATE: R2R's share on items 0-49), so that every chunk runs one
+# configuration. Run it in 50-item chunks, in the activated venv: `scripts/eval-end-task.sh 50-99`.
+#
+# The per-item results live in runs/eval-end/gsm8k/; after each system they are also copied, slim (id, grade,
+# counts, times and the per-token routes, but no outputs or token ids), to data/evals/gsm8k/, which is committed: a fresh checkout
+# resumes from there, and `python scripts/paired.py data/evals/gsm8k A B` compares any two systems.
+set -euxo pipefail
+IDS=${1:-0-49}
+ENTROPY_RATE=${ENTROPY_RATE:-0.1}
+OUT=runs/eval-end
+SLIM=data/evals/gsm8k
+mkdir -p $OUT/gsm8k $SLIM
+for f in $SLIM/*.jsonl $SLIM/*.config.json; do  # resume from the committed rows where this machine has none
+    [ -e "$f" ] && [ ! -e "$OUT/gsm8k/$(basename "$f")" ] && cp "$f" $OUT/gsm8k/
+done
+slim() {
+    for f in $OUT/gsm8k/*.jsonl; do
+        python -c "import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip().endswith('}')]
+open(sys.argv[2], 'w').write(''.join(json.dumps({k: v for k, v in r.items() if k not in ('output', 'token_ids')})
+                                     + '\n' for r in rows))" \
+            "$f" "$SLIM/$(basename "$f")"
+        cp "${f%.jsonl}.config.json" $SLIM/
+    done
+}
+R="--benchmark gsm8k --ids $IDS --backend llamacpp --max-new-tokens 512 --batch-size 4 --out $OUT"
+r2r eval $R --systems r2r --verify off,1; slim
+r2r eval $R --systems entropy --verify off,1 --llm-rate "$ENTROPY_RATE"; slim
+r2r eval $R --systems slm,llm; slim
