@@ -573,7 +573,13 @@ def test_the_shipped_judge_check_set_is_well_formed():
     assert all(r["a"] and r["b"] is not None for r in rows)
 
 
-def test_the_committed_default_dataset_matches_its_report():
-    """data/labels/default is the default pair's dataset (token ids and labels); report.json is its report."""
+def test_the_committed_datasets_match_their_reports():
+    """data/labels/default (facts labels) and data/labels/onpolicy (on-policy margin labels, the shipped router's)
+    are datasets of token ids and labels; each report.json is its report."""
     root = Path(__file__).parent.parent / "data" / "labels"
     assert labels.report(root / "default") == json.loads((root / "report.json").read_text())
+    onpolicy = labels.report(root / "onpolicy")
+    assert onpolicy == json.loads((root / "onpolicy" / "report.json").read_text())
+    prompts = [json.loads(line)["id"] for line in (root / "onpolicy" / "prompts.jsonl").read_text().splitlines()]
+    labelled = {r["id"] for r in labels.Parts(root / "onpolicy", "responses").rows()}
+    assert set(prompts[: len(labelled)]) == labelled  # the prompt set's first prompts, in order
