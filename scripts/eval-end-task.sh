@@ -1,15 +1,14 @@
 #!/bin/bash
 # The answer-label issue's end task on GSM8K dev items (llama.cpp, batch 4, 512 tokens): R2R with the shipped
 # router and entropy routing, each with verification off and at 1 nat, then the SLM and the LLM alone.
-# Entropy aims at a fixed LLM share ($ENTROPY_RATE: R2R's share on items 0-49), so that every chunk runs one
-# configuration. Run it in 50-item chunks, in the activated venv: `scripts/eval-end-task.sh 50-99`.
+# Entropy aims at a fixed LLM share (R2R's share on items 0-49, or $ENTROPY_RATE), so that every chunk runs
+# one configuration. Run it in 50-item chunks, in the activated venv: `scripts/eval-end-task.sh 50-99`.
 #
 # The per-item results live in runs/eval-end/gsm8k/; after each system they are also copied, slim (id, grade,
 # counts, times and the per-token routes, but no outputs or token ids), to data/evals/gsm8k/, which is committed: a fresh checkout
 # resumes from there, and `python scripts/paired.py data/evals/gsm8k A B` compares any two systems.
 set -euxo pipefail
 IDS=${1:-0-49}
-ENTROPY_RATE=${ENTROPY_RATE:-0.1}
 OUT=runs/eval-end
 SLIM=data/evals/gsm8k
 mkdir -p $OUT/gsm8k $SLIM
@@ -28,5 +27,11 @@ open(sys.argv[2], 'w').write(''.join(json.dumps({k: v for k, v in r.items() if k
 }
 R="--benchmark gsm8k --ids $IDS --backend llamacpp --max-new-tokens 512 --batch-size 4 --out $OUT"
 r2r eval $R --systems r2r --verify off,1; slim
+# Entropy's target: R2R's LLM share on items 0-49 (verify off), the same for every chunk.
+ENTROPY_RATE=${ENTROPY_RATE:-$(python -c "import json
+rows = [json.loads(line) for line in open('$OUT/gsm8k/r2r.jsonl') if line.strip().endswith('}')]
+rows = [r for r in rows if int(r['id']) < 50]
+assert len(rows) == 50, 'run items 0-49 first: entropy aims at the LLM share R2R reaches on them'
+print(round(sum(r['llm_tokens'] for r in rows) / sum(r['tokens'] for r in rows), 4))")}
 r2r eval $R --systems entropy --verify off,1 --llm-rate "$ENTROPY_RATE"; slim
 r2r eval $R --systems slm,llm; slim
