@@ -34,6 +34,7 @@ from r2r.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 # see the README) for 1.7 points more LLM share; a model alone (the slm or llm policy, a request that forces one)
 # is not verified unless asked.
 DEFAULT_VERIFY = "1"
+RATE_CATCH_UP_TOKENS = 16  # a request aiming at an LLM rate makes up a shortfall over this many tokens (_threshold)
 
 
 @dataclass
@@ -620,8 +621,14 @@ class Batch:
         fixed = (self.engine.policy.threshold or 0.0) if r.threshold is None else r.threshold
         if r.target_rate is None:
             return fixed
-        # A target rate: the policy maps it to a threshold from this request's scores so far.
-        aimed = self.engine.policy.threshold_for_rate(r.target_rate, r.generation.scores)
+        # A target rate: the policy maps it to a threshold from this request's recent scores, aiming off to make
+        # up over the next RATE_CATCH_UP_TOKENS tokens what the request is behind or ahead of the target. Scores drift within an answer (the SLM grows surer as
+        # it goes on), so the top `rate` of the past alone under-routes: entropy aimed at 14.15% landed at 9.1%
+        # of GSM8K items 0-49's tokens without this correction.
+        gen = r.generation
+        behind = r.target_rate * len(gen.token_ids) - gen.llm_tokens  # tokens the request owes the LLM (< 0: ahead)
+        aim = min(1.0, max(0.0, r.target_rate + behind / RATE_CATCH_UP_TOKENS))
+        aimed = self.engine.policy.threshold_for_rate(aim, gen.scores)
         return fixed if aimed is None else aimed
 
     def _keep(self, rows: list[int]) -> None:

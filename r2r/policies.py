@@ -25,6 +25,7 @@ POLICIES = ("router", "entropy", "random", "slm", "llm")
 DEFAULT_ENTROPY_THRESHOLD = 0.8  # nats: 16% LLM tokens on GSM8K item 0 with the default pair (see README)
 DEFAULT_RANDOM_RATE = 0.1
 RATE_WARMUP_TOKENS = 16  # a request aiming at an LLM rate uses the fixed threshold for its first tokens
+RATE_WINDOW_TOKENS = 128  # ... and then the quantile of its last this many scores (they drift as it goes on)
 
 
 class RoutingPolicy:
@@ -37,11 +38,11 @@ class RoutingPolicy:
         raise NotImplementedError
 
     def threshold_for_rate(self, rate: float, past_scores: list[float]) -> float | None:
-        """The threshold that routes about `rate` of a request's tokens, from its scores so far: route
+        """The threshold that routes about `rate` of a request's tokens, from its recent scores: route
         when the score is in their top `rate`. None until there are enough scores to tell."""
         if len(past_scores) < RATE_WARMUP_TOKENS:
             return None
-        return torch.tensor(past_scores).quantile(1 - rate).item()
+        return torch.tensor(past_scores[-RATE_WINDOW_TOKENS:]).quantile(1 - rate).item()
 
 
 class AlwaysSLM(RoutingPolicy):
