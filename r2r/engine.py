@@ -622,9 +622,9 @@ class Batch:
         if r.target_rate is None:
             return fixed
         # A target rate: the policy maps it to a threshold from this request's recent scores, aiming off to make
-        # up over the next RATE_CATCH_UP_TOKENS tokens what the request is behind or ahead of the target. Scores drift within an answer (the SLM grows surer as
-        # it goes on), so the top `rate` of the past alone under-routes: entropy aimed at 14.15% landed at 9.1%
-        # of GSM8K items 0-49's tokens without this correction.
+        # up over the next RATE_CATCH_UP_TOKENS tokens what the request is behind or ahead of the target. Scores
+        # drift within an answer (the SLM grows surer as it goes on), so the top `rate` of the past alone
+        # under-routes: entropy aimed at 14.15% landed at 9.1% of GSM8K items 0-49's tokens without this.
         gen = r.generation
         behind = r.target_rate * len(gen.token_ids) - gen.llm_tokens  # tokens the request owes the LLM (< 0: ahead)
         aim = min(1.0, max(0.0, r.target_rate + behind / RATE_CATCH_UP_TOKENS))
