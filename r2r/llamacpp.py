@@ -45,6 +45,16 @@ def cpu_has_amx() -> bool:
         return False
 
 
+def model_params():
+    """llama.cpp's default model parameters, safe on this CPU."""
+    params = llama_cpp.llama_model_default_params()
+    # On CPUs with AMX (Intel Sapphire Rapids and later) llama.cpp repacks weights into its AMX buffer type,
+    # whose matmul crashes the process at the first decode (llama-cpp-python 0.3.36, Q4_K_M). Extra buffer
+    # types are left on elsewhere: on AVX2/AVX-512 CPUs they hold the faster repacked layouts.
+    params.use_extra_bufts = not cpu_has_amx()
+    return params
+
+
 class LlamaCppBackend:
     device = torch.device("cpu")  # tensors handed to the engine live on the CPU
     verifies = True
@@ -65,12 +75,7 @@ class LlamaCppBackend:
         self.name, self.path, self.n_batch = name, path, n_batch
         llama_cpp.llama_backend_init()
         llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))
-        model_params = llama_cpp.llama_model_default_params()
-        # On CPUs with AMX (Intel Sapphire Rapids and later) llama.cpp repacks weights into its AMX buffer type,
-        # whose matmul crashes the process at the first decode (llama-cpp-python 0.3.36, Q4_K_M). Extra buffer
-        # types are left on elsewhere: on AVX2/AVX-512 CPUs they hold the faster repacked layouts.
-        model_params.use_extra_bufts = not cpu_has_amx()
-        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params())
         if not self._model:
             raise R2RError(f"llama.cpp cannot load {path}: not a valid GGUF model file")
         params = llama_cpp.llama_context_default_params()

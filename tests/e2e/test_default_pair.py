@@ -61,10 +61,14 @@ def test_always_one_model_equals_its_greedy_generation(pair, role):
 
 
 @pytest.mark.parametrize("role", ["slm", "llm"])
-def test_always_one_model_on_llamacpp_equals_llamacpps_own_greedy_output(role):
+def test_always_one_model_on_llamacpp_equals_llamacpps_own_greedy_output(role, monkeypatch):
     """The same proof on the llama.cpp backend, against llama-cpp-python's own greedy generation."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from r2r.llamacpp import model_params
     from r2r.models import DEFAULT_LLM, DEFAULT_SLM, gguf_path
+
+    # The reference loads its model with the backend's parameters: the defaults crash on AMX CPUs.
+    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", model_params)
 
     slm, llm, tokenizer = load_pair(None, None, "cpu", backend="llamacpp")
     engine = Engine(slm, llm, tokenizer, AlwaysSLM() if role == "slm" else AlwaysLLM())
