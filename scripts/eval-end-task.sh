@@ -5,8 +5,9 @@
 # one configuration. Run it in 50-item chunks, in the activated venv: `scripts/eval-end-task.sh 50-99`.
 #
 # The per-item results live in runs/eval-end/gsm8k/; after each system they are also copied, slim (id, grade,
-# counts, times and the per-token routes, but no outputs or token ids), to data/evals/gsm8k/, which is committed: a fresh checkout
-# resumes from there, and `python scripts/paired.py data/evals/gsm8k A B` compares any two systems.
+# counts, times and the per-token routes, but no outputs or token ids), to data/evals/gsm8k/, which is
+# committed: a fresh checkout resumes from there, and `python scripts/paired.py data/evals/gsm8k A B`
+# compares any two systems.
 set -euxo pipefail
 IDS=${1:-0-49}
 OUT=runs/eval-end
@@ -16,22 +17,21 @@ for f in $SLIM/*.jsonl $SLIM/*.config.json; do  # resume from the committed rows
     [ -e "$f" ] && [ ! -e "$OUT/gsm8k/$(basename "$f")" ] && cp "$f" $OUT/gsm8k/
 done
 slim() {
-    for f in $OUT/gsm8k/*.jsonl; do
-        python -c "import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip().endswith('}')]
-open(sys.argv[2], 'w').write(''.join(json.dumps({k: v for k, v in r.items() if k not in ('output', 'token_ids')})
-                                     + '\n' for r in rows))" \
-            "$f" "$SLIM/$(basename "$f")"
-        cp "${f%.jsonl}.config.json" $SLIM/
-    done
+    python -c "import json, shutil, sys
+from pathlib import Path
+from r2r.evaluate import read_results
+for path in Path(sys.argv[1]).glob('*.jsonl'):
+    rows = [{k: v for k, v in r.items() if k not in ('output', 'token_ids')} for r in read_results(path)]
+    (Path(sys.argv[2]) / path.name).write_text(''.join(json.dumps(r) + '\\n' for r in rows))
+    shutil.copy(path.with_suffix('.config.json'), sys.argv[2])" $OUT/gsm8k $SLIM
 }
 R="--benchmark gsm8k --ids $IDS --backend llamacpp --max-new-tokens 512 --batch-size 4 --out $OUT"
 r2r eval $R --systems r2r --verify off,1; slim
 # Entropy's target: R2R's LLM share on items 0-49 (verify off), the same for every chunk.
-ENTROPY_RATE=${ENTROPY_RATE:-$(python -c "import json
-rows = [json.loads(line) for line in open('$OUT/gsm8k/r2r.jsonl') if line.strip().endswith('}')]
-rows = [r for r in rows if int(r['id']) < 50]
+ENTROPY_RATE=${ENTROPY_RATE:-$(python -c "from pathlib import Path
+from r2r.evaluate import read_results, summarize
+rows = [r for r in read_results(Path('$OUT/gsm8k/r2r.jsonl')) if int(r['id']) < 50]
 assert len(rows) == 50, 'run items 0-49 first: entropy aims at the LLM share R2R reaches on them'
-print(round(sum(r['llm_tokens'] for r in rows) / sum(r['tokens'] for r in rows), 4))")}
+print(round(summarize(rows)['llm_rate'], 4))")}
 r2r eval $R --systems entropy --verify off,1 --llm-rate "$ENTROPY_RATE"; slim
 r2r eval $R --systems slm,llm; slim
