@@ -184,6 +184,19 @@ def test_paired_counts_and_the_speed_pareto_scripts(tmp_path):
     out = subprocess.run([sys.executable, scripts / "paired.py", tmp_path, "r2r+verify=1", f"{other}:entropy"],
                          capture_output=True, text=True, check=True).stdout
     assert f"only r2r+verify=1 right 7, only {other}:entropy right 0, McNemar p=0.016" in out.splitlines()[-1]
+    # Two verifying systems: rollbacks per token item by item, with a sign test; none for systems that do not verify.
+    for system, rollbacks in (("r2r+verify=1", [1] * 10), ("entropy+verify=1", [3] * 8 + [0] * 2)):
+        (tmp_path / f"{system}.jsonl").write_text("".join(json.dumps(
+            {"id": str(i), "correct": True, "tokens": 100, "llm_tokens": 10, "rollbacks": k}) + "\n"
+            for i, k in enumerate(rollbacks)))
+    out = subprocess.run([sys.executable, scripts / "paired.py", tmp_path, "r2r+verify=1", "entropy+verify=1"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    # fewer for r2r on items 0-7, for entropy on 8-9: p = 2 * (1 + 10 + 45) / 2^10
+    assert out[-1] == ("rollbacks: r2r+verify=1 10 (1.00 / 100 tokens), entropy+verify=1 24 (2.40) | fewer per "
+                       "token: r2r+verify=1 on 8 items, entropy+verify=1 on 2, 0 tied, sign test p=0.11")
+    out = subprocess.run([sys.executable, scripts / "paired.py", tmp_path, "r2r+verify=1", "r2r"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[-1].startswith("all: ")
     summary = {"benchmark": "gsm8k", "ids": "0-9", "systems": {
         s: {"accuracy": sum(m) / 10, "accuracy_ci95": [0.0, 1.0], "llm_rate": 0.1} for s, m in correct.items()}}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
