@@ -295,7 +295,8 @@ def label_run(
                                       "tokens changed 19% of the stopped verdicts on the default pair)."),
     batch_size: int = count(4, "--batch-size", help="Responses (step 0) and branches (step 2) decoded together."),
     writer: str = typer.Option("llm", "--writer", help="Who writes the responses: llm (the paper's labels) or slm "
-                               "(on-policy: the prefixes the router meets when it runs; needs --judge margin)."),
+                               "(on-policy: the prefixes the router meets when it runs; needs --judge margin, or --judge "
+                               "answer, which then rolls out the LLM's own token as well as the SLM's)."),
     margin: float = typer.Option(1.0, "--margin", help="--judge margin: divergent where the LLM ranks the SLM's "
                                  "token more than this many nats below its own (what --verify at this tolerance "
                                  "rejects)."),

@@ -262,6 +262,12 @@ def same_mode(out: Path, step: str, mode: dict, legacy: dict | None = None) -> N
     file.write_text(json.dumps(mode))
 
 
+def writer_of(out: Path) -> str:
+    """Who wrote OUT's responses (`step_responses`' mode; runs from before it was recorded were the LLM's)."""
+    file = out / "responses.json"
+    return json.loads(file.read_text())["writer"] if file.exists() else "llm"
+
+
 def step_responses(prompts: list[dict], engine, out: Path, max_new_tokens: int, batch_size: int,
                    progress=None, writer: str = "llm") -> None:
     """`engine` is the writer alone (`Engine.alone`): the LLM, or with `writer="slm"` the SLM."""
@@ -374,10 +380,20 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
     from a copy of the cache cut back to its position (`llm_branches`).
     """
     llm, tokenizer = llm_engine.llm, llm_engine.tokenizer  # `Engine.alone(llm, tokenizer)`
-    same_mode(out, "continuations", {"rollout": rollout, "rejoin_tokens": rejoin_tokens if rollout else None,
-                                     "max_new_tokens": None if rollout else max_new_tokens})
+    # On-policy (the SLM wrote the responses): the LLM's own branch is not the response but a second rollout, from
+    # the LLM's token at the same position (the prefill step's `llm_tokens`, read with the LLM).
+    on_policy = rollout and writer_of(out) == "slm"
+    mode = {"rollout": rollout, "rejoin_tokens": rejoin_tokens if rollout else None,
+            "max_new_tokens": None if rollout else max_new_tokens}
+    same_mode(out, "continuations", {**mode, "writer": "slm"} if on_policy else mode)
     responses = {r["id"]: r for r in Parts(out, "responses").rows()}
     prefill = Parts(out, "prefill").rows()
+    if on_policy and rejoin_tokens:
+        raise R2RError("--rejoin-tokens stops a branch where it re-joins the LLM's response; with --writer slm the "
+                       "response is the SLM's: use --rejoin-tokens 0")
+    if on_policy and any("llm_tokens" not in p for p in prefill):
+        raise R2RError(f"{out}'s prefill step ran without the LLM's reading, which on-policy answer labels need (the "
+                       "LLM's token at each position): use another --out")
     parts = Parts(out, "continuations")
     done = parts.done()
     total = sum(sum(p["different"]) for p in prefill)
@@ -389,7 +405,7 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
         response, prompt_length = r["response_ids"], len(r["prompt_ids"])
         positions = [pos for pos, diff in enumerate(p["different"]) if diff]
         began, generated, rows = time.perf_counter(), 0, []
-        unanswered = bool(positions) and rollout and answered is not None and not answered(
+        unanswered = bool(positions) and rollout and not on_policy and answered is not None and not answered(
             tokenizer.decode(response, skip_special_tokens=True))  # its branches stay at the SLM's token
         if positions and not unanswered:
             base = llm.new_cache()
@@ -413,13 +429,26 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
 
             # A rollout runs to the end of the answer: at most the response's remaining length + a margin.
             limits = [len(x) + ROLLOUT_MARGIN for x in rests] if rollout else [max_new_tokens] * len(chunk)
-            branches = [[] for _ in chunk] if unanswered else llm_branches(
-                llm, base, prompt_length, chunk, tokens, limits, llm_engine.eos_ids, rejoined if rollout else sentence_ends)
+            if on_policy:  # both branches in one batch, position by position (still descending)
+                llm_tokens = [p["llm_tokens"][pos] for pos in chunk]
+                both = llm_branches(llm, base, prompt_length, [pos for pos in chunk for _ in (0, 1)],
+                                    [t for pair in zip(tokens, llm_tokens) for t in pair],
+                                    [n for n in limits for _ in (0, 1)], llm_engine.eos_ids, None)
+                branches, llm_own = both[0::2], both[1::2]
+            else:
+                branches = [[] for _ in chunk] if unanswered else llm_branches(
+                    llm, base, prompt_length, chunk, tokens, limits, llm_engine.eos_ids,
+                    rejoined if rollout else sentence_ends)
             for i, (pos, token, written) in enumerate(zip(chunk, tokens, branches)):
                 generated += 0 if unanswered else len(written) + 1
                 row = {"id": r["id"], "position": pos, "slm_token": token, "llm_token": response[pos],
                        "context": tokenizer.decode(response[:pos], skip_special_tokens=True)}
-                if rollout:
+                if on_policy:
+                    generated += len(llm_own[i]) + 1
+                    rows.append({**row, "llm_token": llm_tokens[i], "rejoined": False,
+                                 "slm_branch": tokenizer.decode([token] + written, skip_special_tokens=True),
+                                 "llm_branch": tokenizer.decode([llm_tokens[i]] + llm_own[i], skip_special_tokens=True)})
+                elif rollout:
                     # A re-joined branch would go on as the response does: its remainder stands for the rest.
                     branch = [token] + written + (rests[i][joined[i] + 1 :] if i in joined else [])
                     rows.append({**row, "slm_branch": tokenizer.decode(branch, skip_special_tokens=True),
@@ -516,9 +545,9 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
         raise R2RError(f"--steps takes a comma-separated subset of {','.join(STEPS)}, got {steps!r}")
     if writer not in WRITERS:
         raise R2RError(f"--writer takes {' or '.join(WRITERS)}, got {writer!r}")
-    if writer == "slm" and not margin:
-        raise R2RError("--writer slm needs --judge margin: the other judges compare the LLM's branches with a "
-                       "response the LLM wrote")
+    if writer == "slm" and not (margin or rollout):
+        raise R2RError("--writer slm needs --judge margin or --judge answer: the other judges compare the LLM's "
+                       "branch with a response the LLM wrote")
     rollout_judged = rollout and "judgements" in chosen  # the answer judge reads the prompts' references
     prompt_set = load_prompts(prompts) if "responses" in chosen or rollout_judged else None
     out.mkdir(parents=True, exist_ok=True)
@@ -530,7 +559,7 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
         writer_alone = llm_alone if writer == "llm" else Engine.alone(slm, tokenizer, "slm")
         step_responses(prompt_set, writer_alone, out, max_new_tokens, batch_size, progress, writer)
     if "prefill" in chosen:
-        step_prefill(slm, out, progress, llm if margin else None)
+        step_prefill(slm, out, progress, llm if margin or writer == "slm" else None)
     if "continuations" in chosen and not margin:
         step_continuations(llm_alone, out, continuation_tokens, progress, rollout, rejoin_tokens, batch_size,
                            answered=lambda text: judges.final_answer(text) is not None)

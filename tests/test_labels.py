@@ -279,7 +279,7 @@ def test_a_killed_margin_run_resumes_to_the_same_dataset(tmp_path, slm, llm, tok
 def test_margin_and_writer_misuse_is_refused(tmp_path, slm, llm, tokenizer):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps(PROMPTS[0]) + "\n")
-    with pytest.raises(R2RError, match="--writer slm needs --judge margin"):
+    with pytest.raises(R2RError, match="--writer slm needs --judge margin or --judge answer"):
         labels.run(prompts, tmp_path / "x", "responses", lambda: (slm, llm, tokenizer), lambda _: None, writer="slm")
     with pytest.raises(R2RError, match="--writer takes llm or slm"):
         labels.run(prompts, tmp_path / "x", "responses", lambda: (slm, llm, tokenizer), lambda _: None, writer="both")
@@ -294,6 +294,57 @@ def test_margin_and_writer_misuse_is_refused(tmp_path, slm, llm, tokenizer):
         run_margin(tmp_path / "paper", slm, llm, tokenizer)
     with pytest.raises(R2RError, match="use another --out"):
         run_margin(tmp_path / "paper", slm, llm, tokenizer, writer="llm")
+
+
+def run_on_policy_answer(out, slm, llm, tokenizer, batch_size=2, rejoin_tokens=0):
+    path = out.parent / f"{out.name}-prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return labels.run(path, out, "responses,prefill,continuations,judgements,labels", lambda: (slm, llm, tokenizer),
+                      lambda _: judges.AnswerJudge(), max_new_tokens=24, batch_size=batch_size, rollout=True,
+                      rejoin_tokens=rejoin_tokens, writer="slm")
+
+
+def test_on_policy_answer_labels_roll_out_both_tokens(tmp_path, slm, llm, tokenizer, monkeypatch):
+    """--writer slm --judge answer: on the SLM's response, the LLM writes to the end of the answer from the SLM's
+    token and from its own; the verdict compares the two branches' final answers."""
+    rows = pq.read_table(run_on_policy_answer(tmp_path / "a", slm, llm, tokenizer)).to_pylist()
+    responses = {r["id"]: r for r in labels.Parts(tmp_path / "a", "responses").rows()}
+    prefill = {p["id"]: p for p in labels.Parts(tmp_path / "a", "prefill").rows()}
+    branches = [c for c in labels.Parts(tmp_path / "a", "continuations").rows() if c["position"] >= 0]
+    assert len(branches) == sum(x["label"] != "identical" for x in rows) > 3
+    llm_engine = Engine.alone(llm, tokenizer)
+    for c in branches[:6]:  # each branch is the LLM's greedy generation from that token, to its end
+        r = responses[c["id"]]
+        assert c["slm_token"] == r["response_ids"][c["position"]]  # the SLM wrote the response
+        assert c["llm_token"] == prefill[c["id"]]["llm_tokens"][c["position"]] != c["slm_token"]
+        limit = len(r["response_ids"]) - c["position"] - 1 + labels.ROLLOUT_MARGIN
+        for token, branch in ((c["slm_token"], c["slm_branch"]), (c["llm_token"], c["llm_branch"])):
+            prefix = r["prompt_ids"] + r["response_ids"][: c["position"]] + [token]
+            fresh = llm_engine.generate([prefix], SamplingParams(max_new_tokens=limit))[0]
+            assert branch == tokenizer.decode([token] + fresh.token_ids, skip_special_tokens=True)
+    verdicts = {(j["id"], j["position"]): j["verdict"] for j in labels.Parts(tmp_path / "a", "judgements").rows()}
+    expected = judges.judge_cases(judges.AnswerJudge(), [(c["context"], c["llm_branch"], c["slm_branch"])
+                                                         for c in branches])
+    assert [verdicts[(c["id"], c["position"])] for c in branches] == [v for v, _ in expected]
+    # Batched alike one at a time, and a run killed mid-continuations resumes to the same dataset.
+    assert pq.read_table(run_on_policy_answer(tmp_path / "one", slm, llm, tokenizer, batch_size=1)).to_pylist() == rows
+    real_write = labels.Parts.write
+    writes = {"n": 0}
+
+    def write_or_die(self, rows):  # killed after two responses' branches are saved
+        writes["n"] += self.dir.name == "continuations"
+        if writes["n"] == 3:
+            raise KeyboardInterrupt
+        return real_write(self, rows)
+
+    monkeypatch.setattr(labels.Parts, "write", write_or_die)
+    with pytest.raises(KeyboardInterrupt):
+        run_on_policy_answer(tmp_path / "killed", slm, llm, tokenizer)
+    assert 0 < len({c["id"] for c in labels.Parts(tmp_path / "killed", "continuations").rows()}) < len(PROMPTS)
+    monkeypatch.setattr(labels.Parts, "write", real_write)
+    assert pq.read_table(run_on_policy_answer(tmp_path / "killed", slm, llm, tokenizer)).to_pylist() == rows
+    with pytest.raises(R2RError, match="use --rejoin-tokens 0"):
+        run_on_policy_answer(tmp_path / "rejoin", slm, llm, tokenizer, rejoin_tokens=2)
 
 
 def test_rejoin_point():
