@@ -1,0 +1,33 @@
+#!/bin/bash
+# On-policy answer labels (the answer-label issue): the SLM's own responses of the shipped router's dataset
+# (data/labels/onpolicy/responses, 240 math prompts) labelled by `--writer slm --judge answer`: at each position
+# where the LLM's argmax differs from the SLM's token, the LLM writes to the end of the answer from each of the two
+# tokens, and the position is divergent when the final answers differ. Run it in the activated venv:
+# `scripts/label-onpolicy-answer.sh` (LIMIT=SECONDS stops the label run after that long and still saves what it did).
+#
+# The rollouts are the slow part (hours on 2 cores), so their parts are copied to
+# data/labels/onpolicy-answer/continuations/ after every run, committed, and copied back before the next one: a
+# fresh checkout resumes there. Once every position is rolled out, the judgements and labels steps run and the
+# dataset (labels.parquet, responses/, report.json) lands in data/labels/onpolicy-answer/.
+set -euxo pipefail
+OUT=runs/onpolicy-answer
+KEEP=data/labels/onpolicy-answer
+PROMPTS=data/labels/onpolicy/prompts.jsonl
+mkdir -p $OUT $KEEP/continuations
+# The SLM's responses are the committed dataset's (the same prefixes as its margin labels: `r2r label agree`).
+[ -d $OUT/responses ] || { cp -r data/labels/onpolicy/responses $OUT/; echo '{"writer": "slm"}' > $OUT/responses.json; }
+mkdir -p $OUT/continuations
+for f in $KEEP/continuations/part-*.parquet; do
+    [ -e "$f" ] && [ ! -e "$OUT/continuations/$(basename "$f")" ] && cp "$f" $OUT/continuations/
+done
+[ -e $KEEP/continuations.json ] && cp $KEEP/continuations.json $OUT/
+L="r2r label run $PROMPTS --out $OUT --writer slm --judge answer --max-new-tokens 512 --batch-size 4 --backend llamacpp"
+status=0
+timeout "${LIMIT:-0}" $L --steps prefill,continuations || status=$?
+cp -n $OUT/continuations/part-*.parquet $KEEP/continuations/ 2>/dev/null || true
+cp $OUT/continuations.json $KEEP/ 2>/dev/null || true
+[ $status -eq 0 ] || exit $status
+$L --steps judgements,labels
+cp $OUT/labels.parquet $KEEP/
+rm -rf $KEEP/responses && cp -r $OUT/responses $KEEP/
+r2r label report $OUT --json > $KEEP/report.json
