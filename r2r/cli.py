@@ -294,6 +294,10 @@ def label_run(
                                       "(neutral); 0 (default): every branch runs to its end (stopping at 8 "
                                       "tokens changed 19% of the stopped verdicts on the default pair)."),
     batch_size: int = count(4, "--batch-size", help="Responses (step 0) and branches (step 2) decoded together."),
+    positions_per_response: int = typer.Option(0, "--positions-per-response", min=0, help="Branch from at most N "
+                                               "differing positions per response (a fixed sample; the others are "
+                                               "left unjudged, unparseable): rollouts to the end of the answer cost "
+                                               "hundreds of tokens each. 0 (default): every one."),
     writer: str = typer.Option("llm", "--writer", help="Who writes the responses: llm (the paper's labels) or slm "
                                "(on-policy: the prefixes the router meets when it runs; needs --judge margin, or --judge "
                                "answer, which then rolls out the LLM's own token as well as the SLM's)."),
@@ -316,7 +320,7 @@ def label_run(
         dataset = labels.run(prompts, out, steps, lambda: load_pair(slm, llm, device, dtype=dtype, backend=backend),
                              judge_for, max_new_tokens, continuation_tokens, batch_size, progress,
                              rollout=judge == "answer", rejoin_tokens=rejoin_tokens, margin=judge == "margin",
-                             writer=writer)
+                             writer=writer, positions_per_response=positions_per_response)
     if dataset:
         console.print(f"labelled dataset: {dataset}")
     for step, t in labels.throughput(out).items():

@@ -21,6 +21,7 @@ router's trainer recomputes them.
 from __future__ import annotations
 
 import json
+import random
 import re
 import shutil
 import time
@@ -369,7 +370,8 @@ def llm_branches(llm, base, prompt_length: int, positions: list[int], tokens: li
 
 
 def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None, rollout: bool = False,
-                       rejoin_tokens: int = REJOIN_TOKENS, batch_size: int = 1, answered=None) -> None:
+                       rejoin_tokens: int = REJOIN_TOKENS, batch_size: int = 1, answered=None,
+                       positions_per_response: int = 0) -> None:
     """From each differing position, the LLM continues the SLM's token to the end of the sentence, or with
     `rollout` (the answer judge) to the end of its answer. `answered(text)`, with `rollout`: whether a response
     states a final answer; one that does not (cut off at its length, say) gets no rollouts, since every
@@ -378,6 +380,10 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
     Per response the LLM reads prompt + response once; each position then costs only its own
     continuation: positions are visited from last to first, `batch_size` branches decoded together, each
     from a copy of the cache cut back to its position (`llm_branches`).
+
+    `positions_per_response` > 0 branches from that many of a response's differing positions only (a fixed sample
+    per response id); the others get rows without branches (`sampled` false), which the judgements step leaves
+    unjudged (`unparseable`) and training skips: rollouts cost hundreds of tokens each.
     """
     llm, tokenizer = llm_engine.llm, llm_engine.tokenizer  # `Engine.alone(llm, tokenizer)`
     # On-policy (the SLM wrote the responses): the LLM's own branch is not the response but a second rollout, from
@@ -385,8 +391,12 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
     on_policy = rollout and writer_of(out) == "slm"
     mode = {"rollout": rollout, "rejoin_tokens": rejoin_tokens if rollout else None,
             "max_new_tokens": None if rollout else max_new_tokens}
-    same_mode(out, "continuations", {**mode, "writer": "slm"} if on_policy else mode)
+    mode.update({"writer": "slm"} if on_policy else {})
+    mode.update({"positions_per_response": positions_per_response} if positions_per_response else {})
+    same_mode(out, "continuations", mode)
     responses = {r["id"]: r for r in Parts(out, "responses").rows()}
+    # On-policy, the LLM's road may be longer than the SLM's: a rollout may run as long as the longest response.
+    budget = max((len(r["response_ids"]) for r in responses.values()), default=0)
     prefill = Parts(out, "prefill").rows()
     if on_policy and rejoin_tokens:
         raise R2RError("--rejoin-tokens stops a branch where it re-joins the LLM's response; with --writer slm the "
@@ -403,8 +413,13 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
     for p in todo:
         r, slm_tokens = responses[p["id"]], p["slm_tokens"]
         response, prompt_length = r["response_ids"], len(r["prompt_ids"])
-        positions = [pos for pos, diff in enumerate(p["different"]) if diff]
-        began, generated, rows = time.perf_counter(), 0, []
+        differing = [pos for pos, diff in enumerate(p["different"]) if diff]
+        positions = differing if not 0 < positions_per_response < len(differing) else \
+            sorted(random.Random(p["id"]).sample(differing, positions_per_response))
+        began, generated = time.perf_counter(), 0
+        rows = [{"id": r["id"], "position": pos, "slm_token": slm_tokens[pos], "llm_token": (p.get("llm_tokens") or
+                 response)[pos], "context": "", "slm_branch": "", "llm_branch": "", "sampled": False}
+                for pos in sorted(set(differing) - set(positions))]
         unanswered = bool(positions) and rollout and not on_policy and answered is not None and not answered(
             tokenizer.decode(response, skip_special_tokens=True))  # its branches stay at the SLM's token
         if positions and not unanswered:
@@ -427,8 +442,10 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
             def sentence_ends(i: int, branch: list[int]) -> bool:
                 return bool(SENTENCE_END.search(tokenizer.decode([tokens[i]] + branch, skip_special_tokens=True)))
 
-            # A rollout runs to the end of the answer: at most the response's remaining length + a margin.
-            limits = [len(x) + ROLLOUT_MARGIN for x in rests] if rollout else [max_new_tokens] * len(chunk)
+            # A rollout runs to the end of the answer: at most the response's remaining length (on-policy: what the
+            # longest response had left there) + a margin.
+            limits = [max(len(x), budget - pos - 1 if on_policy else 0) + ROLLOUT_MARGIN for pos, x in zip(chunk, rests)] \
+                if rollout else [max_new_tokens] * len(chunk)
             if on_policy:  # both branches in one batch, position by position (still descending)
                 llm_tokens = [p["llm_tokens"][pos] for pos in chunk]
                 both = llm_branches(llm, base, prompt_length, [pos for pos in chunk for _ in (0, 1)],
@@ -442,7 +459,8 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
             for i, (pos, token, written) in enumerate(zip(chunk, tokens, branches)):
                 generated += 0 if unanswered else len(written) + 1
                 row = {"id": r["id"], "position": pos, "slm_token": token, "llm_token": response[pos],
-                       "context": tokenizer.decode(response[:pos], skip_special_tokens=True)}
+                       "context": tokenizer.decode(response[:pos], skip_special_tokens=True),
+                       **({"sampled": True} if positions_per_response else {})}
                 if on_policy:
                     generated += len(llm_own[i]) + 1
                     rows.append({**row, "llm_token": llm_tokens[i], "rejoined": False,
@@ -462,7 +480,7 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
         parts.write(sorted(rows, key=lambda row: row["position"]) or [{"id": r["id"], "position": -1}])
         log_throughput(out, "continuations", len(positions), generated, time.perf_counter() - began)
         if progress:
-            progress.advance(task, len(positions))
+            progress.advance(task, len(differing))
 
 
 def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name: str = "judgements",
@@ -496,6 +514,8 @@ def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name:
         if references and getattr(judge, "rollout", False):
             verdicts = [judges.off_reference(v, c["context"], c["llm_branch"], references.get(c["id"], ""))
                         for c, v in zip(chunk, verdicts)]
+        verdicts = [v if c.get("sampled") is not False else ("unparseable", "not rolled out (--positions-per-response)")
+                    for c, v in zip(chunk, verdicts)]
         log_throughput(out, f"{name} ({judge.name})", len(chunk), 0, time.perf_counter() - began)
         parts.write([{"id": c["id"], "position": c["position"], "verdict": v, "raw": raw, "judge": judge.name}
                      for c, (v, raw) in zip(chunk, verdicts)])
@@ -533,7 +553,8 @@ def step_labels(out: Path) -> Path:
 
 def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_tokens: int = 256,
         continuation_tokens: int = 32, batch_size: int = 4, progress=None, rollout: bool = False,
-        rejoin_tokens: int = REJOIN_TOKENS, margin: bool = False, writer: str = "llm") -> Path | None:
+        rejoin_tokens: int = REJOIN_TOKENS, margin: bool = False, writer: str = "llm",
+        positions_per_response: int = 0) -> Path | None:
     """`r2r label`: the chosen steps (comma-separated, any subset of STEPS) in pipeline order.
     `load_pair()` gives (SLM, LLM, tokenizer), called only when a step needs a model; `judge_for(llm_alone)`
     gives the judge. `rollout`: the answer judge's; `margin`: the margin judge's (the LLM reads in the prefill
@@ -562,7 +583,8 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
         step_prefill(slm, out, progress, llm if margin or writer == "slm" else None)
     if "continuations" in chosen and not margin:
         step_continuations(llm_alone, out, continuation_tokens, progress, rollout, rejoin_tokens, batch_size,
-                           answered=lambda text: judges.final_answer(text) is not None)
+                           answered=lambda text: judges.final_answer(text) is not None,
+                           positions_per_response=positions_per_response)
     if "judgements" in chosen:
         references = None
         if rollout_judged:

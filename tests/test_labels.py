@@ -296,12 +296,12 @@ def test_margin_and_writer_misuse_is_refused(tmp_path, slm, llm, tokenizer):
         run_margin(tmp_path / "paper", slm, llm, tokenizer, writer="llm")
 
 
-def run_on_policy_answer(out, slm, llm, tokenizer, batch_size=2, rejoin_tokens=0):
+def run_on_policy_answer(out, slm, llm, tokenizer, batch_size=2, rejoin_tokens=0, positions_per_response=0):
     path = out.parent / f"{out.name}-prompts.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     return labels.run(path, out, "responses,prefill,continuations,judgements,labels", lambda: (slm, llm, tokenizer),
                       lambda _: judges.AnswerJudge(), max_new_tokens=24, batch_size=batch_size, rollout=True,
-                      rejoin_tokens=rejoin_tokens, writer="slm")
+                      rejoin_tokens=rejoin_tokens, writer="slm", positions_per_response=positions_per_response)
 
 
 def test_on_policy_answer_labels_roll_out_both_tokens(tmp_path, slm, llm, tokenizer, monkeypatch):
@@ -317,7 +317,8 @@ def test_on_policy_answer_labels_roll_out_both_tokens(tmp_path, slm, llm, tokeni
         r = responses[c["id"]]
         assert c["slm_token"] == r["response_ids"][c["position"]]  # the SLM wrote the response
         assert c["llm_token"] == prefill[c["id"]]["llm_tokens"][c["position"]] != c["slm_token"]
-        limit = len(r["response_ids"]) - c["position"] - 1 + labels.ROLLOUT_MARGIN
+        budget = max(len(x["response_ids"]) for x in responses.values())  # the LLM may take longer than the SLM
+        limit = budget - c["position"] - 1 + labels.ROLLOUT_MARGIN
         for token, branch in ((c["slm_token"], c["slm_branch"]), (c["llm_token"], c["llm_branch"])):
             prefix = r["prompt_ids"] + r["response_ids"][: c["position"]] + [token]
             fresh = llm_engine.generate([prefix], SamplingParams(max_new_tokens=limit))[0]
@@ -345,6 +346,17 @@ def test_on_policy_answer_labels_roll_out_both_tokens(tmp_path, slm, llm, tokeni
     assert pq.read_table(run_on_policy_answer(tmp_path / "killed", slm, llm, tokenizer)).to_pylist() == rows
     with pytest.raises(R2RError, match="use --rejoin-tokens 0"):
         run_on_policy_answer(tmp_path / "rejoin", slm, llm, tokenizer, rejoin_tokens=2)
+    # At most 2 positions per response rolled out: the same branches there, the others left unjudged.
+    sampled = pq.read_table(run_on_policy_answer(tmp_path / "two", slm, llm, tokenizer, positions_per_response=2))
+    rolled = {(c["id"], c["position"]): c for c in labels.Parts(tmp_path / "two", "continuations").rows()
+              if c["position"] >= 0 and c["sampled"]}
+    assert 0 < len(rolled) <= 2 * len(PROMPTS) and len(rolled) < len(branches)
+    full = {(c["id"], c["position"]): c for c in branches}
+    assert all(c["slm_branch"] == full[k]["slm_branch"] and c["llm_branch"] == full[k]["llm_branch"]
+               for k, c in rolled.items())
+    for x, y in zip(sampled.to_pylist(), rows):
+        assert x["label"] == (y["label"] if (x["id"], x["position"]) in rolled or y["label"] == "identical"
+                              else "unparseable")
 
 
 def test_rejoin_point():
