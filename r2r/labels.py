@@ -389,6 +389,14 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
     # On-policy (the SLM wrote the responses): the LLM's own branch is not the response but a second rollout, from
     # the LLM's token at the same position (the prefill step's `llm_tokens`, read with the LLM).
     on_policy = rollout and writer_of(out) == "slm"
+    prefill = Parts(out, "prefill").rows()
+    # Refused before the step's mode is recorded, so that the same --out takes the right setting afterwards.
+    if on_policy and rejoin_tokens:
+        raise R2RError("--rejoin-tokens stops a branch where it re-joins the LLM's response; with --writer slm the "
+                       "response is the SLM's: use --rejoin-tokens 0")
+    if on_policy and any("llm_tokens" not in p for p in prefill):
+        raise R2RError(f"{out}'s prefill step ran without the LLM's reading, which on-policy answer labels need (the "
+                       "LLM's token at each position): use another --out")
     mode = {"rollout": rollout, "rejoin_tokens": rejoin_tokens if rollout else None,
             "max_new_tokens": None if rollout else max_new_tokens}
     mode.update({"writer": "slm"} if on_policy else {})
@@ -397,13 +405,6 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
     responses = {r["id"]: r for r in Parts(out, "responses").rows()}
     # On-policy, the LLM's road may be longer than the SLM's: a rollout may run as long as the longest response.
     budget = max((len(r["response_ids"]) for r in responses.values()), default=0)
-    prefill = Parts(out, "prefill").rows()
-    if on_policy and rejoin_tokens:
-        raise R2RError("--rejoin-tokens stops a branch where it re-joins the LLM's response; with --writer slm the "
-                       "response is the SLM's: use --rejoin-tokens 0")
-    if on_policy and any("llm_tokens" not in p for p in prefill):
-        raise R2RError(f"{out}'s prefill step ran without the LLM's reading, which on-policy answer labels need (the "
-                       "LLM's token at each position): use another --out")
     parts = Parts(out, "continuations")
     done = parts.done()
     total = sum(sum(p["different"]) for p in prefill)

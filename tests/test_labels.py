@@ -346,6 +346,7 @@ def test_on_policy_answer_labels_roll_out_both_tokens(tmp_path, slm, llm, tokeni
     assert pq.read_table(run_on_policy_answer(tmp_path / "killed", slm, llm, tokenizer)).to_pylist() == rows
     with pytest.raises(R2RError, match="use --rejoin-tokens 0"):
         run_on_policy_answer(tmp_path / "rejoin", slm, llm, tokenizer, rejoin_tokens=2)
+    assert not (tmp_path / "rejoin" / "continuations.json").exists()  # refused before its mode is recorded
     # At most 2 positions per response rolled out: the same branches there, the others left unjudged.
     sampled = pq.read_table(run_on_policy_answer(tmp_path / "two", slm, llm, tokenizer, positions_per_response=2))
     rolled = {(c["id"], c["position"]): c for c in labels.Parts(tmp_path / "two", "continuations").rows()
