@@ -380,7 +380,7 @@ def label_agree(
     often it agrees with the first."""
     from r2r import labels
 
-    if not (out / "judgements").exists():
+    if not ((out / "judgements").exists() or (against is not None and (out / "labels.parquet").exists())):
         raise R2RError(f"{out} has no judgements yet: run `r2r label PROMPTS --out {out}` first")
     if against is not None and not ((against / "judgements").exists() or (against / "labels.parquet").exists()):
         raise R2RError(f"{against} has no judgements yet (nor a labels.parquet): run `r2r label PROMPTS --out "

@@ -649,18 +649,25 @@ def report(dataset: Path) -> dict:
             "overall": stats(rows)}
 
 
+def verdicts(directory: Path, step: str = "judgements") -> dict[tuple[str, int], str]:
+    """A label directory's verdict per differing position (id, position): from its <step>/ parts, or, for a committed
+    dataset that keeps only its labels (data/labels/default), from labels.parquet, where a differing position's label
+    is its verdict."""
+    parts = Parts(directory, step).rows() if (directory / step).exists() else []  # reading creates no directory
+    found = {(j["id"], j["position"]): j["verdict"] for j in parts}
+    if not found and (directory / "labels.parquet").exists():
+        found = {(r["id"], r["position"]): r["label"] for r in pq.read_table(directory / "labels.parquet").to_pylist()
+                 if r["label"] != "identical"}
+    return found
+
+
 def agreement(out: Path, other: str = "judgements", other_dir: Path | None = None) -> dict:
     """How often the verdicts in OUT/<other>/ (or, with `other_dir`, in that label directory's <other>/, else its
-    labels.parquet) agree with
-    OUT's pipeline judge on the same positions. Between two directories that share responses but branched with
-    different --rejoin-tokens it measures early stopping: `rejoined` covers the positions whose branch stopped
-    early in OUT, where a longer branch could have reached another answer."""
-    first = {(j["id"], j["position"]): j["verdict"] for j in Parts(out, "judgements").rows()}
-    second = {(j["id"], j["position"]): j["verdict"] for j in Parts(other_dir or out, other).rows()}
-    if other_dir and not second and (other_dir / "labels.parquet").exists():
-        # a committed dataset keeps only its labels (data/labels/default): a differing position's label is its verdict
-        second = {(r["id"], r["position"]): r["label"] for r in pq.read_table(other_dir / "labels.parquet").to_pylist()
-                  if r["label"] != "identical"}
+    labels.parquet) agree with OUT's pipeline judge on the same positions; `judged` leaves out those `unparseable` on
+    either side (as are the positions an answer-label run did not roll out). Between two directories that share
+    responses but branched with different --rejoin-tokens it measures early stopping: `rejoined` covers the
+    positions whose branch stopped early in OUT, where a longer branch could have reached another answer."""
+    first, second = verdicts(out), verdicts(other_dir or out, other)
     rejoined = {(c["id"], c["position"]) for c in Parts(out, "continuations").rows() if c.get("rejoined")}
 
     def compare(keys: list) -> dict:
@@ -669,7 +676,7 @@ def agreement(out: Path, other: str = "judgements", other_dir: Path | None = Non
                 "confusion (pipeline judge/other judge)": dict(Counter(f"{first[k]}/{second[k]}" for k in keys))}
 
     both = [k for k in first if k in second]
-    result = compare(both)
+    result = {**compare(both), "judged": compare([k for k in both if "unparseable" not in (first[k], second[k])])}
     if rejoined:
         result["rejoined"] = compare([k for k in both if k in rejoined])
     return result

@@ -212,6 +212,13 @@ def recall_at_rates(scores: torch.Tensor, divergent: torch.Tensor, rates) -> dic
     return {r: float(((scores >= threshold_at_rate(scores, r)) & (divergent > 0.5)).sum()) / total for r in rates}
 
 
+def judged_auc(scores: torch.Tensor, data: Features, objective: str) -> float:
+    """ROC-AUC over the tokens with a verdict: an `unparseable` position (the answer judge found no final answer,
+    or the position was not rolled out) is neither positive nor negative."""
+    judged = torch.tensor([lab != "unparseable" for lab in data.labels], dtype=torch.bool)
+    return roc_auc(scores[judged], data.target(objective)[judged])
+
+
 def router_scores(router: Router, data: Features, embed, batch: int = 4096) -> torch.Tensor:
     router.eval()
     with torch.inference_mode():
@@ -307,23 +314,25 @@ def train_router(datasets: list[Path], slm, out: Path, objective: str = "diverge
     for run_inputs, run_objective in runs:
         config = RouterConfig(slm.hidden_size, embed.shape[1], tuple(run_inputs.split(",")), dim=dim, n_blocks=blocks)
         try:
-            router, val, info = train(data, lookup, config, run_objective, seed=seed, epochs=epochs, progress=progress)
+            router, _, info = train(data, lookup, config, run_objective, seed=seed, epochs=epochs, progress=progress)
         except R2RError as e:
             if (run_inputs, run_objective) == (inputs, objective):
                 raise
             skipped.append({"inputs": run_inputs, "objective": run_objective, "reason": str(e)})
             continue
-        scores = router_scores(router, val, lookup)
-        positives = val.target(measured)
+        # Rates count every token of the validation prompts, unjudged ones too (the router sees them all when it
+        # routes); AUC compares judged tokens only.
+        scores = router_scores(router, held_out, lookup)
         results.append({"inputs": run_inputs, "objective": run_objective,
                         "params": sum(p.numel() for p in router.parameters()),
-                        "val_auc": roc_auc(scores, positives), "recall": recall_at_rates(scores, positives, RATES),
+                        "val_auc": judged_auc(scores, held_out, measured),
+                        "recall": recall_at_rates(scores, held_out.target(measured), RATES),
                         **info, "threshold": threshold_at_rate(scores, target_rate)})
         if (run_inputs, run_objective) == (inputs, objective):
-            entropy_baseline = {"val_auc": roc_auc(val.entropy, positives),
-                                "recall": recall_at_rates(val.entropy, positives, RATES)}
+            entropy_baseline = {"val_auc": judged_auc(held_out.entropy, held_out, measured),
+                                "recall": recall_at_rates(held_out.entropy, held_out.target(measured), RATES)}
             metrics = {"objective": objective, "recall_of": measured, "target_rate": target_rate,
-                       "val_tokens": len(val.labels), "val_prompts": int(val.prompt.unique().numel()),
+                       "val_tokens": len(held_out.labels), "val_prompts": int(held_out.prompt.unique().numel()),
                        "val_auc": results[-1]["val_auc"], "recall_at_rate": results[-1]["recall"],
                        "entropy_baseline": entropy_baseline, "dataset": ", ".join(map(str, datasets)),
                        "prompts": len(data.ids), "seed": seed}
@@ -352,7 +361,7 @@ def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None =
     embed = slm.embedding_table().float().cpu()
     seed = ckpt.extra.get("training", {}).get("seed", 0)
     data = features(dataset, slm)
-    data = data.subset(torch.tensor([lab != "unparseable" for lab in data.labels]))
+    # Every token of the prompts counts toward the LLM rate; only judged ones are positives (`unparseable` never is).
     val = data if all_prompts else split_by_prompt(data, VAL_FRACTION, seed)[1]
     scores = router_scores(ckpt.router, val, lambda t: embed[t])
     measured = recall_measured_on(val)
@@ -376,7 +385,7 @@ def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None =
                 "recall": float((routed & (divergent > 0.5)).sum() / max(divergent.sum(), 1))}
 
     result = {"recall_of": measured, "val_tokens": len(val.labels), "plot": str(plot_path),
-              "auc": roc_auc(scores, divergent), "entropy_auc": roc_auc(val.entropy, divergent),
+              "auc": judged_auc(scores, val, measured), "entropy_auc": judged_auc(val.entropy, val, measured),
               "own_threshold": at_threshold(ckpt.threshold),
               "table": [{"rate": r, "threshold": threshold_at_rate(scores, r), "router_recall": recall[r],
                          "entropy_recall": entropy_recall[r]} for r in rates[4::5]], "chosen": None}

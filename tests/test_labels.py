@@ -589,10 +589,14 @@ def test_agreement_between_early_stopped_and_full_rollouts(tmp_path, slm, llm, t
     assert result["rejoined"]["positions"] == len(stopped) > 0
     assert sum(result["rejoined"]["confusion (pipeline judge/other judge)"].values()) == len(stopped)
     assert labels.agreement(tmp_path / "full", other_dir=tmp_path / "full")["agreement"] == 1.0
+    judged = result["judged"]["confusion (pipeline judge/other judge)"]
+    assert not any("unparseable" in pair for pair in judged) and sum(judged.values()) == result["judged"]["positions"]
     committed = tmp_path / "committed"  # a dataset as committed: labels.parquet only, no judgement parts
     committed.mkdir()
     (tmp_path / "full" / "labels.parquet").rename(committed / "labels.parquet")
     assert labels.agreement(tmp_path / "early", other_dir=committed) == result
+    code, out, _ = run_cli("label", "agree", committed, "--against", tmp_path / "early")  # labels.parquet first too
+    assert code == 0 and json.loads(out)["positions"] == result["positions"]
     code, out, err = run_cli("label", "agree", tmp_path / "early", "--against", tmp_path / "full")
     assert code == 0, err
     assert json.loads(out)["rejoined"] == result["rejoined"]
