@@ -50,6 +50,11 @@ class Features:
         bad = "identical" if objective == "different" else None
         return torch.tensor([(lab != bad) if bad else (lab == "divergent") for lab in self.labels], dtype=torch.float32)
 
+    def judged(self) -> torch.Tensor:
+        """Tokens with a verdict: not `unparseable` (the answer judge found no final answer, or the position was
+        not rolled out), so neither positive nor negative."""
+        return torch.tensor([lab != "unparseable" for lab in self.labels], dtype=torch.bool)
+
     def subset(self, mask: torch.Tensor) -> Features:
         keep = mask.nonzero()[:, 0].tolist()
         return Features(self.hidden[mask], self.tokens[mask], self.top_logprobs[mask],
@@ -213,9 +218,8 @@ def recall_at_rates(scores: torch.Tensor, divergent: torch.Tensor, rates) -> dic
 
 
 def judged_auc(scores: torch.Tensor, data: Features, objective: str) -> float:
-    """ROC-AUC over the tokens with a verdict: an `unparseable` position (the answer judge found no final answer,
-    or the position was not rolled out) is neither positive nor negative."""
-    judged = torch.tensor([lab != "unparseable" for lab in data.labels], dtype=torch.bool)
+    """ROC-AUC over the tokens with a verdict (`Features.judged`)."""
+    judged = data.judged()
     return roc_auc(scores[judged], data.target(objective)[judged])
 
 
@@ -231,8 +235,7 @@ def train(data: Features, embed, config: RouterConfig, objective: str = "diverge
           seed: int = 0, epochs: int = 40, patience: int = 5, lr: float = 5e-4, batch_size: int = 512,
           progress=None) -> tuple[Router, Features, dict]:
     """Train a router; returns it (best validation AUC), the validation split and the training history."""
-    usable = torch.tensor([lab != "unparseable" for lab in data.labels])
-    data = data.subset(usable)
+    data = data.subset(data.judged())
     train_set, val_set = split_by_prompt(data, val_fraction, seed)
     y_train, y_val = train_set.target(objective), val_set.target(objective)
     if y_train.sum() == 0 or y_train.sum() == len(y_train):

@@ -117,7 +117,6 @@ def test_metrics_on_known_scores():
     assert training.threshold_at_rate(scores, 0.5) == pytest.approx(0.7)
 
 
-
 def test_unjudged_positions_count_toward_the_rate_but_never_as_positives():
     # Answer labels roll out a sample of differing positions: the rest are `unparseable`. The router routes them
     # too, so they count toward the LLM rate, but AUC compares judged tokens only.
@@ -128,6 +127,7 @@ def test_unjudged_positions_count_toward_the_rate_but_never_as_positives():
     assert training.judged_auc(scores, data, "divergent") == 1.0  # the unjudged high scorers are not negatives
     recall = training.recall_at_rates(scores, data.target("divergent"), [2 / 6, 3 / 6])
     assert list(recall.values()) == [0.0, 1.0]  # the divergent token is third of six: top half, not top third
+
 
 def test_train_and_calibrate_cli(run_cli, dataset, tmp_path):
     from tiny import save_pair
