@@ -276,6 +276,14 @@ class MarginJudge:
     def verdict(self, gap: float) -> tuple[str, str]:
         return ("divergent" if gap > self.margin else "neutral"), f"{gap:.3f}"
 
+    @staticmethod
+    def gap(raw: str | None) -> float | None:
+        """The gap a verdict's raw answer records (`verdict`'s second half), None where the raw is another judge's."""
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            return None
+
     def __call__(self, cases):
         raise R2RError("the margin judge reads the LLM's log-probabilities, not two texts: it labels in "
                        "`r2r label run --judge margin`; compare it with another judge by `r2r label agree "

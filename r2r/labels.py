@@ -649,16 +649,49 @@ def report(dataset: Path) -> dict:
             "overall": stats(rows)}
 
 
-def verdicts(directory: Path, step: str = "judgements") -> dict[tuple[str, int], str]:
-    """A label directory's verdict per differing position (id, position): from its <step>/ parts, or, for a committed
-    dataset that keeps only its labels (data/labels/default), from labels.parquet, where a differing position's label
-    is its verdict."""
+def verdicts(directory: Path, step: str = "judgements") -> dict[tuple[str, int], tuple[str, str]]:
+    """A label directory's verdict and the judge's raw answer per differing position (id, position): from its <step>/
+    parts, or, for a committed dataset that keeps only its labels (data/labels/default), from labels.parquet, where a
+    differing position's label is its verdict."""
     parts = Parts(directory, step).rows() if (directory / step).exists() else []  # reading creates no directory
-    found = {(j["id"], j["position"]): j["verdict"] for j in parts}
+    found = {(j["id"], j["position"]): (j["verdict"], j["raw"]) for j in parts}
     if not found and (directory / "labels.parquet").exists():
-        found = {(r["id"], r["position"]): r["label"] for r in pq.read_table(directory / "labels.parquet").to_pylist()
-                 if r["label"] != "identical"}
+        found = {(r["id"], r["position"]): (r["label"], r["judge_raw"])
+                 for r in pq.read_table(directory / "labels.parquet").to_pylist() if r["label"] != "identical"}
     return found
+
+
+def entropies(directory: Path) -> dict[tuple[str, int], float]:
+    """The SLM's next-token entropy per response position (id, position), from labels.parquet or the prefill step."""
+    path = directory / "labels.parquet"
+    rows = pq.read_table(path).to_pylist() if path.exists() else prefill_rows(directory)
+    return {(r["id"], r["position"]): r["entropy"] for r in rows}
+
+
+# The margins `r2r label agree` tries when the other directory was labelled by the margin judge (nats).
+AGREE_MARGINS = (0.5, 1.0, 2.0, 3.0, 4.0)
+
+
+def margin_fit(keys: list, verdict: dict, gap: dict, entropy: dict) -> dict:
+    """How well the LLM's margin tells the positions a judge calls divergent from those it calls neutral, with the
+    SLM's entropy (what a router without the LLM sees) beside it: ROC-AUC of each, and for each margin the positions
+    it calls divergent, the share of the judge's divergent positions among them (precision) and the share of those
+    it catches (recall). Which --margin follows the judge best, and whether any does."""
+    from r2r.train import roc_auc  # r2r.train imports this module
+
+    target = torch.tensor([verdict[k] == "divergent" for k in keys], dtype=torch.float64)
+    gaps = torch.tensor([gap[k] for k in keys], dtype=torch.float64)
+    result = {"positions": len(keys), "divergent": int(target.sum()), "roc_auc_margin": roc_auc(gaps, target),
+              "roc_auc_entropy": (roc_auc(torch.tensor([entropy[k] for k in keys], dtype=torch.float64), target)
+                                  if all(k in entropy for k in keys) else None)}
+    by_margin = {}
+    for margin in AGREE_MARGINS:
+        called = gaps > margin
+        hits = int((called & (target > 0.5)).sum())
+        by_margin[str(margin)] = {"called_divergent": int(called.sum()),
+                                  "precision": hits / int(called.sum()) if called.any() else None,
+                                  "recall": hits / result["divergent"] if result["divergent"] else None}
+    return {**result, "by_margin": by_margin}
 
 
 def agreement(out: Path, other: str = "judgements", other_dir: Path | None = None) -> dict:
@@ -666,9 +699,13 @@ def agreement(out: Path, other: str = "judgements", other_dir: Path | None = Non
     labels.parquet) agree with OUT's pipeline judge on the same positions; `judged` leaves out those `unparseable` on
     either side (as are the positions an answer-label run did not roll out). Between two directories that share
     responses but branched with different --rejoin-tokens it measures early stopping: `rejoined` covers the
-    positions whose branch stopped early in OUT, where a longer branch could have reached another answer."""
-    first, second = verdicts(out), verdicts(other_dir or out, other)
+    positions whose branch stopped early in OUT, where a longer branch could have reached another answer. Against a
+    directory labelled by the margin judge, `margins` says how well the LLM's margin, at each setting, and the SLM's
+    entropy follow OUT's verdicts (`margin_fit`): whether any --margin stands in for OUT's judge."""
+    first_raw, second_raw = verdicts(out), verdicts(other_dir or out, other)
     rejoined = {(c["id"], c["position"]) for c in Parts(out, "continuations").rows() if c.get("rejoined")}
+    first = {k: v for k, (v, _) in first_raw.items()}
+    second = {k: v for k, (v, _) in second_raw.items()}
 
     def compare(keys: list) -> dict:
         same = sum(first[k] == second[k] for k in keys)
@@ -676,7 +713,11 @@ def agreement(out: Path, other: str = "judgements", other_dir: Path | None = Non
                 "confusion (pipeline judge/other judge)": dict(Counter(f"{first[k]}/{second[k]}" for k in keys))}
 
     both = [k for k in first if k in second]
-    result = {**compare(both), "judged": compare([k for k in both if "unparseable" not in (first[k], second[k])])}
+    judged = [k for k in both if "unparseable" not in (first[k], second[k])]
+    result = {**compare(both), "judged": compare(judged)}
     if rejoined:
         result["rejoined"] = compare([k for k in both if k in rejoined])
+    gaps = {k: judges.MarginJudge.gap(raw) for k, (_, raw) in second_raw.items()}
+    if judged and all(gaps[k] is not None for k in judged):  # the other directory's judge is the margin judge
+        result["margins"] = margin_fit(judged, first, gaps, entropies(out))
     return result

@@ -239,7 +239,32 @@ def test_on_policy_margin_labels(tmp_path, slm, llm, tokenizer):
                              ).to_pylist()
     assert [x["label"] == "identical" for x in stricter] == [x["label"] == "identical" for x in rows]
     assert sum(x["label"] == "divergent" for x in stricter) > len(labels_of["divergent"])
-    assert labels.agreement(tmp_path / "d", other_dir=tmp_path / "d")["agreement"] == 1.0
+    itself = labels.agreement(tmp_path / "d", other_dir=tmp_path / "d")
+    assert itself["agreement"] == 1.0
+    # Against margin labels (now at 0.25 nats), the LLM's gap separates them perfectly; each wider margin calls a
+    # subset of them divergent, at 1 nat exactly the first run's divergent positions.
+    fit = itself["margins"]
+    divergent = sum(x["label"] == "divergent" for x in stricter)
+    assert fit["divergent"] == divergent and fit["roc_auc_margin"] == 1.0
+    assert fit["by_margin"]["1.0"] == {"called_divergent": len(labels_of["divergent"]), "precision": 1.0,
+                                       "recall": len(labels_of["divergent"]) / divergent}
+    assert all(m["precision"] in (1.0, None) for m in fit["by_margin"].values())
+    assert 0.0 <= fit["roc_auc_entropy"] <= 1.0
+
+
+def test_margin_fit_on_planted_positions():
+    """The LLM's gap and the SLM's entropy against another judge's verdicts, at each margin."""
+    keys = [("a", i) for i in range(4)]
+    verdict = dict(zip(keys, ["divergent", "neutral", "divergent", "neutral"]))
+    gap = dict(zip(keys, [5.0, 3.5, 0.7, 0.2]))  # one divergent position far above, one below 1 nat
+    entropy = dict(zip(keys, [0.1, 0.2, 0.3, 0.4]))  # entropy ranks the neutral positions higher
+    fit = labels.margin_fit(keys, verdict, gap, entropy)
+    assert fit["positions"] == 4 and fit["divergent"] == 2
+    assert fit["roc_auc_margin"] == 0.75 and fit["roc_auc_entropy"] == 0.25
+    assert fit["by_margin"]["0.5"] == {"called_divergent": 3, "precision": 2 / 3, "recall": 1.0}
+    assert fit["by_margin"]["1.0"] == {"called_divergent": 2, "precision": 0.5, "recall": 0.5}
+    assert fit["by_margin"]["4.0"] == {"called_divergent": 1, "precision": 1.0, "recall": 0.5}
+    assert labels.margin_fit(keys, verdict, gap, {})["roc_auc_entropy"] is None
 
 
 def test_margin_labels_of_llm_responses_need_no_branches(tmp_path, slm, llm, tokenizer):
