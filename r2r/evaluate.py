@@ -180,21 +180,33 @@ def routing_profile(rows: list[dict], bins: int = 10) -> list[float]:
 
 
 def summaries(out_dir: Path, item_ids: set[str] | None = None) -> dict[str, dict]:
-    """Per-system summaries of a results directory, the two single-model baselines first."""
-    result = {}
+    """Per-system summaries of a results directory, the two single-model baselines first. Where the SLM and the
+    LLM ran on the same items, every other system that ran on exactly those items also gets `gap_recovered`: the
+    share of the SLM->LLM accuracy gap it closes (the paper's measure; on other items it would mean nothing)."""
+    result, ran_on = {}, {}
     for path in sorted(out_dir.glob("*.jsonl"), key=lambda p: ({"slm": 0, "llm": 1}.get(p.stem, 2), p.stem)):
         rows = [r for r in read_results(path) if item_ids is None or r["id"] in item_ids]
         if rows:
-            result[path.stem] = summarize(rows)
+            result[path.stem], ran_on[path.stem] = summarize(rows), {r["id"] for r in rows}
+    if "slm" in result and "llm" in result and ran_on["slm"] == ran_on["llm"]:
+        low, high = result["slm"]["accuracy"], result["llm"]["accuracy"]
+        for name, summary in result.items():
+            if name not in ("slm", "llm") and ran_on[name] == ran_on["slm"] and high != low:
+                summary["gap_recovered"] = (summary["accuracy"] - low) / (high - low)
     return result
 
 
+def gap_cell(summary: dict) -> str:
+    return f"{summary['gap_recovered']:.0%}" if "gap_recovered" in summary else "–"
+
+
 def markdown_table(table: dict[str, dict]) -> str:
-    lines = ["| system | items | accuracy (95% CI) | LLM rate | avg. params (B) | tokens/s | latency (s) | "
-             "rollbacks / 100 tokens |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | items | accuracy (95% CI) | LLM rate | SLM→LLM gap closed | avg. params (B) | tokens/s | "
+             "latency (s) | rollbacks / 100 tokens |", "|---|---|---|---|---|---|---|---|---|"]
     for name, s in table.items():
         low, high = s["accuracy_ci95"]
         lines.append(f"| {name} | {s['items']} | {s['accuracy']:.1%} ({low:.1%}–{high:.1%}) | {s['llm_rate']:.1%} | "
+                     f"{gap_cell(s)} | "
                      f"{s['avg_params_b']:.3f} | {s['tokens_per_s']:.2f} | {s['mean_latency_s']:.1f} | "
                      f"{s.get('rollbacks_per_100_tokens', 0.0):.2f} |")
     return "\n".join(lines)
@@ -273,7 +285,8 @@ def html_report(benchmark: str, table: dict[str, dict], images: list[Path], exam
     rows = "".join(
         f"<tr><td>{html.escape(name)}</td><td>{s['items']}</td><td>{s['accuracy']:.1%} "
         f"({s['accuracy_ci95'][0]:.1%}–{s['accuracy_ci95'][1]:.1%})</td><td>{s['llm_rate']:.1%}</td>"
-        f"<td>{s['avg_params_b']:.3f}</td><td>{s['tokens_per_s']:.2f}</td><td>{s['mean_latency_s']:.1f}</td></tr>"
+        f"<td>{gap_cell(s)}</td><td>{s['avg_params_b']:.3f}</td><td>{s['tokens_per_s']:.2f}</td>"
+        f"<td>{s['mean_latency_s']:.1f}</td></tr>"
         for name, s in table.items())
     answers = []
     for system, row in examples:
@@ -286,7 +299,8 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:.3em .6em;
 td:first-child{{text-align:left}}pre{{white-space:pre-wrap;background:#fafafa;border:1px solid #eee;padding:.8em}}
 .llm{{background:#ffe066}}img{{max-width:48%;margin:.5em 1% 0 0}}</style></head><body>
 <h1>R2R evaluation: {html.escape(benchmark)}</h1>
-<table><tr><th>system</th><th>items</th><th>accuracy (95% CI)</th><th>LLM rate</th><th>avg. params (B)</th>
+<table><tr><th>system</th><th>items</th><th>accuracy (95% CI)</th><th>LLM rate</th><th>SLM→LLM gap closed</th>
+<th>avg. params (B)</th>
 <th>tokens/s</th><th>latency (s)</th></tr>{rows}</table>
 <h2>Accuracy against cost</h2>{''.join(image(p) for p in images if p)}
 <h2>Answers</h2><p>Highlighted text came from the LLM.</p>{''.join(answers)}</body></html>"""

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from r2r.evaluate import read_results, routing_profile, summarize, wilson
+from r2r.evaluate import markdown_table, read_results, routing_profile, summaries, summarize, wilson
 from tiny import save_pair
 
 
@@ -28,8 +28,8 @@ def test_eval_writes_results_summary_plots_and_report(run_cli, pair, tmp_path):
     assert all(c == "L" for r in read_results(d / "llm.jsonl") for c in r["sources"])
     assert all(c == "S" for r in read_results(d / "slm.jsonl") for c in r["sources"])
     summary = json.loads((d / "summary.json").read_text())["systems"]
-    for name, s in summary.items():  # the summary is exactly what the per-item file says
-        assert s == summarize(read_results(d / f"{name}.jsonl"))
+    for name, s in summary.items():  # the summary is exactly what the per-item file says (and the gap, below)
+        assert {k: v for k, v in s.items() if k != "gap_recovered"} == summarize(read_results(d / f"{name}.jsonl"))
     rows = read_results(d / "random.jsonl")
     assert summary["random"]["accuracy"] == sum(r["correct"] for r in rows) / 3
     assert summary["random"]["llm_rate"] == sum(r["llm_tokens"] for r in rows) / sum(r["tokens"] for r in rows)
@@ -213,3 +213,23 @@ def test_paired_counts_and_the_speed_pareto_scripts(tmp_path):
     missing = subprocess.run([sys.executable, scripts / "pareto-speed.py", tmp_path / "nowhere", tmp_path / "bench.json",
                               tmp_path / "x.png"], capture_output=True, text=True)
     assert missing.returncode != 0 and "not found" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_gap_recovered_only_on_the_items_both_models_ran(tmp_path):
+    """The share of the SLM->LLM gap a system closes: on the SLM's and the LLM's own items, else not at all."""
+    def write(name, correct):
+        rows = [{"id": str(i), "correct": c, "tokens": 10, "llm_tokens": 1, "avg_params_b": 1.0, "time_s": 1.0}
+                for i, c in enumerate(correct)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("slm", [1, 0, 0, 0])  # 25%
+    write("llm", [1, 1, 1, 0])  # 75%
+    write("r2r", [1, 1, 0, 0])  # 50%: half the gap
+    write("entropy", [0, 0, 0, 0])  # below the SLM: a negative share
+    write("random", [1, 1, 1])  # other items: no share
+    table = summaries(tmp_path)
+    assert table["r2r"]["gap_recovered"] == 0.5 and table["entropy"]["gap_recovered"] == -0.5
+    assert "gap_recovered" not in table["random"] and "gap_recovered" not in table["slm"]
+    assert "gap_recovered" not in summaries(tmp_path, {"0"})["r2r"]  # the two models tie there: no gap to close
+    assert "| r2r | 4 | 50.0% " in markdown_table(table) and "| 50% |" in markdown_table(table)
+    assert "| random | 3 | " in markdown_table(table) and "| – |" in markdown_table(table)
