@@ -702,10 +702,9 @@ def agreement(out: Path, other: str = "judgements", other_dir: Path | None = Non
     positions whose branch stopped early in OUT, where a longer branch could have reached another answer. Against a
     directory labelled by the margin judge, `margins` says how well the LLM's margin, at each setting, and the SLM's
     entropy follow OUT's verdicts (`margin_fit`): whether any --margin stands in for OUT's judge."""
-    first_raw, second_raw = verdicts(out), verdicts(other_dir or out, other)
+    second_raw = verdicts(other_dir or out, other)
+    first, second = {k: v for k, (v, _) in verdicts(out).items()}, {k: v for k, (v, _) in second_raw.items()}
     rejoined = {(c["id"], c["position"]) for c in Parts(out, "continuations").rows() if c.get("rejoined")}
-    first = {k: v for k, (v, _) in first_raw.items()}
-    second = {k: v for k, (v, _) in second_raw.items()}
 
     def compare(keys: list) -> dict:
         same = sum(first[k] == second[k] for k in keys)
