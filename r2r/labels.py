@@ -716,7 +716,7 @@ def agreement(out: Path, other: str = "judgements", other_dir: Path | None = Non
     result = {**compare(both), "judged": compare(judged)}
     if rejoined:
         result["rejoined"] = compare([k for k in both if k in rejoined])
-    gaps = {k: judges.MarginJudge.gap(raw) for k, (_, raw) in second_raw.items()}
-    if judged and all(gaps[k] is not None for k in judged):  # the other directory's judge is the margin judge
+    gaps = {k: judges.MarginJudge.gap(second_raw[k][1]) for k in judged}
+    if judged and None not in gaps.values():  # the other directory's judge is the margin judge
         result["margins"] = margin_fit(judged, first, gaps, entropies(out))
     return result
