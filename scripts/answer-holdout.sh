@@ -15,7 +15,7 @@ rm -rf $OUT && mkdir -p $OUT
 python -c "import random, shutil, sys
 import pyarrow as pa, pyarrow.parquet as pq
 from pathlib import Path
-from r2r.labels import Parts
+from roads_to_rome.pipeline.labels import Parts
 out, n = Path(sys.argv[1]), int(sys.argv[2])
 answer, margin = Path('data/labels/onpolicy-answer'), Path('data/labels/onpolicy')
 written = sorted(Parts(answer, 'responses').done())
@@ -32,7 +32,7 @@ print(len(test), 'held-out problems of', len(written))" $OUT "$HOLD_OUT"
 r2r train $OUT/answer-train $OUT/margin-train --out $OUT/router-answer $B --ablations
 r2r train $OUT/margin-train --out $OUT/router-margin $B
 # The shipped router as well (trained on the margin labels of every prompt, these held-out ones included).
-cp -r r2r/routers/qwen2.5-coder-0.5b-instruct $OUT/router-shipped
+cp -r roads_to_rome/models/routers/qwen2.5-coder-0.5b-instruct $OUT/router-shipped
 for router in answer margin shipped; do
     r2r calibrate $OUT/router-$router $OUT/answer-test --all-prompts $B --json > $OUT/calibrate-$router.json
     cat $OUT/calibrate-$router.json

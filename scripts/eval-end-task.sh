@@ -22,7 +22,7 @@ done
 slim() {
     python -c "import json, shutil, sys
 from pathlib import Path
-from r2r.evaluate import read_results
+from roads_to_rome.eval.evaluate import read_results
 for path in Path(sys.argv[1]).glob('*.jsonl'):
     rows = [{k: v for k, v in r.items() if k not in ('output', 'token_ids')} for r in read_results(path)]
     (Path(sys.argv[2]) / path.name).write_text(''.join(json.dumps(r) + '\\n' for r in rows))
@@ -32,7 +32,7 @@ R="--benchmark $BENCHMARK --ids $IDS --backend llamacpp --max-new-tokens 512 --b
 r2r eval $R --systems r2r --verify off,1; slim
 # Entropy's target: R2R's LLM share on items 0-49 (verify off), the same for every chunk.
 ENTROPY_RATE=${ENTROPY_RATE:-$(python -c "from pathlib import Path
-from r2r.evaluate import read_results, summarize
+from roads_to_rome.eval.evaluate import read_results, summarize
 rows = [r for r in read_results(Path('$OUT/$BENCHMARK/r2r.jsonl')) if int(r['id']) < 50]
 assert len(rows) == 50, 'run items 0-49 first: entropy aims at the LLM share R2R reaches on them'
 print(round(summarize(rows)['llm_rate'], 4))")}

@@ -21,7 +21,7 @@ mkdir -p $OUT $KEEP/continuations
 ONLY=${ONLY-math/written/}
 [ -d $OUT/responses ] || python -c "import sys
 from pathlib import Path
-from r2r.labels import Parts
+from roads_to_rome.pipeline.labels import Parts
 rows = [r for r in Parts(Path('data/labels/onpolicy'), 'responses').rows() if sys.argv[2] in r['id']]
 Parts(Path(sys.argv[1]), 'responses').write(rows)
 (Path(sys.argv[1]) / 'responses.json').write_text('{\"writer\": \"slm\"}')" $OUT "$ONLY"

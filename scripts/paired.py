@@ -11,8 +11,9 @@ items are matched by id); slm and llm come from RESULTS_DIR.
 """
 import json
 import sys
-from math import comb
 from pathlib import Path
+
+from roads_to_rome.eval.stats import sign_test
 
 
 def load(results_dir: Path, system: str) -> dict[str, dict]:
@@ -25,18 +26,12 @@ def load(results_dir: Path, system: str) -> dict[str, dict]:
     return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
-def exact_p(x: int, y: int) -> float:
-    """Two-sided exact binomial test of x against y at p = 1/2 (McNemar on discordant pairs, the sign test)."""
-    n = x + y
-    return min(1.0, 2 * sum(comb(n, k) for k in range(min(x, y) + 1)) / 2**n) if n else 1.0
-
-
 def compare(rows: dict[str, dict], a: str, b: str, ids: list[str]) -> str:
     acc = {s: sum(rows[s][i]["correct"] for i in ids) / len(ids) for s in rows}
     rate = {s: sum(rows[s][i]["llm_tokens"] for i in ids) / sum(rows[s][i]["tokens"] for i in ids) for s in (a, b)}
     only_a = sum(rows[a][i]["correct"] and not rows[b][i]["correct"] for i in ids)
     only_b = sum(rows[b][i]["correct"] and not rows[a][i]["correct"] for i in ids)
-    p = exact_p(only_a, only_b)
+    p = sign_test(only_a, only_b)
     gap = acc["llm"] - acc["slm"]
     recovered = {s: f"{(acc[s] - acc['slm']) / gap:.0%}" if gap else "n/a" for s in (a, b)}
     return (f"{len(ids)} items | slm {acc['slm']:.1%} llm {acc['llm']:.1%} | {a} {acc[a]:.1%} at {rate[a]:.1%} "
@@ -54,7 +49,7 @@ def compare_rollbacks(rows: dict[str, dict], a: str, b: str, ids: list[str]) -> 
     per_100 = {s: 100 * total[s] / sum(rows[s][i]["tokens"] for i in ids) for s in (a, b)}
     return (f"{a} {total[a]} ({per_100[a]:.2f} / 100 tokens), {b} {total[b]} ({per_100[b]:.2f}) | fewer per token: "
             f"{a} on {fewer_a} items, {b} on {fewer_b}, {len(ids) - fewer_a - fewer_b} tied, sign test "
-            f"p={exact_p(fewer_a, fewer_b):.2g}")
+            f"p={sign_test(fewer_a, fewer_b):.2g}")
 
 
 def main():

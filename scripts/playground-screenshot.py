@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 from playwright.sync_api import sync_playwright
 
-from r2r.bench import processor
+from roads_to_rome.bench.measure import processor
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--backend", default="llamacpp")

@@ -1,7 +1,11 @@
 """Prompt-reading (prefill) rate of each default model on llama.cpp at several chunk sizes: the measurement behind
 the server's --prefill-chunk default.  python scripts/prefill-chunks.py"""
-import time, torch
-from r2r.models import load_pair
+import time
+
+import torch
+
+from roads_to_rome.models import load_pair
+
 slm, llm, tok = load_pair(None, None, "cpu", backend="llamacpp")
 ids = torch.tensor([list(range(1000, 2024))])
 for name, m in (("slm", slm), ("llm", llm)):

@@ -11,8 +11,10 @@ import json
 import time
 
 import r2r
-from r2r.engine import Engine, SamplingParams
-from r2r.models import load_pair
+
+from roads_to_rome import models
+from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.models import load_pair
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--prompts", type=int, default=4)
@@ -20,15 +22,16 @@ parser.add_argument("--tokens", type=int, default=128)
 args = parser.parse_args()
 
 slm, llm, tokenizer = load_pair(None, None, "cpu", backend="llamacpp")
-from r2r import policies
+from roads_to_rome.routing import policies
 
 if hasattr(policies, "build"):  # after the "One house" layout
-    from r2r.tasks import gsm8k, gsm8k_prompt
+    from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
 
-    policy = policies.build("router", slm, None, policies.router_path_for(None, None))
+    policy = policies.build("router", slm, None, models.router_path_for(None, None))
 else:  # before it
     from r2r.benchmarks import gsm8k, gsm8k_prompt
-    from r2r.models import shipped_router
+
+    from roads_to_rome.models import shipped_router
 
     policy = policies.router_policy(shipped_router(), slm, None)
 engine = Engine(slm, llm, tokenizer, policy)

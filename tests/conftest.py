@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import save_gguf, tiny_model, tiny_tokenizer  # noqa: E402
 
-from r2r.torch_backend import TorchBackend  # noqa: E402
+from roads_to_rome.backends.torch_backend import TorchBackend  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +35,7 @@ def llm(tokenizer):
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
     """Run the `r2r` entry point in-process; returns (exit code, stdout, stderr)."""
-    from r2r import cli
+    from roads_to_rome.cli import main as cli
 
     def run(*args):
         monkeypatch.setattr(sys, "argv", ["r2r", *map(str, args)])
@@ -65,7 +65,7 @@ def make_backend(kind: str, model, tokenizer, folder, name: str):
     """A tiny transformers model on the `kind` backend (llama.cpp: through a GGUF copy of its weights)."""
     if kind == "torch":
         return TorchBackend(model, name=name, vocab_size=len(tokenizer))
-    from r2r.llamacpp import LlamaCppBackend
+    from roads_to_rome.backends.llamacpp import LlamaCppBackend
 
     path = folder / f"{name}.gguf"
     save_gguf(model, tokenizer, path)
@@ -91,7 +91,7 @@ def browser():
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "needs Debian's chromium (make test installs it: apt-get install chromium)"
-    assert (Path(__file__).parents[1] / "r2r/static/vendor/katex.min.js").exists(), \
+    assert (Path(__file__).parents[1] / "roads_to_rome/serving/static/vendor/katex.min.js").exists(), \
         "needs the playground's renderers: run `make web`"
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True, args=[

@@ -1,17 +1,16 @@
-"""The backend contract (r2r/backend.py), one suite run against every backend: the torch backend on a
+"""The backend contract (roads_to_rome/backends/base.py), one suite run against every backend: the torch backend on a
 tiny model and llama.cpp on a GGUF file holding the same weights."""
 
 import pytest
 import torch
-
 from conftest import make_backend
 from tiny import tiny_model
 
-from r2r.backend import Backend, mask_for
-from r2r.engine import Engine, SamplingParams, left_pad, pad_columns_left
-from r2r.errors import R2RError
-from r2r.policies import AlwaysLLM, RandomPolicy
-from r2r.torch_backend import TorchBackend
+from roads_to_rome.backends.base import Backend, mask_for
+from roads_to_rome.backends.torch_backend import TorchBackend
+from roads_to_rome.core.engine import Engine, SamplingParams, left_pad, pad_columns_left
+from roads_to_rome.errors import R2RError
+from roads_to_rome.routing.policies import AlwaysLLM, RandomPolicy
 
 PROMPTS = ["What is 48 / 2?", "def add(a, b):\n    return", "Bonjour! Paris is the capital of which country?"]
 # llama.cpp keeps its KV cache in f16 and batches rows through other kernels: close, not bit-equal.

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from tiny import save_pair, tiny_tokenizer
 
 
@@ -98,7 +97,8 @@ def test_benchmarks_run_and_report_ratios(run_cli, pair, tmp_path):
                              *pair)
     assert code == 0, err
     result = json.loads((tmp_path / "b.json").read_text())
-    assert result["batched"]["tokens"] > 0 and result["speedup"] > 0
+    assert 0 < result["batched"]["tokens"] <= 2 * 4 and 0 < result["sequential"]["tokens"] <= 2 * 4  # 2 prompts x 4
+    assert result["speedup"] == pytest.approx(result["batched"]["tokens_per_s"] / result["sequential"]["tokens_per_s"])
 
 
 def test_llm_tokens_are_marked_when_output_is_not_a_terminal(run_cli, pair):
@@ -116,7 +116,9 @@ def test_serving_benchmark_runs(run_cli, pair, tmp_path):
     code, out, err = run_cli("bench", "serve", "--clients", "2", "--tokens", "4", "--out", tmp_path / "s.json", *pair)
     assert code == 0, err
     result = json.loads((tmp_path / "s.json").read_text())
-    assert result["concurrent"]["tokens"] > 0 and result["speedup"] > 0
+    assert result["concurrent"]["tokens"] > 0
+    assert result["speedup"] == pytest.approx(result["concurrent"]["tokens_per_s"] /
+                                              result["one_at_a_time"]["tokens_per_s"])
 
 
 def test_step_cost_benchmark_runs(run_cli, pair, tmp_path):

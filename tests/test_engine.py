@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from r2r.engine import Engine, SamplingParams, left_pad, sample
-from r2r.errors import R2RError
-from r2r.policies import AlwaysLLM, AlwaysSLM, RandomPolicy
+from roads_to_rome.core.engine import Engine, SamplingParams, left_pad, sample
+from roads_to_rome.errors import R2RError
+from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RandomPolicy
 
 PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain."]
 
@@ -83,8 +83,9 @@ def test_provenance_and_stats(slm, llm, tokenizer):
     assert gen.avg_params_b == pytest.approx(expected)
     assert gen.tokens_per_s > 0 and gen.timings.slm_s > 0 and gen.timings.llm_s > 0
     d = gen.to_dict()
-    for key in ("text", "token_ids", "sources", "llm_rate", "avg_params_b", "tokens_per_s"):
-        assert key in d
+    assert (d["text"], d["token_ids"], d["sources"]) == (gen.text, gen.token_ids, gen.sources)
+    assert (d["llm_rate"], d["avg_params_b"], d["tokens_per_s"]) == (gen.llm_rate, gen.avg_params_b, gen.tokens_per_s)
+    assert d["tokens"] == 20 and d["llm_tokens"] == gen.llm_tokens
     # The random policy's score is its draw; a draw under the rate routes the token.
     assert [s < 0.5 for s in gen.scores] == [src == "llm" for src in gen.sources]
 
@@ -176,7 +177,7 @@ def run_with_joins(engine, prompts, join_after, params, prefill_chunk=None):
     """Start with prompts[0]; add each later prompt after `join_after[i]` steps. With `prefill_chunk`, a
     newcomer's prompt is read from then on, that many tokens per step, between steps (as the server does),
     and it joins once read. Returns the requests."""
-    from r2r.engine import Batch, Prefill, Request
+    from roads_to_rome.core.engine import Batch, Prefill, Request
 
     batch = Batch(engine)
     requests = [Request(p, params) for p in prompts]
@@ -218,7 +219,7 @@ def test_requests_joining_a_running_batch_decode_as_if_alone(slm, llm, tokenizer
 
 
 def test_cancelled_request_leaves_and_others_continue(slm, llm, tokenizer):
-    from r2r.engine import Batch, Request
+    from roads_to_rome.core.engine import Batch, Request
 
     engine = Engine(slm, llm, tokenizer, AlwaysLLM())
     prompts = encode(engine)
@@ -238,8 +239,8 @@ def test_cancelled_request_leaves_and_others_continue(slm, llm, tokenizer):
 
 
 def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
-    from r2r.engine import Batch, Request
-    from r2r.policies import EntropyPolicy
+    from roads_to_rome.core.engine import Batch, Request
+    from roads_to_rome.routing.policies import EntropyPolicy
 
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0))
     prompt = encode(engine)[0]
@@ -269,8 +270,8 @@ def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
 
 def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, monkeypatch):
     """"LLM alone" through a pair costs the LLM alone; the SLM reads what it skipped once a row needs it."""
-    from r2r.engine import Batch, Request
-    from r2r.policies import EntropyPolicy
+    from roads_to_rome.core.engine import Batch, Request
+    from roads_to_rome.routing.policies import EntropyPolicy
 
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0))
     prompt = encode(engine)[0]
@@ -296,8 +297,8 @@ def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, mon
 
 
 def test_target_llm_rate_is_tracked_per_request(slm, llm, tokenizer):
-    from r2r.engine import Batch, Request
-    from r2r.policies import EntropyPolicy
+    from roads_to_rome.core.engine import Batch, Request
+    from roads_to_rome.routing.policies import EntropyPolicy
 
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1e9))  # on its own it would never route
     prompt = encode(engine)[0]
@@ -314,8 +315,8 @@ def test_target_llm_rate_is_tracked_per_request(slm, llm, tokenizer):
 def test_a_target_rate_holds_when_the_scores_drift(slm, llm, tokenizer):
     """Scores that fall as an answer goes on (the SLM growing surer) seldom reach the top of their own past:
     the share routed still meets the target, since the request aims off by what it is behind."""
-    from r2r.engine import Batch, Request
-    from r2r.policies import EntropyPolicy
+    from roads_to_rome.core.engine import Batch, Request
+    from roads_to_rome.routing.policies import EntropyPolicy
 
     class Falling(EntropyPolicy):  # noisy scores whose level halves every 80 tokens
         draws, step = torch.Generator().manual_seed(0), 0
@@ -337,7 +338,7 @@ def test_a_target_rate_holds_when_the_scores_drift(slm, llm, tokenizer):
 def test_the_engine_equals_the_bare_forward_loops_of_the_benchmark(slm, tokenizer):
     """`r2r bench overhead` compares like with like: the engine (always SLM), the bare loop on a
     dynamic cache and the bare loop on a static cache write the same greedy tokens."""
-    from r2r.bench import bare_loop
+    from roads_to_rome.bench.measure import bare_loop
 
     engine = Engine(slm, None, tokenizer)
     prompt = engine.encode_chat("What is 48 / 2?")

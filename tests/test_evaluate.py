@@ -3,9 +3,9 @@
 import json
 
 import pytest
-
-from r2r.evaluate import markdown_table, read_results, routing_profile, summaries, summarize, wilson
 from tiny import save_pair
+
+from roads_to_rome.eval.evaluate import markdown_table, read_results, routing_profile, summaries, summarize, wilson
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +108,8 @@ def test_eval_r2r_results_belong_to_one_router(run_cli, pair, tmp_path):
     """Resuming r2r with a retrained router would mix two systems in one file: refused."""
     import torch
 
-    from r2r.models import load_pair
-    from r2r.router import Router, RouterCheckpoint, RouterConfig, save_router, slm_identity
+    from roads_to_rome.models import load_pair
+    from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig, save_router, slm_identity
 
     slm, _, _ = load_pair(str(pair[1]), None, "cpu", need_llm=False, dtype="bfloat16")  # as `r2r eval` loads it
     config = RouterConfig(hidden_size=slm.hidden_size, embed_size=slm.embedding_table().shape[1], top_k=16, dim=16,

@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from r2r import judges, labels
-from r2r.engine import Engine, SamplingParams
-from r2r.errors import R2RError
+from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.errors import R2RError
+from roads_to_rome.pipeline import judges, labels
 
 PROMPTS = [
     {"id": "m1", "domain": "math", "prompt": "What is 48 / 2?"},
@@ -37,7 +37,7 @@ def slm(llm):
 
     import torch
 
-    from r2r.torch_backend import TorchBackend
+    from roads_to_rome.backends.torch_backend import TorchBackend
 
     model = copy.deepcopy(llm.model)
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def test_continuation_branches_end_at_the_sentence(tmp_path, slm, llm, tokenizer
     rows = [c for c in labels.Parts(tmp_path, "continuations").rows() if c["position"] >= 0]
     assert rows
     llm_engine = Engine.alone(llm, tokenizer)
-    from r2r.engine import SamplingParams
+    from roads_to_rome.core.engine import SamplingParams
 
     responses = {r["id"]: r for r in labels.Parts(tmp_path, "responses").rows()}
     for c in rows[:6]:  # the cache-reusing continuation equals a fresh greedy generation from the prefix
@@ -522,7 +522,7 @@ def test_prompt_sets(tmp_path):
 def test_math_prompt_set_is_deterministic_and_checkable():
     from collections import Counter
 
-    from r2r.tasks import MATH_INSTRUCTION
+    from roads_to_rome.eval.tasks import MATH_INSTRUCTION
 
     prompts = labels.math_prompt_set(22, seed=0)
     assert prompts == labels.math_prompt_set(22, seed=0) and prompts != labels.math_prompt_set(22, seed=1)
@@ -534,7 +534,7 @@ def test_math_prompt_set_is_deterministic_and_checkable():
 
 
 def test_written_problems_that_copy_a_gsm8k_question_are_dropped():
-    from r2r.tasks import gsm8k
+    from roads_to_rome.eval.tasks import gsm8k
 
     questions = [q["question"] for q in gsm8k()[:50]]
     grams = set().union(*(labels.word_ngrams(q, labels.OVERLAP_WORDS) for q in questions))

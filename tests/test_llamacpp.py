@@ -8,12 +8,12 @@ import torch
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (its build failed or was skipped)")
 
 from test_engine import PROMPTS, run_with_joins  # noqa: E402
-from tiny import save_gguf, tiny_model  # noqa: E402
+from tiny import save_gguf  # noqa: E402
 
-from r2r.engine import Engine, SamplingParams  # noqa: E402
-from r2r.errors import R2RError  # noqa: E402
-from r2r.llamacpp import LlamaCppBackend  # noqa: E402
-from r2r.policies import AlwaysLLM, AlwaysSLM, RandomPolicy  # noqa: E402
+from roads_to_rome.backends.llamacpp import LlamaCppBackend  # noqa: E402
+from roads_to_rome.core.engine import Engine, SamplingParams  # noqa: E402
+from roads_to_rome.errors import R2RError  # noqa: E402
+from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RandomPolicy  # noqa: E402
 
 
 @pytest.fixture(scope="module")

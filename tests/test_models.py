@@ -1,8 +1,9 @@
 import pytest
-
-from r2r import models
-from r2r.errors import R2RError
 from tiny import save_pair, tiny_tokenizer
+
+from roads_to_rome import models
+from roads_to_rome.errors import R2RError
+from roads_to_rome.models import packaged
 
 
 def test_pair_with_the_same_tokenizer_loads(tmp_path):
@@ -43,7 +44,7 @@ def test_wrong_checksum_is_refused_and_leaves_nothing_behind(tmp_path, monkeypat
     for i in range(2):
         parts.append(tmp_path / f"part{i}.bin")
         parts[-1].write_bytes(b"abc" * 10)
-    monkeypatch.setattr(models, "_part_paths", lambda model: parts)
+    monkeypatch.setattr(packaged, "_part_paths", lambda model: parts)
     fake = models.PackagedModel("fake", "x/y", "fake-part", "1.0", 2, 60, "0" * 64)
     with pytest.raises(R2RError, match="sha256"):
         models.assemble_gguf(fake)

@@ -3,10 +3,10 @@ import json
 import pytest
 import torch
 
-from r2r.engine import Engine, SamplingParams
-from r2r.errors import R2RError
-from r2r.policies import EntropyPolicy, NeuralPolicy, RandomPolicy, entropy
-from r2r.router import Router, RouterCheckpoint, RouterConfig, load_router, save_router, slm_identity
+from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.errors import R2RError
+from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy, RandomPolicy, entropy
+from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig, load_router, save_router, slm_identity
 
 
 def test_entropy_policy_routes_uncertain_tokens():

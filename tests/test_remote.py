@@ -8,15 +8,15 @@ import importlib.util
 import time
 
 import httpx
-import torch
 import pytest
+import torch
 from conftest import HAS_LLAMA, LlamaServer, VllmServer, free_port
 from tiny import save_gguf, tiny_model, tiny_tokenizer
 
-from r2r.engine import Batch, Engine, Request, SamplingParams
-from r2r.errors import R2RError
-from r2r.policies import AlwaysLLM, RandomPolicy
-from r2r.torch_backend import TorchBackend
+from roads_to_rome.backends.torch_backend import TorchBackend
+from roads_to_rome.core.engine import Batch, Engine, Request, SamplingParams
+from roads_to_rome.errors import R2RError
+from roads_to_rome.routing.policies import AlwaysLLM, RandomPolicy
 
 PROMPTS = ["Natalia sold clips to 48 of her friends.", "def add(a, b):", "Paris is the capital of"]
 NEEDS_LLAMA_SERVER = pytest.mark.skipif(importlib.util.find_spec("xllamacpp") is None,
@@ -53,13 +53,13 @@ def same_model_here(server, llm_files, tokenizer):
         return TorchBackend(llm_files["model"], name="local", vocab_size=len(tokenizer))
     if not HAS_LLAMA:
         pytest.skip("compares with llama-cpp-python on the same GGUF")
-    from r2r.llamacpp import LlamaCppBackend
+    from roads_to_rome.backends.llamacpp import LlamaCppBackend
 
     return LlamaCppBackend(llm_files["gguf"], name="local", n_ctx=2048, max_rows=8, vocab_size=len(tokenizer))
 
 
 def remote(url, tokenizer, slm, **kw):
-    from r2r.remote import RemoteBackend
+    from roads_to_rome.backends.remote import RemoteBackend
 
     return RemoteBackend(url, tokenizer, slm.eos_ids, vocab_size=len(tokenizer), **kw)
 
@@ -121,7 +121,7 @@ def test_tolerance_verification_through_the_remote_llm_matches_the_same_model_ru
 
 
 def test_sampled_strict_verification_is_refused_with_a_remote_llm(server, slm, tokenizer):
-    from r2r.engine import Request
+    from roads_to_rome.core.engine import Request
 
     engine = Engine(slm, remote(server.url, tokenizer, slm), tokenizer, RandomPolicy(0.2), verify="strict")
     with pytest.raises(R2RError, match="whole distribution"):
@@ -172,7 +172,7 @@ def test_a_server_that_dies_mid_generation_fails_that_request_and_the_next_one_w
 
 @NEEDS_LLAMA_SERVER
 def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_files, slm, tokenizer):
-    from r2r.server import BackgroundServer, Limits, create_app
+    from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
 
     with LlamaServer(llm_files["gguf"], slots=2) as srv:
         engine = Engine(slm, remote(srv.url, tokenizer, slm, retries=0, timeout=10), tokenizer, RandomPolicy(0.5, seed=0))
@@ -195,7 +195,7 @@ def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_files, 
 
 def test_what_the_server_writes_itself_equals_the_engines_token_by_token_greedy(server, slm, tokenizer):
     """The label pipeline's LLM-alone steps (responses, continuations) run as server-side generations."""
-    from r2r.backend import greedy
+    from roads_to_rome.backends.base import greedy
 
     llm = remote(server.url, tokenizer, slm)
     engine = Engine.alone(llm, tokenizer)
@@ -205,8 +205,8 @@ def test_what_the_server_writes_itself_equals_the_engines_token_by_token_greedy(
     cache = llm.new_cache()
     assert greedy(llm, cache, [prompts[0]], 24, engine.eos_ids, stop=lambda i, out: len(out) == 5)[0] == whole[0][:5]
     # rollouts from copies of one cache rolled back to their positions: what the server writes from each prefix
-    from r2r.backend import mask_for
-    from r2r.labels import llm_branches
+    from roads_to_rome.backends.base import mask_for
+    from roads_to_rome.pipeline.labels import llm_branches
 
     base, response = llm.new_cache(), whole[1]
     llm.read(base, torch.tensor([prompts[1] + response[:3]]), mask_for(base, len(prompts[1]) + 3, llm.device))

@@ -3,17 +3,16 @@
 import concurrent.futures
 import json
 import os
-import time
 
 import httpx
 import openai
 import psutil
 import pytest
-
 from conftest import assert_idle_soon
-from r2r.engine import Engine
-from r2r.policies import RandomPolicy
-from r2r.server import BackgroundServer, Limits, create_app
+
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.routing.policies import RandomPolicy
+from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
 
 
 @pytest.fixture(scope="module")

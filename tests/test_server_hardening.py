@@ -20,12 +20,12 @@ import httpx
 import openai
 import psutil
 import pytest
-
 from conftest import assert_idle_soon, make_backend
-from r2r.engine import Engine, Request
-from r2r.errors import R2RError
-from r2r.policies import RandomPolicy
-from r2r.server import BackgroundServer, Job, Limits, create_app
+
+from roads_to_rome.core.engine import Engine, Request
+from roads_to_rome.errors import R2RError
+from roads_to_rome.routing.policies import RandomPolicy
+from roads_to_rome.serving.server import BackgroundServer, Job, Limits, create_app
 
 CHAT = "/v1/chat/completions"
 
@@ -134,7 +134,7 @@ def gguf_files(slm, llm, tokenizer, tmp_path_factory):
 
 
 def gguf_engine(files, tokenizer, n_ctx, max_rows):
-    from r2r.llamacpp import LlamaCppBackend
+    from roads_to_rome.backends.llamacpp import LlamaCppBackend
 
     small, large = (LlamaCppBackend(f, name=f.stem, n_ctx=n_ctx, max_rows=max_rows, vocab_size=len(tokenizer))
                     for f in files)
@@ -188,7 +188,7 @@ def test_4_max_batch_beyond_the_backends_rows_is_refused_at_start(gguf_files, to
     with pytest.raises(R2RError, match="--max-batch 9 is more than the backend holds"):
         create_app(engine, "tiny-r2r", Limits(max_batch=9))
     create_app(engine, "tiny-r2r", Limits(max_batch=8))
-    from r2r.llamacpp import LlamaCppBackend
+    from roads_to_rome.backends.llamacpp import LlamaCppBackend
 
     with pytest.raises(R2RError, match="lower the batch size"):  # `r2r serve` sizes llama.cpp to --max-batch
         LlamaCppBackend(gguf_files[0], max_rows=300)
@@ -349,10 +349,10 @@ SERVE_TINY = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from tiny import tiny_model, tiny_tokenizer
-from r2r.engine import Engine
-from r2r.policies import RandomPolicy
-from r2r.server import Limits, create_app, run
-from r2r.torch_backend import TorchBackend
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.routing.policies import RandomPolicy
+from roads_to_rome.serving.server import Limits, create_app, run
+from roads_to_rome.backends.torch_backend import TorchBackend
 tok = tiny_tokenizer()
 slm = TorchBackend(tiny_model(tok, hidden=32, seed=0))
 forward = slm.forward

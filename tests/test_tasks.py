@@ -1,7 +1,7 @@
 import pytest
 
-from r2r import tasks as b
-from r2r.errors import R2RError
+from roads_to_rome.errors import R2RError
+from roads_to_rome.eval import tasks as b
 
 
 @pytest.mark.parametrize("output, reference, correct", [

@@ -1,4 +1,4 @@
-from r2r.text import token_pieces
+from roads_to_rome.text import token_pieces
 
 
 def test_pieces_concatenate_to_the_decoded_text(tokenizer):

@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from r2r import train as training
-from r2r.labels import Parts
-from r2r.router import RouterConfig, load_router, save_router
+from roads_to_rome.pipeline.labels import Parts
+from roads_to_rome.routing.router import RouterConfig, load_router, save_router
+from roads_to_rome.training import train as training
 
 
 def planted_dataset(path, slm, tokenizer, n_prompts=60, length=40, seed=0):
@@ -182,7 +182,7 @@ def test_a_judge_that_calls_nothing_divergent_still_gives_the_ablation_table(run
 def test_an_unjudged_dataset_trains_the_different_objective(dataset, slm, tmp_path):
     import shutil
 
-    from r2r.errors import R2RError
+    from roads_to_rome.errors import R2RError
 
     unjudged = tmp_path / "unjudged"
     shutil.copytree(dataset / "responses", unjudged / "responses")

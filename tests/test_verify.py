@@ -3,14 +3,13 @@ the policy and the catch-up interval; strict under sampling follows the LLM's di
 
 import pytest
 import torch
-
 from conftest import make_backend
 from test_engine import run_with_joins
 from test_policies_router import make_checkpoint
 
-from r2r.engine import Engine, SamplingParams, parse_verify, sampling_probs
-from r2r.errors import R2RError
-from r2r.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
+from roads_to_rome.core.engine import Engine, SamplingParams, parse_verify, sampling_probs
+from roads_to_rome.errors import R2RError
+from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
 
 PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain."]
 N_TOKENS = 24
@@ -120,7 +119,7 @@ def test_strict_under_sampling_follows_the_llms_distribution(pair, tokenizer):
     runs, rows = 3000, llm.max_rows or 500
     counts = torch.zeros_like(target)
     for start in range(0, runs, rows):
-        from r2r.engine import Batch, Request
+        from roads_to_rome.core.engine import Batch, Request
 
         batch = Batch(engine)
         requests = [Request(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))

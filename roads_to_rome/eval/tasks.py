@@ -21,7 +21,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from r2r.errors import R2RError
+from roads_to_rome.errors import R2RError
 
 BENCHMARKS = ("gsm8k", "aime2025", "gpqa", "humaneval")
 MATH_INSTRUCTION = "Reason step by step, then finish with 'The answer is N'."

@@ -8,6 +8,16 @@ import time
 import torch
 from transformers import DynamicCache
 
+from roads_to_rome import models
+from roads_to_rome.backends.remote import RemoteBackend
+from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
+from roads_to_rome.hardware import describe_cpu
+from roads_to_rome.models import load_model, load_pair
+from roads_to_rome.routing import policies
+from roads_to_rome.routing.policies import entropy
+from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
+
 BENCH_PROMPT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May? Explain step by step."
@@ -15,25 +25,9 @@ BENCH_PROMPT = (
 
 
 def processor() -> str:
-    """The machine a figure came from: the CPU's name, its widest vector unit (AVX-512 machines run these models
-    about twice as fast as AVX2-only ones, DESIGN §3), the cores this process may use, and the GPU if any."""
-    import os
-    import platform
-
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    """The machine a figure came from: the CPU (`hardware.describe_cpu`) and the GPU if any."""
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{name} ({', '.join(filter(None, [simd, f'{cores} cores']))}){gpu}"
+    return describe_cpu() + gpu
 
 
 @torch.inference_mode()
@@ -70,9 +64,6 @@ def phase(results: list[tuple[int, int]], seconds: float) -> dict:
 def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: int, compile: bool = False) -> dict:
     """The engine (always-SLM policy) against a bare forward loop on the same prompt, and the bare loop
     on a static KV cache; with `compile`, also that with the forward compiled by torch.compile."""
-    from r2r.engine import Engine, SamplingParams
-    from r2r.models import load_model
-
     slm_backend, tokenizer = load_model(slm, "slm", device, dtype)
     engine = Engine.alone(slm_backend, tokenizer, "slm")
     prompt_ids = engine.encode_chat(BENCH_PROMPT)
@@ -107,11 +98,6 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
 def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshold: float, batch_size: int,
              n_tokens: int, backend: str = "torch") -> dict:
     """R2R (entropy routing) on `batch_size` GSM8K dev prompts: one at a time vs all in one batch."""
-    from r2r import policies
-    from r2r.engine import Engine, SamplingParams
-    from r2r.models import load_pair
-    from r2r.tasks import gsm8k, gsm8k_prompt
-
     slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
     engine = Engine(slm_backend, llm_backend, tokenizer, policies.build("entropy", threshold=threshold))
     prompts = [engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:batch_size]]
@@ -136,12 +122,6 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold
     import concurrent.futures
 
     import openai
-
-    from r2r import policies
-    from r2r.engine import Engine
-    from r2r.models import load_pair
-    from r2r.server import BackgroundServer, Limits, create_app
-    from r2r.tasks import gsm8k, gsm8k_prompt
 
     slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
     engine = Engine(slm_backend, llm_backend, tokenizer, policies.build("entropy", threshold=threshold))
@@ -169,8 +149,6 @@ def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, contex
                backend: str = "torch") -> dict:
     """Milliseconds of one forward step per model, for k new tokens on top of a `context`-token cache
     (the numbers behind the README's cost model: an SLM step, and an LLM catch-up over k tokens)."""
-    from r2r.models import load_pair
-
     slm_backend, llm_backend, _ = load_pair(slm, llm, device, dtype=dtype, backend=backend)
     table = {role: {k: step_ms(b, context, k) for k in new_tokens}
              for role, b in (("slm", slm_backend), ("llm", llm_backend))}
@@ -182,12 +160,6 @@ def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: lis
     """The LLM on a server (`llm_url`) against the same LLM here (`backend`), in one run: one catch-up of k
     new tokens on a `context`-token prefix the server has cached and on one it has never seen, and R2R's
     tokens/s on the same GSM8K dev prompts with either LLM (same SLM, same router)."""
-    from r2r import policies
-    from r2r.engine import Engine, SamplingParams
-    from r2r.models import load_pair
-    from r2r.remote import RemoteBackend
-    from r2r.tasks import gsm8k, gsm8k_prompt
-
     slm_b, local_llm, tokenizer = load_pair(None, None, "cpu", dtype=dtype, backend=backend)
     llms = {"local": local_llm, "remote": RemoteBackend(llm_url, tokenizer, slm_b.eos_ids, vocab_size=slm_b.vocab_size)}
     task = progress.add_task("bench remote", total=2 * len(new_tokens) * 2 + 4) if progress else None
@@ -198,7 +170,7 @@ def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: lis
             catch_up[where][k] = {"cached_ms": step_ms(llm, context, k), "cold_ms": cold_ms(llm, context + k)}
             if progress:
                 progress.advance(task, 2)
-    kind, router = policies.choose(None, router_path, None)
+    kind, router = models.choose_policy(None, router_path, None)
     prompts = [Engine.alone(slm_b, tokenizer, "slm").encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:n_prompts]]
     params = SamplingParams(max_new_tokens=n_tokens)
     systems, outputs = {}, {}
@@ -241,13 +213,7 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
     states, their argmax, and the routing decisions the entropy policy and the router take on each."""
     import torch.nn.functional as F
 
-    from r2r import policies
-    from r2r.engine import Engine, SamplingParams
-    from r2r.models import load_model
-    from r2r.policies import entropy
-    from r2r.tasks import gsm8k, gsm8k_prompt
-
-    router_path = policies.router_path_for(router_path, None)
+    router_path = models.router_path_for(router_path, None)
     slms = {name: load_model(None, "slm", "cpu", dtype, name) for name in ("torch", "llamacpp")}
     tokenizer = slms["torch"][1]
     writer = Engine.alone(slms["llamacpp"][0], tokenizer, "slm")
@@ -305,12 +271,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
     backend: each model alone, R2R, R2R with each verification setting, and speculative decoding (this
     engine: the SLM drafts k tokens, the LLM checks them strictly); transformers' assisted generation as
     an outside anchor."""
-    from r2r import policies
-    from r2r.engine import Engine, SamplingParams
-    from r2r.models import load_pair
-    from r2r.tasks import gsm8k, gsm8k_prompt
-
-    router_path = policies.router_path_for(router_path, None)
+    router_path = models.router_path_for(router_path, None)
     pairs = {name: load_pair(None, None, "cpu", dtype=dtype, backend=name) for name in backends}
     first_slm, _, tokenizer = next(iter(pairs.values()))
     prompts = [Engine.alone(first_slm, tokenizer, "slm").encode_chat(gsm8k_prompt(item))

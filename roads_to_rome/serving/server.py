@@ -29,22 +29,24 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional, Union
 
-from fastapi import APIRouter, FastAPI, Request as HTTPRequest
+from fastapi import APIRouter, FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from openai.types import Completion, CompletionChoice, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice as ChatChoice
-from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice, ChoiceDelta
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.staticfiles import StaticFiles
 
-from r2r.engine import Batch, Engine, Prefill, Request, SamplingParams, Step, parse_verify
-from r2r.errors import R2RError, RemoteError
-from r2r.text import Detokenizer
+from roads_to_rome.core.engine import Batch, Engine, Prefill, Request, SamplingParams, Step, parse_verify
+from roads_to_rome.errors import R2RError, RemoteError
+from roads_to_rome.text import Detokenizer
 
-log = logging.getLogger("r2r.server")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,10 +55,8 @@ class Limits:
     max_queue: int = 64  # requests waiting for a slot; beyond that: 429
     max_tokens: int = 4096  # the most new tokens one request may ask for
     context_length: int = 32768  # prompt + new tokens of one request
-    # Prompt tokens read per model between two decode steps. Measured on 2 cores (llama.cpp, the default
-    # pair): 64-token chunks read a prompt at 93-95% of the best rate (1.5B: 114 vs 123 tok/s) and take
-    # ~0.9 s for both models, so a running stream still gets a token about every second; 128 gains 3%
-    # and halves that; 32 loses a fifth.
+    # Prompt tokens read per model between two decode steps: large enough to read a prompt near the best rate,
+    # small enough that running streams keep getting tokens while it is read (README, "Serving").
     prefill_chunk: int = 64
     max_body_bytes: int = 1 << 20  # a request body's limit (413 beyond): 8x what the longest context holds
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish after a shutdown signal
@@ -452,7 +452,7 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     app.add_middleware(Guard, api_key=api_key, loopback_only=loopback_only, max_body_bytes=limits.max_body_bytes)
     app.include_router(routes)
     # The playground's renderers (`make web` puts them there; without them the page shows plain text).
-    static = importlib.resources.files("r2r").joinpath("static")
+    static = importlib.resources.files(__package__).joinpath("static")
     app.mount("/static", StaticFiles(directory=str(static), check_dir=False), name="static")
     return app
 
@@ -504,7 +504,7 @@ async def list_models(http: HTTPRequest):
 
 @routes.get("/", response_class=HTMLResponse)
 async def playground(http: HTTPRequest):
-    page = importlib.resources.files("r2r").joinpath("playground.html").read_text()
+    page = importlib.resources.files(__package__).joinpath("playground.html").read_text()
     return page.replace("{{MODEL}}", html.escape(server(http).model_name))
 
 

@@ -8,7 +8,7 @@ True where the LLM takes over this token.
 
 Policies also answer what the engine needs to know about them (whether they ever route to the
 LLM, how a target LLM rate maps to a threshold); `build` makes one by name, and `choose` picks
-the default: the router shipped for the default SLM, else entropy.
+the default: a router when there is one for the SLM, else entropy.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ from pathlib import Path
 
 import torch
 
-from r2r.errors import R2RError
-from r2r.router import RouterCheckpoint
+from roads_to_rome.errors import R2RError
+from roads_to_rome.routing import DEFAULT_ENTROPY_THRESHOLD, DEFAULT_RANDOM_RATE, POLICIES
+from roads_to_rome.routing.router import RouterCheckpoint, load_router, slm_identity
 
-POLICIES = ("router", "entropy", "random", "slm", "llm")
-DEFAULT_ENTROPY_THRESHOLD = 0.8  # nats: 16% LLM tokens on GSM8K item 0 with the default pair (see README)
-DEFAULT_RANDOM_RATE = 0.1
 RATE_WARMUP_TOKENS = 16  # a request aiming at an LLM rate uses the fixed threshold for its first tokens
 RATE_WINDOW_TOKENS = 128  # ... and then the quantile of its last this many scores (they drift as it goes on)
 
@@ -130,33 +128,21 @@ class NeuralPolicy(RoutingPolicy):
 
 def router_policy(path, slm, threshold: float | None = None) -> NeuralPolicy:
     """The router checkpoint at `path` as a policy for the SLM backend `slm` (refused if trained for another)."""
-    from r2r.router import load_router, slm_identity
-
     return NeuralPolicy(load_router(path, slm_identity(slm)), slm.embed, threshold, device=slm.device)
 
 
-def router_path_for(router_path: Path | None, slm_spec: str | None) -> Path | None:
-    """The router checkpoint to use: the one given, else the one shipped for the default SLM (none
-    for another SLM: a router is tied to the SLM it was trained on)."""
-    from r2r.models import shipped_router
-
-    if router_path is not None:
-        return Path(router_path)
-    return shipped_router() if slm_spec is None else None
-
-
-def choose(kind: str | None, router_path: Path | None, slm_spec: str | None) -> tuple[str, Path | None]:
-    """The policy to run and its router checkpoint: as asked, else the shipped router, else entropy."""
-    path = router_path_for(router_path, slm_spec)
-    kind = kind or ("router" if path is not None else "entropy")
+def choose(kind: str | None, router_path: Path | None, given: bool) -> tuple[str, Path | None]:
+    """The policy to run and its router checkpoint: as asked, else the router at `router_path` (the user's,
+    `given`, or the one shipped for the SLM), else entropy."""
+    kind = kind or ("router" if router_path is not None else "entropy")
     if kind not in POLICIES:
         raise R2RError(f"unknown routing policy {kind!r}: use one of {', '.join(POLICIES)}")
-    if kind != "router" and router_path is not None:
+    if kind != "router" and given:
         raise R2RError(f"--router-path goes with --router router, not --router {kind}")
-    if kind == "router" and path is None:
+    if kind == "router" and router_path is None:
         raise R2RError("no router checkpoint given: pass --router-path DIR (a trained router, see `r2r train`), "
                        "or use --router entropy")
-    return kind, path if kind == "router" else None
+    return kind, router_path if kind == "router" else None
 
 
 def build(kind: str, slm=None, threshold: float | None = None, router_path: Path | None = None,

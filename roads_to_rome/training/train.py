@@ -21,9 +21,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from r2r.errors import R2RError
-from r2r.labels import Parts, prefill_rows
-from r2r.router import Router, RouterCheckpoint, RouterConfig, slm_identity
+from roads_to_rome.errors import R2RError
+from roads_to_rome.eval.stats import roc_auc
+from roads_to_rome.pipeline.labels import Parts, prefill_rows
+from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig, load_router, save_router, slm_identity
 
 OBJECTIVES = ("divergent", "different")
 VAL_FRACTION = 0.15  # share of prompts held out for validation (training, calibration, reports)
@@ -186,23 +187,6 @@ def split_by_prompt(data: Features, val_fraction: float, seed: int) -> tuple[Fea
     return data.subset(~val), data.subset(val)
 
 
-def roc_auc(scores: torch.Tensor, target: torch.Tensor) -> float:
-    """Probability that a random positive scores above a random negative (ties count half)."""
-    pos, neg = scores[target > 0.5], scores[target <= 0.5]
-    if not len(pos) or not len(neg):
-        return float("nan")
-    ranks = torch.empty_like(scores, dtype=torch.float64)
-    order = scores.argsort()
-    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
-    # Average the ranks of tied scores.
-    uniq, inverse = torch.unique(scores, return_inverse=True)
-    sums = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, ranks)
-    counts = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(ranks))
-    ranks = (sums / counts)[inverse]
-    n_pos, n_neg = len(pos), len(neg)
-    return float((ranks[target > 0.5].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
 def threshold_at_rate(scores: torch.Tensor, rate: float) -> float:
     """The threshold that sends the top `rate` of tokens (by score) to the LLM."""
     if rate <= 0:
@@ -298,8 +282,6 @@ def train_router(datasets: list[Path], slm, out: Path, objective: str = "diverge
 
     Returns {"runs": [...], "entropy": {...}, "metrics": {...}, "skipped": [...]}; the first run is the
     saved router's."""
-    from r2r.router import save_router
-
     embed = slm.embedding_table().float().cpu()
 
     def lookup(tokens):
@@ -355,8 +337,6 @@ def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None =
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from r2r.router import load_router, save_router
 
     if write and (target_rate is None) == (target_recall is None):
         raise R2RError("--write needs exactly one of --target-rate or --target-recall")

@@ -16,8 +16,10 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from r2r.backend import greedy
-from r2r.errors import R2RError
+from roads_to_rome.backends.base import greedy
+from roads_to_rome.errors import R2RError
+from roads_to_rome.eval.stats import cohen_kappa
+from roads_to_rome.eval.tasks import NUMBER, last_boxed, math_equal
 
 VERDICTS = ("neutral", "divergent", "unparseable")
 # The question comes first and the text so far next, so that consecutive judgements on one response
@@ -76,14 +78,12 @@ def check(judge, path: Path = CHECK_SET) -> dict:
     hits = sum(s == g for s, g in zip(said, labels))
     true_div = sum(s == g == "divergent" for s, g in zip(said, labels))
     said_div, gold_div = said.count("divergent"), labels.count("divergent")
-    # Cohen's kappa: agreement beyond what the two label frequencies give by chance.
-    chance = sum((said.count(v) / n) * (labels.count(v) / n) for v in ("neutral", "divergent"))
     accuracy = hits / n
     return {"cases": n, "divergent_cases": gold_div, "accuracy": accuracy,
             "divergent_recall": true_div / gold_div if gold_div else None,
             "divergent_precision": true_div / said_div if said_div else None,
             "said_divergent": said_div, "unparseable": said.count("unparseable"),
-            "kappa": (accuracy - chance) / (1 - chance) if chance < 1 else 0.0,
+            "kappa": cohen_kappa(said, labels),
             "answers": [{"label": g, "verdict": v, "raw": raw} for g, (v, raw) in zip(labels, answers)]}
 
 
@@ -207,8 +207,6 @@ class FactsJudge:
 def final_answer(text: str) -> str | None:
     """The answer a text states: its last \\boxed{...}, or what follows its last "answer is". None when it
     states none: unlike grading, a number said in passing is not taken for an answer."""
-    from r2r.tasks import NUMBER, last_boxed
-
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
@@ -225,8 +223,6 @@ def final_answer(text: str) -> str | None:
 
 def same_answer(a: str, b: str) -> bool:
     """One answer by the evaluation's rule (math-verify for numbers and expressions), else by normalised text."""
-    from r2r.tasks import math_equal
-
     words = lambda s: re.sub(r"[\W_]+", " ", s.lower()).strip()  # noqa: E731
     return math_equal(a, b) or words(a) == words(b)
 

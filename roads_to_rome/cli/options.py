@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from r2r.policies import POLICIES
+from roads_to_rome.routing import POLICIES
 
 console = Console()  # where the commands print
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from r2r.errors import R2RError
+from roads_to_rome.errors import R2RError
+from roads_to_rome.hardware import has_amx
 
 try:
     import llama_cpp
@@ -38,20 +39,13 @@ class LlamaCache:
     length: int = 0  # columns of the token streams already read
 
 
-def cpu_has_amx() -> bool:
-    try:
-        return " amx_int8 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
-    except OSError:  # not Linux: no /proc
-        return False
-
-
 def model_params():
     """llama.cpp's default model parameters, safe on this CPU."""
     params = llama_cpp.llama_model_default_params()
     # On CPUs with AMX (Intel Sapphire Rapids and later) llama.cpp repacks weights into its AMX buffer type,
     # whose matmul crashes the process at the first decode (llama-cpp-python 0.3.36, Q4_K_M). Extra buffer
     # types are left on elsewhere: on AVX2/AVX-512 CPUs they hold the faster repacked layouts.
-    params.use_extra_bufts = not cpu_has_amx()
+    params.use_extra_bufts = not has_amx()
     return params
 
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from r2r.errors import R2RError
+from roads_to_rome.errors import R2RError
 
 INPUTS = ("hidden", "token", "logits")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from r2r.errors import R2RError, RemoteError
+from roads_to_rome.errors import R2RError, RemoteError
 
 FLOOR = -1e9  # the logit of tokens outside the server's top log-probabilities: finite, so no NaN downstream
 PROBE = "Roads to Rome: 12 × 7 = 84, naïve café ☕ — ok?\n<|im_end|>"  # digits, accents, an emoji, a special

@@ -13,7 +13,7 @@ MARKS = {"llm": ("[[", "]]"), "fix": ("{{", "}}")}  # the same where output is n
 def highlighted(tokenizer, generation, terminal: bool) -> Text:
     """The answer with the LLM's tokens highlighted (verification's fixes in their own colour); where output
     is not a terminal, routed tokens in [[...]] and fixes in {{...}} instead."""
-    from r2r.text import token_pieces
+    from roads_to_rome.text import token_pieces
 
     text, span = Text(), "slm"
     for piece, source in zip(token_pieces(tokenizer, generation.token_ids), generation.sources):

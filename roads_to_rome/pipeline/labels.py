@@ -33,9 +33,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from r2r import judges
-from r2r.backend import greedy, mask_for
-from r2r.errors import R2RError
+from roads_to_rome.backends.base import greedy, mask_for
+from roads_to_rome.core.engine import Batch, Engine, Request, SamplingParams
+from roads_to_rome.errors import R2RError
+from roads_to_rome.eval.stats import roc_auc
+from roads_to_rome.eval.tasks import MATH_INSTRUCTION, gsm8k
+from roads_to_rome.pipeline import judges
+from roads_to_rome.routing.policies import entropy
 
 STEPS = ("responses", "prefill", "continuations", "judgements", "labels")
 WRITERS = ("llm", "slm")  # who writes the responses the other model reads
@@ -113,8 +117,6 @@ def math_prompt_set(n_generated: int, seed: int = 0, champ: bool = True) -> list
     """Math prompts from packages: `n_generated` from reasoning-gym's worded generators, plus CHAMP's 270."""
     import reasoning_gym
 
-    from r2r.tasks import MATH_INSTRUCTION
-
     rows = []
     per_generator = -(-n_generated // len(WORD_GENERATORS))
     for name in WORD_GENERATORS:
@@ -159,9 +161,6 @@ def write_word_problems(llm_engine, count: int, seed: int = 0, batch_size: int =
     """Word problems in GSM8K's style that the LLM writes itself (sampled, seeded: the same seed gives the same
     problems), deduplicated, without any that shares a run of OVERLAP_WORDS words with a GSM8K test question.
     Each row records its longest shared run with those questions."""
-    from r2r.engine import Batch, Request, SamplingParams
-    from r2r.tasks import MATH_INSTRUCTION, gsm8k
-
     test = [q["question"] for q in gsm8k()]
     test_grams = set().union(*(word_ngrams(q, OVERLAP_WORDS) for q in test))
     rows, seen, attempt = [], set(), 0
@@ -272,8 +271,6 @@ def writer_of(out: Path) -> str:
 def step_responses(prompts: list[dict], engine, out: Path, max_new_tokens: int, batch_size: int,
                    progress=None, writer: str = "llm") -> None:
     """`engine` is the writer alone (`Engine.alone`): the LLM, or with `writer="slm"` the SLM."""
-    from r2r.engine import SamplingParams
-
     same_mode(out, "responses", {"writer": writer}, legacy={"writer": "llm"})
     parts = Parts(out, "responses")
     done = parts.done()
@@ -304,8 +301,6 @@ def step_prefill(slm, out: Path, progress=None, llm=None) -> None:
     `llm` (the margin judge), one LLM forward too: its argmax (`llm_tokens`, the LLM's token at each position;
     without it, the response's token, which the LLM wrote) and `gap`, its log-probability of that token minus
     its log-probability of the SLM's."""
-    from r2r.policies import entropy
-
     same_mode(out, "prefill", {"llm_reads": llm is not None}, legacy={"llm_reads": False})
     responses = Parts(out, "responses").rows()
     parts = Parts(out, "prefill")
@@ -334,9 +329,8 @@ def step_prefill(slm, out: Path, progress=None, llm=None) -> None:
 
 
 # A rollout whose last N tokens run in a row in the LLM's response has re-joined it and may stop, neutral. Off (0)
-# by default: measured on the default pair (10 math prompts, 129 stopped positions), a branch stopped at 8 tokens
-# had another final answer at its full end in 25 cases (19%), and even 32 tokens at the aligned offset missed 10 of 40
-# (the rest of a greedy path depends on the whole prefix). Full rollouts cost 4.6x the early-stopped ones there.
+# by default: the rest of a greedy path depends on the whole prefix, so a branch that re-joined for a few tokens
+# can still reach another final answer (README, "Routing labels", measures how often).
 REJOIN_TOKENS = 0
 ROLLOUT_MARGIN = 64  # a rollout may run this many tokens longer than the rest of the response
 
@@ -560,8 +554,6 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
     `load_pair()` gives (SLM, LLM, tokenizer), called only when a step needs a model; `judge_for(llm_alone)`
     gives the judge. `rollout`: the answer judge's; `margin`: the margin judge's (the LLM reads in the prefill
     step, no continuations). Returns the labelled dataset's path when the labels step ran."""
-    from r2r.engine import Engine
-
     chosen = [s.strip() for s in steps.split(",") if s.strip()]
     if not chosen or any(s not in STEPS for s in chosen):
         raise R2RError(f"--steps takes a comma-separated subset of {','.join(STEPS)}, got {steps!r}")
@@ -677,8 +669,6 @@ def margin_fit(keys: list, verdict: dict, gap: dict, entropy: dict) -> dict:
     SLM's entropy (what a router without the LLM sees) beside it: ROC-AUC of each, and for each margin the positions
     it calls divergent, the share of the judge's divergent positions among them (precision) and the share of those
     it catches (recall). Which --margin follows the judge best, and whether any does."""
-    from r2r.train import roc_auc  # r2r.train imports this module
-
     target = torch.tensor([verdict[k] == "divergent" for k in keys], dtype=torch.float64)
     gaps = torch.tensor([gap[k] for k in keys], dtype=torch.float64)
     result = {"positions": len(keys), "divergent": int(target.sum()), "roc_auc_margin": roc_auc(gaps, target),

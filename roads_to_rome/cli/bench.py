@@ -9,11 +9,22 @@ from typing import Optional
 import typer
 from rich.progress import Progress
 
-from r2r import tables
-from r2r.errors import R2RError
-from r2r.models import BACKENDS
-from r2r.options import Backend, Device, Dtype, EntropyThreshold, Llm, MaxUnverified, Out, Slm, console, count
-from r2r.policies import DEFAULT_ENTROPY_THRESHOLD
+from roads_to_rome.backends import BACKENDS
+from roads_to_rome.cli import tables
+from roads_to_rome.cli.options import (
+    Backend,
+    Device,
+    Dtype,
+    EntropyThreshold,
+    Llm,
+    MaxUnverified,
+    Out,
+    Slm,
+    console,
+    count,
+)
+from roads_to_rome.errors import R2RError
+from roads_to_rome.routing import DEFAULT_ENTROPY_THRESHOLD
 
 bench_app = typer.Typer(help="Benchmarks that print ratios measured side by side in one run. Without a "
                         "subcommand: every way to run the pair (each model alone, speculative, R2R) on each backend.",
@@ -40,8 +51,8 @@ def bench_compare(
     in one run."""
     if ctx.invoked_subcommand is not None:
         return
-    from r2r.bench import compare
-    from r2r.engine import parse_verify
+    from roads_to_rome.bench.measure import compare
+    from roads_to_rome.core.engine import parse_verify
 
     ks = whole_numbers(spec_k, "--spec-k")
     names = [b.strip() for b in backends.split(",") if b.strip()]
@@ -63,7 +74,7 @@ def bench_backends(
     threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD, dtype: Dtype = "bfloat16", out: Out = None,
 ):
     """Torch vs llama.cpp SLM features: hidden-state cosine, argmax and routing decisions agreement."""
-    from r2r.bench import backend_agreement
+    from roads_to_rome.bench.measure import backend_agreement
 
     with Progress(console=console, transient=True) as progress:
         result = backend_agreement(prompts, tokens, router_path, threshold, dtype, progress)
@@ -79,7 +90,7 @@ def bench_overhead(
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "bfloat16", out: Out = None,
 ):
     """Engine overhead: R2R with the always-SLM policy against a bare SLM forward loop, same prompt."""
-    from r2r.bench import overhead
+    from roads_to_rome.bench.measure import overhead
 
     result = overhead(slm, device, dtype, tokens, rounds, compile)
     console.print(*tables.bench_overhead(result, tokens), sep="\n")
@@ -95,7 +106,7 @@ def bench_batch(
     out: Out = None,
 ):
     """Batching: R2R on N GSM8K dev prompts one at a time vs in one batch (aggregate tokens/s)."""
-    from r2r.bench import batching
+    from roads_to_rome.bench.measure import batching
 
     result = batching(slm, llm, device, dtype, threshold, batch_size, tokens, backend)
     show_phases(result, ("sequential", "batched"), f"batch {batch_size}", out)
@@ -110,7 +121,7 @@ def bench_serve(
     out: Out = None,
 ):
     """Serving throughput: N clients at once vs one at a time, through the HTTP server (aggregate tokens/s)."""
-    from r2r.bench import serving
+    from roads_to_rome.bench.measure import serving
 
     result = serving(slm, llm, device, dtype, threshold, clients, tokens, backend)
     show_phases(result, ("one_at_a_time", "concurrent"), f"{clients} clients", out)
@@ -130,7 +141,7 @@ def bench_steps(
     out: Out = None,
 ):
     """Per-step cost of each model for k new tokens (the inputs of the cost model)."""
-    from r2r.bench import step_costs
+    from roads_to_rome.bench.measure import step_costs
 
     ks = whole_numbers(new_tokens, "--new-tokens")
     if not ks:
@@ -152,7 +163,7 @@ def bench_remote(
 ):
     """The LLM behind a server vs the same LLM here: catch-up latency for k new tokens (prefix cached, and
     cold), and R2R's tokens/s with either LLM, in one run."""
-    from r2r.bench import remote
+    from roads_to_rome.bench.measure import remote
 
     ks = whole_numbers(new_tokens, "--new-tokens")
     with Progress(console=console, transient=True) as progress:
@@ -174,7 +185,7 @@ def whole_numbers(text: str, option: str) -> list[int]:
 
 def save(result: dict, out: Path | None) -> None:
     """Name the machine the figures came from (on screen and in the JSON); write them to `out` if given."""
-    from r2r.bench import processor
+    from roads_to_rome.bench.measure import processor
 
     result["processor"] = processor()
     console.print(f"measured on {result['processor']}")

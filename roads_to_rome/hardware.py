@@ -1,0 +1,38 @@
+"""The processor this runs on: its name and instruction-set flags, for speed figures and kernel choices."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+
+@functools.cache
+def cpu() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and its flags as /proc/cpuinfo lists them (no flags where there is no /proc)."""
+    name, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = frozenset(value.split())
+    except OSError:
+        pass
+    return name, flags
+
+
+def has_amx() -> bool:
+    return "amx_int8" in cpu()[1]
+
+
+def describe_cpu() -> str:
+    """Name, widest vector unit (AVX-512 and AVX2-only machines differ about twofold on these models) and the
+    cores this process may use."""
+    name, flags = cpu()
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    extra = ["AMX"] if has_amx() else []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name} ({', '.join(filter(None, [simd, *extra, f'{cores} cores']))})"

@@ -1,0 +1,36 @@
+"""Models: the default pair and its shipped router (`packaged`), and loading any pair into an engine (`loading`)."""
+
+from roads_to_rome.models.loading import (
+                                          BACKENDS,
+                                          DTYPES,
+                                          choose_policy,
+                                          load_alone,
+                                          load_engine,
+                                          load_model,
+                                          load_pair,
+                                          parse_backends,
+                                          pick_device,
+                                          resolve,
+                                          router_path_for,
+                                          same_tokenizer,
+)
+from roads_to_rome.models.packaged import (
+                                          DEFAULT_LLM,
+                                          DEFAULT_PAIR,
+                                          DEFAULT_SLM,
+                                          PackagedModel,
+                                          assemble_gguf,
+                                          cache_dir,
+                                          convert_gguf,
+                                          converted_dir,
+                                          gguf_path,
+                                          install_parts,
+                                          is_prepared,
+                                          prepare,
+                                          shipped_router,
+)
+
+__all__ = ["BACKENDS", "DTYPES", "choose_policy", "load_alone", "load_engine", "load_model", "load_pair",
+           "parse_backends", "pick_device", "resolve", "router_path_for", "same_tokenizer", "DEFAULT_LLM",
+           "DEFAULT_PAIR", "DEFAULT_SLM", "PackagedModel", "assemble_gguf", "cache_dir", "convert_gguf",
+           "converted_dir", "gguf_path", "install_parts", "is_prepared", "prepare", "shipped_router"]

