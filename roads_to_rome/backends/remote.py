@@ -40,7 +40,7 @@ class RemoteCache:
     length: int = 0  # columns of the token streams already read
 
 
-Step = tuple[int, dict[int, float]]  # a token the server chose greedily, and the top log-probabilities it chose from
+ServerToken = tuple[int, dict[int, float]]  # a token the server chose greedily, and the top log-probabilities it chose from
 
 
 class ServerApi:
@@ -71,7 +71,7 @@ class LlamaServerApi(ServerApi):
     def tokenize(self, text: str) -> list[int]:
         return self.client.post("/tokenize", {"content": text, "add_special": False, "parse_special": True})["tokens"]
 
-    def greedy(self, ids: list[int], n: int, top: int) -> list[Step]:
+    def greedy(self, ids: list[int], n: int, top: int) -> list[ServerToken]:
         out = self.client.post("/completion", {"prompt": ids, "n_predict": n, "n_probs": top, "temperature": 0,
                                                "cache_prompt": True, "return_tokens": True})
         # The server drops the probabilities of a token that ends inside a UTF-8 character (its text is held
@@ -100,7 +100,7 @@ class VllmApi(ServerApi):
     def tokenize(self, text: str) -> list[int]:
         return self.client.post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})["tokens"]
 
-    def greedy(self, ids: list[int], n: int, top: int) -> list[Step]:
+    def greedy(self, ids: list[int], n: int, top: int) -> list[ServerToken]:
         out = self.client.post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": n, "temperature": 0,
                                                    "logprobs": top, "return_tokens_as_token_ids": True})
         logprobs = out["choices"][0].get("logprobs") or {}
@@ -284,7 +284,7 @@ class RemoteBackend:
     def _next(self, row: list[int]) -> dict[int, float]:
         return self._greedy(row, 1)[0][1]
 
-    def _greedy(self, ids: list[int], n: int) -> list[Step]:
+    def _greedy(self, ids: list[int], n: int) -> list[ServerToken]:
         """At least the first of the n tokens the server chooses after `ids`, with their top log-probabilities."""
         steps = self.api.greedy(ids, n, self.top_logprobs)
         if not steps:

@@ -49,7 +49,7 @@ def parse_systems(text: str) -> list[str]:
     return names
 
 
-def build_engine(spec: SystemSpec, slm, llm, tokenizer, router_path: Path | None) -> tuple[Engine, float | None]:
+def system_engine(spec: SystemSpec, slm, llm, tokenizer, router_path: Path | None) -> tuple[Engine, float | None]:
     """The engine for one system, and the per-request target LLM rate it decodes with (if any)."""
     if spec.kind == "slm":
         return Engine.alone(slm, tokenizer, "slm"), None
@@ -366,7 +366,7 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
                 r2r_rows = [r for r in read_results(out_dir / "r2r.jsonl") if r["id"] in item_ids]
                 spec.value = summarize(r2r_rows)["llm_rate"] if "r2r" in system_names and r2r_rows else llm_rate
                 spec.value = round(spec.value, 4)
-            engine, target_rate = build_engine(spec, slm_b, llm_b, tokenizer, router_path)
+            engine, target_rate = system_engine(spec, slm_b, llm_b, tokenizer, router_path)
             run_system(benchmark, items, spec, engine, target_rate, params, out_dir, batch_size, progress)
 
     # The report covers every system with results in this directory for these items, not only this call's:
