@@ -1,5 +1,6 @@
 """The decode loop on tiny models: exactness against transformers' generate, routing, sampling, stopping."""
 
+import dataclasses
 import pytest
 import torch
 
@@ -98,7 +99,7 @@ def test_sampling_is_reproducible_with_a_seed_and_varies_without(slm, llm, token
     engine.policy = RandomPolicy(0.3, seed=0)
     b = [g.token_ids for g in engine.generate(prompts, params)]
     assert a == b
-    params.seed = 8
+    params = dataclasses.replace(params, seed=8)
     engine.policy = RandomPolicy(0.3, seed=0)
     c = [g.token_ids for g in engine.generate(prompts, params)]
     assert a != c

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from roads_to_rome.backends.base import Backend
+from roads_to_rome.core.sampling import (SamplingParams, check_max_unverified, parse_verify, sample, sampling_probs,
+                                         speculative_residual, within_tolerance)
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 
@@ -33,72 +35,6 @@ from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 # catch-up"). A model alone (the slm or llm policy, a request that forces one) is not verified unless asked.
 DEFAULT_VERIFY = "1"
 RATE_CATCH_UP_TOKENS = 16  # a request aiming at an LLM rate makes up a shortfall over this many tokens (_threshold)
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 256
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k cut
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False  # for benchmarks: always produce max_new_tokens
-
-    def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise R2RError(f"max new tokens must be at least 1, got {self.max_new_tokens}")
-        if not 0 <= self.temperature < float("inf"):
-            raise R2RError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise R2RError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise R2RError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
-        if any(not s for s in self.stop):
-            raise R2RError("stop strings must not be empty")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise R2RError(f"the seed must fit in 64 bits (-2^63 to 2^64 - 1), got {self.seed}")
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row from float32 logits [B, V]."""
-    if params.temperature == 0:
-        return logits.argmax(-1)
-    return torch.multinomial(sampling_probs(logits, params), 1, generator=generator)[:, 0]
-
-
-def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution `sample` draws from (temperature > 0): temperature, then top-k, then top-p."""
-    logits = logits / params.temperature
-    if params.top_k:
-        kth_best = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth_best, float("-inf"))
-    if params.top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens ranked above it already hold top_p of the mass.
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits.softmax(-1)
-
-
-def check_max_unverified(n: int | None) -> int | None:
-    if n is not None and n < 1:
-        raise R2RError(f"max unverified tokens must be at least 1 (or no limit), got {n}")
-    return n
-
-
-def parse_verify(value) -> str | float:
-    """`off`, `strict`, or a tolerance in nats >= 0 (a number or its text)."""
-    if value in ("off", "strict"):
-        return value
-    try:
-        tolerance = float(value)
-    except (TypeError, ValueError):
-        tolerance = float("nan")
-    if not tolerance >= 0 or tolerance == float("inf"):
-        raise R2RError(f"verify takes off, strict or a tolerance in nats >= 0, got {value!r}")
-    return tolerance
 
 
 @dataclass
@@ -288,10 +224,20 @@ class Engine:
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        results: list[Generation] = []
-        for _ in self.stream(prompts, params, results):
+        return self.run([Request(list(p), params, index=i) for i, p in enumerate(prompts)])
+
+    def run(self, requests: list[Request]) -> list[Generation]:
+        """Decode requests as one batch to the end: the offline client of `Batch` (the server's is its Scheduler)."""
+        for _ in self.steps(requests):
             pass
-        return results
+        return [r.generation for r in requests]
+
+    def steps(self, requests: list[Request]):
+        """Decode requests as one batch, returning an iterator over the list of `Step`s each decode step adds. The
+        requests join at once (a request the engine cannot run is refused here, before any step)."""
+        batch = Batch(self)
+        batch.add(requests)
+        return iter(batch.step, [])  # a step of an empty batch adds nothing
 
     def stream(self, prompts: list[list[int]], params: SamplingParams, results: list | None = None):
         """Decode all prompts as one batch, yielding the list of `Step`s each decode step adds
@@ -300,12 +246,10 @@ class Engine:
         `results`, when given, is filled with one `Generation` per prompt (complete once the
         generator is exhausted)."""
         requests = [Request(list(p), params, index=i) for i, p in enumerate(prompts)]
-        batch = Batch(self)
-        batch.add(requests)
+        steps = self.steps(requests)
         if results is not None:
             results[:] = [r.generation for r in requests]
-        while batch.requests:
-            yield batch.step()
+        yield from steps
 
 
 class Prefill:
@@ -346,7 +290,10 @@ class Batch:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.requests: list[Request] = []
-        self.ids = self.mask = None  # [rows, columns]: token streams (left-padded) and their padding mask
+        # The token streams (left-padded) and their padding mask, [rows, columns], in buffers with room for the
+        # columns to come, so a step writes its column in place (`ids`, `mask`: the columns so far).
+        self._ids = self._mask = None
+        self._width = 0
         self.writer_cache, self.llm_cache = self._new_caches()
 
     def _new_caches(self):
@@ -381,7 +328,7 @@ class Batch:
         ids, mask = left_pad([r.prompt_ids for r in requests], engine.pad_id, engine.writer.device)
         if not self.requests:
             # An empty batch: the newcomers are the batch; the next step reads what their caches have not.
-            self.ids, self.mask = ids, mask
+            self._set(ids, mask)
             self.writer_cache, self.llm_cache = (prefill.caches + [None])[:2] if prefill else self._new_caches()
             self.requests = list(requests)
             return
@@ -409,8 +356,31 @@ class Batch:
             joining.append((backend, cache, fresh))
         for backend, cache, fresh in joining:
             backend.append_rows(cache, fresh)
-        self.ids, self.mask = torch.cat([self.ids, ids]), torch.cat([self.mask, mask])
+        self._set(torch.cat([self.ids, ids]), torch.cat([self.mask, mask]))
         self.requests += requests
+
+    @property
+    def ids(self) -> torch.Tensor | None:
+        return None if self._ids is None else self._ids[:, : self._width]
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        return None if self._mask is None else self._mask[:, : self._width]
+
+    def _set(self, ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        self._ids, self._mask = ids, mask
+        self._width = 0 if ids is None else ids.shape[1]
+
+    def _append_column(self, tokens: torch.Tensor) -> None:
+        """Write a column of tokens after the last one, growing the buffers (doubling them) when full."""
+        rows, room = self._ids.shape
+        if self._width == room:
+            grow = max(room, 64)
+            self._ids = torch.cat([self._ids, self._ids.new_full((rows, grow), self.engine.pad_id)], dim=1)
+            self._mask = torch.cat([self._mask, self._mask.new_zeros((rows, grow))], dim=1)
+        self._ids[:, self._width] = tokens
+        self._mask[:, self._width] = 1
+        self._width += 1
 
     def _caches(self):
         """(backend, cache) for each model this batch runs."""
@@ -419,7 +389,7 @@ class Batch:
             yield self.engine.llm, self.llm_cache
 
     def _pad_left(self, n: int) -> None:
-        self.ids, self.mask = pad_columns_left(self.ids, self.mask, n, self.engine.pad_id)
+        self._set(*pad_columns_left(self.ids, self.mask, n, self.engine.pad_id))
         for backend, cache in self._caches():
             backend.pad_left(cache, n)
 
@@ -428,91 +398,106 @@ class Batch:
         self._keep([i for i, r in enumerate(self.requests) if not r.cancelled])
         if not self.requests:
             return []
-        engine, requests = self.engine, self.requests
         column = self.ids.shape[1]  # where this step's tokens go
-        # 1. The writer (the SLM of a pair) reads the columns it has not read yet and proposes a token per row.
-        #    When every row forces the LLM, the SLM has nothing to propose and does not run (it reads these
-        #    columns later if a request ever needs it), so "LLM alone" through a pair costs the LLM alone.
         t0 = time.perf_counter()
-        slm_idle = engine.routes and all(r.force == "llm" for r in requests)
-        if slm_idle:
-            proposal = self.ids[:, -1].clone()  # a placeholder: every row takes the LLM's token
-        else:
-            logits, hidden = engine.writer.forward(self.writer_cache, self.ids[:, self.writer_cache.length :],
-                                                   self.mask)
-            proposal = sample_rows(logits, requests)
-            for i, r in enumerate(requests):
-                if r.verify == "strict" and r.params.temperature > 0:  # the ratio test needs what the SLM drew from
-                    r.draft_probs[len(r.generation.token_ids)] = sampling_probs(logits[i : i + 1], r.params)[0]
-        engine.sync()
+        proposal, logits, hidden = self._propose()
         t1 = time.perf_counter()
-        # 2. The policy decides which rows the LLM takes (a request may force one model).
-        if slm_idle:
-            routed, scores = [True] * len(requests), [0.0] * len(requests)
-        elif engine.routes:
-            to_llm, scores = engine.policy.route(logits, hidden, proposal, self._thresholds())
-            routed = [r.force == "llm" if r.force else bool(x) for r, x in zip(requests, to_llm.tolist())]
-            scores = scores.tolist()
-        else:  # one model alone writes every token
-            routed, scores = [False] * len(requests), [0.0] * len(requests)
+        routed, scores = self._route(logits, hidden, proposal)
         t2 = time.perf_counter()
-        # 3. The LLM catches up on every column since it last ran when a row is routed, or when a verifying
-        #    row has max_unverified tokens unread or would finish; it emits the routed rows' tokens and
-        #    checks the verifying rows' unread ones.
-        chosen, sources = proposal.clone(), ["llm" if x else engine.writer_source for x in routed]
-        rejected: dict[int, tuple[int, int]] = {}  # row -> (column of its first rejected token, the LLM's token)
-        read_from = self.llm_cache.length if engine.routes else 0
-        verifying = [r.verify != "off" for r in requests]
-        llm_runs = any(routed) or any(v and self._must_verify(r, column, int(t))
-                                      for r, v, t in zip(requests, verifying, proposal))
-        if llm_runs:
-            if any(verifying):
-                # Logits at the caught-up columns that predict unread generated tokens (the prompt's need no
-                # check); the last one also serves routing.
-                checked = max(min(column - read_from, len(r.generation.token_ids) + 1)
-                              for r, v in zip(requests, verifying) if v)
-                all_logits = engine.llm.forward_all(self.llm_cache, self.ids[:, read_from:], self.mask, checked)
-                llm_logits = all_logits[:, -1]
-            else:
-                llm_logits, _ = engine.llm.forward(self.llm_cache, self.ids[:, read_from:], self.mask)
-            for i, r in enumerate(requests):
-                if verifying[i]:
-                    found = self._first_rejection(r, all_logits[i], column - checked, column, int(proposal[i]),
-                                                  routed[i], read_from)
-                    if found:
-                        rejected[i] = found
-                        continue
-                if routed[i]:
-                    chosen[i] = sample_rows(llm_logits[i : i + 1], requests[i : i + 1])[0]
-            engine.sync()
+        chosen, sources, rejected, llm_ran = self._catch_up(column, proposal, routed)
         t3 = time.perf_counter()
+        return self._emit(column, chosen, sources, scores, rejected, llm_ran, (t0, t1, t2, t3))
 
-        # 4. Rows whose verification rejected a token go back to it (their later tokens are discarded and the
-        #    LLM's token goes in its place); then append the new column, record each row's token, and finished
-        #    rows leave the batch.
+    def _propose(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """1. The writer (the SLM of a pair) reads the columns it has not read yet and proposes a token per row:
+        (proposal, its logits, its last hidden state). When every row forces the LLM, the SLM has nothing to
+        propose and does not run (it reads these columns later if a request ever needs it), so "LLM alone"
+        through a pair costs the LLM alone."""
+        engine, requests = self.engine, self.requests
+        if engine.routes and all(r.force == "llm" for r in requests):
+            return self.ids[:, -1].clone(), None, None  # a placeholder: every row takes the LLM's token
+        logits, hidden = engine.writer.forward(self.writer_cache, self.ids[:, self.writer_cache.length :], self.mask)
+        proposal = sample_rows(logits, requests)
+        for i, r in enumerate(requests):
+            if r.verify == "strict" and r.params.temperature > 0:  # the ratio test needs what the SLM drew from
+                r.draft_probs[len(r.generation.token_ids)] = sampling_probs(logits[i : i + 1], r.params)[0]
+        engine.sync()
+        return proposal, logits, hidden
+
+    def _route(self, logits, hidden, proposal) -> tuple[list[bool], list[float]]:
+        """2. The policy decides which rows the LLM takes (a request may force one model): (routed, scores)."""
+        engine, n = self.engine, len(self.requests)
+        if logits is None:  # the SLM is idle: every row is the LLM's
+            return [True] * n, [0.0] * n
+        if not engine.routes:  # one model alone writes every token
+            return [False] * n, [0.0] * n
+        to_llm, scores = engine.policy.route(logits, hidden, proposal, self._thresholds())
+        routed = [r.force == "llm" if r.force else bool(x) for r, x in zip(self.requests, to_llm.tolist())]
+        return routed, scores.tolist()
+
+    def _catch_up(self, column: int, proposal: torch.Tensor, routed: list[bool]):
+        """3. The LLM catches up on every column since it last ran when a row is routed, or when a verifying row
+        has max_unverified tokens unread or would finish. It checks the verifying rows' unread tokens and
+        writes the routed rows' tokens. Returns (chosen tokens, their sources, rejected rows: row -> (column of
+        its first rejected token, the LLM's token there), whether the LLM ran)."""
+        engine, requests = self.engine, self.requests
+        chosen, sources = proposal.clone(), ["llm" if x else engine.writer_source for x in routed]
+        verifying = [r.verify != "off" for r in requests]
+        proposed = proposal.tolist() if any(verifying) else [None] * len(requests)
+        if not (any(routed) or any(v and self._must_verify(r, column, t)
+                                   for r, v, t in zip(requests, verifying, proposed))):
+            return chosen, sources, {}, False
+        read_from = self.llm_cache.length
+        if any(verifying):
+            # Logits at the caught-up columns that predict unread generated tokens (the prompt's need no check);
+            # the last one also serves routing.
+            checked = max(min(column - read_from, len(r.generation.token_ids) + 1)
+                          for r, v in zip(requests, verifying) if v)
+            all_logits = engine.llm.forward_all(self.llm_cache, self.ids[:, read_from:], self.mask, checked)
+            llm_logits = all_logits[:, -1]
+        else:
+            llm_logits, _ = engine.llm.forward(self.llm_cache, self.ids[:, read_from:], self.mask)
+        rejected = {}
+        for i, r in enumerate(requests):
+            if verifying[i]:
+                found = self._first_rejection(r, all_logits[i], column - checked, column, proposed[i], routed[i],
+                                              read_from)
+                if found:
+                    rejected[i] = found
+                    continue
+            if routed[i]:
+                chosen[i] = sample_rows(llm_logits[i : i + 1], requests[i : i + 1])[0]
+        engine.sync()
+        return chosen, sources, rejected, True
+
+    def _emit(self, column: int, chosen: torch.Tensor, sources: list[str], scores: list[float],
+              rejected: dict[int, tuple[int, int]], llm_ran: bool, times: tuple[float, ...]) -> list[Step]:
+        """4. Rows whose verification rejected a token go back to it (their later tokens are discarded and the
+        LLM's token goes in its place); then the new column is appended, each row's token recorded, and
+        finished rows leave the batch."""
         dropped = self._roll_back(rejected, column, chosen, sources, scores) if rejected else {}
-        self.ids = torch.cat([self.ids, chosen[:, None]], dim=1)
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(requests), 1)], dim=1)
+        self._append_column(chosen)
+        t0, t1, t2, t3 = times
         now = time.perf_counter()
         steps, keep = [], []
-        for i, (r, token, source, score) in enumerate(zip(requests, chosen.tolist(), sources, scores)):
+        for i, (r, token, source, score) in enumerate(zip(self.requests, chosen.tolist(), sources, scores)):
             gen = r.generation
-            self._count_time(gen.timings, t1 - t0, t2 - t1, t3 - t2, now - t0, llm_runs)
+            self._count_time(gen.timings, t1 - t0, t2 - t1, t3 - t2, now - t0, llm_ran)
             gen.token_ids.append(token)
             gen.sources.append(source)
             gen.scores.append(float(score))
             gen.elapsed_s = now - r.started
-            finished = self._finished(r, token)
+            finished = self._finished(r)
             if finished:
                 gen.text = self._final_text(r)
             else:
                 keep.append(i)
             # A verifying row's tokens are final once the LLM has checked them (at a catch-up); others at once.
-            newly_final = len(gen.token_ids) if not verifying[i] or llm_runs or finished else r.final
+            newly_final = len(gen.token_ids) if r.verify == "off" or llm_ran or finished else r.final
             final = list(zip(gen.token_ids[r.final : newly_final], gen.sources[r.final : newly_final],
                              gen.scores[r.final : newly_final]))
             r.final = newly_final
-            if llm_runs:
+            if llm_ran:
                 r.draft_probs.clear()  # everything drawn so far is checked now
             steps.append(Step(r, token, source, float(score), finished, dropped.get(i, 0), final))
         self._keep(keep)
@@ -525,7 +510,7 @@ class Batch:
         unread = min(column - self.llm_cache.length, len(gen.token_ids) + 1)  # its generated tokens the LLM has not read
         if r.max_unverified is not None and unread >= r.max_unverified:
             return True
-        return self._ends(r, gen.token_ids + [proposal]) is not None
+        return self._ends(r, gen.token_ids, proposal) is not None
 
     def _first_rejection(self, r: Request, logits: torch.Tensor, logits_from: int, column: int, proposal: int,
                          routed: bool, read_from: int) -> tuple[int, int] | None:
@@ -538,32 +523,25 @@ class Batch:
         for c in range(max(read_from + 1, first_generated), last + 1):
             index = c - first_generated  # the token's index in the output
             token = gen.token_ids[index] if c < column else proposal
-            accepted, replacement = self._accept(r, token, logits[c - 1 - logits_from], index)
-            if not accepted:
+            replacement = self._check(r, token, logits[c - 1 - logits_from], index)
+            if replacement is not None:
                 return c, replacement
         return None
 
-    def _accept(self, r: Request, token: int, logits: torch.Tensor, index: int) -> tuple[bool, int | None]:
-        """Verification's rule for one token against the LLM's next-token logits: (kept?, the LLM's token if not)."""
+    def _check(self, r: Request, token: int, logits: torch.Tensor, index: int) -> int | None:
+        """Verification's rule for one token against the LLM's next-token logits: None when it is kept, else the
+        LLM's token in its place."""
         params = r.params
-        if r.verify == "strict" and params.temperature > 0:
-            # Speculative sampling: keep with probability min(1, p_LLM / p_SLM), else draw from the normalised
-            # max(0, p_LLM - p_SLM); the output then follows the LLM's (sampling-processed) distribution.
-            target, draft = sampling_probs(logits[None], params)[0], r.draft_probs[index]
-            if torch.rand((), generator=r.generator, device=target.device) * draft[token] <= target[token]:
-                return True, None
-            residual = (target - draft).clamp(min=0)
-            residual = residual if residual.sum() > 0 else target
-            return False, int(torch.multinomial(residual / residual.sum(), 1, generator=r.generator))
+        if r.verify == "strict" and params.temperature > 0:  # speculative sampling: the output follows the LLM
+            target = sampling_probs(logits[None], params)[0]
+            draw = torch.rand((), generator=r.generator, device=target.device)
+            residual = speculative_residual(target, r.draft_probs[index], token, draw)
+            return None if residual is None else int(torch.multinomial(residual, 1, generator=r.generator))
         best = int(logits.argmax())
-        if r.verify == "strict":
-            kept = token == best
-        else:  # a tolerance in nats: keep what the LLM finds nearly as likely as its own choice
-            logp = torch.log_softmax(logits.float(), -1)
-            kept = bool(logp[token] >= logp[best] - r.verify)
+        kept = token == best if r.verify == "strict" else within_tolerance(logits, token, best, r.verify)
         if kept:
-            return True, None
-        return False, best if params.temperature == 0 else int(sample(logits[None], params, r.generator)[0])
+            return None
+        return best if params.temperature == 0 else int(sample(logits[None], params, r.generator)[0])
 
     def _roll_back(self, rejected: dict[int, tuple[int, int]], column: int, chosen: torch.Tensor, sources: list,
                    scores: list) -> dict[int, int]:
@@ -582,7 +560,7 @@ class Batch:
         ids, mask = torch.full_like(self.ids, self.engine.pad_id), torch.zeros_like(self.mask)
         for i, d in enumerate(shifts):
             ids[i, d:], mask[i, d:] = self.ids[i, : column - d], self.mask[i, : column - d]
-        self.ids, self.mask = ids, mask
+        self._set(ids, mask)
         for i, (_, token) in rejected.items():
             r, dropped = self.requests[i], shifts[i]
             gen = r.generation
@@ -634,32 +612,34 @@ class Batch:
             return
         self.requests = [self.requests[i] for i in rows]
         if not rows:  # drop the caches now: on llama.cpp their cells would shift where the next request's go
-            self.ids = self.mask = None
+            self._set(None, None)
             self.writer_cache, self.llm_cache = self._new_caches()
             return
         index = torch.tensor(rows, device=self.ids.device)
-        self.ids, self.mask = self.ids[index], self.mask[index]
+        self._set(self.ids[index], self.mask[index])
         for backend, cache in self._caches():
             backend.select_rows(cache, index)
 
-    def _finished(self, r: Request, token: int) -> bool:
+    def _finished(self, r: Request) -> bool:
         reason = self._ends(r, r.generation.token_ids)
         if reason:
             r.generation.finish_reason = reason
         return reason is not None
 
-    def _ends(self, r: Request, tokens: list[int]) -> str | None:
-        """Why an output ending in these tokens is complete ("stop" or "length"), or None."""
+    def _ends(self, r: Request, tokens: list[int], then: int | None = None) -> str | None:
+        """Why an output of these tokens (followed by `then`, if given) is complete ("stop" or "length"), or None."""
         params = r.params
-        if tokens[-1] in self.engine.eos_ids and not params.ignore_eos:
+        last, length = (tokens[-1], len(tokens)) if then is None else (then, len(tokens) + 1)
+        if last in self.engine.eos_ids and not params.ignore_eos:
             return "stop"
         if params.stop:
             # Decode only the tail: enough tokens to hold the longest stop string.
             longest = max(len(s) for s in params.stop)
-            tail = self.engine.tokenizer.decode(tokens[-(longest + 2) :], skip_special_tokens=True)
-            if any(s in tail for s in params.stop):
+            tail = tokens[-(longest + 2) :] if then is None else tokens[-(longest + 1) :] + [then]
+            text = self.engine.tokenizer.decode(tail, skip_special_tokens=True)
+            if any(s in text for s in params.stop):
                 return "stop"
-        if len(tokens) >= params.max_new_tokens:
+        if length >= params.max_new_tokens:
             return "length"
         return None
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from roads_to_rome import models
-from roads_to_rome.core.engine import Batch, Engine, Request, SamplingParams, check_max_unverified, parse_verify
+from roads_to_rome.core.engine import Engine, Request, SamplingParams, check_max_unverified, parse_verify
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval import tasks
 from roads_to_rome.eval.stats import wilson
@@ -119,11 +119,8 @@ def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
             requests = [Request(engine.encode_chat(item.prompt), params, target_rate=target_rate) for item in chunk]
-            batch = Batch(engine)
-            batch.add(requests)
             began = time.perf_counter()
-            while batch.requests:
-                batch.step()
+            engine.run(requests)
             for item, request in zip(chunk, requests):
                 gen = request.generation
                 extracted, correct = tasks.grade(benchmark, item, gen.text)

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 import torch
 
 from roads_to_rome.backends.base import greedy, mask_for
-from roads_to_rome.core.engine import Batch, Engine, Request, SamplingParams
+from roads_to_rome.core.engine import Engine, Request, SamplingParams
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval.stats import roc_auc
 from roads_to_rome.eval.tasks import MATH_INSTRUCTION, gsm8k
@@ -171,11 +171,7 @@ def write_word_problems(llm_engine, count: int, seed: int = 0, batch_size: int =
         requests = [Request(llm_engine.encode_chat(ask), SamplingParams(
             max_new_tokens=160, temperature=0.8, top_p=0.95, seed=seed * 100_003 + attempt + k))
             for k, ask in enumerate(asks)]  # a seed per problem: a topic comes round again with another
-        batch = Batch(llm_engine)
-        batch.add(requests)
-        while batch.requests:
-            batch.step()
-        gens = [r.generation for r in requests]
+        gens = llm_engine.run(requests)
         attempt += batch_size
         for gen in gens:
             problem = gen.text.strip().strip('"').strip()

@@ -1,0 +1,97 @@
+"""What a client asks for, and the rules that turn logits into tokens: sampling, and verification's acceptance.
+
+The acceptance rules are pure functions of tensors, so they are tested on their own; `Batch` in
+engine.py applies them to the tokens an LLM catch-up checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from roads_to_rome.errors import R2RError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False  # for benchmarks: always produce max_new_tokens
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise R2RError(f"max new tokens must be at least 1, got {self.max_new_tokens}")
+        if not 0 <= self.temperature < float("inf"):
+            raise R2RError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise R2RError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise R2RError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise R2RError("stop strings must not be empty")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise R2RError(f"the seed must fit in 64 bits (-2^63 to 2^64 - 1), got {self.seed}")
+
+
+def parse_verify(value) -> str | float:
+    """The one parser of a verification setting: `off`, `strict`, or a tolerance in nats >= 0 (a number or its
+    text)."""
+    if value in ("off", "strict"):
+        return value
+    try:
+        tolerance = float(value)
+    except (TypeError, ValueError):
+        tolerance = float("nan")
+    if not tolerance >= 0 or tolerance == float("inf"):
+        raise R2RError(f"verify takes off, strict or a tolerance in nats >= 0, got {value!r}")
+    return tolerance
+
+
+def check_max_unverified(n: int | None) -> int | None:
+    if n is not None and n < 1:
+        raise R2RError(f"max unverified tokens must be at least 1 (or no limit), got {n}")
+    return n
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from float32 logits [B, V]."""
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    return torch.multinomial(sampling_probs(logits, params), 1, generator=generator)[:, 0]
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from (temperature > 0): temperature, then top-k, then top-p."""
+    logits = logits / params.temperature
+    if params.top_k:
+        kth_best = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass.
+        drop = probs.cumsum(-1) - probs >= params.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits.softmax(-1)
+
+
+def within_tolerance(logits: torch.Tensor, token: int, best: int, tolerance: float) -> bool:
+    """The tolerance rule: keep a token whose log-probability under the LLM is at most `tolerance` nats below that
+    of the LLM's own choice `best`. The softmax's normaliser cancels in that difference, so the logits suffice."""
+    return bool(logits[token] >= logits[best] - tolerance)
+
+
+def speculative_residual(target: torch.Tensor, draft: torch.Tensor, token: int, draw: torch.Tensor) -> torch.Tensor | None:
+    """Speculative sampling's test for a token drawn from `draft` (the SLM's distribution) against `target` (the
+    LLM's): kept when draw * q(token) <= p(token), `draw` uniform in [0, 1), i.e. with probability min(1, p/q).
+    None when kept; else the distribution the replacement is drawn from, normalised max(0, p - q) (p itself
+    where that is empty), which makes the output follow p."""
+    if draw * draft[token] <= target[token]:
+        return None
+    residual = (target - draft).clamp(min=0)
+    residual = residual if residual.sum() > 0 else target
+    return residual / residual.sum()

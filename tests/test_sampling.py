@@ -1,0 +1,56 @@
+"""Verification's acceptance rules as pure functions of tensors."""
+
+import torch
+
+from roads_to_rome.core.sampling import speculative_residual, within_tolerance
+
+
+def test_the_tolerance_rule_keeps_tokens_within_that_many_nats_of_the_best():
+    logits = torch.tensor([0.0, 2.0, 1.0, -5.0])
+    assert within_tolerance(logits, 1, 1, 0.0)  # the best token itself
+    assert within_tolerance(logits, 2, 1, 1.0) and not within_tolerance(logits, 2, 1, 0.99)
+    assert not within_tolerance(logits, 3, 1, 6.99) and within_tolerance(logits, 3, 1, 7.0)
+
+
+def test_the_tolerance_rule_is_the_log_probability_gap():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        logits = torch.randn(50, generator=generator) * 3
+        token, tolerance = int(torch.randint(50, (), generator=generator)), float(torch.rand((), generator=generator) * 4)
+        best = int(logits.argmax())
+        logp = torch.log_softmax(logits.double(), -1)
+        gap = float(logp[best] - logp[token])
+        if abs(gap - tolerance) > 1e-5:  # away from the boundary, where rounding could tip it either way
+            assert within_tolerance(logits, token, best, tolerance) == (gap <= tolerance)
+
+
+def test_speculative_acceptance_is_min_one_p_over_q():
+    target = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    draft = torch.tensor([0.25, 0.6, 0.1, 0.05])
+    for token in range(4):
+        ratio = float(target[token] / draft[token])
+        if ratio >= 1:  # kept whatever the draw
+            assert speculative_residual(target, draft, token, torch.tensor(0.999)) is None
+        else:
+            assert speculative_residual(target, draft, token, torch.tensor(max(ratio - 1e-3, 0.0))) is None or ratio == 0
+            assert speculative_residual(target, draft, token, torch.tensor(ratio + 1e-3)) is not None
+
+
+def test_speculative_sampling_outputs_the_target_distribution():
+    """P(out = x) = q(x) min(1, p(x)/q(x)) + P(reject) r(x) must be p(x), r the residual the rule returns."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        target = torch.rand(8, generator=generator, dtype=torch.float64).softmax(0)
+        draft = (torch.rand(8, generator=generator, dtype=torch.float64) * 3).softmax(0)
+        accepted = draft * torch.minimum(torch.ones_like(target), target / draft)
+        rejected_token = int((target / draft).argmin())  # a token that is rejected for a draw near 1
+        residual = speculative_residual(target, draft, rejected_token, torch.tensor(0.9999, dtype=torch.float64))
+        assert residual is not None
+        assert torch.allclose(accepted + (1 - accepted.sum()) * residual, target)
+
+
+def test_speculative_residual_falls_back_to_the_target_when_it_is_empty():
+    """Defensive: where rounding leaves no mass in max(0, p - q), the replacement comes from p itself."""
+    target, draft = torch.tensor([0.2, 0.2]), torch.tensor([0.5, 0.5])
+    residual = speculative_residual(target, draft, 0, torch.tensor(0.9))  # 0.9 * 0.5 > 0.2: rejected
+    assert torch.equal(residual, torch.tensor([0.5, 0.5]))
