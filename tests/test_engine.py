@@ -1,6 +1,7 @@
 """The decode loop on tiny models: exactness against transformers' generate, routing, sampling, stopping."""
 
 import dataclasses
+
 import pytest
 import torch
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import Progress
+from rich.progress import Progress, TimeElapsedColumn
 
 from roads_to_rome.backends import BACKENDS
 from roads_to_rome.cli import tables
@@ -52,7 +52,7 @@ def bench_compare(
     if ctx.invoked_subcommand is not None:
         return
     from roads_to_rome.bench.measure import compare
-    from roads_to_rome.core.engine import parse_verify
+    from roads_to_rome.core.sampling import parse_verify
 
     ks = whole_numbers(spec_k, "--spec-k")
     names = [b.strip() for b in backends.split(",") if b.strip()]
@@ -170,6 +170,61 @@ def bench_remote(
         result = remote(llm, backend, dtype, context, ks, prompts, tokens, progress=progress)
     console.print(*tables.bench_remote(result, ks), sep="\n")
     save(result, out)
+
+
+@bench_app.command("shapes")
+def bench_shapes(
+    llm_shape: str = typer.Option("qwen2.5-coder-3b,qwen2.5-coder-7b,qwen2.5-coder-14b", "--llm-shape",
+                                  help="Comma-separated LLM shapes, each built once (random weights, Q4_K_M) from its "
+                                  "published configuration: qwen2.5-coder-1.5b, -3b, -7b, -14b, -32b, "
+                                  "r1-distill-qwen-32b."),
+    llm_share: str = typer.Option("0.05,0.1,0.15,0.2", "--llm-share", help="Comma-separated shares of tokens the LLM "
+                                  "writes (routed at random), one R2R system each."),
+    prompts: int = count(4, "--prompts", help="GSM8K dev prompts (items 0..N-1), one at a time."),
+    tokens: int = count(256, "--tokens", help="New tokens per prompt (EOS ignored)."),
+    context: int = count(300, "--context", help="Tokens in the KV cache for the per-step costs."),
+    new_tokens: str = typer.Option("1,2,4,8,16,32,64", "--new-tokens", help="Catch-up sizes k whose cost is measured."),
+    verify: str = typer.Option("1", "--verify", help="Verification settings whose acceptance the real pair measures "
+                               "(comma-separated; empty: none)."),
+    spec_k: str = typer.Option("4", "--spec-k", help="Speculative decoding's draft lengths, measured on the real pair "
+                               "(comma-separated; empty: none)."),
+    backend: BackendOpt = "llamacpp", device: Device = "auto",
+    build_only: bool = typer.Option(False, "--build-only", help="Only build the shapes' files (llama.cpp)."),
+    out: Path = typer.Option(Path("runs/bench-shapes.json"), "--out", help="Results (JSON; a re-run with the same "
+                             "settings resumes from it) and the plot beside it."),
+):
+    """The default SLM with LLMs of real sizes: tokens/s of the LLM alone and of R2R at fixed LLM shares, measured
+    with random-weight models of each shape, beside the cost model's figures from per-step costs measured in the
+    same run; verification and speculative decoding predicted from the real pair's forwards."""
+    from roads_to_rome.bench import shapes as bench_shapes_module
+    from roads_to_rome.core.sampling import parse_verify
+
+    chosen = bench_shapes_module.parse_shapes(llm_shape)
+    shares = bench_shapes_module.parse_shares(llm_share)
+    ks = whole_numbers(new_tokens, "--new-tokens")
+    if backend not in ("llamacpp", "torch"):
+        raise R2RError(f"--backend for shapes is llamacpp (a built GGUF) or torch (from the configuration), got {backend!r}")
+    settings = [parse_verify(v.strip()) for v in verify.split(",") if v.strip()]
+    saved = json.loads(out.read_text()) if out.exists() else None
+
+    def keep(result):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console) as progress:
+        result = bench_shapes_module.measure(chosen, shares, prompts, tokens, context, ks, settings,
+                                             whole_numbers(spec_k, "--spec-k"), backend, device, saved, keep, progress,
+                                             build_only)
+    keep(result)
+    if build_only:
+        for name, entry in result["shapes"].items():
+            build = entry["build"]
+            console.print(f"{name}: {build['path']} ({build['bytes'] / 1e9:.2f} GB)")
+        return
+    console.print(*tables.bench_shapes(result), sep="\n")
+    plot = bench_shapes_module.plot(result, out.with_suffix(".png"))
+    out.with_suffix(".md").write_text(bench_shapes_module.markdown(result))
+    console.print(f"measured on {result['processor']}\nJSON in {out}, Markdown table and plot beside it ({plot})")
 
 
 def whole_numbers(text: str, option: str) -> list[int]:

@@ -195,3 +195,29 @@ def bench_remote(result: dict, ks: list[int]) -> list:
     return [steps, speed, f"R2R remote / local = {ratio:.2f}x; same output, local vs remote: LLM alone "
                           f"{same['LLM alone']}/{result['prompts']}, R2R {same['R2R']}/{result['prompts']} "
                           f"(remote: {result['remote']}; local: {result['backend']})"]
+
+
+def bench_shapes(result: dict) -> list:
+    """Per LLM shape: tokens/s measured and predicted by the cost model, and the ratios to the LLM alone."""
+    out = []
+    for name, entry in result["summary"].items():
+        build = entry.get("build") or {}
+        built = (f", {build['bytes'] / 1e9:.2f} GB" if build.get("bytes") else "") + \
+            (f", built in {build['built_s'] / 60:.1f} min" if build.get("built_s") else "")
+        table = Table(title=f"{name} ({entry['params_b']:.2f}B parameters{built})", title_justify="left")
+        for column in ("system", "LLM share", "tok/s measured", "× LLM alone", "tok/s cost model",
+                       "× LLM alone (model)", "measured / model"):
+            table.add_column(column, justify="left" if column == "system" else "right")
+        for row in entry["rows"]:
+            share = row.get("measured_share", row.get("share"))
+            table.add_row(row["system"], "100%" if row["system"] == "llm" else f"{share:.1%}" if share is not None else "",
+                          f"{row['measured']:.2f}" if row.get("measured") else "–",
+                          f"{row['x_llm']:.2f}×" if row.get("x_llm") else "–", f"{row['predicted']:.2f}",
+                          f"{row['predicted_x_llm']:.2f}×",
+                          f"{row['x_model']:.2f}" if row.get("x_model") else "–")
+        out.append(table)
+    if result.get("slm_tokens_per_s"):
+        out.append(f"SLM alone: {result['slm_tokens_per_s']:.2f} tok/s. † the real 0.5B + 1.5B pair's forwards (the "
+                   "shipped router, verification, speculative drafts) replayed at this LLM's step costs: predicted "
+                   "where the LLM has random weights, measured on the real pair.")
+    return out

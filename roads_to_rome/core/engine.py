@@ -25,8 +25,15 @@ from dataclasses import dataclass, field
 import torch
 
 from roads_to_rome.backends.base import Backend
-from roads_to_rome.core.sampling import (SamplingParams, check_max_unverified, parse_verify, sample, sampling_probs,
-                                         speculative_residual, within_tolerance)
+from roads_to_rome.core.sampling import (
+    SamplingParams,
+    check_max_unverified,
+    parse_verify,
+    sample,
+    sampling_probs,
+    speculative_residual,
+    within_tolerance,
+)
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 

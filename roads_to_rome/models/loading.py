@@ -6,6 +6,7 @@ hub id, or (for the LLM) the address of a server running it.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from roads_to_rome.backends import BACKENDS
@@ -57,8 +58,16 @@ def _load_one(spec: str, role: str, device: str, dtype):
     return model.to(device), tokenizer
 
 
+PADDING_TOKEN = re.compile(r"\[PAD\d+\]")  # what converters name the rows an embedding has beyond the vocabulary
+
+
 def same_tokenizer(a, b) -> bool:
-    return a.get_vocab() == b.get_vocab()
+    """The same tokens with the same ids; placeholder rows padding a model's embedding (151,936 or 152,064 rows
+    for one Qwen vocabulary) are not tokens and may differ."""
+    def real(tokenizer):
+        return {t: i for t, i in tokenizer.get_vocab().items() if not PADDING_TOKEN.fullmatch(t)}
+
+    return real(a) == real(b)
 
 
 def pick_device(device: str) -> str:
@@ -91,7 +100,7 @@ def parse_backends(spec: str) -> dict[str, str]:
     return roles
 
 
-def _load_llamacpp(spec: str | None, default: PackagedModel, role: str, llama: dict):
+def _load_llamacpp(spec: str | None, default: PackagedModel, role: str, llama: dict, vocab_size: int | None):
     """(backend, tokenizer) for a GGUF file run by llama.cpp; the tokenizer comes from transformers. `llama`:
     the context's sizes (`n_ctx`, `max_rows`) when not llama.cpp's defaults here."""
     from transformers import AutoTokenizer
@@ -110,18 +119,20 @@ def _load_llamacpp(spec: str | None, default: PackagedModel, role: str, llama: d
         tokenizer = AutoTokenizer.from_pretrained(**tokenizer_source)
     except Exception as e:
         raise R2RError(f"cannot read the tokenizer of {role} model {gguf_file}: {str(e).strip().splitlines()[0]}") from None
-    return LlamaCppBackend(gguf_file, name=spec or default.name, vocab_size=len(tokenizer), **llama), tokenizer
+    return LlamaCppBackend(gguf_file, name=spec or default.name, vocab_size=vocab_size or len(tokenizer), **llama), \
+        tokenizer
 
 
 ROLES = {"slm": DEFAULT_SLM, "llm": DEFAULT_LLM}
 
 
 def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "bfloat16", backend: str = "torch",
-               llama: dict | None = None):
+               llama: dict | None = None, vocab_size: int | None = None):
     """One model on its backend: `spec` (None: the default pair's model for `role`, "slm" or "llm").
 
-    Returns (backend, tokenizer). The backend returns logits over the tokenizer's ids only. `llama`: sizes
-    for a llama.cpp context (`n_ctx`: the KV pool its rows share; `max_rows`)."""
+    Returns (backend, tokenizer). The backend returns logits over the tokenizer's ids only (`vocab_size` of them
+    when given: another model's, whose tokenizer this one shares but for padding rows). `llama`: sizes for a
+    llama.cpp context (`n_ctx`: the KV pool its rows share; `max_rows`)."""
     import torch
 
     if dtype not in DTYPES:
@@ -129,9 +140,9 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
     name = parse_backends(backend)[role]
     default, label = ROLES[role], role.upper()
     if name == "llamacpp":
-        return _load_llamacpp(spec, default, label, llama or {})
+        return _load_llamacpp(spec, default, label, llama or {}, vocab_size)
     model, tokenizer = _load_one(resolve(spec, default), label, pick_device(device), getattr(torch, dtype))
-    return TorchBackend(model, name=spec or default.name, vocab_size=len(tokenizer)), tokenizer
+    return TorchBackend(model, name=spec or default.name, vocab_size=vocab_size or len(tokenizer)), tokenizer
 
 
 def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True,
@@ -144,7 +155,7 @@ def load_pair(slm: str | None = None, llm: str | None = None, device: str = "aut
         return slm_backend, None, tokenizer
     if is_remote(llm):  # an LLM on a serving engine: it must share the SLM's tokenizer (checked on connecting)
         return slm_backend, RemoteBackend(llm, tokenizer, slm_backend.eos_ids, vocab_size=slm_backend.vocab_size), tokenizer
-    llm_backend, llm_tokenizer = load_model(llm, "llm", device, dtype, backend, llama)
+    llm_backend, llm_tokenizer = load_model(llm, "llm", device, dtype, backend, llama, slm_backend.vocab_size)
     if not same_tokenizer(tokenizer, llm_tokenizer):
         raise R2RError(
             f"the SLM and LLM tokenizers differ ({len(tokenizer)} vs {len(llm_tokenizer)} tokens): "

@@ -1,0 +1,536 @@
+"""Where R2R pays: the default SLM with LLMs of real sizes, measured.
+
+Speed does not depend on weight values. A model built from a published configuration with random
+weights, quantized as the shipped files are (Q4_K_M), runs at that model's speed on the same kernels.
+What random weights cannot give (which tokens the router sends, which drafts the LLM accepts) is set
+by a fixed routing share (the `random` policy), or taken from the real pair's statistics measured in
+the same run and carried over through the cost model:
+
+    time per output token = SLM steps x t_SLM(1) + LLM catch-ups x t_LLM(tokens read per catch-up)
+
+with t(k) the measured cost of one forward over k new tokens (interpolated between measured k).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from roads_to_rome.backends.llamacpp import LlamaCppBackend
+from roads_to_rome.backends.torch_backend import TorchBackend
+from roads_to_rome.bench.measure import processor, step_ms
+from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.errors import R2RError
+from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
+from roads_to_rome.models import DEFAULT_LLM, cache_dir, gguf_path, load_model, pick_device, router_path_for
+from roads_to_rome.routing import policies
+
+
+@dataclass(frozen=True)
+class LlmShape:
+    """A causal LM's architecture as its published config.json gives it (Qwen2 family)."""
+
+    name: str
+    config: str  # where the figures come from: the published config.json of this hub model
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab_rows: int  # rows of the embedding and output head (151,936 or the padded 152,064)
+    tied: bool  # whether the output head is the embedding table
+    rms_eps: float = 1e-6
+
+    @property
+    def params(self) -> int:
+        head_dim = self.hidden // self.heads
+        attention = self.hidden * head_dim * (self.heads * 2 + self.kv_heads * 2) + head_dim * (self.heads + 2 * self.kv_heads)
+        mlp = 3 * self.hidden * self.intermediate
+        per_layer = attention + mlp + 2 * self.hidden
+        embeddings = self.vocab_rows * self.hidden * (1 if self.tied else 2)
+        return self.layers * per_layer + embeddings + self.hidden
+
+
+SHAPES = {s.name: s for s in (
+    LlmShape("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct", 1536, 28, 12, 2, 8960, 151936, True),
+    LlmShape("qwen2.5-coder-3b", "Qwen/Qwen2.5-Coder-3B-Instruct", 2048, 36, 16, 2, 11008, 151936, True),
+    LlmShape("qwen2.5-coder-7b", "Qwen/Qwen2.5-Coder-7B-Instruct", 3584, 28, 28, 4, 18944, 152064, False),
+    LlmShape("qwen2.5-coder-14b", "Qwen/Qwen2.5-Coder-14B-Instruct", 5120, 48, 40, 8, 13824, 152064, False),
+    LlmShape("qwen2.5-coder-32b", "Qwen/Qwen2.5-Coder-32B-Instruct", 5120, 64, 40, 8, 27648, 152064, False),
+    LlmShape("r1-distill-qwen-32b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", 5120, 64, 40, 8, 27648, 152064,
+             False, 1e-5),
+)}
+DEFAULT_SHAPES = ("qwen2.5-coder-3b", "qwen2.5-coder-7b", "qwen2.5-coder-14b")
+DEFAULT_SHARES = (0.05, 0.1, 0.15, 0.2)
+STEP_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+Q4_K_M = 15  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M: the shipped files' type
+
+
+def parse_shapes(text: str) -> list[LlmShape]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        raise R2RError(f"unknown --llm-shape {', '.join(unknown) or repr(text)}: use one or more of "
+                       f"{', '.join(SHAPES)}")
+    return [SHAPES[n] for n in names]
+
+
+def parse_shares(text: str) -> list[float]:
+    try:
+        shares = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise R2RError(f"--llm-share takes comma-separated numbers strictly between 0 and 1, got {text!r}") from None
+    if not shares or any(not 0 < s < 1 for s in shares):
+        raise R2RError(f"--llm-share takes shares strictly between 0 and 1, got {text!r}")
+    return shares
+
+
+# ---- building a random-weight model of a shape ----------------------------------------------------------------
+
+def shape_gguf_path(shape: LlmShape) -> Path:
+    return cache_dir() / "shapes" / f"{shape.name}-random-q4_k_m.gguf"
+
+
+def tensor_shapes(shape: LlmShape) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model as llama.cpp names it, in (rows, columns) order."""
+    head_dim = shape.hidden // shape.heads
+    q, kv, h, f = shape.heads * head_dim, shape.kv_heads * head_dim, shape.hidden, shape.intermediate
+    tensors = {"token_embd.weight": (shape.vocab_rows, h)}
+    for i in range(shape.layers):
+        tensors |= {f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.attn_q.weight": (q, h), f"blk.{i}.attn_q.bias": (q,),
+                    f"blk.{i}.attn_k.weight": (kv, h), f"blk.{i}.attn_k.bias": (kv,),
+                    f"blk.{i}.attn_v.weight": (kv, h), f"blk.{i}.attn_v.bias": (kv,),
+                    f"blk.{i}.attn_output.weight": (h, q), f"blk.{i}.ffn_norm.weight": (h,),
+                    f"blk.{i}.ffn_gate.weight": (f, h), f"blk.{i}.ffn_up.weight": (f, h),
+                    f"blk.{i}.ffn_down.weight": (h, f)}
+    tensors["output_norm.weight"] = (h,)
+    if not shape.tied:
+        tensors["output.weight"] = (shape.vocab_rows, h)
+    return tensors
+
+
+SKIPPED_KEYS = {"general.architecture", "general.name", "general.file_type", "general.size_label",
+                "general.quantization_version", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"}
+
+
+def write_random_gguf(shape: LlmShape, template: Path, out: Path, progress=None, seed: int = 0) -> Path:
+    """A float16 GGUF of `shape` with random weights and the tokenizer of `template` (a Qwen2 GGUF whose
+    tokenizer the SLM shares), its token list padded to the shape's rows. Tensors are written one at a time:
+    the file never has to fit in memory."""
+    import gguf
+
+    reader = gguf.GGUFReader(template)
+    if reader.fields["general.architecture"].contents() != "qwen2":
+        raise R2RError(f"{template} is not a qwen2 GGUF: the shapes are Qwen2 models and take its tokenizer")
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    if len(tokens) > shape.vocab_rows:
+        raise R2RError(f"{template} has {len(tokens)} tokens, more than {shape.name}'s {shape.vocab_rows} rows")
+    padding = range(len(tokens), shape.vocab_rows)
+    writer = gguf.GGUFWriter(out, "qwen2")
+    writer.add_name(f"{shape.name} (random weights, {shape.config} shape)")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in SKIPPED_KEYS or name.startswith("qwen2."):
+            continue
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type)
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in padding])
+    writer.add_token_types(types + [gguf.TokenType.UNUSED] * len(padding))
+    writer.add_context_length(int(reader.fields["qwen2.context_length"].contents()))
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_freq_base(float(reader.fields["qwen2.rope.freq_base"].contents()))
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    tensors = tensor_shapes(shape)
+    for name, dims in tensors.items():
+        dtype = np.float32 if len(dims) == 1 else np.float16
+        writer.add_tensor_info(name, dims, np.dtype(dtype), math.prod(dims) * np.dtype(dtype).itemsize)
+    writer.write_header_to_file(out)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    # Weights of the size a trained model has (std 0.02), drawn once and reused with an offset per tensor:
+    # drawing 14 billion normals would take longer than everything else, and their values change no timing.
+    pool = (np.random.default_rng(seed).standard_normal(1 << 24, dtype=np.float32) * 0.02).astype(np.float16)
+    total = sum(math.prod(d) * (4 if len(d) == 1 else 2) for d in tensors.values())
+    task = progress.add_task(f"write {shape.name} (random f16)", total=total) if progress else None
+    for i, (name, dims) in enumerate(tensors.items()):
+        n = math.prod(dims)
+        if len(dims) == 1:  # norms at 1 (as trained ones are, near it), biases at 0
+            data = np.ones(n, np.float32) if name.endswith("norm.weight") else np.zeros(n, np.float32)
+        else:
+            data = np.resize(np.roll(pool, 7919 * i), n)
+        writer.write_tensor_data(data.reshape(dims))
+        if progress:
+            progress.advance(task, data.nbytes)
+    writer.close()
+    return out
+
+
+def quantize(source: Path, out: Path, ftype: int = Q4_K_M, progress=None, label: str = "") -> Path:
+    """llama.cpp's own quantizer (as `llama-quantize` runs it) over a GGUF file; shows the output growing."""
+    import threading
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 0  # all cores
+    task = progress.add_task(f"quantize {label} to Q4_K_M", total=source.stat().st_size * 0.30) if progress else None
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(1.0):
+            if progress and out.exists():
+                progress.update(task, completed=out.stat().st_size)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        code = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params)
+    finally:
+        done.set()
+        watcher.join()
+    if code != 0:
+        out.unlink(missing_ok=True)
+        raise R2RError(f"llama.cpp could not quantize {source} (code {code})")
+    if progress:
+        progress.update(task, completed=out.stat().st_size, total=out.stat().st_size)
+    return out
+
+
+def build_shape(shape: LlmShape, template: Path, progress=None) -> dict:
+    """The shape's random-weight Q4_K_M GGUF, built once into the cache (beside the prepared models)."""
+    target = shape_gguf_path(shape)
+    if target.exists():
+        return {"path": str(target), "bytes": target.stat().st_size, "built_s": None}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    f16, partial = target.with_suffix(".f16.partial"), target.with_suffix(".partial")
+    start = time.perf_counter()
+    try:
+        write_random_gguf(shape, template, f16, progress)
+        written = time.perf_counter()
+        quantize(f16, partial, progress=progress, label=shape.name)
+    finally:
+        f16.unlink(missing_ok=True)
+    partial.rename(target)
+    end = time.perf_counter()
+    return {"path": str(target), "bytes": target.stat().st_size, "built_s": end - start,
+            "write_s": written - start, "quantize_s": end - written}
+
+
+def torch_shape(shape: LlmShape, device: str, dtype: torch.dtype = torch.bfloat16):
+    """The shape as a transformers model built from its configuration (random weights) on `device`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=shape.vocab_rows, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                         intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied,
+                         rms_norm_eps=shape.rms_eps, max_position_embeddings=32768)
+    with torch.device(device):
+        return Qwen2ForCausalLM(config).to(dtype).eval()
+
+
+# ---- the cost model -----------------------------------------------------------------------------------------
+
+def cost_at(ms: dict[int, float], k: float) -> float:
+    """t(k): one forward over k new tokens, interpolated linearly between measured k (extrapolated from the
+    last two beyond them)."""
+    ks = sorted(ms)
+    if k <= ks[0]:
+        return ms[ks[0]]
+    for a, b in zip(ks, ks[1:]):
+        if k <= b:
+            return ms[a] + (ms[b] - ms[a]) * (k - a) / (b - a)
+    a, b = ks[-2], ks[-1]
+    return ms[b] + (ms[b] - ms[a]) * (k - b) / (b - a)
+
+
+def predicted_seconds(calls: list[int], ms: dict[int, float]) -> float:
+    """What a sequence of forwards (new tokens per call) costs at these step costs."""
+    return sum(cost_at(ms, k) for k in calls) / 1000
+
+
+def routing_calls(prompt: int, tokens: int, share: float, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    """The forwards R2R makes when a share of tokens goes to the LLM at random: the SLM reads the prompt, then one
+    column per step; the LLM, at each routed step, every column since it last read (the prompt first)."""
+    slm = [prompt] + [1] * (tokens - 1)
+    llm, read = [], 0
+    for step in np.flatnonzero(rng.random(tokens) < share):
+        columns = prompt + int(step)  # the prompt and the tokens written before this step
+        llm.append(columns - read)
+        read = columns
+    return slm, llm
+
+
+def predicted_routing_tok_s(slm_ms: dict, llm_ms: dict, share: float, prompts: list[int], tokens: int,
+                            samples: int = 100) -> float:
+    """The cost model's tokens/s for routing `share` of the tokens at random, over prompts of these lengths
+    (averaged over random draws)."""
+    rng = np.random.default_rng(0)
+    seconds = 0.0
+    for prompt in prompts:
+        for _ in range(samples):
+            slm, llm = routing_calls(prompt, tokens, share, rng)
+            seconds += (predicted_seconds(slm, slm_ms) + predicted_seconds(llm, llm_ms)) / samples
+    return tokens * len(prompts) / seconds
+
+
+def predicted_alone_tok_s(ms: dict, prompts: list[int], tokens: int) -> float:
+    return tokens * len(prompts) / sum(predicted_seconds([p] + [1] * (tokens - 1), ms) for p in prompts)
+
+
+# ---- measuring ------------------------------------------------------------------------------------------------
+
+class Recorded:
+    """A backend that records how many new tokens each forward reads (everything else is the backend's)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, cache, new_ids, attention_mask):
+        self.calls.append(new_ids.shape[1])
+        return self.inner.forward(cache, new_ids, attention_mask)
+
+    def forward_all(self, cache, new_ids, attention_mask, n):
+        self.calls.append(new_ids.shape[1])
+        return self.inner.forward_all(cache, new_ids, attention_mask, n)
+
+    def read(self, cache, new_ids, attention_mask):
+        self.calls.append(new_ids.shape[1])
+        return self.inner.read(cache, new_ids, attention_mask)
+
+
+def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=None, label: str = "") -> dict:
+    """Batch 1, one prompt after another, `tokens` new tokens each (EOS ignored), prompt reading included:
+    tokens/s, the LLM's share, verification's rollbacks, and every forward each model made (new tokens per
+    call), for the cost model."""
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    task = progress.add_task(label, total=len(prompts) * tokens) if progress else None
+    slm, llm = engine.slm, engine.llm
+    totals = {"tokens": 0, "seconds": 0.0, "llm_tokens": 0, "rollbacks": 0, "discarded": 0, "slm_calls": [],
+              "llm_calls": []}
+    for prompt in prompts:
+        for model in (slm, llm):
+            if isinstance(model, Recorded):
+                model.calls = []
+        start, results = time.perf_counter(), []
+        for steps in engine.stream([prompt], params, results):
+            if progress:
+                progress.advance(task, len(steps))
+        totals["seconds"] += time.perf_counter() - start
+        gen = results[0]
+        totals["tokens"] += len(gen.token_ids)
+        totals["llm_tokens"] += gen.llm_tokens
+        totals["rollbacks"] += gen.rollbacks
+        totals["discarded"] += gen.discarded
+        for role, model in (("slm", slm), ("llm", llm)):
+            if isinstance(model, Recorded):
+                totals[f"{role}_calls"].append(model.calls)
+    per100 = 100 / max(totals["tokens"], 1)
+    totals |= {"tokens_per_s": totals["tokens"] / totals["seconds"],
+               "llm_share": totals["llm_tokens"] / max(totals["tokens"], 1),
+               "rollbacks_per_100": totals["rollbacks"] * per100, "discarded_per_100": totals["discarded"] * per100}
+    return totals
+
+
+def predicted_from_calls(result: dict, slm_ms: dict, llm_ms: dict) -> float:
+    """Tokens/s of a measured run's exact forwards (per prompt, per model) at other step costs: how a call pattern
+    measured on the real pair carries over to an LLM of another size."""
+    seconds = sum(predicted_seconds(c, slm_ms) for c in result["slm_calls"])
+    seconds += sum(predicted_seconds(c, llm_ms) for c in result["llm_calls"])
+    return result["tokens"] / seconds
+
+
+def step_table(backend, context: int, step_tokens: list[int], prompts: list[int]) -> dict[int, float]:
+    """Milliseconds of a forward over k new tokens on a `context`-token cache, for each k asked and for each
+    prompt's length on an empty cache (what reading the prompt costs)."""
+    table = {k: step_ms(backend, context, k, repeats=3) for k in step_tokens}
+    for p in sorted(set(prompts)):
+        table.setdefault(p, step_ms(backend, 0, p, repeats=1))
+    return table
+
+
+def llm_backend(shape: LlmShape, tokenizer, backend: str, device: str, template: Path, progress=None):
+    """The shape as an LLM backend reading the SLM's tokenizer's ids: llama.cpp on its random Q4_K_M file (built
+    on first use), or transformers from its configuration."""
+    if backend == "llamacpp":
+        build = build_shape(shape, template, progress)
+        return LlamaCppBackend(build["path"], name=shape.name, vocab_size=len(tokenizer), n_ctx=4096, max_rows=2), build
+    model = torch_shape(shape, pick_device(device))
+    return TorchBackend(model, name=shape.name, vocab_size=len(tokenizer)), {"path": None, "bytes": None, "built_s": 0.0}
+
+
+def ms_keys(table: dict) -> dict[int, float]:
+    return {int(k): v for k, v in table.items()}
+
+
+def measure(shapes: list[LlmShape], shares: list[float], n_prompts: int, tokens: int, context: int,
+            step_tokens: list[int], verify: list, spec_ks: list[int], backend: str, device: str,
+            saved: dict | None, save, progress=None, build_only: bool = False) -> dict:
+    """Everything `r2r bench shapes` prints, resuming from `saved` (what an earlier run of the same settings on
+    this processor measured); `save(result)` is called after each measurement."""
+    config = {"prompts": n_prompts, "tokens": tokens, "context": context, "step_tokens": step_tokens,
+              "backend": backend, "device": device, "verify": [str(v) for v in verify], "spec_k": spec_ks}
+    here = processor()
+    if saved and (saved.get("config") != config or saved.get("processor") != here):
+        raise R2RError("the results file holds a run with other settings or from another processor "
+                       f"({saved.get('processor')}): give another --out, or the same settings")
+    result = saved or {"config": config, "processor": here, "real": {}, "shapes": {}}
+    llama = {"n_ctx": 4096, "max_rows": 2}
+    template = gguf_path(DEFAULT_LLM)
+    if backend == "llamacpp" and not template.exists():
+        raise R2RError(f"the default pair is not prepared ({template} is missing): run `r2r models prepare`")
+    if build_only:
+        for shape in shapes:
+            result["shapes"].setdefault(shape.name, {})["build"] = build_shape(shape, template, progress)
+            save(result)
+        return result
+    slm, tokenizer = load_model(None, "slm", device, backend=backend, llama=llama)
+    slm = Recorded(slm)
+    slm_engine = Engine.alone(slm, tokenizer, "slm")
+    prompts = [slm_engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:n_prompts]]
+    lengths = [len(p) for p in prompts]
+    result["prompt_tokens"] = lengths
+    real = result["real"]
+    if "steps" not in real:
+        real_llm, _ = load_model(None, "llm", device, backend=backend, llama=llama)
+        real["steps"] = {"slm": step_table(slm.inner, context, step_tokens, lengths),
+                         "llm": step_table(real_llm, context, step_tokens, lengths)}
+        save(result)
+    systems = real.setdefault("systems", {})
+    router = policies.build("router", slm, None, router_path_for(None, None))
+    real_runs = [("slm", None, "off", None), ("llm", None, "off", None), ("r2r", router, "off", None)]
+    real_runs += [(f"r2r+verify={v}", router, v, None) for v in verify]
+    real_runs += [(f"spec+k={k}", policies.AlwaysSLM(), "strict", k) for k in spec_ks]
+    real_llm = None
+    for name, policy, setting, k in real_runs:
+        if name in systems:
+            continue
+        if real_llm is None:
+            real_llm = Recorded(load_model(None, "llm", device, backend=backend, llama=llama)[0])
+        engine = (Engine.alone(slm, tokenizer, "slm") if name == "slm" else Engine.alone(real_llm, tokenizer, "llm")
+                  if name == "llm" else Engine(slm, real_llm, tokenizer, policy, setting, k))
+        systems[name] = run_system(engine, prompts, tokens, progress, f"{DEFAULT_LLM.name} (real): {name}")
+        save(result)
+    real_llm = None
+    for shape in shapes:
+        entry = result["shapes"].setdefault(shape.name, {"params_b": shape.params / 1e9, "systems": {}})
+        todo = ["llm"] + [f"r2r@{share:g}" for share in shares]
+        if "steps" in entry and all(name in entry["systems"] for name in todo):
+            continue
+        llm, entry["build"] = llm_backend(shape, tokenizer, backend, device, template, progress)
+        llm = Recorded(llm)
+        if "steps" not in entry:
+            entry["steps"] = step_table(llm.inner, context, step_tokens, lengths)
+            save(result)
+        for name, share in [("llm", None)] + [(f"r2r@{s:g}", s) for s in shares]:
+            if name in entry["systems"]:
+                continue
+            engine = (Engine.alone(llm, tokenizer, "llm") if share is None
+                      else Engine(slm, llm, tokenizer, policies.RandomPolicy(share, seed=0)))
+            entry["systems"][name] = run_system(engine, prompts, tokens, progress, f"{shape.name}: {name}")
+            save(result)
+        del llm
+    return summarize(result, shares)
+
+
+def summarize(result: dict, shares: list[float]) -> dict:
+    """Ratios and the cost model's figures beside what was measured: for each shape, the LLM alone, R2R at each
+    share (measured; predicted from step costs) and R2R with verification and speculative decoding (predicted:
+    the real pair's forwards at this shape's step costs)."""
+    real, tokens, lengths = result["real"], result["config"]["tokens"], result.get("prompt_tokens", [])
+    slm_ms = ms_keys(real["steps"]["slm"])
+    rows = {}
+    for name, entry in list(result["shapes"].items()) + [("qwen2.5-coder-1.5b (real)", None)]:
+        if entry is None:
+            llm_ms, measured = ms_keys(real["steps"]["llm"]), {"llm": real["systems"].get("llm")}
+            measured |= {k: v for k, v in real["systems"].items() if k.startswith("r2r") or k.startswith("spec")}
+            params_b = SHAPES["qwen2.5-coder-1.5b"].params / 1e9
+        elif "steps" in entry:
+            llm_ms, measured, params_b = ms_keys(entry["steps"]), dict(entry["systems"]), entry["params_b"]
+        else:
+            continue
+        alone_predicted = predicted_alone_tok_s(llm_ms, lengths, tokens)
+        alone = (measured.get("llm") or {}).get("tokens_per_s")
+        table = [{"system": "llm", "measured": alone, "predicted": alone_predicted}]
+        for share in shares:
+            run = measured.get(f"r2r@{share:g}")
+            table.append({"system": f"r2r@{share:g}", "share": share,
+                          "measured": run["tokens_per_s"] if run else None,
+                          "measured_share": run["llm_share"] if run else None,
+                          "predicted": predicted_routing_tok_s(slm_ms, llm_ms, share, lengths, tokens)})
+        for system, run in real["systems"].items():
+            if system.startswith(("r2r", "spec")):
+                row = {"system": system + " †", "share": run["llm_share"],
+                       "predicted": predicted_from_calls(run, slm_ms, llm_ms)}
+                if entry is None:
+                    row["measured"] = run["tokens_per_s"]
+                table.append(row)
+        for row in table:
+            reference = alone or alone_predicted
+            if row.get("measured"):
+                row["x_llm"] = row["measured"] / reference
+                row["x_model"] = row["measured"] / row["predicted"]
+            row["predicted_x_llm"] = row["predicted"] / alone_predicted
+        rows[name] = {"params_b": params_b, "build": (entry or {}).get("build"), "rows": table}
+    slm_alone = real["systems"].get("slm", {}).get("tokens_per_s")
+    return {**result, "summary": rows, "slm_tokens_per_s": slm_alone}
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Speed-up over the LLM alone against the LLM's size: the cost model's line per share, measured points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = sorted(((e["params_b"], e) for e in result["summary"].values()), key=lambda x: x[0])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    shares = sorted({row["share"] for _, e in entries for row in e["rows"] if row["system"].startswith("r2r@")})
+    for i, share in enumerate(shares):
+        color = f"C{i}"
+        line = [(b, r["predicted_x_llm"]) for b, e in entries for r in e["rows"] if r.get("share") == share
+                and r["system"].startswith("r2r@")]
+        points = [(b, r["x_llm"]) for b, e in entries for r in e["rows"] if r.get("share") == share
+                  and r["system"].startswith("r2r@") and r.get("x_llm")]
+        ax.plot(*zip(*line), "--", color=color, label=f"{share:.0%} LLM tokens: cost model")
+        if points:
+            ax.plot(*zip(*points), "o", color=color, label=f"{share:.0%}: measured")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("LLM parameters (billions; the SLM is the 0.5B)")
+    ax.set_ylabel("speed-up over the LLM alone")
+    ax.set_title(f"R2R on a CPU: {result['processor']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def markdown(result: dict) -> str:
+    """The summary as a Markdown table (for result pages): one row per shape and system."""
+    lines = ["| LLM | system | LLM share | tok/s | × LLM alone | tok/s (cost model) | × LLM alone (model) | "
+             "measured / model |", "|---|---|---|---|---|---|---|---|"]
+    for name, entry in result["summary"].items():
+        for row in entry["rows"]:
+            share = row.get("measured_share", row.get("share"))
+            cells = [f"{name} ({entry['params_b']:.1f}B)", row["system"],
+                     "100%" if row["system"] == "llm" else f"{share:.1%}" if share is not None else "",
+                     f"{row['measured']:.2f}" if row.get("measured") else "–",
+                     f"{row['x_llm']:.2f}×" if row.get("x_llm") else "–", f"{row['predicted']:.2f}",
+                     f"{row['predicted_x_llm']:.2f}×", f"{row['x_model']:.2f}" if row.get("x_model") else "–"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

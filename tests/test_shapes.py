@@ -1,0 +1,122 @@
+"""`r2r bench shapes` on tiny configurations: the random-weight builder, both backends on its output, the cost
+model's arithmetic, and the errors a user can make."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import HAS_LLAMA
+from tiny import save_gguf, tiny_model
+
+from roads_to_rome.backends.torch_backend import TorchBackend
+from roads_to_rome.bench import shapes
+from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.routing.policies import RandomPolicy
+
+needs_llama = pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python is not installed")
+TINY = shapes.LlmShape("tiny", "test", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab_rows=384,
+                       tied=False)
+TINY_TIED = shapes.LlmShape("tiny-tied", "test", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512,
+                            vocab_rows=320, tied=True)
+
+
+@pytest.fixture(scope="module")
+def template(tokenizer, tmp_path_factory):
+    """A Qwen2 GGUF carrying the tiny tokenizer: what the builder takes the vocabulary from."""
+    path = tmp_path_factory.mktemp("template") / "template.gguf"
+    save_gguf(tiny_model(tokenizer, hidden=32), tokenizer, path)
+    return path
+
+
+@pytest.mark.parametrize("shape", [TINY, TINY_TIED], ids=["untied, padded rows", "tied"])
+def test_the_builder_writes_exactly_the_configurations_tensors(shape, template, tmp_path, tokenizer):
+    path = shapes.write_random_gguf(shape, template, tmp_path / "f16.gguf")
+    reader = gguf.GGUFReader(path)
+    found = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    assert found == shapes.tensor_shapes(shape)
+    assert reader.fields["qwen2.embedding_length"].contents() == shape.hidden
+    assert reader.fields["qwen2.block_count"].contents() == shape.layers
+    assert reader.fields["qwen2.attention.head_count_kv"].contents() == shape.kv_heads
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == shape.vocab_rows and tokens[-1] == f"[PAD{shape.vocab_rows - 1}]"
+    assert sum(int(np.prod(t.shape)) for t in reader.tensors) == shape.params
+
+
+@pytest.mark.parametrize("shape", [TINY, TINY_TIED], ids=["untied", "tied"])
+def test_the_parameter_count_is_transformers_own(shape):
+    model = shapes.torch_shape(shape, "cpu", torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == shape.params
+
+
+def test_the_published_shapes_have_their_known_sizes():
+    sizes = {name: round(s.params / 1e9, 1) for name, s in shapes.SHAPES.items()}
+    assert sizes == {"qwen2.5-coder-1.5b": 1.5, "qwen2.5-coder-3b": 3.1, "qwen2.5-coder-7b": 7.6,
+                     "qwen2.5-coder-14b": 14.8, "qwen2.5-coder-32b": 32.8, "r1-distill-qwen-32b": 32.8}
+
+
+@needs_llama
+def test_both_backends_run_the_shape_and_pair_it_with_an_slm(shape_file, slm, tokenizer):
+    from roads_to_rome.backends.llamacpp import LlamaCppBackend
+
+    built = LlamaCppBackend(shape_file, name="tiny", vocab_size=len(tokenizer))
+    torch_llm = TorchBackend(shapes.torch_shape(TINY, "cpu", torch.float32), name="tiny", vocab_size=len(tokenizer))
+    prompt = Engine.alone(slm, tokenizer).encode_chat("What is 48 / 2?")
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    for llm in (built, torch_llm):
+        assert llm.vocab_size == len(tokenizer) and llm.hidden_size == TINY.hidden
+        gen = Engine(slm, llm, tokenizer, RandomPolicy(0.5, seed=0)).generate([prompt], params)[0]
+        assert len(gen.token_ids) == 6 and 0 < gen.llm_tokens < 6
+        assert all(0 <= t < len(tokenizer) for t in gen.token_ids)
+
+
+@pytest.fixture(scope="module")
+def shape_file(template, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shape")
+    return shapes.quantize(shapes.write_random_gguf(TINY, template, folder / "f16.gguf"), folder / "q4.gguf")
+
+
+@needs_llama
+def test_the_quantized_file_keeps_the_shapes_and_is_smaller(shape_file):
+    reader = gguf.GGUFReader(shape_file)
+    found = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    assert found == shapes.tensor_shapes(TINY)
+    assert any(t.tensor_type.name.startswith("Q") for t in reader.tensors)
+
+
+def test_cost_model_interpolates_and_extrapolates_step_costs():
+    ms = {1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0}
+    assert shapes.cost_at(ms, 1) == 10.0 and shapes.cost_at(ms, 3) == 14.0 and shapes.cost_at(ms, 12) == 32.0
+    assert shapes.cost_at(ms, 0.5) == 10.0
+
+
+def test_cost_model_of_routing_and_of_a_models_calls():
+    ms = {1: 10.0, 100: 208.0}  # t(k) = 8 + 2k
+    assert shapes.predicted_alone_tok_s(ms, [10], 5) == pytest.approx(5 / ((28 + 4 * 10) / 1000))
+    slm, llm = shapes.routing_calls(10, 50, 1.0, np.random.default_rng(0))
+    assert slm == [10] + [1] * 49 and llm == [10] + [1] * 49  # every token routed: the LLM reads like the SLM
+    slm, llm = shapes.routing_calls(10, 50, 1e-9, np.random.default_rng(0))
+    assert llm == []
+    for share in (0.1, 0.3):
+        slm, llm = shapes.routing_calls(20, 200, share, np.random.default_rng(1))
+        assert sum(llm) <= 20 + 199 and abs(len(llm) - share * 200) < 4 * (share * 200) ** 0.5
+    run = {"tokens": 4, "slm_calls": [[3, 1, 1, 1]], "llm_calls": [[3, 3]]}
+    assert shapes.predicted_from_calls(run, ms, ms) == pytest.approx(4 / ((14 + 3 * 10 + 2 * 14) / 1000))
+
+
+def test_a_cheap_llm_makes_routing_pay_less_than_a_dear_one():
+    slm = {1: 40.0, 64: 400.0}
+    cheap, dear = {1: 80.0, 64: 650.0}, {1: 900.0, 64: 3000.0}
+    gain = {name: shapes.predicted_routing_tok_s(slm, llm, 0.15, [150], 64) / shapes.predicted_alone_tok_s(llm, [150], 64)
+            for name, llm in (("cheap", cheap), ("dear", dear))}
+    assert gain["dear"] > 2 * gain["cheap"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--llm-shape", "qwen2.5-coder-70b"], "unknown --llm-shape qwen2.5-coder-70b"),
+    (["--llm-share", "0.1,1.5"], "strictly between 0 and 1"),
+    (["--llm-share", "0"], "strictly between 0 and 1"),
+    (["--llm-share", "lots"], "comma-separated numbers"),
+])
+def test_bad_shapes_and_shares_are_one_line_errors(run_cli, args, message, tmp_path):
+    code, out, err = run_cli("bench", "shapes", *args, "--out", tmp_path / "s.json")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
