@@ -394,7 +394,7 @@ def measure(shapes: list[LlmShape], shares: list[float], n_prompts: int, tokens:
         raise R2RError(f"the default pair is not prepared ({template} is missing): run `r2r models prepare`")
     if build_only:
         for shape in shapes:
-            result["shapes"].setdefault(shape.name, {})["build"] = build_shape(shape, template, progress)
+            record_build(result["shapes"].setdefault(shape.name, {}), build_shape(shape, template, progress))
             save(result)
         return result
     slm, tokenizer = load_model(None, "slm", device, backend=backend, llama=llama)
@@ -426,11 +426,14 @@ def measure(shapes: list[LlmShape], shares: list[float], n_prompts: int, tokens:
         save(result)
     real_llm = None
     for shape in shapes:
-        entry = result["shapes"].setdefault(shape.name, {"params_b": shape.params / 1e9, "systems": {}})
+        entry = result["shapes"].setdefault(shape.name, {})
+        entry.setdefault("params_b", shape.params / 1e9)
+        entry.setdefault("systems", {})
         todo = ["llm"] + [f"r2r@{share:g}" for share in shares]
         if "steps" in entry and all(name in entry["systems"] for name in todo):
             continue
-        llm, entry["build"] = llm_backend(shape, tokenizer, backend, device, template, progress)
+        llm, build = llm_backend(shape, tokenizer, backend, device, template, progress)
+        record_build(entry, build)
         llm = Recorded(llm)
         if "steps" not in entry:
             entry["steps"] = step_table(llm.inner, context, step_tokens, lengths)
@@ -444,6 +447,12 @@ def measure(shapes: list[LlmShape], shares: list[float], n_prompts: int, tokens:
             save(result)
         del llm
     return summarize(result, shares)
+
+
+def record_build(entry: dict, build: dict) -> None:
+    """Keep how long the build took when it was built (a later run finds the file and took no time)."""
+    if build.get("built_s") is not None or "build" not in entry:
+        entry["build"] = build
 
 
 def summarize(result: dict, shares: list[float]) -> dict:
@@ -484,7 +493,8 @@ def summarize(result: dict, shares: list[float]) -> dict:
                 row["x_llm"] = row["measured"] / reference
                 row["x_model"] = row["measured"] / row["predicted"]
             row["predicted_x_llm"] = row["predicted"] / alone_predicted
-        rows[name] = {"params_b": params_b, "build": (entry or {}).get("build"), "rows": table}
+        steps = {k: llm_ms[k] for k in sorted(llm_ms) if k in result["config"]["step_tokens"]}
+        rows[name] = {"params_b": params_b, "build": (entry or {}).get("build"), "rows": table, "step_ms": steps}
     slm_alone = real["systems"].get("slm", {}).get("tokens_per_s")
     return {**result, "summary": rows, "slm_tokens_per_s": slm_alone}
 
@@ -533,4 +543,12 @@ def markdown(result: dict) -> str:
                      f"{row['x_llm']:.2f}×" if row.get("x_llm") else "–", f"{row['predicted']:.2f}",
                      f"{row['predicted_x_llm']:.2f}×", f"{row['x_model']:.2f}" if row.get("x_model") else "–"]
             lines.append("| " + " | ".join(cells) + " |")
+    ks = result["config"]["step_tokens"]
+    lines += ["", "What one catch-up over k tokens costs per token read, against a one-token step (the LLM's "
+              f"forward on a {result['config']['context']}-token cache):", "",
+              "| LLM | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
+    for name, entry in result["summary"].items():
+        ms = entry["step_ms"]
+        lines.append(f"| {name} | " + " | ".join(f"{ms[k]:.0f} ms ({ms[k] / k / ms[ks[0]]:.2f})" if k in ms else "–"
+                                                 for k in ks) + " |")
     return "\n".join(lines) + "\n"
