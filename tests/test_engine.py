@@ -189,7 +189,8 @@ def run_with_joins(engine, prompts, join_after, params, prefill_chunk=None):
         for request, after in zip(requests[1:], join_after):
             if after == steps:
                 if prefill_chunk:
-                    reading.append(Prefill(engine, request))
+                    request.prefill = Prefill(engine, request)
+                    reading.append(request.prefill)
                 else:
                     batch.add([request])
         for prefill in list(reading):

@@ -233,3 +233,11 @@ def test_gap_recovered_only_on_the_items_both_models_ran(tmp_path):
     assert "gap_recovered" not in summaries(tmp_path, {"0"})["r2r"]  # the two models tie there: no gap to close
     assert "| r2r | 4 | 50.0% " in markdown_table(table) and "| 50% |" in markdown_table(table)
     assert "| random | 3 | " in markdown_table(table) and "| – |" in markdown_table(table)
+
+
+def test_the_report_marks_routed_tokens_and_fixes_apart(tokenizer):
+    from roads_to_rome.eval.evaluate import highlight
+
+    ids = tokenizer("What is 48 / 2?", add_special_tokens=False)["input_ids"][:3]
+    page = highlight({"token_ids": ids, "sources": "SLF"}, tokenizer)
+    assert page.count('class="llm"') == 1 and page.count('class="fix"') == 1

@@ -520,6 +520,8 @@ def plot(result: dict, path: Path) -> Path:
             ax.plot(*zip(*points), "o", color=color, label=f"{share:.0%}: measured")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log")
+    ax.set_xticks([b for b, _ in entries], [f"{b:.1f}B" for b, _ in entries])
+    ax.minorticks_off()
     ax.set_xlabel("LLM parameters (billions; the SLM is the 0.5B)")
     ax.set_ylabel("speed-up over the LLM alone")
     ax.set_title(f"R2R on a CPU: {result['processor']}", fontsize=9)

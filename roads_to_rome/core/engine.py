@@ -265,14 +265,14 @@ class Prefill:
     The server reads a newcomer's prompt one chunk between two decode steps, so the streams already
     running keep producing tokens while a long prompt is read. Each model reads the prompt alone,
     into a cache of its own, up to all but the prompt's last token (the request's first decode step
-    reads that one and proposes the first new token); `Batch.add` fits that cache into the batch."""
+    reads that one and proposes the first new token). Set as `request.prefill`, it is the cache
+    `Batch.add` fits into the batch."""
 
     def __init__(self, engine: Engine, request: Request):
         self.models = [engine.writer] + ([engine.llm] if engine.routes else [])  # in `Batch._caches` order
         self.caches = [m.new_cache() for m in self.models]
         self.ids = torch.tensor([request.prompt_ids], device=engine.writer.device)
         self.goal = len(request.prompt_ids) - 1
-        request.prefill = self
 
     @property
     def done(self) -> bool:

@@ -277,7 +277,7 @@ def html_report(benchmark: str, table: dict[str, dict], images: list[Path], exam
         f"<tr><td>{html.escape(name)}</td><td>{s['items']}</td><td>{s['accuracy']:.1%} "
         f"({s['accuracy_ci95'][0]:.1%}–{s['accuracy_ci95'][1]:.1%})</td><td>{s['llm_rate']:.1%}</td>"
         f"<td>{gap_cell(s)}</td><td>{s['avg_params_b']:.3f}</td><td>{s['tokens_per_s']:.2f}</td>"
-        f"<td>{s['mean_latency_s']:.1f}</td></tr>"
+        f"<td>{s['mean_latency_s']:.1f}</td><td>{s.get('rollbacks_per_100_tokens', 0.0):.2f}</td></tr>"
         for name, s in table.items())
     answers = []
     for system, row in examples:
@@ -288,24 +288,26 @@ def html_report(benchmark: str, table: dict[str, dict], images: list[Path], exam
 <style>body{{font:14px/1.45 system-ui,sans-serif;max-width:980px;margin:2em auto;padding:0 1em}}
 table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:.3em .6em;text-align:right}}
 td:first-child{{text-align:left}}pre{{white-space:pre-wrap;background:#fafafa;border:1px solid #eee;padding:.8em}}
-.llm{{background:#ffe066}}img{{max-width:48%;margin:.5em 1% 0 0}}</style></head><body>
+.llm{{background:#ffe066}}.fix{{background:#b2f2bb}}img{{max-width:48%;margin:.5em 1% 0 0}}</style></head><body>
 <h1>R2R evaluation: {html.escape(benchmark)}</h1>
 <table><tr><th>system</th><th>items</th><th>accuracy (95% CI)</th><th>LLM rate</th><th>SLM→LLM gap closed</th>
 <th>avg. params (B)</th>
-<th>tokens/s</th><th>latency (s)</th></tr>{rows}</table>
+<th>tokens/s</th><th>latency (s)</th><th>rollbacks / 100 tokens</th></tr>{rows}</table>
 <h2>Accuracy against cost</h2>{''.join(image(p) for p in images if p)}
-<h2>Answers</h2><p>Highlighted text came from the LLM.</p>{''.join(answers)}</body></html>"""
+<h2>Answers</h2><p>Highlighted text came from the LLM: yellow where the router sent it, green where verification
+put it in.</p>{''.join(answers)}</body></html>"""
     path = out_dir / "report.html"
     path.write_text(page)
     return path
 
 
 def highlight(row: dict, tokenizer) -> str:
-    """The answer with its LLM-produced tokens marked."""
+    """The answer with its LLM-produced tokens marked: routed ones (L) and verification's fixes (F)."""
     import html
 
     pieces = token_pieces(tokenizer, row["token_ids"])
-    return "".join(f'<span class="llm">{html.escape(p)}</span>' if s == "L" else html.escape(p)
+    classes = {"L": "llm", "F": "fix"}
+    return "".join(f'<span class="{classes[s]}">{html.escape(p)}</span>' if s in classes else html.escape(p)
                    for p, s in zip(pieces, row["sources"]))
 
 

@@ -26,6 +26,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional, Union
 
@@ -247,7 +248,7 @@ class Scheduler:
                 return  # the head waits for room (make_request refused any job that could never fit)
             self.pending.popleft()
             self.kv_in_use += job.kv_tokens
-            Prefill(self.engine, job.request)
+            job.request.prefill = Prefill(self.engine, job.request)
             self.reading.append(job)
 
     def _read_one_chunk(self) -> None:
@@ -427,7 +428,7 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
                loopback_only: bool = True, docs: bool = False) -> FastAPI:
     """`loopback_only`: refuse requests whose Host or Origin is not localhost (for a server bound to a
     loopback address). `docs`: serve /docs and /openapi.json."""
-    limits = limits or Limits()
+    limits = dataclasses.replace(limits or Limits())  # this server's own copy: the caller's is left as it was
     if engine.max_rows is not None and limits.max_batch > engine.max_rows:
         raise R2RError(f"--max-batch {limits.max_batch} is more than the backend holds ({engine.max_rows} rows at "
                        f"once): lower --max-batch")
