@@ -49,7 +49,8 @@ class LlmShape:
     @property
     def params(self) -> int:
         head_dim = self.hidden // self.heads
-        attention = self.hidden * head_dim * (self.heads * 2 + self.kv_heads * 2) + head_dim * (self.heads + 2 * self.kv_heads)
+        weights = self.hidden * head_dim * (self.heads * 2 + self.kv_heads * 2)  # q and o; k and v
+        attention = weights + head_dim * (self.heads + 2 * self.kv_heads)  # and the q, k, v biases
         mlp = 3 * self.hidden * self.intermediate
         per_layer = attention + mlp + 2 * self.hidden
         embeddings = self.vocab_rows * self.hidden * (1 if self.tied else 2)
@@ -369,7 +370,8 @@ def llm_backend(shape: LlmShape, tokenizer, backend: str, device: str, template:
         build = build_shape(shape, template, progress)
         return LlamaCppBackend(build["path"], name=shape.name, vocab_size=len(tokenizer), n_ctx=4096, max_rows=2), build
     model = torch_shape(shape, pick_device(device))
-    return TorchBackend(model, name=shape.name, vocab_size=len(tokenizer)), {"path": None, "bytes": None, "built_s": 0.0}
+    built = {"path": None, "bytes": None, "built_s": 0.0}
+    return TorchBackend(model, name=shape.name, vocab_size=len(tokenizer)), built
 
 
 def ms_keys(table: dict) -> dict[int, float]:
@@ -404,24 +406,28 @@ def measure(shapes: list[LlmShape], shares: list[float], n_prompts: int, tokens:
     lengths = [len(p) for p in prompts]
     result["prompt_tokens"] = lengths
     real = result["real"]
+    real_llm = None  # the default pair's LLM, loaded once if anything on the real pair is left to measure
+
+    def the_real_llm():
+        nonlocal real_llm
+        if real_llm is None:
+            real_llm = Recorded(load_model(None, "llm", device, backend=backend, llama=llama)[0])
+        return real_llm
+
     if "steps" not in real:
-        real_llm, _ = load_model(None, "llm", device, backend=backend, llama=llama)
         real["steps"] = {"slm": step_table(slm.inner, context, step_tokens, lengths),
-                         "llm": step_table(real_llm, context, step_tokens, lengths)}
+                         "llm": step_table(the_real_llm().inner, context, step_tokens, lengths)}
         save(result)
     systems = real.setdefault("systems", {})
     router = policies.build("router", slm, None, router_path_for(None, None))
     real_runs = [("slm", None, "off", None), ("llm", None, "off", None), ("r2r", router, "off", None)]
     real_runs += [(f"r2r+verify={v}", router, v, None) for v in verify]
     real_runs += [(f"spec+k={k}", policies.AlwaysSLM(), "strict", k) for k in spec_ks]
-    real_llm = None
     for name, policy, setting, k in real_runs:
         if name in systems:
             continue
-        if real_llm is None:
-            real_llm = Recorded(load_model(None, "llm", device, backend=backend, llama=llama)[0])
-        engine = (Engine.alone(slm, tokenizer, "slm") if name == "slm" else Engine.alone(real_llm, tokenizer, "llm")
-                  if name == "llm" else Engine(slm, real_llm, tokenizer, policy, setting, k))
+        engine = (slm_engine if name == "slm" else Engine.alone(the_real_llm(), tokenizer, "llm") if name == "llm"
+                  else Engine(slm, the_real_llm(), tokenizer, policy, setting, k))
         systems[name] = run_system(engine, prompts, tokens, progress, f"{DEFAULT_LLM.name} (real): {name}")
         save(result)
     real_llm = None
