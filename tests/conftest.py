@@ -51,7 +51,7 @@ def run_cli(monkeypatch, capsys):
 
 
 HAS_LLAMA = importlib.util.find_spec("llama_cpp") is not None
-BACKENDS = ["torch", pytest.param("llamacpp", marks=pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python "
+BACKENDS = ["torch", "torch-static", pytest.param("llamacpp", marks=pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python "
                                                                       "is not installed"))]
 
 
@@ -63,8 +63,8 @@ def kind(request):
 
 def make_backend(kind: str, model, tokenizer, folder, name: str):
     """A tiny transformers model on the `kind` backend (llama.cpp: through a GGUF copy of its weights)."""
-    if kind == "torch":
-        return TorchBackend(model, name=name, vocab_size=len(tokenizer))
+    if kind in ("torch", "torch-static"):  # torch-static: the fixed-capacity cache CUDA uses, here on the CPU
+        return TorchBackend(model, name=name, vocab_size=len(tokenizer), static=kind == "torch-static")
     from roads_to_rome.backends.llamacpp import LlamaCppBackend
 
     path = folder / f"{name}.gguf"

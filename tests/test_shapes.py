@@ -18,6 +18,8 @@ TINY = shapes.LlmShape("tiny", "test", hidden=256, layers=2, heads=4, kv_heads=2
                        tied=False)
 TINY_TIED = shapes.LlmShape("tiny-tied", "test", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512,
                             vocab_rows=320, tied=True)
+TINY_QWEN3 = shapes.LlmShape("tiny-qwen3", "test", hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256,
+                             vocab_rows=320, tied=False, arch="qwen3", head_dim=64)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def test_the_builder_writes_exactly_the_configurations_tensors(shape, template, 
     assert sum(int(np.prod(t.shape)) for t in reader.tensors) == shape.params
 
 
-@pytest.mark.parametrize("shape", [TINY, TINY_TIED], ids=["untied", "tied"])
+@pytest.mark.parametrize("shape", [TINY, TINY_TIED, TINY_QWEN3], ids=["untied", "tied", "qwen3"])
 def test_the_parameter_count_is_transformers_own(shape):
     model = shapes.torch_shape(shape, "cpu", torch.float32)
     assert sum(p.numel() for p in model.parameters()) == shape.params
@@ -50,8 +52,15 @@ def test_the_parameter_count_is_transformers_own(shape):
 
 def test_the_published_shapes_have_their_known_sizes():
     sizes = {name: round(s.params / 1e9, 1) for name, s in shapes.SHAPES.items()}
-    assert sizes == {"qwen2.5-coder-1.5b": 1.5, "qwen2.5-coder-3b": 3.1, "qwen2.5-coder-7b": 7.6,
-                     "qwen2.5-coder-14b": 14.8, "qwen2.5-coder-32b": 32.8, "r1-distill-qwen-32b": 32.8}
+    assert sizes == {"qwen2.5-coder-0.5b": 0.5, "qwen2.5-coder-1.5b": 1.5, "qwen2.5-coder-3b": 3.1,
+                     "qwen2.5-coder-7b": 7.6, "qwen2.5-coder-14b": 14.8, "qwen2.5-coder-32b": 32.8,
+                     "r1-distill-qwen-1.5b": 1.8, "r1-distill-qwen-32b": 32.8, "qwen3-0.6b": 0.6, "qwen3-8b": 8.2}
+
+
+def test_qwen3_shapes_are_torch_only(run_cli, tmp_path):
+    code, out, err = run_cli("bench", "shapes", "--llm-shape", "qwen3-8b", "--backend", "llamacpp", "--build-only",
+                             "--out", tmp_path / "s.json")
+    assert code == 2 and "qwen3 model" in err and "--backend torch" in err, err
 
 
 @needs_llama
@@ -116,6 +125,10 @@ def test_a_cheap_llm_makes_routing_pay_less_than_a_dear_one():
     (["--llm-share", "0.1,1.5"], "strictly between 0 and 1"),
     (["--llm-share", "0"], "strictly between 0 and 1"),
     (["--llm-share", "lots"], "comma-separated numbers"),
+    (["--slm-shape", "qwen3-0.6b"], "--slm-shape builds the SLM with transformers"),
+    (["--slm-shape", "tiny", "--backend", "torch"], "unknown --slm-shape tiny"),
+    (["--real-from", "x.json", "--backend", "torch"], "--real-from goes with --slm-shape"),
+    (["--batch", "0"], "--batch value must be at least 1"),
 ])
 def test_bad_shapes_and_shares_are_one_line_errors(run_cli, args, message, tmp_path):
     code, out, err = run_cli("bench", "shapes", *args, "--out", tmp_path / "s.json")

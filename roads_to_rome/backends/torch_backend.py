@@ -1,17 +1,31 @@
-"""The backend contract (backend.py) on PyTorch/transformers: any *ForCausalLM, on CPU or CUDA."""
+"""The backend contract (backend.py) on PyTorch/transformers: any *ForCausalLM, on CPU or CUDA.
+
+On CUDA the cache is static (static_cache.py) and one-token steps replay as CUDA graphs: there a small
+model's step costs its kernel launches, not its weights. On a CPU the cache is transformers' own
+DynamicCache, which grows as it is written."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
+from roads_to_rome.backends.static_cache import (
+    BufferPool,
+    GraphedStep,
+    StaticKV,
+    additive_mask,
+    capacity_for,
+    supports_static_cache,
+)
 
-@dataclass
+
+@dataclass(eq=False)
 class TorchCache:
-    kv: DynamicCache
+    kv: DynamicCache | StaticKV | None  # a StaticKV comes with the first read, once the rows are known
     length: int = 0  # columns of the token streams already read into `kv`
 
 
@@ -21,9 +35,11 @@ class TorchBackend:
     verifies = True
     full_logits = True
 
-    def __init__(self, model: torch.nn.Module, name: str = "model", vocab_size: int | None = None):
+    def __init__(self, model: torch.nn.Module, name: str = "model", vocab_size: int | None = None,
+                 static: bool | None = None, graphs: bool | None = None):
         """`model`: a transformers *ForCausalLM; `vocab_size`: the tokenizer's size (default: every row
-        of the output head)."""
+        of the output head); `static`: a static cache (default: on CUDA, for models it supports); `graphs`:
+        one-token steps as CUDA graphs (default: with a static cache on CUDA)."""
         self.model, self.name = model.eval(), name
         # The trunk returns the last hidden state after the final norm: the router's input and
         # the head's input. Calling trunk and head separately lets us project only the last positions.
@@ -37,38 +53,123 @@ class TorchBackend:
         self.vocab_size = min(vocab_size or head_rows, head_rows)
         eos = getattr(model.generation_config, "eos_token_id", None)
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+        on_cuda = self.device.type == "cuda"
+        self.static = (on_cuda if static is None else static) and supports_static_cache(model)
+        self.graphs = self.static and on_cuda and (True if graphs is None else graphs)
+        self.layers = config.num_hidden_layers
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.pool = BufferPool()
 
     @property
     def device(self) -> torch.device:
         return self.head.weight.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.weight.dtype
+
     def new_cache(self) -> TorchCache:
-        return TorchCache(DynamicCache(config=self.model.config))
+        return TorchCache(None if self.static else DynamicCache(config=self.model.config))
+
+    def _reserve(self, cache: TorchCache, rows: int, columns: int) -> StaticKV:
+        """The cache's buffers, (re)allocated to hold `rows` rows and `columns` columns."""
+        kv = cache.kv
+        if kv is not None and kv.rows == rows and kv.capacity >= columns:
+            return kv
+        shape = (rows, self.kv_heads, capacity_for(columns), self.head_dim)
+        fresh = self.pool.take(shape, self.dtype, self.device, self.layers)
+        if kv is not None:  # grown: keep what was written
+            if kv.rows != rows:
+                raise ValueError(f"a cache of {kv.rows} rows was read with {rows}")
+            for old, new in zip(kv.keys + kv.values, fresh.keys + fresh.values):
+                new[:, :, : cache.length] = old[:, :, : cache.length]
+        cache.kv = fresh
+        self.pool.give_back_when_dropped(cache, fresh)
+        return fresh
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The whole head, then the tokenizer's columns: the same numbers as the model's own forward.
         return self.head(hidden)[..., : self.vocab_size].float()
 
+    @torch.inference_mode()  # a static cache is written in place, and its buffers are inference tensors
     def _read(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Run the trunk over the new columns; their last hidden states [B, n, H]."""
         start, n_new = cache.length, new_ids.shape[1]
         mask = attention_mask[:, : start + n_new]
         # Same positions as transformers' generate: count real tokens, padding sits at 0.
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, start:]
-        out = self.trunk(input_ids=new_ids, attention_mask=mask, position_ids=positions, past_key_values=cache.kv,
-                         use_cache=True)
+        # The cache goes by position: transformers 5 renamed its keyword (past_key_values, then cache).
+        if not self.static:
+            out = self.trunk(new_ids, mask, positions, cache.kv, use_cache=True)
+        else:
+            kv = self._reserve(cache, new_ids.shape[0], start + n_new)
+            kv.write_at = torch.arange(start, start + n_new, device=self.device)
+            masks = {"full_attention": additive_mask(mask, start, n_new, kv.capacity, self.dtype)}
+            out = self.trunk(new_ids, masks, positions, kv, use_cache=True)
         cache.length = start + n_new
         return out.last_hidden_state
 
     @torch.inference_mode()
     def forward(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
+        if self.graphs and new_ids.shape[1] == 1:
+            return self._replay(cache, new_ids, attention_mask)
         hidden = self._read(cache, new_ids, attention_mask)[:, -1:]  # [B, 1, H]: the shape generate uses
         return self._logits(hidden)[:, 0], hidden[:, 0]
+
+    def _replay(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """One new column per row as a CUDA graph over this cache's buffers (captured on first use)."""
+        start = cache.length
+        kv = self._reserve(cache, new_ids.shape[0], start + 1)
+        mask = attention_mask[:, : start + 1]
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, start:]
+        step_mask = additive_mask(mask, start, 1, kv.capacity, self.dtype)
+        step = self.pool.graphs.get(kv)
+        if step is None:
+            try:
+                step = self._capture(kv, new_ids, positions, step_mask, start)
+            except RuntimeError as e:  # a model whose forward syncs with the host cannot be captured
+                warnings.warn(f"{self.name}: CUDA graph capture failed ({str(e).splitlines()[0]}); "
+                              "running its steps without graphs", stacklevel=2)
+                self.graphs = False
+                return self.forward(cache, new_ids, attention_mask)
+            self.pool.graphs[kv] = step
+        else:
+            step.ids.copy_(new_ids)
+            step.positions.copy_(positions)
+            step.mask.copy_(step_mask)
+            step.write_at.fill_(start)  # a kernel argument, not a copy from the host (that would wait)
+            step.graph.replay()
+        cache.length = start + 1
+        return step.logits.clone(), step.hidden.clone()
+
+    def _capture(self, kv: StaticKV, ids, positions, mask, start: int) -> GraphedStep:
+        step = GraphedStep(torch.cuda.CUDAGraph(), ids.clone(), positions.clone(), mask.clone(),
+                           torch.full((1,), start, dtype=torch.long, device=self.device), None, None)
+
+        def run():
+            kv.write_at = step.write_at
+            out = self.trunk(step.ids, {"full_attention": step.mask}, step.positions, kv, use_cache=True)
+            hidden = out.last_hidden_state[:, -1]
+            return self._logits(hidden), hidden
+
+        side = torch.cuda.Stream()  # warm-up off the main stream, as torch.cuda.graphs asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()  # (writes this step's own column: the same numbers the replay writes)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(step.graph, pool=self.pool.memory):
+            step.logits, step.hidden = run()
+        self.pool.memory = self.pool.memory or step.graph.pool()
+        step.graph.replay()  # capturing ran nothing
+        return step
 
     @torch.inference_mode()
     def read(self, cache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         self.forward(cache, new_ids, attention_mask)
 
+    @torch.inference_mode()
     def forward_all(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
                     keep_last: int | None = None) -> torch.Tensor:
         keep = new_ids.shape[1] if keep_last is None else keep_last
@@ -83,10 +184,19 @@ class TorchBackend:
         return self._logits(hidden), hidden
 
     def select_rows(self, cache: TorchCache, rows: torch.Tensor) -> None:
-        if cache.length:
+        if cache.length and self.static:
+            rows = rows.to(self.device)
+            cache.kv = StaticKV([t[rows] for t in cache.kv.keys], [t[rows] for t in cache.kv.values])
+        elif cache.length:
             cache.kv.batch_select_indices(rows.to(self.device))
 
     def copy_rows(self, cache: TorchCache, rows: list[int]) -> TorchCache:
+        if self.static:
+            if not cache.length:
+                return TorchCache(None)
+            index = torch.tensor(rows, device=self.device)
+            return TorchCache(StaticKV([t[index] for t in cache.kv.keys], [t[index] for t in cache.kv.values]),
+                              cache.length)
         kv = copy.deepcopy(cache.kv)
         if cache.length:
             kv.batch_select_indices(torch.tensor(rows, device=self.device))
@@ -95,13 +205,32 @@ class TorchBackend:
     def append_rows(self, cache: TorchCache, other: TorchCache) -> None:
         if cache.length != other.length:
             raise ValueError("caches must cover the same columns")
+        if self.static:
+            if cache.length:
+                columns = max(cache.kv.capacity, other.kv.capacity)
+
+                def widened(t):
+                    return torch.nn.functional.pad(t, (0, 0, 0, columns - t.shape[2]))
+
+                cache.kv = StaticKV([torch.cat([widened(a), widened(b)]) for a, b in zip(cache.kv.keys, other.kv.keys)],
+                                    [torch.cat([widened(a), widened(b)])
+                                     for a, b in zip(cache.kv.values, other.kv.values)])
+            return
         for layer, new in zip(cache.kv.layers, other.kv.layers):
             layer.keys = torch.cat([layer.keys, new.keys])
             layer.values = torch.cat([layer.values, new.values])
 
+    @torch.inference_mode()
     def pad_left(self, cache: TorchCache, n: int) -> None:
         # The attention mask marks the new columns as padding, so they are never read.
         if not cache.length:
+            return
+        if self.static:
+            kv = self._reserve(cache, cache.kv.rows, cache.length + n)
+            for t in kv.keys + kv.values:
+                t[:, :, n : cache.length + n] = t[:, :, : cache.length].clone()
+                t[:, :, :n] = 0
+            cache.length += n
             return
         for layer in cache.kv.layers:
             b, h, _, d = layer.keys.shape
@@ -111,13 +240,22 @@ class TorchBackend:
 
     def truncate(self, cache: TorchCache, length: int) -> None:
         if length < cache.length:
-            cache.kv.crop(length - cache.length)  # negative: columns to drop
+            if not self.static:  # a static cache masks the columns past its length instead
+                cache.kv.crop(length - cache.length)  # negative: columns to drop
             cache.length = length
 
+    @torch.inference_mode()
     def shift_rows(self, cache: TorchCache, shifts: list[int]) -> None:
         # Keys keep the rotary positions they were computed at, and a row's positions count its real
         # tokens only, so moving a row's entries right (and masking the new left columns) changes nothing.
         if not any(shifts):
+            return
+        if self.static:
+            for t in cache.kv.keys + cache.kv.values:
+                for row, d in enumerate(shifts):
+                    if d:
+                        t[row, :, d : cache.length] = t[row, :, : cache.length - d].clone()
+                        t[row, :, :d] = 0
             return
         for layer in cache.kv.layers:
             for tensor_name in ("keys", "values"):

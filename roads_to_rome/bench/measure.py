@@ -16,7 +16,6 @@ from roads_to_rome.hardware import describe_cpu
 from roads_to_rome.models import load_model, load_pair
 from roads_to_rome.routing import policies
 from roads_to_rome.routing.policies import entropy
-from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
 
 BENCH_PROMPT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -114,35 +113,6 @@ def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshol
     bat = phase([(len(g.token_ids), g.llm_tokens) for g in batched], batched_s)
     return {"batch_size": batch_size, "dtype": dtype, "backend": backend, "device": str(slm_backend.device), "threshold": threshold,
             "sequential": seq, "batched": bat, "speedup": bat["tokens_per_s"] / seq["tokens_per_s"]}
-
-
-def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold: float, clients: int,
-            n_tokens: int, backend: str = "torch") -> dict:
-    """The server on GSM8K dev prompts: `clients` requests one at a time, then the same ones concurrently."""
-    import concurrent.futures
-
-    import openai
-
-    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
-    engine = Engine(slm_backend, llm_backend, tokenizer, policies.build("entropy", threshold=threshold))
-    prompts = [gsm8k_prompt(item) for item in gsm8k()[:clients]]
-    with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=clients))) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
-
-        def ask(prompt):
-            out = client.chat.completions.create(model="r2r", messages=[{"role": "user", "content": prompt}],
-                                                 temperature=0, max_tokens=n_tokens)
-            return out.usage.completion_tokens, out.usage.model_extra["llm_tokens"]
-
-        ask(prompts[0][:50])  # warm-up
-        phases = {}
-        for name, workers in (("one_at_a_time", 1), ("concurrent", clients)):
-            start = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                results = list(pool.map(ask, prompts))
-            phases[name] = phase(results, time.perf_counter() - start)
-    return {"clients": clients, "dtype": dtype, "backend": backend, "device": str(slm_backend.device), "threshold": threshold,
-            **phases, "speedup": phases["concurrent"]["tokens_per_s"] / phases["one_at_a_time"]["tokens_per_s"]}
 
 
 def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, context: int, new_tokens: list[int],

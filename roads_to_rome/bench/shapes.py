@@ -27,13 +27,23 @@ from roads_to_rome.bench.measure import processor, step_ms
 from roads_to_rome.core.engine import Engine, SamplingParams
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
-from roads_to_rome.models import DEFAULT_LLM, cache_dir, gguf_path, load_model, pick_device, router_path_for
+from roads_to_rome.models import (
+    DEFAULT_LLM,
+    DEFAULT_SLM,
+    cache_dir,
+    converted_dir,
+    gguf_path,
+    load_model,
+    pick_device,
+    router_path_for,
+)
 from roads_to_rome.routing import policies
+from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig
 
 
 @dataclass(frozen=True)
 class LlmShape:
-    """A causal LM's architecture as its published config.json gives it (Qwen2 family)."""
+    """A causal LM's architecture as its published config.json gives it (Qwen2 and Qwen3 families)."""
 
     name: str
     config: str  # where the figures come from: the published config.json of this hub model
@@ -45,31 +55,48 @@ class LlmShape:
     vocab_rows: int  # rows of the embedding and output head (151,936 or the padded 152,064)
     tied: bool  # whether the output head is the embedding table
     rms_eps: float = 1e-6
+    arch: str = "qwen2"  # qwen2: q, k, v biases; qwen3: no biases, q and k normed per head, head_dim given
+    head_dim: int | None = None  # None: hidden / heads
+
+    @property
+    def dims(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
     @property
     def params(self) -> int:
-        head_dim = self.hidden // self.heads
+        head_dim = self.dims
         weights = self.hidden * head_dim * (self.heads * 2 + self.kv_heads * 2)  # q and o; k and v
-        attention = weights + head_dim * (self.heads + 2 * self.kv_heads)  # and the q, k, v biases
+        extra = head_dim * (self.heads + 2 * self.kv_heads) if self.arch == "qwen2" else 2 * head_dim  # biases; norms
         mlp = 3 * self.hidden * self.intermediate
-        per_layer = attention + mlp + 2 * self.hidden
+        per_layer = weights + extra + mlp + 2 * self.hidden
         embeddings = self.vocab_rows * self.hidden * (1 if self.tied else 2)
         return self.layers * per_layer + embeddings + self.hidden
 
 
 SHAPES = {s.name: s for s in (
+    LlmShape("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", 896, 24, 14, 2, 4864, 151936, True),
     LlmShape("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct", 1536, 28, 12, 2, 8960, 151936, True),
     LlmShape("qwen2.5-coder-3b", "Qwen/Qwen2.5-Coder-3B-Instruct", 2048, 36, 16, 2, 11008, 151936, True),
     LlmShape("qwen2.5-coder-7b", "Qwen/Qwen2.5-Coder-7B-Instruct", 3584, 28, 28, 4, 18944, 152064, False),
     LlmShape("qwen2.5-coder-14b", "Qwen/Qwen2.5-Coder-14B-Instruct", 5120, 48, 40, 8, 13824, 152064, False),
     LlmShape("qwen2.5-coder-32b", "Qwen/Qwen2.5-Coder-32B-Instruct", 5120, 64, 40, 8, 27648, 152064, False),
+    LlmShape("r1-distill-qwen-1.5b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 1536, 28, 12, 2, 8960, 151936,
+             False),
     LlmShape("r1-distill-qwen-32b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", 5120, 64, 40, 8, 27648, 152064,
              False, 1e-5),
+    LlmShape("qwen3-0.6b", "Qwen/Qwen3-0.6B", 1024, 28, 16, 8, 3072, 151936, True, arch="qwen3", head_dim=128),
+    LlmShape("qwen3-8b", "Qwen/Qwen3-8B", 4096, 36, 32, 8, 12288, 151936, False, arch="qwen3", head_dim=128),
 )}
 DEFAULT_SHAPES = ("qwen2.5-coder-3b", "qwen2.5-coder-7b", "qwen2.5-coder-14b")
 DEFAULT_SHARES = (0.05, 0.1, 0.15, 0.2)
 STEP_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 Q4_K_M = 15  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M: the shipped files' type
+
+
+def parse_shape(text: str, option: str = "--slm-shape") -> LlmShape:
+    if text not in SHAPES:
+        raise R2RError(f"unknown {option} {text}: use one of {', '.join(SHAPES)}")
+    return SHAPES[text]
 
 
 def parse_shapes(text: str) -> list[LlmShape]:
@@ -210,6 +237,8 @@ def quantize(source: Path, out: Path, ftype: int = Q4_K_M, progress=None, label:
 
 def build_shape(shape: LlmShape, template: Path, progress=None) -> dict:
     """The shape's random-weight Q4_K_M GGUF, built once into the cache (beside the prepared models)."""
+    if shape.arch != "qwen2":
+        raise R2RError(f"{shape.name} is a {shape.arch} model: the GGUF builder writes qwen2 models; use --backend torch")
     target = shape_gguf_path(shape)
     if target.exists():
         return {"path": str(target), "bytes": target.stat().st_size, "built_s": None}
@@ -229,15 +258,24 @@ def build_shape(shape: LlmShape, template: Path, progress=None) -> dict:
 
 
 def torch_shape(shape: LlmShape, device: str, dtype: torch.dtype = torch.bfloat16):
-    """The shape as a transformers model built from its configuration (random weights) on `device`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """The shape as a transformers model built from its configuration (random weights) on `device`, in `dtype`
+    from the start (a 32B model in float32 would not fit beside itself)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen2Config(vocab_size=shape.vocab_rows, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                         intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied,
-                         rms_norm_eps=shape.rms_eps, max_position_embeddings=32768)
-    with torch.device(device):
-        return Qwen2ForCausalLM(config).to(dtype).eval()
+    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if shape.arch == "qwen3" else (Qwen2Config,
+                                                                                              Qwen2ForCausalLM)
+    extra = {"head_dim": shape.head_dim} if shape.head_dim else {}
+    config = config_class(vocab_size=shape.vocab_rows, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                          num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                          intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied,
+                          rms_norm_eps=shape.rms_eps, max_position_embeddings=32768, **extra)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return model_class(config).eval()
+    finally:
+        torch.set_default_dtype(default)
 
 
 # ---- the cost model -----------------------------------------------------------------------------------------
@@ -313,31 +351,75 @@ class Recorded:
         return self.inner.read(cache, new_ids, attention_mask)
 
 
-def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=None, label: str = "") -> dict:
-    """Batch 1, one prompt after another, `tokens` new tokens each (EOS ignored), prompt reading included:
-    tokens/s, the LLM's share, verification's rollbacks, and every forward each model made (new tokens per
-    call), for the cost model."""
+class RouterAtShare(policies.RoutingPolicy):
+    """Runs the router every step, as R2R does, then routes a fixed share of tokens at random: the router's cost is
+    real, its choices are what random weights cannot give."""
+
+    name = "random"
+
+    def __init__(self, router: policies.NeuralPolicy, share: float, seed: int = 0):
+        self.router, self.draws = router, policies.RandomPolicy(share, seed)
+        self.threshold, self.num_params = share, router.num_params
+
+    def threshold_for_rate(self, rate: float, past_scores: list[float]) -> float:
+        return rate
+
+    def route(self, logits, hidden, tokens, thresholds=None):
+        self.router.route(logits, hidden, tokens)
+        return self.draws.route(logits, hidden, tokens, thresholds)
+
+
+def random_router(slm) -> policies.NeuralPolicy:
+    """The shipped router's architecture with random weights, for an SLM shape that has no trained router."""
+    checkpoint = RouterCheckpoint(Router(RouterConfig(slm.hidden_size, slm.hidden_size)), threshold=0.5)
+    return policies.NeuralPolicy(checkpoint, slm.embed, device=slm.device)
+
+
+def default_tokenizer():
+    """The default pair's tokenizer (its prepared folder needs only the tokenizer files), for random-weight SLMs."""
+    from transformers import AutoTokenizer
+
+    folder = converted_dir(DEFAULT_SLM)
+    if not (folder / "tokenizer.json").exists():
+        raise R2RError(f"no tokenizer at {folder}: run `r2r models prepare` (or copy its tokenizer files there)")
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def synchronize(backend) -> None:
+    device = getattr(backend, "device", None)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=None, label: str = "",
+               batch: int = 1) -> dict:
+    """`batch` prompts at a time, `tokens` new tokens each (EOS ignored), prompt reading included: tokens/s, the
+    LLM's share, verification's rollbacks, and every forward each model made (new tokens per call, at batch 1),
+    for the cost model."""
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     task = progress.add_task(label, total=len(prompts) * tokens) if progress else None
     slm, llm = engine.slm, engine.llm
+    if engine.writer.device.type == "cuda":  # the first steps capture CUDA graphs and load kernels: not timed
+        engine.generate([prompts[0][:16]] * batch, SamplingParams(max_new_tokens=4, ignore_eos=True))
     totals = {"tokens": 0, "seconds": 0.0, "llm_tokens": 0, "rollbacks": 0, "discarded": 0, "slm_calls": [],
-              "llm_calls": []}
-    for prompt in prompts:
+              "llm_calls": [], "batch": batch}
+    for first in range(0, len(prompts), batch):
         for model in (slm, llm):
             if isinstance(model, Recorded):
                 model.calls = []
         start, results = time.perf_counter(), []
-        for steps in engine.stream([prompt], params, results):
+        for steps in engine.stream(prompts[first: first + batch], params, results):
             if progress:
                 progress.advance(task, len(steps))
+        synchronize(engine.writer)
         totals["seconds"] += time.perf_counter() - start
-        gen = results[0]
-        totals["tokens"] += len(gen.token_ids)
-        totals["llm_tokens"] += gen.llm_tokens
-        totals["rollbacks"] += gen.rollbacks
-        totals["discarded"] += gen.discarded
+        for gen in results:
+            totals["tokens"] += len(gen.token_ids)
+            totals["llm_tokens"] += gen.llm_tokens
+            totals["rollbacks"] += gen.rollbacks
+            totals["discarded"] += gen.discarded
         for role, model in (("slm", slm), ("llm", llm)):
-            if isinstance(model, Recorded):
+            if isinstance(model, Recorded) and batch == 1:
                 totals[f"{role}_calls"].append(model.calls)
     per100 = 100 / max(totals["tokens"], 1)
     totals |= {"tokens_per_s": totals["tokens"] / totals["seconds"],
@@ -346,12 +428,44 @@ def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=N
     return totals
 
 
+def assisted_run(slm: TorchBackend, llm: TorchBackend, prompt: list[int], tokens: int, k: int) -> dict:
+    """transformers' assisted generation (speculative decoding with `k` drafts a round, greedy) of the same pair:
+    what one round costs. Random weights accept almost no draft, so tokens/s at a real pair's acceptance comes
+    from this cost and that pair's tokens per round (in the summary)."""
+    rounds = []
+    hook = llm.model.register_forward_hook(lambda *_: rounds.append(1))
+    try:
+        ids = torch.tensor([prompt], device=llm.device)
+        kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, assistant_model=slm.model,
+                      num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                      assistant_confidence_threshold=0.0, pad_token_id=0)
+        llm.model.generate(ids[:, :16], **(kwargs | {"max_new_tokens": 8, "min_new_tokens": 8}))  # warm-up
+        rounds.clear()
+        synchronize(llm)
+        start = time.perf_counter()
+        out = llm.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        synchronize(llm)
+        seconds = time.perf_counter() - start
+    except Exception as e:  # a transformers version that refuses these settings: say so in the results
+        return {"k": k, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
+    finally:
+        hook.remove()
+    made = out.shape[1] - len(prompt)
+    return {"k": k, "tokens": made, "seconds": seconds, "rounds": len(rounds), "tokens_per_s": made / seconds,
+            "round_ms": 1000 * seconds / max(len(rounds), 1)}
+
+
 def predicted_from_calls(result: dict, slm_ms: dict, llm_ms: dict) -> float:
     """Tokens/s of a measured run's exact forwards (per prompt, per model) at other step costs: how a call pattern
     measured on the real pair carries over to an LLM of another size."""
     seconds = sum(predicted_seconds(c, slm_ms) for c in result["slm_calls"])
     seconds += sum(predicted_seconds(c, llm_ms) for c in result["llm_calls"])
     return result["tokens"] / seconds
+
+
+def tokens_per_round(result: dict) -> float:
+    """Tokens a speculative round gives on the real pair: its tokens over the LLM's forwards (one per round)."""
+    return result["tokens"] / max(sum(len(calls) for calls in result["llm_calls"]), 1)
 
 
 def step_table(backend, context: int, step_tokens: list[int], prompts: list[int]) -> dict[int, float]:
@@ -363,96 +477,177 @@ def step_table(backend, context: int, step_tokens: list[int], prompts: list[int]
     return table
 
 
-def llm_backend(shape: LlmShape, tokenizer, backend: str, device: str, template: Path, progress=None):
+def llm_backend(shape: LlmShape, tokenizer, backend: str, device: str, template: Path, progress=None,
+                graphs: bool = True):
     """The shape as an LLM backend reading the SLM's tokenizer's ids: llama.cpp on its random Q4_K_M file (built
     on first use), or transformers from its configuration."""
     if backend == "llamacpp":
         build = build_shape(shape, template, progress)
         return LlamaCppBackend(build["path"], name=shape.name, vocab_size=len(tokenizer), n_ctx=4096, max_rows=2), build
+    start = time.perf_counter()
     model = torch_shape(shape, pick_device(device))
-    built = {"path": None, "bytes": None, "built_s": 0.0}
-    return TorchBackend(model, name=shape.name, vocab_size=len(tokenizer)), built
+    built = {"path": None, "bytes": None, "built_s": time.perf_counter() - start}
+    return TorchBackend(model, name=shape.name, vocab_size=len(tokenizer), graphs=graphs), built
 
 
 def ms_keys(table: dict) -> dict[int, float]:
     return {int(k): v for k, v in table.items()}
 
 
-def measure(shapes: list[LlmShape], shares: list[float], n_prompts: int, tokens: int, context: int,
-            step_tokens: list[int], verify: list, spec_ks: list[int], backend: str, device: str,
-            saved: dict | None, save, progress=None, build_only: bool = False) -> dict:
+@dataclass(frozen=True)
+class Plan:
+    """What one `r2r bench shapes` run measures."""
+
+    shapes: tuple[LlmShape, ...]
+    shares: tuple[float, ...] = DEFAULT_SHARES
+    prompts: int = 4  # GSM8K items 0..prompts-1 at batch 1 (at batch b, the first multiple of b at least this)
+    tokens: int = 256
+    context: int = 300
+    step_tokens: tuple[int, ...] = STEP_TOKENS
+    verify: tuple = ()
+    spec_k: tuple[int, ...] = ()
+    backend: str = "llamacpp"
+    device: str = "auto"
+    slm_shape: LlmShape | None = None  # None: the default pair's SLM as shipped (and its router)
+    batches: tuple[int, ...] = (1,)
+    real_from: str | None = None  # a results file whose real-pair runs stand in for this run's (random SLM)
+    cuda_graphs: bool = True  # on CUDA, one-token steps as CUDA graphs (off: transformers' eager forwards)
+
+    def config(self) -> dict:
+        """What a resumed run must share with the saved one (keys only where not the default, so files of earlier
+        runs resume)."""
+        config = {"prompts": self.prompts, "tokens": self.tokens, "context": self.context,
+                  "step_tokens": list(self.step_tokens), "backend": self.backend, "device": self.device,
+                  "verify": [str(v) for v in self.verify], "spec_k": list(self.spec_k)}
+        if self.slm_shape:
+            config["slm_shape"] = self.slm_shape.name
+        if self.batches != (1,):
+            config["batches"] = list(self.batches)
+        if not self.cuda_graphs:
+            config["cuda_graphs"] = False
+        return config
+
+    def prompts_at(self, batch: int) -> int:
+        return -(-self.prompts // batch) * batch
+
+
+def system_name(name: str, batch: int) -> str:
+    return name if batch == 1 else f"{name} b={batch}"
+
+
+def measure(plan: Plan, saved: dict | None, save, progress=None, build_only: bool = False) -> dict:
     """Everything `r2r bench shapes` prints, resuming from `saved` (what an earlier run of the same settings on
     this processor measured); `save(result)` is called after each measurement."""
-    config = {"prompts": n_prompts, "tokens": tokens, "context": context, "step_tokens": step_tokens,
-              "backend": backend, "device": device, "verify": [str(v) for v in verify], "spec_k": spec_ks}
-    here = processor()
+    config, here = plan.config(), processor()
     if saved and (saved.get("config") != config or saved.get("processor") != here):
         raise R2RError("the results file holds a run with other settings or from another processor "
                        f"({saved.get('processor')}): give another --out, or the same settings")
     result = saved or {"config": config, "processor": here, "real": {}, "shapes": {}}
+    backend, device = plan.backend, plan.device
     llama = {"n_ctx": 4096, "max_rows": 2}
     template = gguf_path(DEFAULT_LLM)
     if backend == "llamacpp" and not template.exists():
         raise R2RError(f"the default pair is not prepared ({template} is missing): run `r2r models prepare`")
     if build_only:
-        for shape in shapes:
+        for shape in plan.shapes:
             record_build(result["shapes"].setdefault(shape.name, {}), build_shape(shape, template, progress))
             save(result)
         return result
-    slm, tokenizer = load_model(None, "slm", device, backend=backend, llama=llama)
+    if plan.slm_shape is None:
+        slm, tokenizer = load_model(None, "slm", device, backend=backend, llama=llama)
+        router = policies.build("router", slm, None, router_path_for(None, None))
+    else:
+        tokenizer = default_tokenizer()
+        slm = TorchBackend(torch_shape(plan.slm_shape, pick_device(device)), name=plan.slm_shape.name,
+                           vocab_size=len(tokenizer), graphs=plan.cuda_graphs)
+        router = random_router(slm)
+    if slm.device.type == "cuda":
+        result["device_name"] = torch.cuda.get_device_name(slm.device)
     slm = Recorded(slm)
     slm_engine = Engine.alone(slm, tokenizer, "slm")
-    prompts = [slm_engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:n_prompts]]
-    lengths = [len(p) for p in prompts]
+    count = max(plan.prompts_at(b) for b in plan.batches)
+    prompts = [slm_engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:count]]
+    lengths = [len(p) for p in prompts[: plan.prompts]]
     result["prompt_tokens"] = lengths
+
+    def runs(engine, name, label, systems, batches=plan.batches):
+        for batch in batches:
+            key = system_name(name, batch)
+            if key not in systems:
+                systems[key] = run_system(engine, prompts[: plan.prompts_at(batch)], plan.tokens, progress,
+                                          f"{label}: {key}", batch)
+                save(result)
+
+    if plan.slm_shape is None:
+        measure_real_pair(plan, result, slm, slm_engine, router, tokenizer, prompts[: plan.prompts], lengths, llama,
+                          save, progress)
+    else:
+        own = result.setdefault("slm", {"name": plan.slm_shape.name, "params_b": plan.slm_shape.params / 1e9})
+        if "steps" not in own:
+            own["steps"] = step_table(slm.inner, plan.context, plan.step_tokens, lengths)
+            save(result)
+        runs(slm_engine, "slm", plan.slm_shape.name, own.setdefault("systems", {}))
+        if plan.real_from and not result["real"]:
+            import json
+
+            real = json.loads(Path(plan.real_from).read_text()).get("real", {})
+            result["real"] = {"from": plan.real_from, "systems": real.get("systems", {})}
+            save(result)
+    for shape in plan.shapes:
+        entry = result["shapes"].setdefault(shape.name, {})
+        entry.setdefault("params_b", shape.params / 1e9)
+        systems = entry.setdefault("systems", {})
+        todo = [system_name(n, b) for n in ["llm"] + [f"r2r@{share:g}" for share in plan.shares] for b in plan.batches]
+        assisted_todo = [k for k in plan.spec_k if backend == "torch" and f"k={k}" not in entry.get("assisted", {})]
+        if "steps" in entry and all(name in systems for name in todo) and not assisted_todo:
+            continue
+        llm, build = llm_backend(shape, tokenizer, backend, device, template, progress, plan.cuda_graphs)
+        record_build(entry, build)
+        llm = Recorded(llm)
+        if "steps" not in entry:
+            entry["steps"] = step_table(llm.inner, plan.context, plan.step_tokens, lengths)
+            save(result)
+        runs(Engine.alone(llm, tokenizer, "llm"), "llm", shape.name, systems)
+        for share in plan.shares:
+            runs(Engine(slm, llm, tokenizer, RouterAtShare(router, share, seed=0)), f"r2r@{share:g}", shape.name,
+                 systems)
+        for k in assisted_todo:
+            entry.setdefault("assisted", {})[f"k={k}"] = assisted_run(slm.inner, llm.inner, prompts[0], plan.tokens, k)
+            save(result)
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return summarize(result, list(plan.shares))
+
+
+def measure_real_pair(plan: Plan, result: dict, slm, slm_engine, router, tokenizer, prompts, lengths, llama, save,
+                      progress) -> None:
+    """The default pair as shipped: its step costs and its runs (the SLM alone, the LLM alone, R2R with the router,
+    verification, speculative decoding), whose forwards the cost model replays at each shape's step costs."""
     real = result["real"]
     real_llm = None  # the default pair's LLM, loaded once if anything on the real pair is left to measure
 
     def the_real_llm():
         nonlocal real_llm
         if real_llm is None:
-            real_llm = Recorded(load_model(None, "llm", device, backend=backend, llama=llama)[0])
+            real_llm = Recorded(load_model(None, "llm", plan.device, backend=plan.backend, llama=llama)[0])
         return real_llm
 
     if "steps" not in real:
-        real["steps"] = {"slm": step_table(slm.inner, context, step_tokens, lengths),
-                         "llm": step_table(the_real_llm().inner, context, step_tokens, lengths)}
+        real["steps"] = {"slm": step_table(slm.inner, plan.context, plan.step_tokens, lengths),
+                         "llm": step_table(the_real_llm().inner, plan.context, plan.step_tokens, lengths)}
         save(result)
     systems = real.setdefault("systems", {})
-    router = policies.build("router", slm, None, router_path_for(None, None))
     real_runs = [("slm", None, "off", None), ("llm", None, "off", None), ("r2r", router, "off", None)]
-    real_runs += [(f"r2r+verify={v}", router, v, None) for v in verify]
-    real_runs += [(f"spec+k={k}", policies.AlwaysSLM(), "strict", k) for k in spec_ks]
+    real_runs += [(f"r2r+verify={v}", router, v, None) for v in plan.verify]
+    real_runs += [(f"spec+k={k}", policies.AlwaysSLM(), "strict", k) for k in plan.spec_k]
     for name, policy, setting, k in real_runs:
         if name in systems:
             continue
         engine = (slm_engine if name == "slm" else Engine.alone(the_real_llm(), tokenizer, "llm") if name == "llm"
                   else Engine(slm, the_real_llm(), tokenizer, policy, setting, k))
-        systems[name] = run_system(engine, prompts, tokens, progress, f"{DEFAULT_LLM.name} (real): {name}")
+        systems[name] = run_system(engine, prompts, plan.tokens, progress, f"{DEFAULT_LLM.name} (real): {name}")
         save(result)
-    real_llm = None
-    for shape in shapes:
-        entry = result["shapes"].setdefault(shape.name, {})
-        entry.setdefault("params_b", shape.params / 1e9)
-        entry.setdefault("systems", {})
-        todo = ["llm"] + [f"r2r@{share:g}" for share in shares]
-        if "steps" in entry and all(name in entry["systems"] for name in todo):
-            continue
-        llm, build = llm_backend(shape, tokenizer, backend, device, template, progress)
-        record_build(entry, build)
-        llm = Recorded(llm)
-        if "steps" not in entry:
-            entry["steps"] = step_table(llm.inner, context, step_tokens, lengths)
-            save(result)
-        for name, share in [("llm", None)] + [(f"r2r@{s:g}", s) for s in shares]:
-            if name in entry["systems"]:
-                continue
-            engine = (Engine.alone(llm, tokenizer, "llm") if share is None
-                      else Engine(slm, llm, tokenizer, policies.RandomPolicy(share, seed=0)))
-            entry["systems"][name] = run_system(engine, prompts, tokens, progress, f"{shape.name}: {name}")
-            save(result)
-        del llm
-    return summarize(result, shares)
 
 
 def record_build(entry: dict, build: dict) -> None:
@@ -463,15 +658,20 @@ def record_build(entry: dict, build: dict) -> None:
 
 def summarize(result: dict, shares: list[float]) -> dict:
     """Ratios and the cost model's figures beside what was measured: for each shape, the LLM alone, R2R at each
-    share (measured; predicted from step costs) and R2R with verification and speculative decoding (predicted:
-    the real pair's forwards at this shape's step costs)."""
+    share (measured; predicted from step costs), R2R with verification and speculative decoding (predicted: the
+    real pair's forwards at this shape's step costs), transformers' assisted generation (its measured cost per
+    round at the real pair's tokens per round), and the same systems at larger batches (measured only)."""
     real, tokens, lengths = result["real"], result["config"]["tokens"], result.get("prompt_tokens", [])
-    slm_ms = ms_keys(real["steps"]["slm"])
+    own_slm = result.get("slm")
+    slm_ms = ms_keys(own_slm["steps"] if own_slm else real["steps"]["slm"])
+    batches = result["config"].get("batches", [1])
+    real_systems = real.get("systems", {})
     rows = {}
-    for name, entry in list(result["shapes"].items()) + [("qwen2.5-coder-1.5b (real)", None)]:
+    entries = list(result["shapes"].items()) + ([("qwen2.5-coder-1.5b (real)", None)] if "steps" in real else [])
+    for name, entry in entries:
         if entry is None:
-            llm_ms, measured = ms_keys(real["steps"]["llm"]), {"llm": real["systems"].get("llm")}
-            measured |= {k: v for k, v in real["systems"].items() if k.startswith("r2r") or k.startswith("spec")}
+            llm_ms, measured = ms_keys(real["steps"]["llm"]), {"llm": real_systems.get("llm")}
+            measured |= {k: v for k, v in real_systems.items() if k.startswith("r2r") or k.startswith("spec")}
             params_b = SHAPES["qwen2.5-coder-1.5b"].params / 1e9
         elif "steps" in entry:
             llm_ms, measured, params_b = ms_keys(entry["steps"]), dict(entry["systems"]), entry["params_b"]
@@ -486,22 +686,36 @@ def summarize(result: dict, shares: list[float]) -> dict:
                           "measured": run["tokens_per_s"] if run else None,
                           "measured_share": run["llm_share"] if run else None,
                           "predicted": predicted_routing_tok_s(slm_ms, llm_ms, share, lengths, tokens)})
-        for system, run in real["systems"].items():
+        for system, run in real_systems.items():
             if system.startswith(("r2r", "spec")):
                 row = {"system": system + " †", "share": run["llm_share"],
                        "predicted": predicted_from_calls(run, slm_ms, llm_ms)}
                 if entry is None:
                     row["measured"] = run["tokens_per_s"]
                 table.append(row)
+        for key, run in ((entry or {}).get("assisted") or {}).items():
+            spec = real_systems.get(f"spec+{key}")
+            if "round_ms" in run and spec:
+                table.append({"system": f"hf-assisted {key} †", "share": spec["llm_share"],
+                              "predicted": tokens_per_round(spec) / (run["round_ms"] / 1000), "assisted": True})
         for row in table:
             reference = alone or alone_predicted
             if row.get("measured"):
                 row["x_llm"] = row["measured"] / reference
                 row["x_model"] = row["measured"] / row["predicted"]
-            row["predicted_x_llm"] = row["predicted"] / alone_predicted
+            # assisted generation's figure comes from its measured cost per round: beside the LLM alone as measured
+            row["predicted_x_llm"] = row["predicted"] / (reference if row.get("assisted") else alone_predicted)
+        for batch in batches[1:] if batches[0] == 1 else batches:
+            alone_b = (measured.get(system_name("llm", batch)) or {}).get("tokens_per_s")
+            for system in ["llm"] + [f"r2r@{share:g}" for share in shares]:
+                run = measured.get(system_name(system, batch))
+                if run:
+                    table.append({"system": system_name(system, batch), "batch": batch, "share": run["llm_share"],
+                                  "measured": run["tokens_per_s"], "measured_share": run["llm_share"],
+                                  "x_llm": run["tokens_per_s"] / alone_b if alone_b else None, "predicted": None})
         steps = {k: llm_ms[k] for k in sorted(llm_ms) if k in result["config"]["step_tokens"]}
         rows[name] = {"params_b": params_b, "build": (entry or {}).get("build"), "rows": table, "step_ms": steps}
-    slm_alone = real["systems"].get("slm", {}).get("tokens_per_s")
+    slm_alone = ((own_slm or real).get("systems") or {}).get("slm", {}).get("tokens_per_s")
     return {**result, "summary": rows, "slm_tokens_per_s": slm_alone}
 
 
@@ -514,13 +728,14 @@ def plot(result: dict, path: Path) -> Path:
 
     entries = sorted(((e["params_b"], e) for e in result["summary"].values()), key=lambda x: x[0])
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    shares = sorted({row["share"] for _, e in entries for row in e["rows"] if row["system"].startswith("r2r@")})
+    shares = sorted({row["share"] for _, e in entries for row in e["rows"] if row["system"].startswith("r2r@")
+                     and not row.get("batch")})
     for i, share in enumerate(shares):
         color = f"C{i}"
-        line = [(b, r["predicted_x_llm"]) for b, e in entries for r in e["rows"] if r.get("share") == share
-                and r["system"].startswith("r2r@")]
-        points = [(b, r["x_llm"]) for b, e in entries for r in e["rows"] if r.get("share") == share
-                  and r["system"].startswith("r2r@") and r.get("x_llm")]
+        at_share = [(b, r) for b, e in entries for r in e["rows"] if r.get("share") == share and not r.get("batch")
+                    and r["system"].startswith("r2r@")]
+        line = [(b, r["predicted_x_llm"]) for b, r in at_share]
+        points = [(b, r["x_llm"]) for b, r in at_share if r.get("x_llm")]
         ax.plot(*zip(*line), "--", color=color, label=f"{share:.0%} LLM tokens: cost model")
         if points:
             ax.plot(*zip(*points), "o", color=color, label=f"{share:.0%}: measured")
@@ -528,9 +743,11 @@ def plot(result: dict, path: Path) -> Path:
     ax.set_xscale("log")
     ax.set_xticks([b for b, _ in entries], [f"{b:.1f}B" for b, _ in entries])
     ax.minorticks_off()
-    ax.set_xlabel("LLM parameters (billions; the SLM is the 0.5B)")
+    slm = (result.get("slm") or {}).get("name", "the default 0.5B")
+    ax.set_xlabel(f"LLM parameters (billions; the SLM: {slm})")
     ax.set_ylabel("speed-up over the LLM alone")
-    ax.set_title(f"R2R on a CPU: {result['processor']}", fontsize=9)
+    where = f"{result['device_name']} (bf16, batch 1)" if result.get("device_name") else f"a CPU: {result['processor']}"
+    ax.set_title(f"R2R on {where}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -548,8 +765,10 @@ def markdown(result: dict) -> str:
             cells = [f"{name} ({entry['params_b']:.1f}B)", row["system"],
                      "100%" if row["system"] == "llm" else f"{share:.1%}" if share is not None else "",
                      f"{row['measured']:.2f}" if row.get("measured") else "–",
-                     f"{row['x_llm']:.2f}×" if row.get("x_llm") else "–", f"{row['predicted']:.2f}",
-                     f"{row['predicted_x_llm']:.2f}×", f"{row['x_model']:.2f}" if row.get("x_model") else "–"]
+                     f"{row['x_llm']:.2f}×" if row.get("x_llm") else "–",
+                     f"{row['predicted']:.2f}" if row.get("predicted") else "–",
+                     f"{row['predicted_x_llm']:.2f}×" if row.get("predicted_x_llm") else "–",
+                     f"{row['x_model']:.2f}" if row.get("x_model") else "–"]
             lines.append("| " + " | ".join(cells) + " |")
     ks = result["config"]["step_tokens"]
     lines += ["", "What one catch-up over k tokens costs per token read, against a one-token step (the LLM's "

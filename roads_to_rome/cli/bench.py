@@ -121,7 +121,7 @@ def bench_serve(
     out: Out = None,
 ):
     """Serving throughput: N clients at once vs one at a time, through the HTTP server (aggregate tokens/s)."""
-    from roads_to_rome.bench.measure import serving
+    from roads_to_rome.bench.serving import serving
 
     result = serving(slm, llm, device, dtype, threshold, clients, tokens, backend)
     show_phases(result, ("one_at_a_time", "concurrent"), f"{clients} clients", out)
@@ -176,8 +176,11 @@ def bench_remote(
 def bench_shapes(
     llm_shape: str = typer.Option("qwen2.5-coder-3b,qwen2.5-coder-7b,qwen2.5-coder-14b", "--llm-shape",
                                   help="Comma-separated LLM shapes, each built once (random weights, Q4_K_M) from its "
-                                  "published configuration: qwen2.5-coder-1.5b, -3b, -7b, -14b, -32b, "
-                                  "r1-distill-qwen-32b."),
+                                  "published configuration: qwen2.5-coder-0.5b, -1.5b, -3b, -7b, -14b, -32b, "
+                                  "r1-distill-qwen-1.5b, -32b (qwen2); qwen3-0.6b, qwen3-8b (torch only)."),
+    slm_shape: str = typer.Option("", "--slm-shape", help="A random-weight SLM of this shape (torch) instead of the "
+                                  "default SLM as shipped, with a random router of its size; for machines without the "
+                                  "prepared weights, such as a GPU box that gets only the tokenizer."),
     llm_share: str = typer.Option("0.05,0.1,0.15,0.2", "--llm-share", help="Comma-separated shares of tokens the LLM "
                                   "writes (routed at random), one R2R system each."),
     prompts: int = count(4, "--prompts", help="GSM8K dev prompts (items 0..N-1), one at a time."),
@@ -188,6 +191,12 @@ def bench_shapes(
                                "(comma-separated; empty: none)."),
     spec_k: str = typer.Option("4", "--spec-k", help="Speculative decoding's draft lengths, measured on the real pair "
                                "(comma-separated; empty: none)."),
+    batch: str = typer.Option("1", "--batch", help="Comma-separated batch sizes (prompts decoded together); batch b "
+                              "runs the first multiple of b at least --prompts prompts."),
+    real_from: Path = typer.Option(None, "--real-from", help="With --slm-shape: a results file of this command whose "
+                                   "real-pair runs give the † rows (routing, verification and speculative acceptance)."),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On CUDA with --slm-shape, one-token "
+                                     "steps as CUDA graphs, or transformers' eager forwards (to see what graphs buy)."),
     backend: BackendOpt = "llamacpp", device: Device = "auto",
     build_only: bool = typer.Option(False, "--build-only", help="Only build the shapes' files (llama.cpp)."),
     out: Path = typer.Option(Path("runs/bench-shapes.json"), "--out", help="Results (JSON; a re-run with the same "
@@ -195,7 +204,8 @@ def bench_shapes(
 ):
     """The default SLM with LLMs of real sizes: tokens/s of the LLM alone and of R2R at fixed LLM shares, measured
     with random-weight models of each shape, beside the cost model's figures from per-step costs measured in the
-    same run; verification and speculative decoding predicted from the real pair's forwards."""
+    same run; verification and speculative decoding predicted from the real pair's forwards; on torch,
+    transformers' assisted generation beside them."""
     from roads_to_rome.bench import shapes as bench_shapes_module
     from roads_to_rome.core.sampling import parse_verify
 
@@ -205,6 +215,19 @@ def bench_shapes(
     if backend not in ("llamacpp", "torch"):
         raise R2RError(f"--backend for shapes is llamacpp (a built GGUF) or torch (from the configuration), got {backend!r}")
     settings = [parse_verify(v.strip()) for v in verify.split(",") if v.strip()]
+    if backend == "llamacpp" and (other := [s.name for s in chosen if s.arch != "qwen2"]):
+        raise R2RError(f"{', '.join(other)}: a qwen3 model; the GGUF builder writes qwen2 models, use --backend torch")
+    if slm_shape and backend != "torch":
+        raise R2RError("--slm-shape builds the SLM with transformers: use it with --backend torch")
+    if real_from and not slm_shape:
+        raise R2RError("--real-from goes with --slm-shape (with the default SLM the real pair is measured in the run)")
+    if real_from and not real_from.exists():
+        raise R2RError(f"--real-from {real_from} does not exist")
+    plan = bench_shapes_module.Plan(
+        tuple(chosen), tuple(shares), prompts, tokens, context, tuple(ks), tuple(settings),
+        tuple(whole_numbers(spec_k, "--spec-k")), backend, device,
+        bench_shapes_module.parse_shape(slm_shape) if slm_shape else None,
+        tuple(whole_numbers(batch, "--batch")) or (1,), str(real_from) if real_from else None, cuda_graphs)
     saved = json.loads(out.read_text()) if out.exists() else None
 
     def keep(result):
@@ -212,9 +235,7 @@ def bench_shapes(
         out.write_text(json.dumps(result, indent=2))
 
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console) as progress:
-        result = bench_shapes_module.measure(chosen, shares, prompts, tokens, context, ks, settings,
-                                             whole_numbers(spec_k, "--spec-k"), backend, device, saved, keep, progress,
-                                             build_only)
+        result = bench_shapes_module.measure(plan, saved, keep, progress, build_only)
     keep(result)
     if build_only:
         for name, entry in result["shapes"].items():
@@ -224,7 +245,8 @@ def bench_shapes(
     console.print(*tables.bench_shapes(result), sep="\n")
     plot = bench_shapes_module.plot(result, out.with_suffix(".png"))
     out.with_suffix(".md").write_text(bench_shapes_module.markdown(result))
-    console.print(f"measured on {result['processor']}\nJSON in {out}, Markdown table and plot beside it ({plot})")
+    where = f"{result['device_name']} ({result['processor']})" if result.get("device_name") else result["processor"]
+    console.print(f"measured on {where}\nJSON in {out}, Markdown table and plot beside it ({plot})")
 
 
 def whole_numbers(text: str, option: str) -> list[int]:

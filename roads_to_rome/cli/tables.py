@@ -212,12 +212,16 @@ def bench_shapes(result: dict) -> list:
             share = row.get("measured_share", row.get("share"))
             table.add_row(row["system"], "100%" if row["system"] == "llm" else f"{share:.1%}" if share is not None else "",
                           f"{row['measured']:.2f}" if row.get("measured") else "–",
-                          f"{row['x_llm']:.2f}×" if row.get("x_llm") else "–", f"{row['predicted']:.2f}",
-                          f"{row['predicted_x_llm']:.2f}×",
+                          f"{row['x_llm']:.2f}×" if row.get("x_llm") else "–",
+                          f"{row['predicted']:.2f}" if row.get("predicted") else "–",
+                          f"{row['predicted_x_llm']:.2f}×" if row.get("predicted_x_llm") else "–",
                           f"{row['x_model']:.2f}" if row.get("x_model") else "–")
         out.append(table)
     if result.get("slm_tokens_per_s"):
-        out.append(f"SLM alone: {result['slm_tokens_per_s']:.2f} tok/s. † the real 0.5B + 1.5B pair's forwards (the "
-                   "shipped router, verification, speculative drafts) replayed at this LLM's step costs: predicted "
-                   "where the LLM has random weights, measured on the real pair.")
+        slm = (result.get("slm") or {}).get("name", "the default SLM")
+        out.append(f"SLM alone ({slm}): {result['slm_tokens_per_s']:.2f} tok/s. † the real 0.5B + 1.5B pair's "
+                   "forwards (the shipped router, verification, speculative drafts) replayed at this pair's step "
+                   "costs: predicted where the models have random weights, measured on the real pair; "
+                   "hf-assisted: transformers' assisted generation, its measured cost per round at the real pair's "
+                   "tokens per round.")
     return out

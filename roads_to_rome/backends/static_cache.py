@@ -1,0 +1,106 @@
+"""A key-value cache of fixed capacity written in place, and one-token steps replayed as CUDA graphs.
+
+On a GPU, a small model's decode step is bound by launching kernels, not by reading weights: a
+transformers forward launches a dozen kernels per layer from Python. A CUDA graph records one step's
+kernels once and replays them with one launch, but it replays fixed memory: the inputs, the cache and
+the outputs must live at the same addresses every time. So the cache here holds [rows, kv heads,
+capacity, head dim] buffers per layer that a forward writes into at given columns (the model's
+attention layers call `update`, as they do on transformers' own caches), the mask covers all
+`capacity` columns (columns not yet written are masked out), and buffers of a shape are recycled, so
+that a new request's cache reuses the buffers (and the graphs) of one that finished.
+
+Works for models whose layers all use full attention (Qwen2 and Qwen3 without sliding windows, Llama...).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+MIN_CAPACITY = 1024  # columns: capacities are powers of two from here, so few shapes (and graphs) exist
+
+
+def capacity_for(columns: int) -> int:
+    return max(MIN_CAPACITY, 1 << max(columns - 1, 0).bit_length())
+
+
+def supports_static_cache(model) -> bool:
+    config = model.config.get_text_config()
+    return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
+
+
+class StaticKV:
+    """Per-layer key and value buffers; a forward writes its new columns at `write_at`."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values
+        self.write_at = torch.zeros(1, dtype=torch.long, device=keys[0].device)
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.write_at, key_states.to(keys.dtype))
+        values.index_copy_(2, self.write_at, value_states.to(values.dtype))
+        return keys, values
+
+    def map(self, fn) -> None:
+        """Replace every buffer by fn(buffer) (a new tensor: graphs over the old ones no longer apply)."""
+        self.keys = [fn(t) for t in self.keys]
+        self.values = [fn(t) for t in self.values]
+
+
+@dataclass
+class GraphedStep:
+    """One captured one-token step over a fixed cache: copy the inputs in, replay, read the outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [B, 1]
+    positions: torch.Tensor  # [B, 1]
+    mask: torch.Tensor  # [B, 1, 1, capacity] additive
+    write_at: torch.Tensor  # [1]
+    logits: torch.Tensor  # [B, V]
+    hidden: torch.Tensor  # [B, H]
+
+
+@dataclass
+class BufferPool:
+    """Buffers of caches that were dropped, by shape, for the next cache of that shape; graphs by buffers."""
+
+    free: dict = field(default_factory=dict)
+    graphs: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    memory: object = None  # the CUDA graphs' shared memory pool
+
+    def take(self, shape: tuple, dtype, device, layers: int) -> StaticKV:
+        stack = self.free.get((shape, dtype))
+        if stack:
+            return stack.pop()
+        def make():
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        return StaticKV(make(), make())
+
+    def give_back_when_dropped(self, owner, kv: StaticKV) -> None:
+        key = (tuple(kv.keys[0].shape), kv.keys[0].dtype)
+        weakref.finalize(owner, self.free.setdefault(key, []).append, kv)
+
+
+def additive_mask(attention_mask: torch.Tensor, start: int, n_new: int, capacity: int, dtype) -> torch.Tensor:
+    """[B, 1, n_new, capacity]: 0 where new column q may read column j (j <= start + q, j a real token), else the
+    dtype's minimum. A column always reads itself, so no row of the softmax is empty (padding columns produce
+    numbers nobody reads, as in transformers' own masks)."""
+    rows = attention_mask.shape[0]
+    columns = torch.arange(capacity, device=attention_mask.device)
+    query = torch.arange(start, start + n_new, device=attention_mask.device)
+    real = torch.zeros(rows, capacity, dtype=torch.bool, device=attention_mask.device)
+    real[:, : start + n_new] = attention_mask[:, : start + n_new].bool()
+    allowed = (real[:, None, :] & (columns[None, :] <= query[:, None])[None]) | (columns[None, :] == query[:, None])[None]
+    mask = torch.zeros(rows, 1, n_new, capacity, dtype=dtype, device=attention_mask.device)
+    return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)

@@ -1,0 +1,73 @@
+"""The engine on CUDA, where the torch backend runs a static cache and one-token steps as CUDA graphs: the same
+tokens as transformers' own generate and as the LLM alone under strict verification (tiny models). Skipped
+where torch sees no CUDA device (CI has none; `scripts/gpu-run.sh` runs these on a GPU machine)."""
+
+import pytest
+import torch
+from test_engine import PROMPTS, encode
+from tiny import tiny_model
+
+from roads_to_rome.backends.torch_backend import TorchBackend
+from roads_to_rome.core.engine import Engine, SamplingParams, left_pad
+from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, RandomPolicy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+N_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def pair(tokenizer):
+    return (TorchBackend(tiny_model(tokenizer, hidden=32, seed=0).cuda(), name="tiny-slm"),
+            TorchBackend(tiny_model(tokenizer, hidden=64, seed=1).cuda(), name="tiny-llm"))
+
+
+def cuda_greedy(backend, engine, prompt_ids, n):
+    """transformers' generate on the same device (hf_greedy builds its inputs on the CPU)."""
+    ids, mask = left_pad(prompt_ids, engine.pad_id, "cuda")
+    out = backend.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                 pad_token_id=engine.pad_id)
+    rows = []
+    for row in out[:, ids.shape[1]:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in engine.eos_ids), len(row))
+        rows.append(row[:cut])
+    return rows
+
+
+def test_cuda_backends_use_a_static_cache_and_graphs(pair):
+    slm, llm = pair
+    assert slm.static and slm.graphs and llm.static and llm.graphs
+
+
+@pytest.mark.parametrize("policy, role", [(AlwaysSLM(), "slm"), (AlwaysLLM(), "llm")])
+def test_always_one_model_equals_generate_on_cuda(pair, tokenizer, policy, role):
+    slm, llm = pair
+    engine = Engine(slm, llm, tokenizer, policy)
+    prompts = encode(engine)
+    model = slm if role == "slm" else llm
+    params = SamplingParams(max_new_tokens=N_TOKENS)
+    for p in prompts:
+        assert engine.generate([p], params)[0].token_ids == cuda_greedy(model, engine, [p], N_TOKENS)[0]
+    assert [g.token_ids for g in engine.generate(prompts, params)] == cuda_greedy(model, engine, prompts, N_TOKENS)
+    assert len(model.pool.graphs) > 0  # the steps were replayed graphs
+
+
+def test_cuda_equals_the_cpu(pair, tokenizer, slm, llm):
+    """The graphed CUDA path writes the CPU's tokens under mixed routing (fp32 tiny models: far-apart logits)."""
+    outputs = []
+    for s, l in (pair, (slm, llm)):
+        engine = Engine(s, l, tokenizer, RandomPolicy(0.3, seed=0))
+        outputs.append([g.token_ids for g in engine.generate(encode(engine), SamplingParams(max_new_tokens=N_TOKENS))])
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("policy", [RandomPolicy(0.2, seed=0), EntropyPolicy(3.0), AlwaysSLM()],
+                         ids=["random", "entropy", "slm"])
+def test_strict_verification_equals_the_llm_alone_on_cuda(pair, tokenizer, policy):
+    slm, llm = pair
+    alone = Engine.alone(llm, tokenizer)
+    prompts = [alone.encode_chat(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=N_TOKENS)
+    expected = [g.token_ids for g in alone.generate(prompts, params)]
+    engine = Engine(slm, llm, tokenizer, policy, verify="strict")
+    assert [g.token_ids for g in engine.generate(prompts, params)] == expected
+    assert [engine.generate([p], params)[0].token_ids for p in prompts] == expected
