@@ -403,6 +403,7 @@ def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=N
         engine.generate([prompts[0][:16]] * batch, SamplingParams(max_new_tokens=4, ignore_eos=True))
     totals = {"tokens": 0, "seconds": 0.0, "llm_tokens": 0, "rollbacks": 0, "discarded": 0, "slm_calls": [],
               "llm_calls": [], "batch": batch}
+    phases = dict.fromkeys(("slm_s", "router_s", "llm_s", "step_s"), 0.0)  # where the decode steps' time went
     for first in range(0, len(prompts), batch):
         for model in (slm, llm):
             if isinstance(model, Recorded):
@@ -413,6 +414,9 @@ def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=N
                 progress.advance(task, len(steps))
         synchronize(engine.writer)
         totals["seconds"] += time.perf_counter() - start
+        for key, seconds in zip(phases, (results[0].timings.slm_s, results[0].timings.router_s,
+                                         results[0].timings.llm_s, results[0].timings.total_s)):
+            phases[key] += seconds  # (a batched step counts once: the first row's share of it)
         for gen in results:
             totals["tokens"] += len(gen.token_ids)
             totals["llm_tokens"] += gen.llm_tokens
@@ -424,35 +428,55 @@ def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=N
     per100 = 100 / max(totals["tokens"], 1)
     totals |= {"tokens_per_s": totals["tokens"] / totals["seconds"],
                "llm_share": totals["llm_tokens"] / max(totals["tokens"], 1),
-               "rollbacks_per_100": totals["rollbacks"] * per100, "discarded_per_100": totals["discarded"] * per100}
+               "rollbacks_per_100": totals["rollbacks"] * per100, "discarded_per_100": totals["discarded"] * per100,
+               "phases": phases}
     return totals
 
 
-def assisted_run(slm: TorchBackend, llm: TorchBackend, prompt: list[int], tokens: int, k: int) -> dict:
+ASSISTED_TOKENS = 128  # enough rounds to time one; a round's cost does not depend on how many follow
+
+
+def assisted_run(slm: TorchBackend, llm: TorchBackend, prompt: list[int], tokens: int, k: int, tokenizer=None) -> dict:
     """transformers' assisted generation (speculative decoding with `k` drafts a round, greedy) of the same pair:
     what one round costs. Random weights accept almost no draft, so tokens/s at a real pair's acceptance comes
-    from this cost and that pair's tokens per round (in the summary)."""
+    from this cost and that pair's tokens per round (in the summary).
+
+    Pairs whose embeddings differ in rows (the padded 152,064 beside 151,936) are different tokenizers to
+    transformers: given `tokenizer`, it runs its universal assisted decoding (the drafts go through text each
+    round), what a user of these published pairs gets; without, the SLM's configuration is made to claim the LLM's
+    row count for the call and the LLM's padding rows are suppressed, so the plain path runs (greedy compares
+    drafts by token id only)."""
     rounds = []
+    slm_config, llm_rows = slm.model.config.get_text_config(), llm.model.config.get_text_config().vocab_size
+    own_rows = slm_config.vocab_size
+    universal = tokenizer is not None and own_rows != llm_rows
     hook = llm.model.register_forward_hook(lambda *_: rounds.append(1))
+    kwargs = dict(do_sample=False, assistant_model=slm.model, num_assistant_tokens=k,
+                  num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0, pad_token_id=0)
+    if universal:
+        kwargs |= {"tokenizer": tokenizer, "assistant_tokenizer": tokenizer}
+    elif own_rows != llm_rows:  # and the LLM never picks a padding row the SLM has no embedding for
+        slm_config.vocab_size = llm_rows
+        kwargs["suppress_tokens"] = list(range(own_rows, llm_rows))
     try:
         ids = torch.tensor([prompt], device=llm.device)
-        kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, assistant_model=slm.model,
-                      num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
-                      assistant_confidence_threshold=0.0, pad_token_id=0)
-        llm.model.generate(ids[:, :16], **(kwargs | {"max_new_tokens": 8, "min_new_tokens": 8}))  # warm-up
+        llm.model.generate(ids[:, :16], max_new_tokens=8, min_new_tokens=8, **kwargs)  # warm-up
         rounds.clear()
         synchronize(llm)
         start = time.perf_counter()
-        out = llm.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        out = llm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                 min_new_tokens=tokens, **kwargs)
         synchronize(llm)
         seconds = time.perf_counter() - start
     except Exception as e:  # a transformers version that refuses these settings: say so in the results
-        return {"k": k, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
+        return {"k": k, "universal": universal,
+                "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
     finally:
         hook.remove()
+        slm_config.vocab_size = own_rows
     made = out.shape[1] - len(prompt)
-    return {"k": k, "tokens": made, "seconds": seconds, "rounds": len(rounds), "tokens_per_s": made / seconds,
-            "round_ms": 1000 * seconds / max(len(rounds), 1)}
+    return {"k": k, "universal": universal, "tokens": made, "seconds": seconds, "rounds": len(rounds),
+            "tokens_per_s": made / seconds, "round_ms": 1000 * seconds / max(len(rounds), 1)}
 
 
 def predicted_from_calls(result: dict, slm_ms: dict, llm_ms: dict) -> float:
@@ -531,6 +555,10 @@ class Plan:
         return -(-self.prompts // batch) * batch
 
 
+def assisted_key(k: int, universal: bool) -> str:
+    return f"k={k}" + (" universal" if universal else "")
+
+
 def system_name(name: str, batch: int) -> str:
     return name if batch == 1 else f"{name} b={batch}"
 
@@ -539,10 +567,14 @@ def measure(plan: Plan, saved: dict | None, save, progress=None, build_only: boo
     """Everything `r2r bench shapes` prints, resuming from `saved` (what an earlier run of the same settings on
     this processor measured); `save(result)` is called after each measurement."""
     config, here = plan.config(), processor()
-    if saved and (saved.get("config") != config or saved.get("processor") != here):
+    gpu = torch.cuda.get_device_name() if pick_device(plan.device) == "cuda" else None
+    if saved and (saved.get("config") != config or (saved.get("device_name") or saved.get("processor")) != (gpu or here)):
         raise R2RError("the results file holds a run with other settings or from another processor "
-                       f"({saved.get('processor')}): give another --out, or the same settings")
+                       f"({saved.get('device_name') or saved.get('processor')}): give another --out, or the same "
+                       "settings")
     result = saved or {"config": config, "processor": here, "real": {}, "shapes": {}}
+    if gpu:  # on a GPU the figures are the GPU's (the host it sits in may differ between runs)
+        result["device_name"] = gpu
     backend, device = plan.backend, plan.device
     llama = {"n_ctx": 4096, "max_rows": 2}
     template = gguf_path(DEFAULT_LLM)
@@ -561,8 +593,6 @@ def measure(plan: Plan, saved: dict | None, save, progress=None, build_only: boo
         slm = TorchBackend(torch_shape(plan.slm_shape, pick_device(device)), name=plan.slm_shape.name,
                            vocab_size=len(tokenizer), graphs=plan.cuda_graphs)
         router = random_router(slm)
-    if slm.device.type == "cuda":
-        result["device_name"] = torch.cuda.get_device_name(slm.device)
     slm = Recorded(slm)
     slm_engine = Engine.alone(slm, tokenizer, "slm")
     count = max(plan.prompts_at(b) for b in plan.batches)
@@ -598,7 +628,10 @@ def measure(plan: Plan, saved: dict | None, save, progress=None, build_only: boo
         entry.setdefault("params_b", shape.params / 1e9)
         systems = entry.setdefault("systems", {})
         todo = [system_name(n, b) for n in ["llm"] + [f"r2r@{share:g}" for share in plan.shares] for b in plan.batches]
-        assisted_todo = [k for k in plan.spec_k if backend == "torch" and f"k={k}" not in entry.get("assisted", {})]
+        # transformers' universal path only where the rows differ (else it refuses the tokenizers)
+        modes = (False, True) if shape.vocab_rows != slm.inner.model.config.get_text_config().vocab_size else (False,)
+        assisted_todo = [(k, universal) for k in plan.spec_k for universal in modes if backend == "torch"
+                         and assisted_key(k, universal) not in entry.get("assisted", {})]
         if "steps" in entry and all(name in systems for name in todo) and not assisted_todo:
             continue
         llm, build = llm_backend(shape, tokenizer, backend, device, template, progress, plan.cuda_graphs)
@@ -611,8 +644,10 @@ def measure(plan: Plan, saved: dict | None, save, progress=None, build_only: boo
         for share in plan.shares:
             runs(Engine(slm, llm, tokenizer, RouterAtShare(router, share, seed=0)), f"r2r@{share:g}", shape.name,
                  systems)
-        for k in assisted_todo:
-            entry.setdefault("assisted", {})[f"k={k}"] = assisted_run(slm.inner, llm.inner, prompts[0], plan.tokens, k)
+        for k, universal in assisted_todo:
+            run = assisted_run(slm.inner, llm.inner, prompts[0], min(plan.tokens, ASSISTED_TOKENS), k,
+                               tokenizer if universal else None)
+            entry.setdefault("assisted", {})[assisted_key(k, universal)] = run
             save(result)
         del llm
         if torch.cuda.is_available():
@@ -694,7 +729,7 @@ def summarize(result: dict, shares: list[float]) -> dict:
                     row["measured"] = run["tokens_per_s"]
                 table.append(row)
         for key, run in ((entry or {}).get("assisted") or {}).items():
-            spec = real_systems.get(f"spec+{key}")
+            spec = real_systems.get(f"spec+k={run['k']}")
             if "round_ms" in run and spec:
                 table.append({"system": f"hf-assisted {key} †", "share": spec["llm_share"],
                               "predicted": tokens_per_round(spec) / (run["round_ms"] / 1000), "assisted": True})
