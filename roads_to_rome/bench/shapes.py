@@ -771,7 +771,7 @@ def plot(result: dict, path: Path) -> Path:
                     and r["system"].startswith("r2r@")]
         line = [(b, r["predicted_x_llm"]) for b, r in at_share]
         points = [(b, r["x_llm"]) for b, r in at_share if r.get("x_llm")]
-        ax.plot(*zip(*line), "--", color=color, label=f"{share:.0%} LLM tokens: cost model")
+        ax.plot(*zip(*line), "x--", color=color, label=f"{share:.0%} LLM tokens: cost model")
         if points:
             ax.plot(*zip(*points), "o", color=color, label=f"{share:.0%}: measured")
     ax.axhline(1.0, color="grey", lw=0.8)
