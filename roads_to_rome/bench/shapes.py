@@ -629,9 +629,9 @@ def measure(plan: Plan, saved: dict | None, save, progress=None, build_only: boo
         systems = entry.setdefault("systems", {})
         todo = [system_name(n, b) for n in ["llm"] + [f"r2r@{share:g}" for share in plan.shares] for b in plan.batches]
         # transformers' universal path only where the rows differ (else it refuses the tokenizers)
-        modes = (False, True) if shape.vocab_rows != slm.inner.model.config.get_text_config().vocab_size else (False,)
-        assisted_todo = [(k, universal) for k in plan.spec_k for universal in modes if backend == "torch"
-                         and assisted_key(k, universal) not in entry.get("assisted", {})]
+        modes = () if backend != "torch" else (False, True) if shape.vocab_rows != slm.inner.model.config.get_text_config().vocab_size else (False,)
+        assisted_todo = [(k, universal) for k in plan.spec_k for universal in modes
+                         if assisted_key(k, universal) not in entry.get("assisted", {})]
         if "steps" in entry and all(name in systems for name in todo) and not assisted_todo:
             continue
         llm, build = llm_backend(shape, tokenizer, backend, device, template, progress, plan.cuda_graphs)
