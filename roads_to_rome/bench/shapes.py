@@ -238,7 +238,8 @@ def quantize(source: Path, out: Path, ftype: int = Q4_K_M, progress=None, label:
 def build_shape(shape: LlmShape, template: Path, progress=None) -> dict:
     """The shape's random-weight Q4_K_M GGUF, built once into the cache (beside the prepared models)."""
     if shape.arch != "qwen2":
-        raise R2RError(f"{shape.name} is a {shape.arch} model: the GGUF builder writes qwen2 models; use --backend torch")
+        raise R2RError(f"{shape.name} is a {shape.arch} model: the GGUF builder writes qwen2 models; "
+                       "use --backend torch")
     target = shape_gguf_path(shape)
     if target.exists():
         return {"path": str(target), "bytes": target.stat().st_size, "built_s": None}
@@ -568,7 +569,8 @@ def measure(plan: Plan, saved: dict | None, save, progress=None, build_only: boo
     this processor measured); `save(result)` is called after each measurement."""
     config, here = plan.config(), processor()
     gpu = torch.cuda.get_device_name() if pick_device(plan.device) == "cuda" else None
-    if saved and (saved.get("config") != config or (saved.get("device_name") or saved.get("processor")) != (gpu or here)):
+    saved_on = saved and (saved.get("device_name") or saved.get("processor"))
+    if saved and (saved.get("config") != config or saved_on != (gpu or here)):
         raise R2RError("the results file holds a run with other settings or from another processor "
                        f"({saved.get('device_name') or saved.get('processor')}): give another --out, or the same "
                        "settings")
@@ -629,7 +631,8 @@ def measure(plan: Plan, saved: dict | None, save, progress=None, build_only: boo
         systems = entry.setdefault("systems", {})
         todo = [system_name(n, b) for n in ["llm"] + [f"r2r@{share:g}" for share in plan.shares] for b in plan.batches]
         # transformers' universal path only where the rows differ (else it refuses the tokenizers)
-        modes = () if backend != "torch" else (False, True) if shape.vocab_rows != slm.inner.model.config.get_text_config().vocab_size else (False,)
+        slm_rows = slm.inner.model.config.get_text_config().vocab_size if backend == "torch" else None
+        modes = () if slm_rows is None else (False, True) if shape.vocab_rows != slm_rows else (False,)
         assisted_todo = [(k, universal) for k in plan.spec_k for universal in modes
                          if assisted_key(k, universal) not in entry.get("assisted", {})]
         if "steps" in entry and all(name in systems for name in todo) and not assisted_todo:

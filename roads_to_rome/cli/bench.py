@@ -23,7 +23,7 @@ from roads_to_rome.cli.options import (
     console,
     count,
 )
-from roads_to_rome.errors import R2RError
+from roads_to_rome.errors import R2RError, require
 from roads_to_rome.routing import DEFAULT_ENTROPY_THRESHOLD
 
 bench_app = typer.Typer(help="Benchmarks that print ratios measured side by side in one run. Without a "
@@ -49,6 +49,7 @@ def bench_compare(
 ):
     """Tokens/s of each model alone, speculative decoding and R2R (with and without verification), per backend,
     in one run."""
+    require("eval", "`r2r bench`")
     if ctx.invoked_subcommand is not None:
         return
     from roads_to_rome.bench.measure import compare
@@ -74,6 +75,7 @@ def bench_backends(
     threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD, dtype: Dtype = "bfloat16", out: Out = None,
 ):
     """Torch vs llama.cpp SLM features: hidden-state cosine, argmax and routing decisions agreement."""
+    require("eval", "`r2r bench backends`")
     from roads_to_rome.bench.measure import backend_agreement
 
     with Progress(console=console, transient=True) as progress:
@@ -90,6 +92,7 @@ def bench_overhead(
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "bfloat16", out: Out = None,
 ):
     """Engine overhead: R2R with the always-SLM policy against a bare SLM forward loop, same prompt."""
+    require("eval", "`r2r bench overhead`")
     from roads_to_rome.bench.measure import overhead
 
     result = overhead(slm, device, dtype, tokens, rounds, compile)
@@ -106,6 +109,7 @@ def bench_batch(
     out: Out = None,
 ):
     """Batching: R2R on N GSM8K dev prompts one at a time vs in one batch (aggregate tokens/s)."""
+    require("eval", "`r2r bench batch`")
     from roads_to_rome.bench.measure import batching
 
     result = batching(slm, llm, device, dtype, threshold, batch_size, tokens, backend)
@@ -121,6 +125,8 @@ def bench_serve(
     out: Out = None,
 ):
     """Serving throughput: N clients at once vs one at a time, through the HTTP server (aggregate tokens/s)."""
+    require("serve", "`r2r bench serve`")
+    require("eval", "`r2r bench serve`")
     from roads_to_rome.bench.serving import serving
 
     result = serving(slm, llm, device, dtype, threshold, clients, tokens, backend)
@@ -141,6 +147,7 @@ def bench_steps(
     out: Out = None,
 ):
     """Per-step cost of each model for k new tokens (the inputs of the cost model)."""
+    require("eval", "`r2r bench steps`")
     from roads_to_rome.bench.measure import step_costs
 
     ks = whole_numbers(new_tokens, "--new-tokens")
@@ -163,6 +170,7 @@ def bench_remote(
 ):
     """The LLM behind a server vs the same LLM here: catch-up latency for k new tokens (prefix cached, and
     cold), and R2R's tokens/s with either LLM, in one run."""
+    require("eval", "`r2r bench remote`")
     from roads_to_rome.bench.measure import remote
 
     ks = whole_numbers(new_tokens, "--new-tokens")
@@ -194,7 +202,8 @@ def bench_shapes(
     batch: str = typer.Option("1", "--batch", help="Comma-separated batch sizes (prompts decoded together); batch b "
                               "runs the first multiple of b at least --prompts prompts."),
     real_from: Path = typer.Option(None, "--real-from", help="With --slm-shape: a results file of this command whose "
-                                   "real-pair runs give the † rows (routing, verification and speculative acceptance)."),
+                                   "real-pair runs give the † rows (routing, verification and speculative "
+                                   "acceptance)."),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On CUDA with --slm-shape, one-token "
                                      "steps as CUDA graphs, or transformers' eager forwards (to see what graphs buy)."),
     backend: BackendOpt = "llamacpp", device: Device = "auto",
@@ -206,6 +215,7 @@ def bench_shapes(
     with random-weight models of each shape, beside the cost model's figures from per-step costs measured in the
     same run; verification and speculative decoding predicted from the real pair's forwards; on torch,
     transformers' assisted generation beside them."""
+    require("eval", "`r2r bench shapes`")
     from roads_to_rome.bench import shapes as bench_shapes_module
     from roads_to_rome.core.sampling import parse_verify
 

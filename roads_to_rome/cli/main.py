@@ -35,7 +35,7 @@ from roads_to_rome.cli.options import (
     console,
     count,
 )
-from roads_to_rome.errors import R2RError
+from roads_to_rome.errors import R2RError, require
 
 app = typer.Typer(help="R2R: token-level routing between a small and a large language model.",
                   pretty_exceptions_enable=False, no_args_is_help=True, add_completion=False)
@@ -140,6 +140,7 @@ def serve(
     docs: bool = typer.Option(False, "--docs", help="Serve the API docs at /docs and /openapi.json."),
 ):
     """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) and a playground at /."""
+    require("serve", "`r2r serve`")
     from roads_to_rome.serving import server
 
     llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}

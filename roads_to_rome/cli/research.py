@@ -27,7 +27,7 @@ from roads_to_rome.cli.options import (
     console,
     count,
 )
-from roads_to_rome.errors import R2RError
+from roads_to_rome.errors import R2RError, require
 
 
 class DefaultRunGroup(TyperGroup):
@@ -63,6 +63,7 @@ def eval_command(
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "torch",
 ):
     """Evaluate systems on a benchmark: accuracy with 95% CI, LLM rate, avg. params, speed; JSON, table, plots, HTML."""
+    require("eval", "`r2r eval`")
     from roads_to_rome.eval.evaluate import evaluate, markdown_table, parse_systems
 
     names = parse_systems(systems)
@@ -93,6 +94,7 @@ def train(
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "torch",
 ):
     """Train the router on label datasets (SLM features recomputed by prefill), calibrate, save, report."""
+    require("labels", "`r2r train`")
     from roads_to_rome.training import train as training
 
     if not 0 < target_rate < 1:
@@ -120,6 +122,7 @@ def calibrate(
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "torch",
 ):
     """Sweep thresholds on validation data: recall of divergent tokens vs LLM rate (table + plot)."""
+    require("labels", "`r2r calibrate`")
     from roads_to_rome.training import train as training
 
     for name, v in (("--target-rate", target_rate), ("--target-recall", target_recall)):
@@ -175,6 +178,7 @@ def label_run(
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "torch",
 ):
     """Run the label pipeline (or some of its steps); re-running resumes where it stopped."""
+    require("labels", "`r2r label`")
     from roads_to_rome.models import load_pair
     from roads_to_rome.pipeline import judges, labels
 
@@ -211,6 +215,7 @@ def label_prompts(
     llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "torch",
 ):
     """Build a training prompt set (no evaluation data); the same seed gives the same set."""
+    require("labels", "`r2r label prompts`")
     from roads_to_rome.pipeline import labels
 
     if recipe == "default":
@@ -246,6 +251,7 @@ def label_agree(
 ):
     """Run a second judge on the same differing positions (or read another directory's verdicts) and report how
     often it agrees with the first."""
+    require("labels", "`r2r label agree`")
     from roads_to_rome.pipeline import labels
 
     if not ((out / "judgements").exists() or (against is not None and (out / "labels.parquet").exists())):
@@ -271,6 +277,7 @@ def label_check_judge(
     as_json: AsJson = False,
 ):
     """How well a judge agrees with hand labels: accuracy, divergent recall/precision, Cohen's kappa."""
+    require("labels", "`r2r label check-judge`")
     from roads_to_rome.pipeline import judges
 
     result = judges.check(load_judge(judge, judge_url, judge_model, llm, device, dtype, backend),
@@ -287,6 +294,7 @@ def label_report(
     as_json: AsJson = False,
 ):
     """Per domain and overall: queries, tokens, different and divergent rates, SLM entropy by label."""
+    require("labels", "`r2r label report`")
     from roads_to_rome.pipeline import labels
 
     result = labels.report(dataset)

