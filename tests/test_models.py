@@ -24,7 +24,9 @@ def test_unknown_model_path_and_bad_files(tmp_path):
     with pytest.raises(R2RError, match="does not exist"):
         models.load_pair(str(tmp_path / "nowhere"), None, "cpu", need_llm=False)
     (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\x00" * 100)
-    with pytest.raises(R2RError, match="cannot load SLM"):
+    with pytest.raises(R2RError, match="cannot load SLM"):  # transformers reads it
+        models.load_pair(str(tmp_path / "broken.gguf"), None, "cpu", need_llm=False, backend="torch")
+    with pytest.raises(R2RError, match="cannot (load|read the tokenizer of) SLM"):  # auto: llama.cpp where installed
         models.load_pair(str(tmp_path / "broken.gguf"), None, "cpu", need_llm=False)
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(R2RError, match="not a .gguf file"):
@@ -61,3 +63,20 @@ def test_device_choice():
     assert models.pick_device("cpu") == "cpu"
     with pytest.raises(R2RError, match="unknown device"):
         models.pick_device("tpu")
+
+
+def test_backend_auto_picks_llama_cpp_for_gguf_files_on_a_cpu_and_torch_otherwise(monkeypatch):
+    from roads_to_rome.models import loading
+
+    monkeypatch.setattr(loading, "llama_cpp_available", lambda: True)
+    assert loading.auto_backend(None, "cpu") == "llamacpp"  # the default pair's prepared GGUF files
+    assert loading.auto_backend("/models/big.Q4_K_M.gguf", "cpu") == "llamacpp"
+    assert loading.auto_backend("/models/my-model-dir", "cpu") == "torch"
+    assert loading.auto_backend("Qwen/Qwen3-8B", "cpu") == "torch"
+    monkeypatch.setattr(loading, "pick_device", lambda device: "cuda")
+    assert loading.auto_backend(None, "auto") == "torch"
+    monkeypatch.setattr(loading, "pick_device", lambda device: "cpu")
+    monkeypatch.setattr(loading, "llama_cpp_available", lambda: False)
+    assert loading.auto_backend(None, "cpu") == "torch"
+    assert loading.parse_backends("auto") == {"slm": "auto", "llm": "auto"}
+    assert loading.parse_backends("slm=auto,llm=torch") == {"slm": "auto", "llm": "torch"}

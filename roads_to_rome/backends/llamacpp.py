@@ -49,6 +49,10 @@ def model_params():
     return params
 
 
+def llama_cpp_available() -> bool:
+    return llama_cpp is not None
+
+
 class LlamaCppBackend:
     device = torch.device("cpu")  # tensors handed to the engine live on the CPU
     verifies = True

@@ -105,7 +105,7 @@ def bench_batch(
     batch_size: int = count(4, "--batch-size"),
     tokens: int = count(128, "--tokens", help="Max new tokens per prompt."),
     threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD,
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "torch",
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
     out: Out = None,
 ):
     """Batching: R2R on N GSM8K dev prompts one at a time vs in one batch (aggregate tokens/s)."""
@@ -121,7 +121,7 @@ def bench_serve(
     clients: int = count(4, "--clients", help="Concurrent clients (and requests per phase)."),
     tokens: int = count(128, "--tokens", help="max_tokens per request."),
     threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD,
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "torch",
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
     out: Out = None,
 ):
     """Serving throughput: N clients at once vs one at a time, through the HTTP server (aggregate tokens/s)."""
@@ -143,7 +143,7 @@ def show_phases(result: dict, modes: tuple[str, str], setting: str, out: Path | 
 def bench_steps(
     context: int = count(300, "--context", help="Tokens already in the KV cache."),
     new_tokens: str = typer.Option("1,2,4,8,16,32", "--new-tokens", help="Comma-separated k values."),
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "torch",
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
     out: Out = None,
 ):
     """Per-step cost of each model for k new tokens (the inputs of the cost model)."""

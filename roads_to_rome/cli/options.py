@@ -24,9 +24,10 @@ Llm = Annotated[Optional[str], typer.Option("--llm", help="LLM: local dir, .gguf
                                             "Qwen2.5-Coder-1.5B)")]
 Device = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Weights and compute: bfloat16, float16 or float32.")]
-BackendOpt = Annotated[str, typer.Option("--backend", help="torch (transformers) or llamacpp (the GGUF files as "
-                                      "shipped), for both models or per role: slm=llamacpp,llm=torch. --dtype and "
-                                      "--device apply to torch.")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="auto (llama.cpp on a CPU for GGUF files, the default "
+                                      "pair's included, when it is installed; torch on CUDA and for model "
+                                      "directories), torch (transformers) or llamacpp, for both models or per role: "
+                                      "slm=llamacpp,llm=torch. --dtype and --device apply to torch.")]
 RouterOpt = Annotated[Optional[RouterChoice], typer.Option("--router", show_default=False, help="Routing policy "
                                                            "(default: the shipped router for the default pair, "
                                                            "entropy for other pairs).")]

@@ -314,7 +314,7 @@ def highlight(row: dict, tokenizer) -> str:
 def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_tokens: int, out: Path,
              slm: str | None, llm: str | None, device: str, dtype: str, router_path: Path | None,
              threshold: float | None, llm_rate: float, sweep: list[float], batch_size: int, console,
-             backend: str = "torch", verify: list = ("off",), max_unverified: int | None = None,
+             backend: str = "auto", verify: list = ("off",), max_unverified: int | None = None,
              spec_k: int = 4) -> dict:
     from rich.progress import (
         BarColumn,

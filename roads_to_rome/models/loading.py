@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from roads_to_rome.backends import BACKENDS
-from roads_to_rome.backends.llamacpp import LlamaCppBackend
+from roads_to_rome.backends import AUTO, BACKENDS
+from roads_to_rome.backends.llamacpp import LlamaCppBackend, llama_cpp_available
 from roads_to_rome.backends.remote import RemoteBackend, is_remote
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import DEFAULT_VERIFY, Engine, check_max_unverified, parse_verify
@@ -88,16 +88,26 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 def parse_backends(spec: str) -> dict[str, str]:
-    """`torch`, `llamacpp`, or per role: `slm=llamacpp,llm=torch` (a role left out stays torch)."""
+    """`auto`, `torch`, `llamacpp`, or per role: `slm=llamacpp,llm=torch` (a role left out stays torch)."""
     roles = {"slm": "torch", "llm": "torch"}
     for part in (p.strip() for p in spec.split(",")):
         role, _, name = part.rpartition("=")
         targets = [role] if role else list(roles)
-        if name not in BACKENDS or any(t not in roles for t in targets):
-            raise R2RError(f"bad --backend {spec!r}: use torch, llamacpp, or per role like slm=llamacpp,llm=torch")
+        if name not in (*BACKENDS, AUTO) or any(t not in roles for t in targets):
+            raise R2RError(f"bad --backend {spec!r}: use auto, torch, llamacpp, or per role like "
+                           "slm=llamacpp,llm=torch")
         for t in targets:
             roles[t] = name
     return roles
+
+
+def auto_backend(spec: str | None, device: str) -> str:
+    """What `--backend auto` runs a model on: llama.cpp on a CPU when it is installed and the model is a GGUF file
+    (the default pair's prepared files, or a .gguf path): its quantized kernels are the fast CPU path for the
+    one-token steps that dominate R2R; torch on CUDA and for model directories and hub ids."""
+    if pick_device(device) != "cpu" or not llama_cpp_available():
+        return "torch"
+    return "llamacpp" if spec is None or str(spec).endswith(".gguf") else "torch"
 
 
 def _load_llamacpp(spec: str | None, default: PackagedModel, role: str, llama: dict, vocab_size: int | None):
@@ -126,7 +136,7 @@ def _load_llamacpp(spec: str | None, default: PackagedModel, role: str, llama: d
 ROLES = {"slm": DEFAULT_SLM, "llm": DEFAULT_LLM}
 
 
-def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "bfloat16", backend: str = "torch",
+def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "bfloat16", backend: str = "auto",
                llama: dict | None = None, vocab_size: int | None = None):
     """One model on its backend: `spec` (None: the default pair's model for `role`, "slm" or "llm").
 
@@ -138,6 +148,8 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
     if dtype not in DTYPES:
         raise R2RError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     name = parse_backends(backend)[role]
+    if name == AUTO:
+        name = auto_backend(spec, device)
     default, label = ROLES[role], role.upper()
     if name == "llamacpp":
         return _load_llamacpp(spec, default, label, llama or {}, vocab_size)
@@ -146,7 +158,7 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
 
 
 def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True,
-              dtype: str = "bfloat16", backend: str = "torch", llama: dict | None = None):
+              dtype: str = "bfloat16", backend: str = "auto", llama: dict | None = None):
     """Load the SLM and (if `need_llm`) the LLM, each on its backend; refuse pairs whose tokenizers differ.
 
     Returns (slm_backend, llm_backend or None, tokenizer)."""
@@ -164,7 +176,7 @@ def load_pair(slm: str | None = None, llm: str | None = None, device: str = "aut
     return slm_backend, llm_backend, tokenizer
 
 
-def load_alone(spec: str | None, role: str, device: str = "auto", dtype: str = "bfloat16", backend: str = "torch"):
+def load_alone(spec: str | None, role: str, device: str = "auto", dtype: str = "bfloat16", backend: str = "auto"):
     """One model writing every token by itself (`Engine.alone`): "slm" or "llm"."""
     model, tokenizer = load_model(spec, role, device, dtype, backend)
     return Engine.alone(model, tokenizer, role)
@@ -184,7 +196,7 @@ def choose_policy(kind: str | None, router_path: Path | None, slm_spec: str | No
 
 
 def load_engine(slm: str | None = None, llm: str | None = None, device: str = "auto", dtype: str = "bfloat16",
-                backend: str = "torch", policy: str | None = None, threshold: float | None = None, router_path: Path | None = None, seed: int | None = None,
+                backend: str = "auto", policy: str | None = None, threshold: float | None = None, router_path: Path | None = None, seed: int | None = None,
                 verify: str | float | None = None, max_unverified: int | None = None, llama: dict | None = None):
     """The pair with a routing policy by name (None: the shipped router for the default pair, else
     entropy) and verification (None: `DEFAULT_VERIFY` for a policy that routes, off for one model alone);
