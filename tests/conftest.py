@@ -64,7 +64,8 @@ def kind(request):
 def make_backend(kind: str, model, tokenizer, folder, name: str):
     """A tiny transformers model on the `kind` backend (llama.cpp: through a GGUF copy of its weights)."""
     if kind in ("torch", "torch-static"):  # torch-static: the fixed-capacity cache CUDA uses, here on the CPU
-        return TorchBackend(model, name=name, vocab_size=len(tokenizer), static=kind == "torch-static")
+        return TorchBackend(model, name=name, vocab_size=len(tokenizer), static=kind == "torch-static",
+                            pad_reads=kind == "torch-static")
     from roads_to_rome.backends.llamacpp import LlamaCppBackend
 
     path = folder / f"{name}.gguf"

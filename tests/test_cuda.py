@@ -58,6 +58,8 @@ def test_cuda_equals_the_cpu(pair, tokenizer, slm, llm):
         engine = Engine(s, l, tokenizer, RandomPolicy(0.3, seed=0))
         outputs.append([g.token_ids for g in engine.generate(encode(engine), SamplingParams(max_new_tokens=N_TOKENS))])
     assert outputs[0] == outputs[1]
+    sizes = {size for steps in pair[1].pool.graphs.values() for size in steps}
+    assert 1 in sizes and max(sizes) > 1  # one-token steps and catch-ups both ran as graphs
 
 
 @pytest.mark.parametrize("policy", [RandomPolicy(0.2, seed=0), EntropyPolicy(3.0), AlwaysSLM()],

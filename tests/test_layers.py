@@ -1,7 +1,7 @@
 """The package's architecture as a rule: sub-packages form layers, and imports only point down.
 
-Read the layers bottom to top: shared basics (errors, text, hardware); the backends that run a model; routing (policies and
-the router); the core decode loop; loading models into an engine; then the clients of an engine
+Read the layers bottom to top: shared basics (errors, text, hardware, progress); the backends that run a model;
+routing (policies and the router); the core decode loop; loading models into an engine; then the clients of an engine
 (evaluation; serving and the label pipeline; router training; benchmarks); the command line on top.
 A module may import from its own sub-package and from lower layers, never from a layer above or a
 sibling at its own layer. Only the command line imports its own package inside functions: that keeps
@@ -17,7 +17,7 @@ import pytest
 PACKAGE = "roads_to_rome"
 ROOT = Path(__file__).parents[1] / PACKAGE
 LAYERS = [
-    {"errors", "text", "hardware"},
+    {"errors", "text", "hardware", "progress"},
     {"backends"},
     {"routing"},
     {"core"},

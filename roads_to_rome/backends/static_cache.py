@@ -1,8 +1,9 @@
-"""A key-value cache of fixed capacity written in place, and one-token steps replayed as CUDA graphs.
+"""A key-value cache of fixed capacity written in place, and reads replayed as CUDA graphs.
 
 On a GPU, a small model's decode step is bound by launching kernels, not by reading weights: a
-transformers forward launches a dozen kernels per layer from Python. A CUDA graph records one step's
-kernels once and replays them with one launch, but it replays fixed memory: the inputs, the cache and
+transformers forward launches a dozen kernels per layer from Python, and so does the LLM's catch-up over a
+few tokens. A CUDA graph records one read's kernels once (one new column, or a catch-up padded to a power of
+two) and replays them with one launch, but it replays fixed memory: the inputs, the cache and
 the outputs must live at the same addresses every time. So the cache here holds [rows, kv heads,
 capacity, head dim] buffers per layer that a forward writes into at given columns (the model's
 attention layers call `update`, as they do on transformers' own caches), the mask covers all
@@ -20,10 +21,17 @@ from dataclasses import dataclass, field
 import torch
 
 MIN_CAPACITY = 1024  # columns: capacities are powers of two from here, so few shapes (and graphs) exist
+MAX_GRAPHED_READ = 64  # new columns: reads up to this many run as graphs (padded to a power of two); longer ones
+# (prompts) run eagerly, where the launches are a small part of the work
 
 
 def capacity_for(columns: int) -> int:
     return max(MIN_CAPACITY, 1 << max(columns - 1, 0).bit_length())
+
+
+def padded_size(n_new: int) -> int | None:
+    """The graph size a read of `n_new` columns runs at (None: too long for a graph)."""
+    return 1 << (n_new - 1).bit_length() if n_new <= MAX_GRAPHED_READ else None
 
 
 def supports_static_cache(model) -> bool:
@@ -60,20 +68,20 @@ class StaticKV:
 
 @dataclass
 class GraphedStep:
-    """One captured one-token step over a fixed cache: copy the inputs in, replay, read the outputs."""
+    """One captured read of `size` new columns over a fixed cache: copy the inputs in, replay, read the output."""
 
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # [B, 1]
-    positions: torch.Tensor  # [B, 1]
-    mask: torch.Tensor  # [B, 1, 1, capacity] additive
-    write_at: torch.Tensor  # [1]
-    logits: torch.Tensor  # [B, V]
-    hidden: torch.Tensor  # [B, H]
+    ids: torch.Tensor  # [B, size]
+    positions: torch.Tensor  # [B, size]
+    mask: torch.Tensor  # [B, 1, size, capacity] additive
+    write_at: torch.Tensor  # [size]: the cache columns the read writes
+    hidden: torch.Tensor | None  # [B, size, H]: the trunk's output
 
 
 @dataclass
 class BufferPool:
-    """Buffers of caches that were dropped, by shape, for the next cache of that shape; graphs by buffers."""
+    """Buffers of caches that were dropped, by shape, for the next cache of that shape; graphs by buffers, then
+    by read size."""
 
     free: dict = field(default_factory=dict)
     graphs: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)

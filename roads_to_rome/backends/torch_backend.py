@@ -1,6 +1,6 @@
 """The backend contract (backend.py) on PyTorch/transformers: any *ForCausalLM, on CPU or CUDA.
 
-On CUDA the cache is static (static_cache.py) and one-token steps replay as CUDA graphs: there a small
+On CUDA the cache is static (static_cache.py) and reads of up to 64 tokens replay as CUDA graphs: there a small
 model's step costs its kernel launches, not its weights. On a CPU the cache is transformers' own
 DynamicCache, which grows as it is written."""
 
@@ -19,6 +19,7 @@ from roads_to_rome.backends.static_cache import (
     StaticKV,
     additive_mask,
     capacity_for,
+    padded_size,
     supports_static_cache,
 )
 
@@ -36,10 +37,11 @@ class TorchBackend:
     full_logits = True
 
     def __init__(self, model: torch.nn.Module, name: str = "model", vocab_size: int | None = None,
-                 static: bool | None = None, graphs: bool | None = None):
+                 static: bool | None = None, graphs: bool | None = None, pad_reads: bool = False):
         """`model`: a transformers *ForCausalLM; `vocab_size`: the tokenizer's size (default: every row
         of the output head); `static`: a static cache (default: on CUDA, for models it supports); `graphs`:
-        one-token steps as CUDA graphs (default: with a static cache on CUDA)."""
+        reads of up to 64 new columns as CUDA graphs, padded to a power of two (default: with a static cache on
+        CUDA); `pad_reads`: pad reads as graphs do, without graphs (to test the padding on a CPU)."""
         self.model, self.name = model.eval(), name
         # The trunk returns the last hidden state after the final norm: the router's input and
         # the head's input. Calling trunk and head separately lets us project only the last positions.
@@ -56,6 +58,7 @@ class TorchBackend:
         on_cuda = self.device.type == "cuda"
         self.static = (on_cuda if static is None else static) and supports_static_cache(model)
         self.graphs = self.static and on_cuda and (True if graphs is None else graphs)
+        self.pad_reads = self.static and pad_reads
         self.layers = config.num_hidden_layers
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -102,68 +105,75 @@ class TorchBackend:
         # The cache goes by position: transformers 5 renamed its keyword (past_key_values, then cache).
         if not self.static:
             out = self.trunk(new_ids, mask, positions, cache.kv, use_cache=True)
-        else:
+            cache.length = start + n_new
+            return out.last_hidden_state
+        size = padded_size(n_new) if self.graphs or self.pad_reads else None
+        if size is None:
             kv = self._reserve(cache, new_ids.shape[0], start + n_new)
             kv.write_at = torch.arange(start, start + n_new, device=self.device)
             masks = {"full_attention": additive_mask(mask, start, n_new, kv.capacity, self.dtype)}
-            out = self.trunk(new_ids, masks, positions, kv, use_cache=True)
+            hidden = self.trunk(new_ids, masks, positions, kv, use_cache=True).last_hidden_state
+        else:
+            hidden = self._padded_read(cache, new_ids, mask, positions, size)[:, :n_new]
         cache.length = start + n_new
-        return out.last_hidden_state
+        return hidden
 
-    @torch.inference_mode()
-    def forward(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
-        if self.graphs and new_ids.shape[1] == 1:
-            return self._replay(cache, new_ids, attention_mask)
-        hidden = self._read(cache, new_ids, attention_mask)[:, -1:]  # [B, 1, H]: the shape generate uses
-        return self._logits(hidden)[:, 0], hidden[:, 0]
-
-    def _replay(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """One new column per row as a CUDA graph over this cache's buffers (captured on first use)."""
-        start = cache.length
-        kv = self._reserve(cache, new_ids.shape[0], start + 1)
-        mask = attention_mask[:, : start + 1]
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, start:]
-        step_mask = additive_mask(mask, start, 1, kv.capacity, self.dtype)
-        step = self.pool.graphs.get(kv)
+    def _padded_read(self, cache: TorchCache, new_ids, mask, positions, size: int) -> torch.Tensor:
+        """The new columns padded to `size` (the padding columns are not tokens: masked, and written past the
+        cache's length, where the next read overwrites them), read by a CUDA graph of that size over this cache's
+        buffers (captured on first use), or eagerly where graphs are off. Hidden states [B, size, H]."""
+        start, pad = cache.length, size - new_ids.shape[1]
+        kv = self._reserve(cache, new_ids.shape[0], start + size)
+        ids = torch.nn.functional.pad(new_ids, (0, pad))
+        positions = torch.nn.functional.pad(positions, (0, pad))
+        step_mask = additive_mask(torch.nn.functional.pad(mask, (0, pad)), start, size, kv.capacity, self.dtype)
+        write_at = torch.arange(start, start + size, device=self.device)
+        if not self.graphs:
+            kv.write_at = write_at
+            return self.trunk(ids, {"full_attention": step_mask}, positions, kv, use_cache=True).last_hidden_state
+        steps = self.pool.graphs.setdefault(kv, {})
+        step = steps.get(size)
         if step is None:
             try:
-                step = self._capture(kv, new_ids, positions, step_mask, start)
+                step = steps[size] = self._capture(kv, ids, positions, step_mask, write_at)
             except RuntimeError as e:  # a model whose forward syncs with the host cannot be captured
                 warnings.warn(f"{self.name}: CUDA graph capture failed ({str(e).splitlines()[0]}); "
                               "running its steps without graphs", stacklevel=2)
                 self.graphs = False
-                return self.forward(cache, new_ids, attention_mask)
-            self.pool.graphs[kv] = step
+                kv.write_at = write_at
+                return self.trunk(ids, {"full_attention": step_mask}, positions, kv, use_cache=True).last_hidden_state
         else:
-            step.ids.copy_(new_ids)
-            step.positions.copy_(positions)
-            step.mask.copy_(step_mask)
-            step.write_at.fill_(start)  # a kernel argument, not a copy from the host (that would wait)
+            for static, value in ((step.ids, ids), (step.positions, positions), (step.mask, step_mask),
+                                  (step.write_at, write_at)):
+                static.copy_(value)  # device to device: nothing waits for the host
             step.graph.replay()
-        cache.length = start + 1
-        return step.logits.clone(), step.hidden.clone()
+        return step.hidden.clone()
 
-    def _capture(self, kv: StaticKV, ids, positions, mask, start: int) -> GraphedStep:
-        step = GraphedStep(torch.cuda.CUDAGraph(), ids.clone(), positions.clone(), mask.clone(),
-                           torch.full((1,), start, dtype=torch.long, device=self.device), None, None)
+    def _capture(self, kv: StaticKV, ids, positions, mask, write_at) -> GraphedStep:
+        step = GraphedStep(torch.cuda.CUDAGraph(), ids.clone(), positions.clone(), mask.clone(), write_at.clone(),
+                           None)
 
         def run():
             kv.write_at = step.write_at
-            out = self.trunk(step.ids, {"full_attention": step.mask}, step.positions, kv, use_cache=True)
-            hidden = out.last_hidden_state[:, -1]
-            return self._logits(hidden), hidden
+            return self.trunk(step.ids, {"full_attention": step.mask}, step.positions, kv,
+                              use_cache=True).last_hidden_state
 
         side = torch.cuda.Stream()  # warm-up off the main stream, as torch.cuda.graphs asks
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                run()  # (writes this step's own column: the same numbers the replay writes)
+                run()  # (writes this read's own columns: the same numbers the replay writes)
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(step.graph, pool=self.pool.memory):
-            step.logits, step.hidden = run()
+            step.hidden = run()
         self.pool.memory = self.pool.memory or step.graph.pool()
         step.graph.replay()  # capturing ran nothing
         return step
+
+    @torch.inference_mode()
+    def forward(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
+        hidden = self._read(cache, new_ids, attention_mask)[:, -1:]  # [B, 1, H]: the shape generate uses
+        return self._logits(hidden)[:, 0], hidden[:, 0]
 
     @torch.inference_mode()
     def read(self, cache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:

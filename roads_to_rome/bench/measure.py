@@ -14,6 +14,7 @@ from roads_to_rome.core.engine import Engine, SamplingParams
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
 from roads_to_rome.hardware import describe_cpu
 from roads_to_rome.models import load_model, load_pair
+from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
 from roads_to_rome.routing.policies import entropy
 
@@ -45,8 +46,9 @@ def bare_loop(model, prompt_ids: list[int], n_tokens: int, static: bool = False,
     position = torch.arange(len(prompt_ids), device=model.device)
     tokens = []
     for step in range(n_tokens):
-        logits = (forward if step else model)(input_ids=ids, past_key_values=cache, use_cache=True,
-                                              cache_position=position, logits_to_keep=1).logits
+        # The cache by position: transformers 5 renamed its keyword (past_key_values, then cache).
+        logits = (forward if step else model)(ids, None, None, cache, use_cache=True, cache_position=position,
+                                              logits_to_keep=1).logits
         ids, position = logits[:, -1].argmax(-1, keepdim=True), position[-1:] + 1
         tokens.append(ids)
     tokens = torch.cat(tokens, dim=1)[0].tolist()  # waits for the device
@@ -126,20 +128,19 @@ def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, contex
 
 
 def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: list[int], n_prompts: int,
-           n_tokens: int, router_path=None, progress=None) -> dict:
+           n_tokens: int, router_path=None, progress=QUIET) -> dict:
     """The LLM on a server (`llm_url`) against the same LLM here (`backend`), in one run: one catch-up of k
     new tokens on a `context`-token prefix the server has cached and on one it has never seen, and R2R's
     tokens/s on the same GSM8K dev prompts with either LLM (same SLM, same router)."""
     slm_b, local_llm, tokenizer = load_pair(None, None, "cpu", dtype=dtype, backend=backend)
     llms = {"local": local_llm, "remote": RemoteBackend(llm_url, tokenizer, slm_b.eos_ids, vocab_size=slm_b.vocab_size)}
-    task = progress.add_task("bench remote", total=2 * len(new_tokens) * 2 + 4) if progress else None
+    task = progress.add_task("bench remote", total=2 * len(new_tokens) * 2 + 4)
     catch_up = {}
     for where, llm in llms.items():
         catch_up[where] = {}
         for k in new_tokens:
             catch_up[where][k] = {"cached_ms": step_ms(llm, context, k), "cold_ms": cold_ms(llm, context + k)}
-            if progress:
-                progress.advance(task, 2)
+            progress.advance(task, 2)
     kind, router = models.choose_policy(None, router_path, None)
     prompts = [Engine.alone(slm_b, tokenizer, "slm").encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:n_prompts]]
     params = SamplingParams(max_new_tokens=n_tokens)
@@ -155,8 +156,7 @@ def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: lis
             systems[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                              "llm_rate": sum(g.llm_tokens for g in gens) / tokens}
             outputs[name] = [g.token_ids for g in gens]
-            if progress:
-                progress.advance(task)
+            progress.advance(task)
     same = {system: sum(a == b for a, b in zip(outputs[f"{system} (local)"], outputs[f"{system} (remote)"]))
             for system in ("LLM alone", "R2R")}
     return {"llm_url": llm_url, "remote": llms["remote"].name, "backend": backend, "dtype": dtype, "context": context,
@@ -177,7 +177,7 @@ def cold_ms(backend, n: int, repeats: int = 3) -> float:
 
 
 def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_threshold: float, dtype: str,
-                      progress=None) -> dict:
+                      progress=QUIET) -> dict:
     """Does one router serve both backends? The SLM on torch and on llama.cpp reads the same GSM8K
     dev answers (written by the SLM on llama.cpp); at every answer position compare their last hidden
     states, their argmax, and the routing decisions the entropy policy and the router take on each."""
@@ -189,7 +189,7 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
     writer = Engine.alone(slms["llamacpp"][0], tokenizer, "slm")
     routers = {name: policies.build("router", b, None, router_path) for name, (b, _) in slms.items()} \
         if router_path else {}
-    task = progress.add_task("backends", total=n_prompts) if progress else None
+    task = progress.add_task("backends", total=n_prompts)
     found = {name: {"hidden": [], "argmax": [], "entropy": [], "router": []} for name in slms}
     for item in gsm8k()[:n_prompts]:
         prompt = writer.encode_chat(gsm8k_prompt(item))
@@ -206,8 +206,7 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
             if name in routers:
                 f["router"].append(routers[name].route(logits.to(slm.device), hidden.to(slm.device),
                                                         argmax.to(slm.device))[1].float().cpu())
-        if progress:
-            progress.advance(task)
+        progress.advance(task)
     t, l = ({k: torch.cat(v) if v else None for k, v in found[name].items()} for name in ("torch", "llamacpp"))
     cosine = F.cosine_similarity(t["hidden"], l["hidden"], dim=-1)
     result = {"prompts": n_prompts, "positions": len(cosine), "dtype": dtype,
@@ -235,7 +234,7 @@ def speculative_torch(draft_model, target_model, prompt_ids: list[int], max_new_
 
 
 def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: float | None, spec_k: list[int],
-            entropy_threshold: float, progress=None, verify: list = (), max_unverified: int | None = None,
+            entropy_threshold: float, progress=QUIET, verify: list = (), max_unverified: int | None = None,
             backends: tuple[str, ...] = ("torch", "llamacpp")) -> dict:
     """Every way to get answers from the pair on the same GSM8K dev prompts, one prompt at a time, on each
     backend: each model alone, R2R, R2R with each verification setting, and speculative decoding (this
@@ -264,7 +263,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
         for k in spec_k:
             systems[f"speculative k={k} ({name})"] = Engine(slm_b, llm_b, tokenizer, policies.build("slm"), "strict", k)
     results = {}
-    task = progress.add_task("bench", total=len(systems) + ("torch" in pairs)) if progress else None
+    task = progress.add_task("bench", total=len(systems) + ("torch" in pairs))
     for name, engine in systems.items():
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
         tokens = llm_tokens = llm_calls = steps = rollbacks = 0
@@ -287,8 +286,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
                          # What the steps cost inside the run (the first of each includes the prompt):
                          "slm_ms_per_step": 1000 * slm_s / max(steps, 1),
                          "llm_ms_per_call": 1000 * llm_s / llm_calls if llm_calls else None}
-        if progress:
-            progress.advance(task)
+        progress.advance(task)
 
     if "torch" in pairs:
         slm_t, llm_t = pairs["torch"][0], pairs["torch"][1]
@@ -299,8 +297,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
         seconds = time.perf_counter() - start
         results["speculative (transformers assisted)"] = {"tokens": tokens, "seconds": seconds,
                                                           "tokens_per_s": tokens / seconds, "llm_rate": None}
-        if progress:
-            progress.advance(task)
+        progress.advance(task)
 
     # The cost model (README, "What bounds the speed") from per-step costs measured now, at this run's context length:
     # per request, both prompts' prefill, then per token t_SLM(1) + t_router + c * t_LLM(1/c), where

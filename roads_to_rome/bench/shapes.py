@@ -37,6 +37,7 @@ from roads_to_rome.models import (
     pick_device,
     router_path_for,
 )
+from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
 from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig
 
@@ -146,7 +147,7 @@ SKIPPED_KEYS = {"general.architecture", "general.name", "general.file_type", "ge
                 "general.quantization_version", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"}
 
 
-def write_random_gguf(shape: LlmShape, template: Path, out: Path, progress=None, seed: int = 0) -> Path:
+def write_random_gguf(shape: LlmShape, template: Path, out: Path, progress=QUIET, seed: int = 0) -> Path:
     """A float16 GGUF of `shape` with random weights and the tokenizer of `template` (a Qwen2 GGUF whose
     tokenizer the SLM shares), its token list padded to the shape's rows. Tensors are written one at a time:
     the file never has to fit in memory."""
@@ -189,7 +190,7 @@ def write_random_gguf(shape: LlmShape, template: Path, out: Path, progress=None,
     # drawing 14 billion normals would take longer than everything else, and their values change no timing.
     pool = (np.random.default_rng(seed).standard_normal(1 << 24, dtype=np.float32) * 0.02).astype(np.float16)
     total = sum(math.prod(d) * (4 if len(d) == 1 else 2) for d in tensors.values())
-    task = progress.add_task(f"write {shape.name} (random f16)", total=total) if progress else None
+    task = progress.add_task(f"write {shape.name} (random f16)", total=total)
     for i, (name, dims) in enumerate(tensors.items()):
         n = math.prod(dims)
         if len(dims) == 1:  # norms at 1 (as trained ones are, near it), biases at 0
@@ -197,13 +198,12 @@ def write_random_gguf(shape: LlmShape, template: Path, out: Path, progress=None,
         else:
             data = np.resize(np.roll(pool, 7919 * i), n)
         writer.write_tensor_data(data.reshape(dims))
-        if progress:
-            progress.advance(task, data.nbytes)
+        progress.advance(task, data.nbytes)
     writer.close()
     return out
 
 
-def quantize(source: Path, out: Path, ftype: int = Q4_K_M, progress=None, label: str = "") -> Path:
+def quantize(source: Path, out: Path, ftype: int = Q4_K_M, progress=QUIET, label: str = "") -> Path:
     """llama.cpp's own quantizer (as `llama-quantize` runs it) over a GGUF file; shows the output growing."""
     import threading
 
@@ -212,12 +212,12 @@ def quantize(source: Path, out: Path, ftype: int = Q4_K_M, progress=None, label:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = 0  # all cores
-    task = progress.add_task(f"quantize {label} to Q4_K_M", total=source.stat().st_size * 0.30) if progress else None
+    task = progress.add_task(f"quantize {label} to Q4_K_M", total=source.stat().st_size * 0.30)
     done = threading.Event()
 
     def watch():
         while not done.wait(1.0):
-            if progress and out.exists():
+            if out.exists():
                 progress.update(task, completed=out.stat().st_size)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -230,12 +230,11 @@ def quantize(source: Path, out: Path, ftype: int = Q4_K_M, progress=None, label:
     if code != 0:
         out.unlink(missing_ok=True)
         raise R2RError(f"llama.cpp could not quantize {source} (code {code})")
-    if progress:
-        progress.update(task, completed=out.stat().st_size, total=out.stat().st_size)
+    progress.update(task, completed=out.stat().st_size, total=out.stat().st_size)
     return out
 
 
-def build_shape(shape: LlmShape, template: Path, progress=None) -> dict:
+def build_shape(shape: LlmShape, template: Path, progress=QUIET) -> dict:
     """The shape's random-weight Q4_K_M GGUF, built once into the cache (beside the prepared models)."""
     if shape.arch != "qwen2":
         raise R2RError(f"{shape.name} is a {shape.arch} model: the GGUF builder writes qwen2 models; "
@@ -261,7 +260,12 @@ def build_shape(shape: LlmShape, template: Path, progress=None) -> dict:
 def torch_shape(shape: LlmShape, device: str, dtype: torch.dtype = torch.bfloat16):
     """The shape as a transformers model built from its configuration (random weights) on `device`, in `dtype`
     from the start (a 32B model in float32 would not fit beside itself)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if shape.arch == "qwen3" else (Qwen2Config,
                                                                                               Qwen2ForCausalLM)
@@ -392,13 +396,13 @@ def synchronize(backend) -> None:
         torch.cuda.synchronize()
 
 
-def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=None, label: str = "",
+def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=QUIET, label: str = "",
                batch: int = 1) -> dict:
     """`batch` prompts at a time, `tokens` new tokens each (EOS ignored), prompt reading included: tokens/s, the
     LLM's share, verification's rollbacks, and every forward each model made (new tokens per call, at batch 1),
     for the cost model."""
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    task = progress.add_task(label, total=len(prompts) * tokens) if progress else None
+    task = progress.add_task(label, total=len(prompts) * tokens)
     slm, llm = engine.slm, engine.llm
     if engine.writer.device.type == "cuda":  # the first steps capture CUDA graphs and load kernels: not timed
         engine.generate([prompts[0][:16]] * batch, SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -411,8 +415,7 @@ def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=N
                 model.calls = []
         start, results = time.perf_counter(), []
         for steps in engine.stream(prompts[first: first + batch], params, results):
-            if progress:
-                progress.advance(task, len(steps))
+            progress.advance(task, len(steps))
         synchronize(engine.writer)
         totals["seconds"] += time.perf_counter() - start
         for key, seconds in zip(phases, (results[0].timings.slm_s, results[0].timings.router_s,
@@ -502,7 +505,7 @@ def step_table(backend, context: int, step_tokens: list[int], prompts: list[int]
     return table
 
 
-def llm_backend(shape: LlmShape, tokenizer, backend: str, device: str, template: Path, progress=None,
+def llm_backend(shape: LlmShape, tokenizer, backend: str, device: str, template: Path, progress=QUIET,
                 graphs: bool = True):
     """The shape as an LLM backend reading the SLM's tokenizer's ids: llama.cpp on its random Q4_K_M file (built
     on first use), or transformers from its configuration."""
@@ -564,7 +567,7 @@ def system_name(name: str, batch: int) -> str:
     return name if batch == 1 else f"{name} b={batch}"
 
 
-def measure(plan: Plan, saved: dict | None, save, progress=None, build_only: bool = False) -> dict:
+def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bool = False) -> dict:
     """Everything `r2r bench shapes` prints, resuming from `saved` (what an earlier run of the same settings on
     this processor measured); `save(result)` is called after each measurement."""
     config, here = plan.config(), processor()

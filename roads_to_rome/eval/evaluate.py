@@ -12,11 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from roads_to_rome import models
-from roads_to_rome.core.engine import Engine, Request, SamplingParams, check_max_unverified, parse_verify
+from roads_to_rome.core.engine import (
+    Engine,
+    Request,
+    SamplingParams,
+    check_max_unverified,
+    parse_verify,
+)
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval import tasks
 from roads_to_rome.eval.stats import wilson
 from roads_to_rome.models import load_pair
+from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
 from roads_to_rome.text import token_pieces
 
@@ -87,7 +94,7 @@ def read_results(path: Path) -> list[dict]:
 
 
 def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine: Engine,
-               target_rate: float | None, params: SamplingParams, out_dir: Path, batch_size: int, progress=None):
+               target_rate: float | None, params: SamplingParams, out_dir: Path, batch_size: int, progress=QUIET):
     path = out_dir / f"{spec.name}.jsonl"
     config_path = out_dir / f"{spec.name}.config.json"
     config = {"benchmark": benchmark, "system": spec.name, "max_new_tokens": params.max_new_tokens,
@@ -113,8 +120,7 @@ def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine
         partial.replace(path)
     done = {row["id"] for row in rows}
     todo = [item for item in items if item.id not in done]
-    task = progress.add_task(f"{benchmark} {spec.name}", total=len(items), completed=len(items) - len(todo)) \
-        if progress else None
+    task = progress.add_task(f"{benchmark} {spec.name}", total=len(items), completed=len(items) - len(todo))
     with path.open("a") as f:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
@@ -132,8 +138,7 @@ def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine
                        "finish_reason": gen.finish_reason, "sources": sources, "token_ids": gen.token_ids}
                 f.write(json.dumps(row) + "\n")
                 f.flush()
-            if progress:
-                progress.advance(task, len(chunk))
+            progress.advance(task, len(chunk))
 
 
 def summarize(rows: list[dict]) -> dict:

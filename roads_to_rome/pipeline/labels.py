@@ -39,6 +39,7 @@ from roads_to_rome.errors import R2RError
 from roads_to_rome.eval.stats import roc_auc
 from roads_to_rome.eval.tasks import MATH_INSTRUCTION, gsm8k
 from roads_to_rome.pipeline import judges
+from roads_to_rome.progress import QUIET
 from roads_to_rome.routing.policies import entropy
 
 STEPS = ("responses", "prefill", "continuations", "judgements", "labels")
@@ -157,14 +158,14 @@ def new_problem(problem: str, seen: set[str], test_grams: set) -> bool:
     return True
 
 
-def write_word_problems(llm_engine, count: int, seed: int = 0, batch_size: int = 8, progress=None) -> list[dict]:
+def write_word_problems(llm_engine, count: int, seed: int = 0, batch_size: int = 8, progress=QUIET) -> list[dict]:
     """Word problems in GSM8K's style that the LLM writes itself (sampled, seeded: the same seed gives the same
     problems), deduplicated, without any that shares a run of OVERLAP_WORDS words with a GSM8K test question.
     Each row records its longest shared run with those questions."""
     test = [q["question"] for q in gsm8k()]
     test_grams = set().union(*(word_ngrams(q, OVERLAP_WORDS) for q in test))
     rows, seen, attempt = [], set(), 0
-    task = progress.add_task("writing word problems (LLM)", total=count) if progress else None
+    task = progress.add_task("writing word problems (LLM)", total=count)
     while len(rows) < count and attempt < 4 * count:
         asks = [WRITE_PROMPT.format(topic=TOPICS[(attempt + k) % len(TOPICS)], steps=3 + (attempt + k) % 3)
                 for k in range(batch_size)]
@@ -181,8 +182,7 @@ def write_word_problems(llm_engine, count: int, seed: int = 0, batch_size: int =
             rows.append({"id": f"math/written/{seed}/{len(rows)}", "domain": "math",
                          "prompt": f"{problem}\n{MATH_INSTRUCTION}", "reference": "",
                          "gsm8k_overlap_words": longest_shared_run(problem, test)})
-            if progress:
-                progress.advance(task)
+            progress.advance(task)
             if len(rows) == count:
                 break
     return rows
@@ -265,14 +265,14 @@ def writer_of(out: Path) -> str:
 
 
 def step_responses(prompts: list[dict], engine, out: Path, max_new_tokens: int, batch_size: int,
-                   progress=None, writer: str = "llm") -> None:
+                   progress=QUIET, writer: str = "llm") -> None:
     """`engine` is the writer alone (`Engine.alone`): the LLM, or with `writer="slm"` the SLM."""
     same_mode(out, "responses", {"writer": writer}, legacy={"writer": "llm"})
     parts = Parts(out, "responses")
     done = parts.done()
     todo = [p for p in prompts if p["id"] not in done]
     task = progress.add_task(f"0 responses ({writer.upper()})", total=len(prompts),
-                             completed=len(prompts) - len(todo)) if progress else None
+                             completed=len(prompts) - len(todo))
     params = SamplingParams(max_new_tokens=max_new_tokens)
     writing = engine.llm if writer == "llm" else engine.slm
     for i in range(0, len(todo), batch_size):
@@ -287,12 +287,11 @@ def step_responses(prompts: list[dict], engine, out: Path, max_new_tokens: int, 
         log_throughput(out, "responses", len(chunk), sum(len(a) for a, _ in answers), time.perf_counter() - began)
         parts.write([{"id": p["id"], "domain": p["domain"], "prompt_ids": ids, "response_ids": answer,
                       "finish_reason": finish} for p, ids, (answer, finish) in zip(chunk, prompt_ids, answers)])
-        if progress:
-            progress.advance(task, len(chunk))
+        progress.advance(task, len(chunk))
 
 
 @torch.inference_mode()
-def step_prefill(slm, out: Path, progress=None, llm=None) -> None:
+def step_prefill(slm, out: Path, progress=QUIET, llm=None) -> None:
     """One SLM forward over prompt + response per item: argmax and entropy at every response position. With
     `llm` (the margin judge), one LLM forward too: its argmax (`llm_tokens`, the LLM's token at each position;
     without it, the response's token, which the LLM wrote) and `gap`, its log-probability of that token minus
@@ -302,8 +301,7 @@ def step_prefill(slm, out: Path, progress=None, llm=None) -> None:
     parts = Parts(out, "prefill")
     done = parts.done()
     todo = [r for r in responses if r["id"] not in done]
-    task = progress.add_task("1 prefill (SLM)", total=len(responses), completed=len(responses) - len(todo)) \
-        if progress else None
+    task = progress.add_task("1 prefill (SLM)", total=len(responses), completed=len(responses) - len(todo))
     for r in todo:
         ids = r["prompt_ids"] + r["response_ids"]
         began = time.perf_counter()
@@ -320,8 +318,7 @@ def step_prefill(slm, out: Path, progress=None, llm=None) -> None:
             row["gap"] = (best.values - logprobs.gather(1, slm_tokens.to(logprobs.device)[:, None])[:, 0]).tolist()
         log_throughput(out, "prefill", 1, len(ids) * (1 if llm is None else 2), time.perf_counter() - began)
         parts.write([{**row, "different": [s != t for s, t in zip(row["slm_tokens"], llm_tokens)]}])
-        if progress:
-            progress.advance(task, 1)
+        progress.advance(task, 1)
 
 
 # A rollout whose last N tokens run in a row in the LLM's response has re-joined it and may stop, neutral. Off (0)
@@ -359,7 +356,7 @@ def llm_branches(llm, base, prompt_length: int, positions: list[int], tokens: li
     return greedy(llm, rows, [[t] for t in tokens], limits, eos_ids, stop, mask)
 
 
-def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None, rollout: bool = False,
+def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=QUIET, rollout: bool = False,
                        rejoin_tokens: int = REJOIN_TOKENS, batch_size: int = 1, answered=None,
                        positions_per_response: int = 0) -> None:
     """From each differing position, the LLM continues the SLM's token to the end of the sentence, or with
@@ -400,7 +397,7 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
     total = sum(sum(p["different"]) for p in prefill)
     todo = [p for p in prefill if p["id"] not in done]
     task = progress.add_task("2 continuations (LLM)", total=total, completed=total - sum(
-        sum(p["different"]) for p in todo)) if progress else None
+        sum(p["different"]) for p in todo))
     for p in todo:
         r, slm_tokens = responses[p["id"]], p["slm_tokens"]
         response, prompt_length = r["response_ids"], len(r["prompt_ids"])
@@ -470,11 +467,10 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=None
         # One part per response, so a response's positions are all there or none are.
         parts.write(sorted(rows, key=lambda row: row["position"]) or [{"id": r["id"], "position": -1}])
         log_throughput(out, "continuations", len(positions), generated, time.perf_counter() - began)
-        if progress:
-            progress.advance(task, len(differing))
+        progress.advance(task, len(differing))
 
 
-def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name: str = "judgements",
+def step_judgements(judge, out: Path, batch_size: int = 16, progress=QUIET, name: str = "judgements",
                     references: dict[str, str] | None = None) -> None:
     """`references` (prompt id -> reference answer), for the answer judge: positions of a response whose own final
     answer misses its prompt's reference are not judged (`judges.off_reference`). The margin judge reads the
@@ -497,7 +493,7 @@ def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name:
     done = {(j["id"], j["position"]) for j in parts.rows()}
     todo = [c for c in continuations if (c["id"], c["position"]) not in done]
     task = progress.add_task(f"3 {name} ({judge.name})", total=len(continuations),
-                             completed=len(continuations) - len(todo)) if progress else None
+                             completed=len(continuations) - len(todo))
     for i in range(0, len(todo), batch_size):
         chunk = todo[i : i + batch_size]
         began = time.perf_counter()
@@ -510,8 +506,7 @@ def step_judgements(judge, out: Path, batch_size: int = 16, progress=None, name:
         log_throughput(out, f"{name} ({judge.name})", len(chunk), 0, time.perf_counter() - began)
         parts.write([{"id": c["id"], "position": c["position"], "verdict": v, "raw": raw, "judge": judge.name}
                      for c, (v, raw) in zip(chunk, verdicts)])
-        if progress:
-            progress.advance(task, len(chunk))
+        progress.advance(task, len(chunk))
 
 
 def step_labels(out: Path) -> Path:
@@ -543,7 +538,7 @@ def step_labels(out: Path) -> Path:
 
 
 def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_tokens: int = 256,
-        continuation_tokens: int = 32, batch_size: int = 4, progress=None, rollout: bool = False,
+        continuation_tokens: int = 32, batch_size: int = 4, progress=QUIET, rollout: bool = False,
         rejoin_tokens: int = REJOIN_TOKENS, margin: bool = False, writer: str = "llm",
         positions_per_response: int = 0) -> Path | None:
     """`r2r label`: the chosen steps (comma-separated, any subset of STEPS) in pipeline order.

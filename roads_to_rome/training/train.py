@@ -24,7 +24,15 @@ from safetensors.torch import load_file, save_file
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval.stats import roc_auc
 from roads_to_rome.pipeline.labels import Parts, prefill_rows
-from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig, load_router, save_router, slm_identity
+from roads_to_rome.progress import QUIET
+from roads_to_rome.routing.router import (
+    Router,
+    RouterCheckpoint,
+    RouterConfig,
+    load_router,
+    save_router,
+    slm_identity,
+)
 
 OBJECTIVES = ("divergent", "different")
 VAL_FRACTION = 0.15  # share of prompts held out for validation (training, calibration, reports)
@@ -87,7 +95,7 @@ def recall_measured_on(val: Features) -> str:
 
 
 @torch.inference_mode()
-def features(dataset: Path, slm, top_k: int = 100, progress=None, cache: Path | None = None,
+def features(dataset: Path, slm, top_k: int = 100, progress=QUIET, cache: Path | None = None,
              save_every: int = 16) -> Features:
     """Recompute the router's inputs for every labelled token by prefilling each response once.
 
@@ -101,8 +109,7 @@ def features(dataset: Path, slm, top_k: int = 100, progress=None, cache: Path | 
     ids = sorted(by_id)
     done = _read_cache(cache)
     todo = [rid for rid in ids if rid not in done or len(done[rid]["tokens"]) != len(by_id[rid])]
-    task = progress.add_task("features (SLM prefill)", total=len(ids), completed=len(ids) - len(todo)) \
-        if progress else None
+    task = progress.add_task("features (SLM prefill)", total=len(ids), completed=len(ids) - len(todo))
     for count, rid in enumerate(todo, 1):
         r = responses.get(rid)
         if r is None:
@@ -117,15 +124,14 @@ def features(dataset: Path, slm, top_k: int = 100, progress=None, cache: Path | 
                      "top_logprobs": torch.log_softmax(logits[at].float(), -1).topk(top_k, dim=-1).values}
         if count % save_every == 0 or count == len(todo):
             _write_cache(cache, done)
-        if progress:
-            progress.advance(task)
+        progress.advance(task)
     ordered = [x for rid in ids for x in by_id[rid]]
     return Features(*(torch.cat([done[rid][key] for rid in ids]) for key in FEATURE_KEYS),
                     [x["label"] for x in ordered], torch.tensor([x["entropy"] for x in ordered]),
                     torch.cat([torch.full((len(by_id[rid]),), i) for i, rid in enumerate(ids)]), ids)
 
 
-def merged_features(datasets: list[Path], slm, top_k: int = 100, progress=None) -> Features:
+def merged_features(datasets: list[Path], slm, top_k: int = 100, progress=QUIET) -> Features:
     """Several label datasets as one. A prompt (the same prompt tokens) is taken from the first dataset that
     judged it: one whose differing positions are all `unparseable` there (the answer judge found no final answer
     to compare) falls through to the next, so answer labels come first and facts labels fill in the rest."""
@@ -217,7 +223,7 @@ def router_scores(router: Router, data: Features, embed, batch: int = 4096) -> t
 
 def train(data: Features, embed, config: RouterConfig, objective: str = "divergent", val_fraction: float = VAL_FRACTION,
           seed: int = 0, epochs: int = 40, patience: int = 5, lr: float = 5e-4, batch_size: int = 512,
-          progress=None) -> tuple[Router, Features, dict]:
+          progress=QUIET) -> tuple[Router, Features, dict]:
     """Train a router; returns it (best validation AUC), the validation split and the training history."""
     data = data.subset(data.judged())
     train_set, val_set = split_by_prompt(data, val_fraction, seed)
@@ -234,7 +240,7 @@ def train(data: Features, embed, config: RouterConfig, objective: str = "diverge
     train_emb = embed(train_set.tokens).float()
     generator = torch.Generator().manual_seed(seed)
     best, best_state, stale, history = -1.0, None, 0, []
-    task = progress.add_task(f"train ({objective}, {'+'.join(config.inputs)})", total=epochs) if progress else None
+    task = progress.add_task(f"train ({objective}, {'+'.join(config.inputs)})", total=epochs)
     for epoch in range(epochs):
         router.train()
         order = torch.randperm(len(y_train), generator=generator)
@@ -249,9 +255,8 @@ def train(data: Features, embed, config: RouterConfig, objective: str = "diverge
             total += loss.item() * len(idx)
         auc = roc_auc(router_scores(router, val_set, embed), y_val)
         history.append({"epoch": epoch, "train_loss": total / len(y_train), "val_auc": auc})
-        if progress:
-            progress.update(task, advance=1, description=f"train ({objective}, {'+'.join(config.inputs)}) "
-                                                         f"val AUC {auc:.3f}")
+        progress.update(task, advance=1, description=f"train ({objective}, {'+'.join(config.inputs)}) "
+                                                     f"val AUC {auc:.3f}")
         if auc > best:
             best, stale = auc, 0
             best_state = {k: v.clone() for k, v in router.state_dict().items()}
@@ -276,7 +281,7 @@ ABLATION_INPUTS = ("hidden", "hidden,token", "hidden,token,logits")
 
 def train_router(datasets: list[Path], slm, out: Path, objective: str = "divergent", inputs: str = "hidden,token,logits",
                  dim: int = 128, blocks: int = 2, target_rate: float = 0.12, seed: int = 0, epochs: int = 40,
-                 ablations: bool = False, progress=None) -> dict:
+                 ablations: bool = False, progress=QUIET) -> dict:
     """Train the router asked for (and, with `ablations`, every input set x objective on the same split),
     calibrate its threshold to `target_rate` on validation, save it at `out` with `training.json`.
 
