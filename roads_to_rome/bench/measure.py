@@ -62,10 +62,12 @@ def phase(results: list[tuple[int, int]], seconds: float) -> dict:
             "llm_rate": sum(r[1] for r in results) / max(tokens, 1)}
 
 
-def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: int, compile: bool = False) -> dict:
+def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: int, compile: bool = False,
+             progress=QUIET) -> dict:
     """The engine (always-SLM policy) against a bare forward loop on the same prompt, and the bare loop
-    on a static KV cache; with `compile`, also that with the forward compiled by torch.compile."""
-    slm_backend, tokenizer = load_model(slm, "slm", device, dtype)
+    on a static KV cache; with `compile`, also that with the forward compiled by torch.compile. On torch:
+    the bare loops drive the transformers model itself."""
+    slm_backend, tokenizer = load_model(slm, "slm", device, dtype, backend="torch")
     engine = Engine.alone(slm_backend, tokenizer, "slm")
     prompt_ids = engine.encode_chat(BENCH_PROMPT)
     params = SamplingParams(max_new_tokens=n_tokens, ignore_eos=True)
@@ -86,9 +88,11 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
         loops["static_compiled"] = lambda: bare_loop(model, prompt_ids, n_tokens, static=True, forward=compiled)[1]
     bare_loop(model, prompt_ids, 8)  # warm-up
     runs = {name: [] for name in loops}
+    task = progress.add_task("overhead", total=rounds * len(loops))
     for _ in range(rounds):  # alternate, so drift in machine speed hits all alike
         for name, loop in loops.items():
             runs[name].append(loop())
+            progress.advance(task)
     medians = {name: statistics.median(r) for name, r in runs.items()}
     return {"tokens": n_tokens, "rounds": rounds, "device": str(slm_backend.device), "dtype": dtype,
             "runs": runs, "tokens_per_s": medians, "compile_s": compile_s,
@@ -97,7 +101,7 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
 
 
 def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshold: float, batch_size: int,
-             n_tokens: int, backend: str = "torch") -> dict:
+             n_tokens: int, backend: str = "auto") -> dict:
     """R2R (entropy routing) on `batch_size` GSM8K dev prompts: one at a time vs all in one batch."""
     slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
     engine = Engine(slm_backend, llm_backend, tokenizer, policies.build("entropy", threshold=threshold))
@@ -118,12 +122,18 @@ def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshol
 
 
 def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, context: int, new_tokens: list[int],
-               backend: str = "torch") -> dict:
+               backend: str = "auto", progress=QUIET) -> dict:
     """Milliseconds of one forward step per model, for k new tokens on top of a `context`-token cache
     (the numbers behind the README's cost model: an SLM step, and an LLM catch-up over k tokens)."""
     slm_backend, llm_backend, _ = load_pair(slm, llm, device, dtype=dtype, backend=backend)
-    table = {role: {k: step_ms(b, context, k) for k in new_tokens}
-             for role, b in (("slm", slm_backend), ("llm", llm_backend))}
+    task = progress.add_task("steps", total=2 * len(new_tokens))
+
+    def timed(b, k):
+        ms = step_ms(b, context, k)
+        progress.advance(task)
+        return ms
+
+    table = {role: {k: timed(b, k) for k in new_tokens} for role, b in (("slm", slm_backend), ("llm", llm_backend))}
     return {"dtype": dtype, "backend": backend, "device": str(slm_backend.device), "context": context, "ms": table}
 
 

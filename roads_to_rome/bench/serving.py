@@ -17,7 +17,7 @@ from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
 
 
 def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold: float, clients: int,
-            n_tokens: int, backend: str = "torch") -> dict:
+            n_tokens: int, backend: str = "auto") -> dict:
     """The server on GSM8K dev prompts: `clients` requests one at a time, then the same ones concurrently."""
     slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
     engine = Engine(slm_backend, llm_backend, tokenizer, policies.build("entropy", threshold=threshold))

@@ -95,7 +95,8 @@ def bench_overhead(
     require("eval", "`r2r bench overhead`")
     from roads_to_rome.bench.measure import overhead
 
-    result = overhead(slm, device, dtype, tokens, rounds, compile)
+    with Progress(console=console, transient=True) as progress:
+        result = overhead(slm, device, dtype, tokens, rounds, compile, progress)
     console.print(*tables.bench_overhead(result, tokens), sep="\n")
     save(result, out)
 
@@ -153,7 +154,8 @@ def bench_steps(
     ks = whole_numbers(new_tokens, "--new-tokens")
     if not ks:
         raise R2RError("every --new-tokens value must be at least 1")
-    result = step_costs(slm, llm, device, dtype, context, ks, backend)
+    with Progress(console=console, transient=True) as progress:
+        result = step_costs(slm, llm, device, dtype, context, ks, backend, progress)
     console.print(tables.bench_steps(result, ks, backend, dtype, context))
     save(result, out)
 
