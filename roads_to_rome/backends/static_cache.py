@@ -44,7 +44,7 @@ class StaticKV:
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
         self.keys, self.values = keys, values
-        self.write_at = torch.zeros(1, dtype=torch.long, device=keys[0].device)
+        self.write_at: torch.Tensor | None = None  # set before each forward (torch_backend.TorchBackend._trunk)
 
     @property
     def rows(self) -> int:
@@ -60,10 +60,9 @@ class StaticKV:
         values.index_copy_(2, self.write_at, value_states.to(values.dtype))
         return keys, values
 
-    def map(self, fn) -> None:
-        """Replace every buffer by fn(buffer) (a new tensor: graphs over the old ones no longer apply)."""
-        self.keys = [fn(t) for t in self.keys]
-        self.values = [fn(t) for t in self.values]
+    def rows_of(self, index: torch.Tensor) -> StaticKV:
+        """These rows, in this order, in new buffers (graphs over the old ones do not apply to them)."""
+        return StaticKV([t[index] for t in self.keys], [t[index] for t in self.values])
 
 
 @dataclass

@@ -24,7 +24,7 @@ from roads_to_rome.backends.static_cache import (
 )
 
 
-@dataclass(eq=False)
+@dataclass
 class TorchCache:
     kv: DynamicCache | StaticKV | None  # a StaticKV comes with the first read, once the rows are known
     length: int = 0  # columns of the token streams already read into `kv`
@@ -108,55 +108,51 @@ class TorchBackend:
             cache.length = start + n_new
             return out.last_hidden_state
         size = padded_size(n_new) if self.graphs or self.pad_reads else None
-        if size is None:
-            kv = self._reserve(cache, new_ids.shape[0], start + n_new)
-            kv.write_at = torch.arange(start, start + n_new, device=self.device)
-            masks = {"full_attention": additive_mask(mask, start, n_new, kv.capacity, self.dtype)}
-            hidden = self.trunk(new_ids, masks, positions, kv, use_cache=True).last_hidden_state
-        else:
-            hidden = self._padded_read(cache, new_ids, mask, positions, size)[:, :n_new]
+        hidden = self._static_read(cache, new_ids, mask, positions, size or n_new, self.graphs and size is not None)
         cache.length = start + n_new
-        return hidden
+        return hidden[:, :n_new]
 
-    def _padded_read(self, cache: TorchCache, new_ids, mask, positions, size: int) -> torch.Tensor:
+    def _static_read(self, cache: TorchCache, new_ids, mask, positions, size: int, graphed: bool) -> torch.Tensor:
         """The new columns padded to `size` (the padding columns are not tokens: masked, and written past the
         cache's length, where the next read overwrites them), read by a CUDA graph of that size over this cache's
-        buffers (captured on first use), or eagerly where graphs are off. Hidden states [B, size, H]."""
+        buffers (captured on first use) when `graphed`, else eagerly. Hidden states [B, size, H]."""
         start, pad = cache.length, size - new_ids.shape[1]
         kv = self._reserve(cache, new_ids.shape[0], start + size)
-        ids = torch.nn.functional.pad(new_ids, (0, pad))
-        positions = torch.nn.functional.pad(positions, (0, pad))
-        step_mask = additive_mask(torch.nn.functional.pad(mask, (0, pad)), start, size, kv.capacity, self.dtype)
+        if pad:
+            new_ids, positions, mask = (torch.nn.functional.pad(t, (0, pad)) for t in (new_ids, positions, mask))
+        step_mask = additive_mask(mask, start, size, kv.capacity, self.dtype)
         write_at = torch.arange(start, start + size, device=self.device)
-        if not self.graphs:
-            kv.write_at = write_at
-            return self.trunk(ids, {"full_attention": step_mask}, positions, kv, use_cache=True).last_hidden_state
+        if not graphed:
+            return self._trunk(kv, new_ids, positions, step_mask, write_at)
         steps = self.pool.graphs.setdefault(kv, {})
         step = steps.get(size)
         if step is None:
             try:
-                step = steps[size] = self._capture(kv, ids, positions, step_mask, write_at)
+                step = steps[size] = self._capture(kv, new_ids, positions, step_mask, write_at)
             except RuntimeError as e:  # a model whose forward syncs with the host cannot be captured
                 warnings.warn(f"{self.name}: CUDA graph capture failed ({str(e).splitlines()[0]}); "
                               "running its steps without graphs", stacklevel=2)
                 self.graphs = False
-                kv.write_at = write_at
-                return self.trunk(ids, {"full_attention": step_mask}, positions, kv, use_cache=True).last_hidden_state
+                return self._trunk(kv, new_ids, positions, step_mask, write_at)
         else:
-            for static, value in ((step.ids, ids), (step.positions, positions), (step.mask, step_mask),
+            for static, value in ((step.ids, new_ids), (step.positions, positions), (step.mask, step_mask),
                                   (step.write_at, write_at)):
                 static.copy_(value)  # device to device: nothing waits for the host
             step.graph.replay()
         return step.hidden.clone()
+
+    def _trunk(self, kv: StaticKV, ids, positions, mask, write_at) -> torch.Tensor:
+        """The trunk over a static cache: it writes the new columns' keys and values at `write_at`; `mask` is
+        additive, over the cache's whole capacity (given as transformers' mask mapping, so no mask code runs)."""
+        kv.write_at = write_at
+        return self.trunk(ids, {"full_attention": mask}, positions, kv, use_cache=True).last_hidden_state
 
     def _capture(self, kv: StaticKV, ids, positions, mask, write_at) -> GraphedStep:
         step = GraphedStep(torch.cuda.CUDAGraph(), ids.clone(), positions.clone(), mask.clone(), write_at.clone(),
                            None)
 
         def run():
-            kv.write_at = step.write_at
-            return self.trunk(step.ids, {"full_attention": step.mask}, step.positions, kv,
-                              use_cache=True).last_hidden_state
+            return self._trunk(kv, step.ids, step.positions, step.mask, step.write_at)
 
         side = torch.cuda.Stream()  # warm-up off the main stream, as torch.cuda.graphs asks
         side.wait_stream(torch.cuda.current_stream())
@@ -195,8 +191,7 @@ class TorchBackend:
 
     def select_rows(self, cache: TorchCache, rows: torch.Tensor) -> None:
         if cache.length and self.static:
-            rows = rows.to(self.device)
-            cache.kv = StaticKV([t[rows] for t in cache.kv.keys], [t[rows] for t in cache.kv.values])
+            cache.kv = cache.kv.rows_of(rows.to(self.device))
         elif cache.length:
             cache.kv.batch_select_indices(rows.to(self.device))
 
@@ -204,9 +199,7 @@ class TorchBackend:
         if self.static:
             if not cache.length:
                 return TorchCache(None)
-            index = torch.tensor(rows, device=self.device)
-            return TorchCache(StaticKV([t[index] for t in cache.kv.keys], [t[index] for t in cache.kv.values]),
-                              cache.length)
+            return TorchCache(cache.kv.rows_of(torch.tensor(rows, device=self.device)), cache.length)
         kv = copy.deepcopy(cache.kv)
         if cache.length:
             kv.batch_select_indices(torch.tensor(rows, device=self.device))

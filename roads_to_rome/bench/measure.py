@@ -334,6 +334,12 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
 
 
 @torch.inference_mode()
+def synchronize(backend) -> None:
+    """Wait for the device's queued work: a timer read on the host otherwise stops before a GPU has finished."""
+    if backend.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def step_ms(backend, context: int, k: int, repeats: int = 5) -> float:
     """Median milliseconds of one forward over k new tokens on top of a `context`-token cache."""
     cache = backend.new_cache()
@@ -347,8 +353,7 @@ def step_ms(backend, context: int, k: int, repeats: int = 5) -> float:
         ids[:, context:] = torch.randint(0, min(1000, backend.vocab_size), (1, k), device=backend.device)
         start = time.perf_counter()
         backend.forward(cache, ids[:, context:], mask)
-        if backend.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(backend)
         times.append((time.perf_counter() - start) * 1000)
         backend.truncate(cache, context)
     return statistics.median(times)

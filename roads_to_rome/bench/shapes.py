@@ -13,6 +13,7 @@ with t(k) the measured cost of one forward over k new tokens (interpolated betwe
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch
 
 from roads_to_rome.backends.llamacpp import LlamaCppBackend
 from roads_to_rome.backends.torch_backend import TorchBackend
-from roads_to_rome.bench.measure import processor, step_ms
+from roads_to_rome.bench.measure import processor, step_ms, synchronize
 from roads_to_rome.core.engine import Engine, SamplingParams
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
@@ -390,12 +391,6 @@ def default_tokenizer():
     return AutoTokenizer.from_pretrained(folder)
 
 
-def synchronize(backend) -> None:
-    device = getattr(backend, "device", None)
-    if isinstance(device, torch.device) and device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=QUIET, label: str = "",
                batch: int = 1) -> dict:
     """`batch` prompts at a time, `tokens` new tokens each (EOS ignored), prompt reading included: tokens/s, the
@@ -416,7 +411,7 @@ def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=Q
         start, results = time.perf_counter(), []
         for steps in engine.stream(prompts[first: first + batch], params, results):
             progress.advance(task, len(steps))
-        synchronize(engine.writer)
+        engine.sync()
         totals["seconds"] += time.perf_counter() - start
         for key, seconds in zip(phases, (results[0].timings.slm_s, results[0].timings.router_s,
                                          results[0].timings.llm_s, results[0].timings.total_s)):
@@ -539,7 +534,7 @@ class Plan:
     slm_shape: LlmShape | None = None  # None: the default pair's SLM as shipped (and its router)
     batches: tuple[int, ...] = (1,)
     real_from: str | None = None  # a results file whose real-pair runs stand in for this run's (random SLM)
-    cuda_graphs: bool = True  # on CUDA, one-token steps as CUDA graphs (off: transformers' eager forwards)
+    cuda_graphs: bool = True  # on CUDA, reads of up to 64 tokens as CUDA graphs (off: transformers' eager forwards)
 
     def config(self) -> dict:
         """What a resumed run must share with the saved one (keys only where not the default, so files of earlier
@@ -623,8 +618,6 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
             save(result)
         runs(slm_engine, "slm", plan.slm_shape.name, own.setdefault("systems", {}))
         if plan.real_from and not result["real"]:
-            import json
-
             real = json.loads(Path(plan.real_from).read_text()).get("real", {})
             result["real"] = {"from": plan.real_from, "systems": real.get("systems", {})}
             save(result)

@@ -49,9 +49,9 @@ def bench_compare(
 ):
     """Tokens/s of each model alone, speculative decoding and R2R (with and without verification), per backend,
     in one run."""
-    require("eval", "`r2r bench`")
     if ctx.invoked_subcommand is not None:
         return
+    require("eval", "`r2r bench`")
     from roads_to_rome.bench.measure import compare
     from roads_to_rome.core.sampling import parse_verify
 
@@ -206,8 +206,8 @@ def bench_shapes(
     real_from: Path = typer.Option(None, "--real-from", help="With --slm-shape: a results file of this command whose "
                                    "real-pair runs give the † rows (routing, verification and speculative "
                                    "acceptance)."),
-    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On CUDA with --slm-shape, one-token "
-                                     "steps as CUDA graphs, or transformers' eager forwards (to see what graphs buy)."),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On CUDA, reads of up to 64 tokens "
+                                     "as CUDA graphs, or transformers' eager forwards (to see what graphs buy)."),
     backend: BackendOpt = "llamacpp", device: Device = "auto",
     build_only: bool = typer.Option(False, "--build-only", help="Only build the shapes' files (llama.cpp)."),
     out: Path = typer.Option(Path("runs/bench-shapes.json"), "--out", help="Results (JSON; a re-run with the same "
