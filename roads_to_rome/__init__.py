@@ -19,9 +19,9 @@ import importlib
 
 _PUBLIC = {
     "Engine": "roads_to_rome.core.engine",
-    "Generation": "roads_to_rome.core.engine",
-    "Request": "roads_to_rome.core.engine",
-    "SamplingParams": "roads_to_rome.core.engine",
+    "Generation": "roads_to_rome.core.request",
+    "Request": "roads_to_rome.core.request",
+    "SamplingParams": "roads_to_rome.core.sampling",
     "load_engine": "roads_to_rome.models",
     "load_pair": "roads_to_rome.models",
     "load_model": "roads_to_rome.models",

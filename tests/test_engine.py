@@ -147,7 +147,7 @@ def test_stream_yields_every_token_once(slm, llm, tokenizer):
     seen = {i: [] for i in range(len(prompts))}
     for steps in engine.stream(prompts, SamplingParams(max_new_tokens=15), results):
         for s in steps:
-            seen[s.request.index].append((s.token_id, s.source))
+            seen[s.sequence.index].append((s.token_id, s.source))
     for i, gen in enumerate(results):
         assert seen[i] == list(zip(gen.token_ids, gen.sources))
 
@@ -176,31 +176,23 @@ def test_empty_prompt_and_missing_llm_are_refused(slm, tokenizer):
 
 
 def run_with_joins(engine, prompts, join_after, params, prefill_chunk=None):
-    """Start with prompts[0]; add each later prompt after `join_after[i]` steps. With `prefill_chunk`, a
-    newcomer's prompt is read from then on, that many tokens per step, between steps (as the server does),
-    and it joins once read. Returns the requests."""
-    from roads_to_rome.core.engine import Batch, Prefill, Request
+    """Start with prompts[0]; add each later prompt to the scheduler after `join_after[i]` turns. With
+    `prefill_chunk`, a newcomer's prompt is read that many tokens per turn between decode steps (as the server
+    does), and it joins once read. Returns the sequences."""
+    from roads_to_rome.core.engine import Failure, Scheduler
+    from roads_to_rome.core.request import Request
 
-    batch = Batch(engine)
-    requests = [Request(p, params) for p in prompts]
-    batch.add(requests[:1])
-    steps, reading = 0, []
-    while batch.requests or reading:
-        for request, after in zip(requests[1:], join_after):
-            if after == steps:
-                if prefill_chunk:
-                    request.prefill = Prefill(engine, request)
-                    reading.append(request.prefill)
-                else:
-                    batch.add([request])
-        for prefill in list(reading):
-            prefill.advance(prefill_chunk)
-            if prefill.done:
-                reading.remove(prefill)
-                batch.add([next(r for r in requests if r.prefill is prefill)])
-        batch.step()
-        steps += 1
-    return requests
+    scheduler = Scheduler(engine, prefill_chunk=prefill_chunk)
+    sequences = [engine.sequence(Request(p, params), i) for i, p in enumerate(prompts)]
+    scheduler.add(sequences[0])
+    turns = 0
+    while not scheduler.idle or turns <= max(join_after):
+        for sequence, after in zip(sequences[1:], join_after):
+            if after == turns:
+                scheduler.add(sequence)
+        assert not [e for e in scheduler.turn() if isinstance(e, Failure)]
+        turns += 1
+    return sequences
 
 
 @pytest.mark.parametrize("prefill_chunk", [None, 1, 7])
@@ -210,11 +202,11 @@ def test_requests_joining_a_running_batch_decode_as_if_alone(slm, llm, tokenizer
     prompts = [engine.encode_chat("What is 48 / 2?"), short, long_, engine.encode_chat("def add(a, b):")]
     # A shorter newcomer (padded to the batch), a longer one (the batch is padded to it), one late; with
     # chunked prefill, read a token or 7 per step while the batch decodes.
-    requests = run_with_joins(engine, prompts, join_after=[3, 5, 9], params=SamplingParams(max_new_tokens=16),
-                              prefill_chunk=prefill_chunk)
-    assert sum(r.generation.llm_tokens for r in requests) > 0
-    for prompt, r in zip(prompts, requests):
-        gen = r.generation
+    sequences = run_with_joins(engine, prompts, join_after=[3, 5, 9], params=SamplingParams(max_new_tokens=16),
+                               prefill_chunk=prefill_chunk)
+    assert sum(s.generation.llm_tokens for s in sequences) > 0
+    for prompt, s in zip(prompts, sequences):
+        gen = s.generation
         assert len(gen.token_ids) > 0
         for i, (token, source) in enumerate(zip(gen.token_ids, gen.sources)):
             model = llm if source == "llm" else slm
@@ -229,20 +221,20 @@ def test_cancelled_request_leaves_and_others_continue(slm, llm, tokenizer):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     alone = engine.generate(prompts, params)
     batch = Batch(engine)
-    requests = [Request(p, params) for p in prompts]
-    batch.add(requests)
+    sequences = [engine.sequence(Request(p, params)) for p in prompts]
+    batch.add(sequences)
     for _ in range(4):
         batch.step()
-    requests[1].cancelled = True
-    while batch.requests:
+    sequences[1].cancelled = True
+    while batch.sequences:
         batch.step()
-    assert len(requests[1].generation.token_ids) == 4
+    assert len(sequences[1].generation.token_ids) == 4
     for i in (0, 2):
-        assert requests[i].generation.token_ids == alone[i].token_ids
+        assert sequences[i].generation.token_ids == alone[i].token_ids
 
 
 def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
-    from roads_to_rome.core.engine import Batch, Request
+    from roads_to_rome.core.engine import Request
     from roads_to_rome.routing.policies import EntropyPolicy
 
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0))
@@ -250,25 +242,20 @@ def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     requests = [Request(prompt, params, force="llm"), Request(prompt, params, force="slm"),
                 Request(prompt, params, threshold=0.0), Request(prompt, params, threshold=1e9)]
-    batch = Batch(engine)
-    batch.add(requests)
-    while batch.requests:
-        batch.step()
-    sources = [r.generation.sources for r in requests]
+    gens = engine.run(requests)
+    sources = [gen.sources for gen in gens]
     assert sources == [["llm"] * 10, ["slm"] * 10, ["llm"] * 10, ["slm"] * 10]
     llm_only = Engine(slm, llm, tokenizer, AlwaysLLM()).generate([prompt], params)[0]
     slm_only = Engine(slm, None, tokenizer).generate([prompt], params)[0]
-    assert requests[0].generation.token_ids == llm_only.token_ids
-    assert requests[1].generation.token_ids == slm_only.token_ids
+    assert gens[0].token_ids == llm_only.token_ids
+    assert gens[1].token_ids == slm_only.token_ids
     # The engine's verification is for routed rows: a forced row is its model alone unless it asks for more.
     verifying = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0), verify="strict")
     forced = [Request(prompt, params, force="slm"), Request(prompt, params, force="slm", verify="strict")]
-    batch = Batch(verifying)
-    batch.add(forced)
-    while batch.requests:
-        batch.step()
-    assert forced[0].verify == "off" and forced[0].generation.token_ids == slm_only.token_ids
-    assert forced[1].generation.token_ids == llm_only.token_ids  # the SLM drafts, the LLM checks: speculative
+    assert verifying.sequence(forced[0]).verify == "off" and forced[0].verify is None  # the request is left as made
+    gens = verifying.run(forced)
+    assert gens[0].token_ids == slm_only.token_ids
+    assert gens[1].token_ids == llm_only.token_ids  # the SLM drafts, the LLM checks: speculative
 
 
 def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, monkeypatch):
@@ -284,7 +271,7 @@ def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, mon
     calls = []
     forward = slm.forward
     monkeypatch.setattr(slm, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
-    llm_row, slm_row = Request(prompt, params, force="llm"), Request(prompt, params, force="slm")
+    llm_row, slm_row = (engine.sequence(Request(prompt, params, force=model)) for model in ("llm", "slm"))
     batch = Batch(engine)
     batch.add([llm_row])
     calls.clear()
@@ -292,7 +279,7 @@ def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, mon
         batch.step()
     assert not calls  # the SLM never ran for the LLM's row
     batch.add([slm_row])
-    while batch.requests:
+    while batch.sequences:
         batch.step()
     assert calls
     assert [llm_row.generation.token_ids, slm_row.generation.token_ids] == alone
@@ -300,25 +287,21 @@ def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, mon
 
 
 def test_target_llm_rate_is_tracked_per_request(slm, llm, tokenizer):
-    from roads_to_rome.core.engine import Batch, Request
+    from roads_to_rome.core.engine import Request
     from roads_to_rome.routing.policies import EntropyPolicy
 
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1e9))  # on its own it would never route
     prompt = encode(engine)[0]
     params = SamplingParams(max_new_tokens=120, ignore_eos=True)
-    requests = [Request(prompt, params, target_rate=rate) for rate in (0.1, 0.3)]
-    batch = Batch(engine)
-    batch.add(requests)
-    while batch.requests:
-        batch.step()
-    for rate, r in zip((0.1, 0.3), requests):
-        assert r.generation.llm_rate == pytest.approx(rate, abs=0.03)
+    gens = engine.run([Request(prompt, params, target_rate=rate) for rate in (0.1, 0.3)])
+    for rate, gen in zip((0.1, 0.3), gens):
+        assert gen.llm_rate == pytest.approx(rate, abs=0.03)
 
 
 def test_a_target_rate_holds_when_the_scores_drift(slm, llm, tokenizer):
     """Scores that fall as an answer goes on (the SLM growing surer) seldom reach the top of their own past:
     the share routed still meets the target, since the request aims off by what it is behind."""
-    from roads_to_rome.core.engine import Batch, Request
+    from roads_to_rome.core.engine import Request
     from roads_to_rome.routing.policies import EntropyPolicy
 
     class Falling(EntropyPolicy):  # noisy scores whose level halves every 80 tokens
@@ -331,11 +314,7 @@ def test_a_target_rate_holds_when_the_scores_drift(slm, llm, tokenizer):
 
     engine = Engine(slm, llm, tokenizer, Falling(threshold=1e9))
     request = Request(encode(engine)[0], SamplingParams(max_new_tokens=240, ignore_eos=True), target_rate=0.2)
-    batch = Batch(engine)
-    batch.add([request])
-    while batch.requests:
-        batch.step()
-    assert request.generation.llm_rate == pytest.approx(0.2, abs=0.03)
+    assert engine.run([request])[0].llm_rate == pytest.approx(0.2, abs=0.03)
 
 
 def test_the_engine_equals_the_bare_forward_loops_of_the_benchmark(slm, tokenizer):

@@ -82,16 +82,16 @@ def test_r2r_batches_with_the_remote_llm_match_the_same_model_run_locally(server
     outs = {}
     for name, llm in (("remote", remote(server.url, tokenizer, slm)), ("local", local)):
         engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=3))
-        requests = [Request(engine.encode_chat(p), SamplingParams(max_new_tokens=n, ignore_eos=True))
-                    for p, n in zip(PROMPTS, (12, 30, 20))]
+        sequences = [engine.sequence(Request(engine.encode_chat(p), SamplingParams(max_new_tokens=n, ignore_eos=True)))
+                     for p, n in zip(PROMPTS, (12, 30, 20))]
         batch = Batch(engine)
-        batch.add(requests[:2])
+        batch.add(sequences[:2])
         for _ in range(5):
             batch.step()
-        batch.add(requests[2:])  # joins a running batch
-        while batch.requests:
+        batch.add(sequences[2:])  # joins a running batch
+        while batch.sequences:
             batch.step()
-        outs[name] = [(r.generation.token_ids, r.generation.sources) for r in requests]
+        outs[name] = [(s.generation.token_ids, s.generation.sources) for s in sequences]
     assert outs["remote"] == outs["local"]
     assert {s for _, sources in outs["remote"] for s in sources} == {"slm", "llm"}
 
@@ -121,11 +121,9 @@ def test_tolerance_verification_through_the_remote_llm_matches_the_same_model_ru
 
 
 def test_sampled_strict_verification_is_refused_with_a_remote_llm(server, slm, tokenizer):
-    from roads_to_rome.core.engine import Request
-
     engine = Engine(slm, remote(server.url, tokenizer, slm), tokenizer, RandomPolicy(0.2), verify="strict")
     with pytest.raises(R2RError, match="whole distribution"):
-        engine.check(Request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.7)))
+        engine.sequence(Request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.7)))
 
 
 def test_no_server_wrong_model_and_another_tokenizer_are_refused(server, slm, tokenizer, tmp_path):
@@ -156,8 +154,7 @@ def test_a_server_that_dies_mid_generation_fails_that_request_and_the_next_one_w
         prompt = engine.encode_chat(PROMPTS[0])
         params = SamplingParams(max_new_tokens=2000, ignore_eos=True)
         batch = Batch(engine)
-        request = Request(prompt, params)
-        batch.add([request])
+        batch.add([engine.sequence(Request(prompt, params))])
         for _ in range(3):
             batch.step()
         srv.stop()

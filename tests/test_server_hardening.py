@@ -22,7 +22,8 @@ import psutil
 import pytest
 from conftest import assert_idle_soon, make_backend
 
-from roads_to_rome.core.engine import Engine, Request
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.request import Request, Sequence
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.server import BackgroundServer, Job, Limits, create_app
@@ -145,14 +146,15 @@ def test_2_llamacpp_admits_against_its_shared_kv_pool(gguf_files, tokenizer):
     engine = gguf_engine(gguf_files, tokenizer, n_ctx=700, max_rows=4)
     assert engine.kv_capacity == 700 and engine.max_context == 512  # the tiny model's trained context
     app = create_app(engine, "tiny-r2r", Limits(max_batch=4, max_tokens=450))
-    scheduler = app.state.r2r.scheduler
-    admit, seen = scheduler._admit, []
+    scheduler = app.state.r2r.engine_thread.scheduler
+    admit, seen = scheduler.admit, []
 
     def watched():  # what admission left in flight and waiting, each turn
-        admit()
-        seen.append((scheduler.kv_in_use, len(scheduler.pending)))
+        left = admit()
+        seen.append((scheduler.kv_in_use, len(scheduler.waiting)))
+        return left
 
-    scheduler._admit = watched
+    scheduler.admit = watched
     with BackgroundServer(app) as srv:
         too_long = post(srv.url, body("48 / 2 " * 200, max_tokens=400))
         assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
@@ -507,8 +509,8 @@ def test_soak_8_clients_200_requests_of_every_kind(engine):
         assert all(run(20, 200))
         assert_idle_soon(url)
         assert rss() <= 1.10 * rss_after_20
-        # No request is kept. (type(), not isinstance: that would touch lazy proxies, importing modules.)
-        assert not [o for o in gc.get_objects() if type(o) in (Request, Job)]
+        # No request, sequence or job is kept. (type(), not isinstance: that would touch lazy proxies, importing modules.)
+        assert not [o for o in gc.get_objects() if type(o) in (Request, Sequence, Job)]
         for _ in range(40):  # client threads that just finished take a moment to exit
             if process.num_threads() <= threads:
                 break

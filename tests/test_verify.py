@@ -102,7 +102,7 @@ def test_stream_shows_only_final_tokens_and_ends_with_all_of_them(pair, tokenize
     results, shown = [], {i: [] for i in range(len(prompts))}
     for steps in engine.stream(prompts, SamplingParams(max_new_tokens=N_TOKENS), results):
         for step in steps:
-            shown[step.request.index] += [token for token, _, _ in step.final]
+            shown[step.sequence.index] += [token for token, _, _ in step.final]
     for i, gen in enumerate(results):
         assert shown[i] == gen.token_ids
 
@@ -119,16 +119,12 @@ def test_strict_under_sampling_follows_the_llms_distribution(pair, tokenizer):
     runs, rows = 3000, llm.max_rows or 500
     counts = torch.zeros_like(target)
     for start in range(0, runs, rows):
-        from roads_to_rome.core.engine import Batch, Request
+        from roads_to_rome.core.request import Request
 
-        batch = Batch(engine)
-        requests = [Request(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
-                    for seed in range(start, min(start + rows, runs))]
-        batch.add(requests)
-        while batch.requests:
-            batch.step()
-        for r in requests:
-            counts[r.generation.token_ids[0]] += 1
+        gens = engine.run([Request(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
+                           for seed in range(start, min(start + rows, runs))])
+        for gen in gens:
+            counts[gen.token_ids[0]] += 1
     empirical = counts / runs
     distance = lambda p, q: 0.5 * (p - q).abs().sum().item()  # noqa: E731
     assert distance(target, draft) > 0.3  # the two models really differ here

@@ -12,19 +12,27 @@ and each keeps its own KV cache. Per step:
 The LLM reads lazily: nothing until the first routed token, then everything since its last read.
 Because every row gains exactly one token per step, both caches stay rectangular: the SLM's
 always covers all columns but the newest, the LLM's whatever it has caught up on so far.
-`Batch` holds that state and does the steps; `Engine.stream` runs one batch to the end, and the
-server adds requests to a running batch between steps. One model alone (`Engine.alone`) runs the
-same loop with nothing to route: it writes every token itself.
+`Batch` holds that state and does the steps. The `Scheduler` decides which sequences are in the
+batch (admission against slots and KV room, chunked prefill of newcomers) and is the one loop every
+client drives: `Engine.run` and `Engine.stream` to the end, the server a turn at a time as requests
+arrive. One model alone (`Engine.alone`) runs the same loop with nothing to route: it writes every
+token itself.
+
+Top to bottom: `Engine` (what clients call), `Scheduler`, `Prefill`, `Batch` (the four phases of a
+step), then the helpers. What a client asks for and what the engine keeps for it are in request.py;
+sampling and verification's acceptance rules in sampling.py.
 """
 
 from __future__ import annotations
 
+import collections
 import time
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from roads_to_rome.backends.base import Backend
+from roads_to_rome.core.request import Generation, Request, Sequence, Step, Timings
 from roads_to_rome.core.sampling import (
     SamplingParams,
     check_max_unverified,
@@ -44,118 +52,15 @@ DEFAULT_VERIFY = "1"
 RATE_CATCH_UP_TOKENS = 16  # a request aiming at an LLM rate makes up a shortfall over this many tokens (_threshold)
 
 
-@dataclass
-class Timings:
-    """Seconds one request spent in each part of the loop (a batched step counts for each of its rows)."""
-
-    slm_s: float = 0.0
-    router_s: float = 0.0
-    llm_s: float = 0.0
-    total_s: float = 0.0
-    steps: int = 0
-    llm_calls: int = 0  # LLM catch-ups this request's row took part in
-
-
-@dataclass
-class Generation:
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    sources: list[str] = field(default_factory=list)  # per token: "slm", "llm" (routed) or "fix" (verification)
-    scores: list[float] = field(default_factory=list)  # the policy's score behind each decision
-    text: str = ""
-    finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length"
-    elapsed_s: float = 0.0  # from the start of the call to this row's last token
-    params_b: tuple[float, float, float] = (0.0, 0.0, 0.0)  # SLM, router, LLM parameters (billions)
-    timings: Timings = field(default_factory=Timings)
-    rollbacks: int = 0  # times verification rejected a token and the row went back to it
-    discarded: int = 0  # tokens written and then thrown away by those rollbacks
-
-    @property
-    def llm_tokens(self) -> int:
-        """Every token the LLM produced: routed ones and verification's fixes."""
-        return self.sources.count("llm") + self.sources.count("fix")
-
-    @property
-    def llm_rate(self) -> float:
-        return self.llm_tokens / max(len(self.token_ids), 1)
-
-    @property
-    def avg_params_b(self) -> float:
-        """Average activated parameters per token, as the paper counts: SLM + router + rate x LLM."""
-        slm, router, llm = self.params_b
-        return slm + router + self.llm_rate * llm
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.token_ids) / self.elapsed_s if self.elapsed_s else 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "sources": self.sources,
-            "scores": [round(s, 6) for s in self.scores],
-            "finish_reason": self.finish_reason,
-            "tokens": len(self.token_ids),
-            "llm_tokens": self.llm_tokens,
-            "fix_tokens": self.sources.count("fix"),
-            "rollbacks": self.rollbacks,
-            "discarded_tokens": self.discarded,
-            "llm_rate": self.llm_rate,
-            "avg_params_b": self.avg_params_b,
-            "tokens_per_s": self.tokens_per_s,
-            "elapsed_s": self.elapsed_s,
-            "time_slm_s": self.timings.slm_s,
-            "time_router_s": self.timings.router_s,
-            "time_llm_s": self.timings.llm_s,
-        }
-
-
-@dataclass
-class Request:
-    """One prompt being decoded: its settings and its growing result."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    force: str | None = None  # "slm" or "llm": this request bypasses the policy
-    threshold: float | None = None  # this request's own routing threshold (None: the policy's)
-    target_rate: float | None = None  # aim for this LLM rate instead of a fixed threshold (see _threshold)
-    verify: str | float | None = None  # "off", "strict" or a tolerance in nats (None: the engine's)
-    max_unverified: int | None = None  # verify once this many tokens are unread by the LLM (None: the engine's)
-    index: int = 0  # the prompt's position in its `Engine.stream` / `Engine.generate` call
-    generation: Generation | None = None  # set when the request joins a batch
-    generator: torch.Generator | None = None
-    cancelled: bool = False  # set from anywhere; the request leaves at the next step
-    started: float = 0.0
-    final: int = 0  # tokens of the output that can no longer change (verification may take back the rest)
-    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # token index -> the SLM's distribution
-    # it was drawn from (kept for strict verification under sampling only)
-    prefill: Prefill | None = None  # its prompt, read ahead before it joins a batch (see `Prefill`)
-
-
-@dataclass
-class Step:
-    """What one decode step added to one request."""
-
-    request: Request
-    token_id: int  # the token now at the end of the request's output
-    source: str  # "slm", "llm" (routed) or "fix" (put in by verification)
-    score: float  # the policy's score behind the decision
-    finished: bool
-    discarded: int = 0  # tokens before this one that verification took back
-    final: list[tuple[int, str, float]] = field(default_factory=list)  # (token, source, score) of the tokens
-    # that became final with this step, in order: what a stream may show (without verification: this token)
-
-
 class Engine:
-    """The models, the tokenizer and the routing policy; `Batch` does the decoding.
+    """The models, the tokenizer and the routing policy; the `Scheduler` and its `Batch` do the decoding.
 
     A pair (`Engine(slm, llm, tokenizer, policy)`) routes; one model alone (`Engine.alone`)
     writes every token itself, for label responses, judges and the single-model baselines."""
 
     def __init__(self, slm: Backend | None, llm: Backend | None, tokenizer, policy: RoutingPolicy | None = None,
                  verify: str | float = "off", max_unverified: int | None = None):
-        """`verify`, `max_unverified`: the defaults of requests that do not set their own (see `Batch._accept`)."""
+        """`verify`, `max_unverified`: the defaults of requests that do not set their own (see `Batch._catch_up`)."""
         if slm is None and llm is None:
             raise R2RError("an engine needs at least one model")
         self.slm, self.llm, self.tokenizer = slm, llm, tokenizer
@@ -178,36 +83,38 @@ class Engine:
         self.max_rows = min((m.max_rows for m in models if m.max_rows is not None), default=None)
         self.verify, self.max_unverified = parse_verify(verify), check_max_unverified(max_unverified)
         if self.verify != "off":
-            self._check_verifiable()
+            self._check_verifiable(self.verify)
+        # Parameters in billions (SLM, router, LLM) behind each token: a generation's average activated parameters.
+        self.params_b = ((slm.num_params if slm else 0) / 1e9, (self.policy.num_params if self.routes else 0) / 1e9,
+                         (llm.num_params if llm else 0) / 1e9)
         self.sync = torch.cuda.synchronize if self.writer.device.type == "cuda" else (lambda: None)
 
-    def check(self, r: Request) -> None:
-        """Refuse a request this engine cannot run (before it joins a batch, where it would fail the others),
-        and fill in the engine's verification defaults."""
-        r.params.validate()
-        if not r.prompt_ids:
-            raise R2RError("every prompt needs at least one token")
-        if self.llm is None and r.force == "llm":
+    def sequence(self, request: Request, index: int = 0) -> Sequence:
+        """The engine's running state for a request, or an error if this engine cannot run it (said before the
+        request joins a batch, where it would fail the others). Fills in the engine's defaults for the sequence,
+        never into the request."""
+        if self.llm is None and request.force == "llm":
             raise R2RError("this request asks for the LLM, but no LLM is loaded")
-        if self.llm is None and r.force is None and self.policy.routes_to_llm:
+        if self.llm is None and request.force is None and self.policy.routes_to_llm:
             raise R2RError(f"the {self.policy.name!r} policy routes to an LLM, but no LLM is loaded")
-        if self.slm is None and r.force == "slm":
+        if self.slm is None and request.force == "slm":
             raise R2RError("this request asks for the SLM, but no SLM is loaded")
         # The engine's setting is for routed rows: a row forced onto one model is that model alone unless it asks.
-        if r.verify is None:
-            r.verify = "off" if r.force else self.verify
-        r.verify = parse_verify(r.verify)
-        r.max_unverified = check_max_unverified(self.max_unverified if r.max_unverified is None else r.max_unverified)
-        if r.verify != "off":
-            self._check_verifiable(r)
+        verify = request.verify if request.verify is not None else "off" if request.force else self.verify
+        if verify != "off":
+            self._check_verifiable(verify, request.params)
+        seed = request.params.seed
+        return Sequence(request, verify, self.max_unverified if request.max_unverified is None else
+                        request.max_unverified, Generation(list(request.prompt_ids), params_b=self.params_b),
+                        index, None if seed is None else torch.Generator(self.writer.device).manual_seed(seed))
 
-    def _check_verifiable(self, r: Request | None = None) -> None:
+    def _check_verifiable(self, verify: str | float, params: SamplingParams | None = None) -> None:
         if not self.routes:
             raise R2RError("verification needs both models: the LLM checks the SLM's tokens")
         if not self.llm.verifies:
             raise R2RError(f"the LLM {self.llm.name} cannot return log-probabilities at every caught-up position, "
                            "which verification needs: use --verify off with it")
-        if r is not None and r.verify == "strict" and r.params.temperature > 0 and not self.llm.full_logits:
+        if verify == "strict" and params is not None and params.temperature > 0 and not self.llm.full_logits:
             raise R2RError(f"strict verification while sampling needs the LLM's whole distribution; {self.llm.name} "
                            "gives its top tokens only: sample with temperature 0, or verify with a tolerance")
 
@@ -231,48 +138,193 @@ class Engine:
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        return self.run([Request(list(p), params, index=i) for i, p in enumerate(prompts)])
+        return self.run([Request(p, params) for p in prompts])
 
     def run(self, requests: list[Request]) -> list[Generation]:
-        """Decode requests as one batch to the end: the offline client of `Batch` (the server's is its Scheduler)."""
-        for _ in self.steps(requests):
+        """Decode requests to the end, all in one batch; their generations, in order."""
+        sequences = [self.sequence(r, i) for i, r in enumerate(requests)]
+        for _ in self._decode(sequences):
             pass
-        return [r.generation for r in requests]
-
-    def steps(self, requests: list[Request]):
-        """Decode requests as one batch, returning an iterator over the list of `Step`s each decode step adds. The
-        requests join at once (a request the engine cannot run is refused here, before any step)."""
-        batch = Batch(self)
-        batch.add(requests)
-        return iter(batch.step, [])  # a step of an empty batch adds nothing
+        return [s.generation for s in sequences]
 
     def stream(self, prompts: list[list[int]], params: SamplingParams, results: list | None = None):
         """Decode all prompts as one batch, yielding the list of `Step`s each decode step adds
-        (`step.request.index` is the prompt's position in `prompts`).
+        (`step.sequence.index` is the prompt's position in `prompts`).
 
         `results`, when given, is filled with one `Generation` per prompt (complete once the
         generator is exhausted)."""
-        requests = [Request(list(p), params, index=i) for i, p in enumerate(prompts)]
-        steps = self.steps(requests)
+        sequences = [self.sequence(Request(p, params), i) for i, p in enumerate(prompts)]
         if results is not None:
-            results[:] = [r.generation for r in requests]
-        yield from steps
+            results[:] = [s.generation for s in sequences]
+        yield from self._decode(sequences)
+
+    def _decode(self, sequences: list[Sequence]):
+        """The offline client of the scheduler: every sequence at once, turns to the end; an error is raised."""
+        scheduler = Scheduler(self)
+        for s in sequences:
+            scheduler.add(s)
+        while not scheduler.idle:
+            events = scheduler.turn()
+            failed = next((e for e in events if isinstance(e, Failure)), None)
+            if failed is not None:
+                raise failed.error
+            yield events
+
+
+class Failure(NamedTuple):
+    """A sequence that could not go on: an error while it was in flight, cut off, or cancelled."""
+
+    sequence: Sequence
+    error: Exception
+
+
+class Cancelled(R2RError):
+    def __init__(self):
+        super().__init__("the request was cancelled")
+
+
+class Scheduler:
+    """Which sequences decode, which wait, and when a newcomer's prompt is read: the one loop every client drives.
+
+    Each turn admits waiting sequences, first come first served, while a slot is free and their KV tokens fit;
+    reads one chunk of one admitted prompt (chunked prefill, round robin); and runs one decode step of the batch.
+    The server drives it from its engine thread, a turn at a time between arrivals; `Engine.run` and
+    `Engine.stream` (generate, chat, eval, the label pipeline) to the end. A sequence leaves reporting it once:
+    its last `Step` (finished) or a `Failure`."""
+
+    def __init__(self, engine: Engine, max_batch: int | None = None, prefill_chunk: int | None = None):
+        """`max_batch`: sequences decoding or having their prompt read at once (None: no limit).
+        `prefill_chunk`: prompt tokens each model reads per turn, a newcomer's prompt alone, between decode steps
+        (None: newcomers join the batch at once and its next decode step reads their prompts together)."""
+        self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
+        self.batch = Batch(engine)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.reading: collections.deque[tuple[Sequence, Prefill]] = collections.deque()  # admitted, prompt in chunks
+        self.joining: list[Sequence] = []  # admitted, to join the batch at the next decode step
+        self.kv_in_use = 0  # KV tokens held by admitted sequences (each its prompt and max new tokens)
+
+    def add(self, sequence: Sequence) -> None:
+        self.waiting.append(sequence)
+
+    @property
+    def admitted(self) -> int:
+        return len(self.batch.sequences) + len(self.reading) + len(self.joining)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.admitted)
+
+    def load(self) -> dict:
+        return {"running": self.admitted, "prefilling": len(self.reading),
+                "waiting": sum(not s.cancelled for s in self.waiting)}
+
+    def turn(self) -> list[Step | Failure]:
+        return self.admit() + self.advance()
+
+    def admit(self) -> list[Failure]:
+        """Waiting sequences take a slot while one is free and their KV tokens fit; the cancelled ones leave."""
+        left, capacity = [], self.engine.kv_capacity
+        while self.waiting:
+            s = self.waiting[0]
+            need = s.request.kv_tokens
+            if s.cancelled or (capacity is not None and need > capacity):
+                self.waiting.popleft()
+                left.append(Failure(s, Cancelled() if s.cancelled else R2RError(
+                    f"this request needs {need} KV-cache tokens (prompt and max new tokens), more than the "
+                    f"{capacity} the cache holds: ask for fewer new tokens")))
+                continue
+            if self.max_batch is not None and self.admitted >= self.max_batch:
+                break
+            if capacity is not None and self.kv_in_use + need > capacity:
+                break  # the head waits for room
+            self.waiting.popleft()
+            self.kv_in_use += need
+            if self.prefill_chunk:
+                self.reading.append((s, Prefill(self.engine, s.prompt_ids)))
+            else:
+                self.joining.append(s)
+        return left
+
+    def advance(self) -> list[Step | Failure]:
+        """One chunk of one admitted prompt, then one decode step of the batch."""
+        return self._read_one_chunk() + self._decode_step()
+
+    def drop_waiting(self, error: Exception) -> list[Failure]:
+        """Every waiting sequence leaves with this error (a server that stops admitting)."""
+        left = [Failure(s, error) for s in self.waiting]
+        self.waiting.clear()
+        return left
+
+    def cut(self, error: Exception) -> list[Failure]:
+        """Every admitted sequence leaves with this error (a server's drain deadline)."""
+        cut = [s for s, _ in self.reading] + self.joining + self.batch.sequences
+        for s in cut:
+            s.cancelled = True
+        self.reading.clear()
+        self.joining.clear()
+        self.batch.step()  # drops the cancelled rows (and returns no step: every row is cancelled)
+        return [self._leave(s, Failure(s, error)) for s in cut]
+
+    def _read_one_chunk(self) -> list[Failure]:
+        left = []
+        while self.reading and self.reading[0][0].cancelled:
+            s, _ = self.reading.popleft()
+            left.append(self._leave(s, Failure(s, Cancelled())))
+        if not self.reading:
+            return left
+        s, prefill = self.reading[0]
+        try:
+            prefill.advance(self.prefill_chunk)
+            if not prefill.done:
+                self.reading.rotate(-1)  # the next prompt gets the next chunk
+                return left
+            self.reading.popleft()
+            self.batch.add([s], prefill)  # leaves the batch as it was if it fails
+        except Exception as e:  # only this sequence was being read: only it fails
+            if self.reading and self.reading[0][0] is s:
+                self.reading.popleft()
+            left.append(self._leave(s, Failure(s, e)))
+        return left
+
+    def _decode_step(self) -> list[Step | Failure]:
+        events, joining, self.joining = [], self.joining, []
+        if joining:
+            try:
+                self.batch.add(joining)  # leaves the batch as it was if it fails
+            except Exception as e:
+                events = [self._leave(s, Failure(s, e)) for s in joining]
+        before = list(self.batch.sequences)
+        if not before:
+            return events
+        try:
+            steps = self.batch.step()
+        except Exception as e:  # a step runs every row at once: fail the sequences in it, start a fresh batch
+            self.batch = Batch(self.engine)
+            return events + [self._leave(s, Failure(s, e)) for s in before]
+        events += [self._leave(step.sequence, step) if step.finished else step for step in steps]
+        # Cancelled sequences left the batch at this step without a last Step.
+        stepped = {id(step.sequence) for step in steps}
+        return events + [self._leave(s, Failure(s, Cancelled())) for s in before if id(s) not in stepped]
+
+    def _leave(self, sequence: Sequence, event: Step | Failure) -> Step | Failure:
+        self.kv_in_use -= sequence.request.kv_tokens
+        return event
 
 
 class Prefill:
-    """A request's prompt read ahead, in chunks, before it joins a batch.
+    """A prompt read ahead, in chunks, before its sequence joins a batch.
 
-    The server reads a newcomer's prompt one chunk between two decode steps, so the streams already
-    running keep producing tokens while a long prompt is read. Each model reads the prompt alone,
-    into a cache of its own, up to all but the prompt's last token (the request's first decode step
-    reads that one and proposes the first new token). Set as `request.prefill`, it is the cache
-    `Batch.add` fits into the batch."""
+    The scheduler reads a newcomer's prompt one chunk between two decode steps, so the sequences
+    already decoding keep producing tokens while a long prompt is read. Each model reads the prompt
+    alone, into a cache of its own, up to all but the prompt's last token (the sequence's first
+    decode step reads that one and proposes the first new token); `Batch.add` fits that cache into
+    the batch."""
 
-    def __init__(self, engine: Engine, request: Request):
+    def __init__(self, engine: Engine, prompt_ids: tuple[int, ...]):
         self.models = [engine.writer] + ([engine.llm] if engine.routes else [])  # in `Batch._caches` order
         self.caches = [m.new_cache() for m in self.models]
-        self.ids = torch.tensor([request.prompt_ids], device=engine.writer.device)
-        self.goal = len(request.prompt_ids) - 1
+        self.ids = torch.tensor([prompt_ids], device=engine.writer.device)
+        self.goal = len(prompt_ids) - 1
 
     @property
     def done(self) -> bool:
@@ -287,16 +339,16 @@ class Prefill:
 
 
 class Batch:
-    """Requests decoding in lockstep: one row each in both models' caches.
+    """Sequences decoding in lockstep: one row each in both models' caches.
 
-    Requests can join between steps (continuous batching): a newcomer is left-padded to the
+    Sequences can join between steps (continuous batching): a newcomer is left-padded to the
     batch's width (or the batch to the newcomer's) and prefilled up to where each model's cache
-    already is, then its cache rows are appended. Finished and cancelled requests leave.
+    already is, then its cache rows are appended. Finished and cancelled sequences leave.
     """
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.requests: list[Request] = []
+        self.sequences: list[Sequence] = []
         # The token streams (left-padded) and their padding mask, [rows, columns], in buffers with room for the
         # columns to come, so a step writes its column in place (`ids`, `mask`: the columns so far).
         self._ids = self._mask = None
@@ -308,43 +360,29 @@ class Batch:
         engine = self.engine
         return engine.writer.new_cache(), engine.llm.new_cache() if engine.routes else None
 
-    def add(self, requests: list[Request]) -> None:
-        """Requests join the batch: left-padded to its width, read up to where each cache is. A request
-        with a `Prefill` brings its prompt already read (server-side chunked prefill)."""
-        engine = self.engine
-        for r in requests:
-            engine.check(r)
-        params_b = ((engine.slm.num_params if engine.slm else 0) / 1e9,
-                    (engine.policy.num_params if engine.routes else 0) / 1e9,
-                    (engine.llm.num_params if engine.llm else 0) / 1e9)
+    def add(self, sequences: list[Sequence], prefill: Prefill | None = None) -> None:
+        """Sequences join the batch: left-padded to its width, read up to where each cache is. A sequence may
+        bring its prompt already read (`prefill`: the scheduler's chunked prefill, for one sequence)."""
         now = time.perf_counter()
-        for r in requests:
-            r.generation = Generation(prompt_ids=r.prompt_ids, params_b=params_b)
-            r.started = now
-            if r.params.seed is not None:
-                r.generator = torch.Generator(engine.writer.device).manual_seed(r.params.seed)
-        plain = [r for r in requests if r.prefill is None]
-        groups = ([(plain, None)] if plain else []) + [([r], r.prefill) for r in requests if r.prefill is not None]
-        for group, prefill in groups:
-            self._join(group, prefill)
-            for r in group:
-                r.prefill = None
+        for s in sequences:
+            s.started = now
+        self._join(sequences, prefill)
 
-    def _join(self, requests: list[Request], prefill: Prefill | None) -> None:
+    def _join(self, sequences: list[Sequence], prefill: Prefill | None) -> None:
         engine = self.engine
-        ids, mask = left_pad([r.prompt_ids for r in requests], engine.pad_id, engine.writer.device)
-        if not self.requests:
+        ids, mask = left_pad([s.prompt_ids for s in sequences], engine.pad_id, engine.writer.device)
+        if not self.sequences:
             # An empty batch: the newcomers are the batch; the next step reads what their caches have not.
             self._set(ids, mask)
             self.writer_cache, self.llm_cache = (prefill.caches + [None])[:2] if prefill else self._new_caches()
-            self.requests = list(requests)
+            self.sequences = list(sequences)
             return
         width = self.ids.shape[1]
         if ids.shape[1] > width:
             self._pad_left(ids.shape[1] - width)
         elif ids.shape[1] < width:
             ids, mask = pad_columns_left(ids, mask, width - ids.shape[1], engine.pad_id)
-        pad = self.ids.shape[1] - len(requests[0].prompt_ids) if prefill else 0  # the prefilled row's padding
+        pad = self.ids.shape[1] - len(sequences[0].prompt_ids) if prefill else 0  # the prefilled row's padding
         # Bring the newcomers' caches up to where each of the batch's is, then append their rows (only once
         # every forward has run: a failure leaves the batch as it was). A prefilled cache has read the prompt
         # alone: cut it to what the batch's cache covers and pad it to the batch's columns (positions count
@@ -364,7 +402,7 @@ class Batch:
         for backend, cache, fresh in joining:
             backend.append_rows(cache, fresh)
         self._set(torch.cat([self.ids, ids]), torch.cat([self.mask, mask]))
-        self.requests += requests
+        self.sequences += sequences
 
     @property
     def ids(self) -> torch.Tensor | None:
@@ -401,9 +439,9 @@ class Batch:
             backend.pad_left(cache, n)
 
     def step(self) -> list[Step]:
-        """One decode step for every request: what it added to each."""
-        self._keep([i for i, r in enumerate(self.requests) if not r.cancelled])
-        if not self.requests:
+        """One decode step for every sequence: what it added to each."""
+        self._keep([i for i, s in enumerate(self.sequences) if not s.cancelled])
+        if not self.sequences:
             return []
         column = self.ids.shape[1]  # where this step's tokens go
         t0 = time.perf_counter()
@@ -420,26 +458,26 @@ class Batch:
         (proposal, its logits, its last hidden state). When every row forces the LLM, the SLM has nothing to
         propose and does not run (it reads these columns later if a request ever needs it), so "LLM alone"
         through a pair costs the LLM alone."""
-        engine, requests = self.engine, self.requests
-        if engine.routes and all(r.force == "llm" for r in requests):
+        engine, sequences = self.engine, self.sequences
+        if engine.routes and all(s.force == "llm" for s in sequences):
             return self.ids[:, -1].clone(), None, None  # a placeholder: every row takes the LLM's token
         logits, hidden = engine.writer.forward(self.writer_cache, self.ids[:, self.writer_cache.length :], self.mask)
-        proposal = sample_rows(logits, requests)
-        for i, r in enumerate(requests):
-            if r.verify == "strict" and r.params.temperature > 0:  # the ratio test needs what the SLM drew from
-                r.draft_probs[len(r.generation.token_ids)] = sampling_probs(logits[i : i + 1], r.params)[0]
+        proposal = sample_rows(logits, sequences)
+        for i, s in enumerate(sequences):
+            if s.verify == "strict" and s.params.temperature > 0:  # the ratio test needs what the SLM drew from
+                s.draft_probs[len(s.generation.token_ids)] = sampling_probs(logits[i : i + 1], s.params)[0]
         engine.sync()
         return proposal, logits, hidden
 
     def _route(self, logits, hidden, proposal) -> tuple[list[bool], list[float]]:
         """2. The policy decides which rows the LLM takes (a request may force one model): (routed, scores)."""
-        engine, n = self.engine, len(self.requests)
+        engine, n = self.engine, len(self.sequences)
         if logits is None:  # the SLM is idle: every row is the LLM's
             return [True] * n, [0.0] * n
         if not engine.routes:  # one model alone writes every token
             return [False] * n, [0.0] * n
         to_llm, scores = engine.policy.route(logits, hidden, proposal, self._thresholds())
-        routed = [r.force == "llm" if r.force else bool(x) for r, x in zip(self.requests, to_llm.tolist())]
+        routed = [s.force == "llm" if s.force else bool(x) for s, x in zip(self.sequences, to_llm.tolist())]
         return routed, scores.tolist()
 
     def _catch_up(self, column: int, proposal: torch.Tensor, routed: list[bool]):
@@ -447,33 +485,33 @@ class Batch:
         has max_unverified tokens unread or would finish. It checks the verifying rows' unread tokens and
         writes the routed rows' tokens. Returns (chosen tokens, their sources, rejected rows: row -> (column of
         its first rejected token, the LLM's token there), whether the LLM ran)."""
-        engine, requests = self.engine, self.requests
+        engine, sequences = self.engine, self.sequences
         chosen, sources = proposal.clone(), ["llm" if x else engine.writer_source for x in routed]
-        verifying = [r.verify != "off" for r in requests]
-        proposed = proposal.tolist() if any(verifying) else [None] * len(requests)
-        if not (any(routed) or any(v and self._must_verify(r, column, t)
-                                   for r, v, t in zip(requests, verifying, proposed))):
+        verifying = [s.verify != "off" for s in sequences]
+        proposed = proposal.tolist() if any(verifying) else [None] * len(sequences)
+        if not (any(routed) or any(v and self._must_verify(s, column, t)
+                                   for s, v, t in zip(sequences, verifying, proposed))):
             return chosen, sources, {}, False
         read_from = self.llm_cache.length
         if any(verifying):
             # Logits at the caught-up columns that predict unread generated tokens (the prompt's need no check);
             # the last one also serves routing.
-            checked = max(min(column - read_from, len(r.generation.token_ids) + 1)
-                          for r, v in zip(requests, verifying) if v)
+            checked = max(min(column - read_from, len(s.generation.token_ids) + 1)
+                          for s, v in zip(sequences, verifying) if v)
             all_logits = engine.llm.forward_all(self.llm_cache, self.ids[:, read_from:], self.mask, checked)
             llm_logits = all_logits[:, -1]
         else:
             llm_logits, _ = engine.llm.forward(self.llm_cache, self.ids[:, read_from:], self.mask)
         rejected = {}
-        for i, r in enumerate(requests):
+        for i, s in enumerate(sequences):
             if verifying[i]:
-                found = self._first_rejection(r, all_logits[i], column - checked, column, proposed[i], routed[i],
+                found = self._first_rejection(s, all_logits[i], column - checked, column, proposed[i], routed[i],
                                               read_from)
                 if found:
                     rejected[i] = found
                     continue
             if routed[i]:
-                chosen[i] = sample_rows(llm_logits[i : i + 1], requests[i : i + 1])[0]
+                chosen[i] = sample_rows(llm_logits[i : i + 1], sequences[i : i + 1])[0]
         engine.sync()
         return chosen, sources, rejected, True
 
@@ -487,68 +525,68 @@ class Batch:
         t0, t1, t2, t3 = times
         now = time.perf_counter()
         steps, keep = [], []
-        for i, (r, token, source, score) in enumerate(zip(self.requests, chosen.tolist(), sources, scores)):
-            gen = r.generation
+        for i, (s, token, source, score) in enumerate(zip(self.sequences, chosen.tolist(), sources, scores)):
+            gen = s.generation
             self._count_time(gen.timings, t1 - t0, t2 - t1, t3 - t2, now - t0, llm_ran)
             gen.token_ids.append(token)
             gen.sources.append(source)
             gen.scores.append(float(score))
-            gen.elapsed_s = now - r.started
-            finished = self._finished(r)
+            gen.elapsed_s = now - s.started
+            finished = self._finished(s)
             if finished:
-                gen.text = self._final_text(r)
+                gen.text = self._final_text(s)
             else:
                 keep.append(i)
             # A verifying row's tokens are final once the LLM has checked them (at a catch-up); others at once.
-            newly_final = len(gen.token_ids) if r.verify == "off" or llm_ran or finished else r.final
-            final = list(zip(gen.token_ids[r.final : newly_final], gen.sources[r.final : newly_final],
-                             gen.scores[r.final : newly_final]))
-            r.final = newly_final
+            newly_final = len(gen.token_ids) if s.verify == "off" or llm_ran or finished else s.final
+            final = list(zip(gen.token_ids[s.final : newly_final], gen.sources[s.final : newly_final],
+                             gen.scores[s.final : newly_final]))
+            s.final = newly_final
             if llm_ran:
-                r.draft_probs.clear()  # everything drawn so far is checked now
-            steps.append(Step(r, token, source, float(score), finished, dropped.get(i, 0), final))
+                s.draft_probs.clear()  # everything drawn so far is checked now
+            steps.append(Step(s, token, source, float(score), finished, dropped.get(i, 0), final))
         self._keep(keep)
         return steps
 
-    def _must_verify(self, r: Request, column: int, proposal: int) -> bool:
+    def _must_verify(self, s: Sequence, column: int, proposal: int) -> bool:
         """Whether a verifying row needs the LLM now: max_unverified tokens unread, or its output would end
         with this proposal (a row is returned only once all of it is checked)."""
-        gen = r.generation
+        gen = s.generation
         unread = min(column - self.llm_cache.length, len(gen.token_ids) + 1)  # its generated tokens the LLM has not read
-        if r.max_unverified is not None and unread >= r.max_unverified:
+        if s.max_unverified is not None and unread >= s.max_unverified:
             return True
-        return self._ends(r, gen.token_ids, proposal) is not None
+        return self._ends(s, gen.token_ids, proposal) is not None
 
-    def _first_rejection(self, r: Request, logits: torch.Tensor, logits_from: int, column: int, proposal: int,
+    def _first_rejection(self, s: Sequence, logits: torch.Tensor, logits_from: int, column: int, proposal: int,
                          routed: bool, read_from: int) -> tuple[int, int] | None:
         """Check a row's generated tokens the LLM had not read (columns after `read_from`) in order against its
         logits (`logits[k]`: at column logits_from + k, predicting the next column); the first rejected
         one's column and the LLM's token there."""
-        gen = r.generation
+        gen = s.generation
         first_generated = column - len(gen.token_ids)  # the row's generated tokens fill columns first_generated..
         last = column - 1 if routed else column  # a routed row's token at `column` is the LLM's own
         for c in range(max(read_from + 1, first_generated), last + 1):
             index = c - first_generated  # the token's index in the output
             token = gen.token_ids[index] if c < column else proposal
-            replacement = self._check(r, token, logits[c - 1 - logits_from], index)
+            replacement = self._check(s, token, logits[c - 1 - logits_from], index)
             if replacement is not None:
                 return c, replacement
         return None
 
-    def _check(self, r: Request, token: int, logits: torch.Tensor, index: int) -> int | None:
+    def _check(self, s: Sequence, token: int, logits: torch.Tensor, index: int) -> int | None:
         """Verification's rule for one token against the LLM's next-token logits: None when it is kept, else the
         LLM's token in its place."""
-        params = r.params
-        if r.verify == "strict" and params.temperature > 0:  # speculative sampling: the output follows the LLM
+        params = s.params
+        if s.verify == "strict" and params.temperature > 0:  # speculative sampling: the output follows the LLM
             target = sampling_probs(logits[None], params)[0]
-            draw = torch.rand((), generator=r.generator, device=target.device)
-            residual = speculative_residual(target, r.draft_probs[index], token, draw)
-            return None if residual is None else int(torch.multinomial(residual, 1, generator=r.generator))
+            draw = torch.rand((), generator=s.generator, device=target.device)
+            residual = speculative_residual(target, s.draft_probs[index], token, draw)
+            return None if residual is None else int(torch.multinomial(residual, 1, generator=s.generator))
         best = int(logits.argmax())
-        kept = token == best if r.verify == "strict" else within_tolerance(logits, token, best, r.verify)
+        kept = token == best if s.verify == "strict" else within_tolerance(logits, token, best, s.verify)
         if kept:
             return None
-        return best if params.temperature == 0 else int(sample(logits[None], params, r.generator)[0])
+        return best if params.temperature == 0 else int(sample(logits[None], params, s.generator)[0])
 
     def _roll_back(self, rejected: dict[int, tuple[int, int]], column: int, chosen: torch.Tensor, sources: list,
                    scores: list) -> dict[int, int]:
@@ -561,7 +599,7 @@ class Batch:
         the dropped columns in place would leave holes in the middle of rows that every backend's
         positions would have to skip). Both caches have read every column before `column`, so they move
         the same way (`Backend.shift_rows`)."""
-        shifts = [column - rejected[i][0] if i in rejected else 0 for i in range(len(self.requests))]
+        shifts = [column - rejected[i][0] if i in rejected else 0 for i in range(len(self.sequences))]
         for backend, cache in self._caches():
             backend.shift_rows(cache, shifts)
         ids, mask = torch.full_like(self.ids, self.engine.pad_id), torch.zeros_like(self.mask)
@@ -569,14 +607,14 @@ class Batch:
             ids[i, d:], mask[i, d:] = self.ids[i, : column - d], self.mask[i, : column - d]
         self._set(ids, mask)
         for i, (_, token) in rejected.items():
-            r, dropped = self.requests[i], shifts[i]
-            gen = r.generation
+            s, dropped = self.sequences[i], shifts[i]
+            gen = s.generation
             keep = len(gen.token_ids) - dropped
             if dropped:
                 scores[i] = gen.scores[keep]  # the policy's score at the rejected position
             del gen.token_ids[keep:], gen.sources[keep:], gen.scores[keep:]
-            for index in [k for k in r.draft_probs if k >= keep]:
-                del r.draft_probs[index]
+            for index in [k for k in s.draft_probs if k >= keep]:
+                del s.draft_probs[index]
             chosen[i], sources[i] = token, "fix"
             gen.rollbacks += 1
             gen.discarded += dropped + 1  # this step's own token was written too
@@ -596,11 +634,13 @@ class Batch:
 
     def _thresholds(self) -> torch.Tensor | None:
         """Per-row thresholds, or None when every row uses the policy's own."""
-        if all(r.threshold is None and r.target_rate is None for r in self.requests):
+        requests = [s.request for s in self.sequences]
+        if all(r.threshold is None and r.target_rate is None for r in requests):
             return None
-        return torch.tensor([self._threshold(r) for r in self.requests], device=self.ids.device)
+        return torch.tensor([self._threshold(s) for s in self.sequences], device=self.ids.device)
 
-    def _threshold(self, r: Request) -> float:
+    def _threshold(self, s: Sequence) -> float:
+        r = s.request
         fixed = (self.engine.policy.threshold or 0.0) if r.threshold is None else r.threshold
         if r.target_rate is None:
             return fixed
@@ -608,16 +648,16 @@ class Batch:
         # up over the next RATE_CATCH_UP_TOKENS tokens what the request is behind or ahead of the target. Scores
         # drift within an answer (the SLM grows surer as it goes on), so the top `rate` of the past alone
         # under-routes.
-        gen = r.generation
+        gen = s.generation
         behind = r.target_rate * len(gen.token_ids) - gen.llm_tokens  # tokens the request owes the LLM (< 0: ahead)
         aim = min(1.0, max(0.0, r.target_rate + behind / RATE_CATCH_UP_TOKENS))
         aimed = self.engine.policy.threshold_for_rate(aim, gen.scores)
         return fixed if aimed is None else aimed
 
     def _keep(self, rows: list[int]) -> None:
-        if len(rows) == len(self.requests):
+        if len(rows) == len(self.sequences):
             return
-        self.requests = [self.requests[i] for i in rows]
+        self.sequences = [self.sequences[i] for i in rows]
         if not rows:  # drop the caches now: on llama.cpp their cells would shift where the next request's go
             self._set(None, None)
             self.writer_cache, self.llm_cache = self._new_caches()
@@ -627,41 +667,41 @@ class Batch:
         for backend, cache in self._caches():
             backend.select_rows(cache, index)
 
-    def _finished(self, r: Request) -> bool:
-        reason = self._ends(r, r.generation.token_ids)
+    def _finished(self, s: Sequence) -> bool:
+        reason = self._ends(s, s.generation.token_ids)
         if reason:
-            r.generation.finish_reason = reason
+            s.generation.finish_reason = reason
         return reason is not None
 
-    def _ends(self, r: Request, tokens: list[int], then: int | None = None) -> str | None:
+    def _ends(self, s: Sequence, tokens: list[int], then: int | None = None) -> str | None:
         """Why an output of these tokens (followed by `then`, if given) is complete ("stop" or "length"), or None."""
-        params = r.params
+        params = s.params
         last, length = (tokens[-1], len(tokens)) if then is None else (then, len(tokens) + 1)
         if last in self.engine.eos_ids and not params.ignore_eos:
             return "stop"
         if params.stop:
             # Decode only the tail: enough tokens to hold the longest stop string.
-            longest = max(len(s) for s in params.stop)
+            longest = max(len(stop) for stop in params.stop)
             tail = tokens[-(longest + 2) :] if then is None else tokens[-(longest + 1) :] + [then]
             text = self.engine.tokenizer.decode(tail, skip_special_tokens=True)
-            if any(s in text for s in params.stop):
+            if any(stop in text for stop in params.stop):
                 return "stop"
         if length >= params.max_new_tokens:
             return "length"
         return None
 
-    def _final_text(self, r: Request) -> str:
-        text = self.engine.tokenizer.decode(r.generation.token_ids, skip_special_tokens=True)
-        cuts = [text.find(s) for s in r.params.stop if s in text]
+    def _final_text(self, s: Sequence) -> str:
+        text = self.engine.tokenizer.decode(s.generation.token_ids, skip_special_tokens=True)
+        cuts = [text.find(stop) for stop in s.params.stop if stop in text]
         return text[: min(cuts)] if cuts else text
 
 
-def sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
     """One token per row, each with its request's sampling settings (greedy rows in one argmax)."""
     tokens = logits.argmax(-1)
-    for i, r in enumerate(requests):
-        if r.params.temperature > 0:
-            tokens[i] = sample(logits[i : i + 1], r.params, r.generator)[0]
+    for i, s in enumerate(sequences):
+        if s.params.temperature > 0:
+            tokens[i] = sample(logits[i : i + 1], s.params, s.generator)[0]
     return tokens
 
 

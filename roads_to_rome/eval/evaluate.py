@@ -126,9 +126,7 @@ def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine
             chunk = todo[start : start + batch_size]
             requests = [Request(engine.encode_chat(item.prompt), params, target_rate=target_rate) for item in chunk]
             began = time.perf_counter()
-            engine.run(requests)
-            for item, request in zip(chunk, requests):
-                gen = request.generation
+            for item, gen in zip(chunk, engine.run(requests)):
                 extracted, correct = tasks.grade(benchmark, item, gen.text)
                 sources = "".join({"llm": "L", "fix": "F"}.get(s, "S") for s in gen.sources)
                 row = {"id": item.id, "output": gen.text, "extracted": extracted, "correct": correct,

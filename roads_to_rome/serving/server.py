@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server for R2R, with continuous batching and per-token provenance.
 
-One engine thread (`Scheduler`) owns the models and a running `Batch`; the HTTP handlers
+One engine thread (`EngineThread`) drives the engine's `Scheduler`, which owns the running batch; the HTTP handlers
 (asyncio, module level, reading the server's state from `app.state.r2r`) submit requests to it
 and receive each decode step through an asyncio queue. A request is checked in full before it
 queues (body, sampling values, seed, context), so nothing a client sends can fail the batch. Its
@@ -14,7 +14,6 @@ OpenAI-style JSON body; internals go to the server's log, not to clients.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import hmac
 import html
@@ -43,7 +42,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.staticfiles import StaticFiles
 
-from roads_to_rome.core.engine import Batch, Engine, Prefill, Request, SamplingParams, Step, parse_verify
+from roads_to_rome.core.engine import Cancelled, Engine, Failure, Scheduler
+from roads_to_rome.core.request import Request, Sequence, Step
+from roads_to_rome.core.sampling import SamplingParams, parse_verify
 from roads_to_rome.errors import R2RError, RemoteError
 from roads_to_rome.text import Detokenizer
 
@@ -144,40 +145,36 @@ class CompletionBody(CommonBody):
 # ---- the engine thread ------------------------------------------------------------------------
 
 @dataclass
-class Failure:
-    """The request could not go on: an engine failure while it was in flight, or the server shutting down."""
+class ErrorReply:
+    """What a client sees of a request that could not go on: an engine failure while it was in flight, or the
+    server shutting down."""
 
     message: str
     status: int = 500
 
 
 class Job:
-    """A request, the asyncio queue its handler reads its `Step`s (or a `Failure`) from, and the KV-cache
-    tokens it holds while admitted (prompt + max new tokens: all it can ever need)."""
+    """A sequence and the asyncio queue its handler reads its `Step`s (or an `ErrorReply`) from."""
 
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
-        self.request, self.loop, self.events = request, loop, asyncio.Queue()
-        self.kv_tokens = len(request.prompt_ids) + request.params.max_new_tokens
+    def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop):
+        self.sequence, self.loop, self.events = sequence, loop, asyncio.Queue()
 
-    def send(self, event: Step | Failure) -> None:
+    def send(self, event: Step | ErrorReply) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # its event loop has closed: nobody wants the tokens any more
-            self.request.cancelled = True
+            self.sequence.cancelled = True
 
 
-class Scheduler:
-    """Runs the engine in its own thread. Each turn: admit waiting requests while there is a slot and KV
-    room, read one chunk of one admitted prompt, and run one decode step of the batch (continuous
-    batching with chunked prefill)."""
+class EngineThread:
+    """Drives the engine's `Scheduler` in a thread of its own, a turn at a time while there is work, and hands each
+    job its events. The queue's limit (429) and draining on shutdown (503) are the server's; admission, chunked
+    prefill and decoding are the scheduler's."""
 
     def __init__(self, engine: Engine, limits: Limits):
-        self.engine, self.limits = engine, limits
-        self.batch = Batch(engine)
-        self.pending: collections.deque[Job] = collections.deque()  # waiting for a slot
-        self.reading: collections.deque[Job] = collections.deque()  # admitted, prompt being read (round robin)
-        self.running: dict[int, Job] = {}  # id(request) -> its job, for the requests in the batch
-        self.kv_in_use = 0  # KV tokens held by admitted jobs
+        self.limits = limits
+        self.scheduler = Scheduler(engine, limits.max_batch, limits.prefill_chunk)
+        self.jobs: dict[int, Job] = {}  # id(sequence) -> its job, until the sequence leaves the scheduler
         self.wakeup = threading.Condition()
         self.stopping = False
         self.deadline: float | None = None  # set when draining: in-flight requests are cut at this time
@@ -197,125 +194,77 @@ class Scheduler:
         with self.wakeup:
             self.deadline = time.monotonic() + seconds if self.deadline is None else min(self.deadline,
                                                                                           time.monotonic() + seconds)
-            for job in self.pending:
-                job.send(Failure("the server is shutting down; retry on another server", 503))
-            self.pending.clear()
+            self._deliver(self.scheduler.drop_waiting(ShuttingDown()))
             self.wakeup.notify()
 
     def submit(self, job: Job) -> None:
         with self.wakeup:
             if self.deadline is not None or self.stopping:
-                raise APIError(503, "the server is shutting down; retry on another server", kind="server_error",
-                               code="shutting_down")
-            # Clients that gave up while queued leave the queue (and free their place in it).
-            self.pending = collections.deque(j for j in self.pending if not j.request.cancelled)
+                raise APIError(503, str(ShuttingDown()), kind="server_error", code="shutting_down")
+            scheduler = self.scheduler
             # Waiting for a free slot (the engine thread admits between steps) is not queueing.
-            free_slots = max(0, self.limits.max_batch - len(self.batch.requests) - len(self.reading))
-            if len(self.pending) >= self.limits.max_queue + free_slots:
+            free_slots = max(0, self.limits.max_batch - scheduler.admitted)
+            if scheduler.load()["waiting"] >= self.limits.max_queue + free_slots:
                 raise APIError(429, "the server is busy: too many requests waiting; retry later",
                                code="queue_full", kind="rate_limit_error")
-            self.pending.append(job)
+            self.jobs[id(job.sequence)] = job
+            scheduler.add(job.sequence)
             self.wakeup.notify()
 
     def load(self) -> dict:
-        return {"running": len(self.batch.requests) + len(self.reading), "prefilling": len(self.reading),
-                "waiting": sum(not j.request.cancelled for j in self.pending)}
+        return self.scheduler.load()
 
     def _run(self):
-        while True:
-            with self.wakeup:
-                while not self.stopping and not self.pending and not self.reading and not self.batch.requests:
-                    self.wakeup.wait()
-                if self.stopping:
-                    return
-                self._admit()
-            if self.deadline is not None and time.monotonic() >= self.deadline:
-                self._cut("the server is shutting down: this request was cut off at the drain deadline")
-            self._read_one_chunk()
-            self._decode_step()
+        while self._turn():
+            pass
 
-    def _admit(self) -> None:
-        """Waiting requests, first come first served, take a slot while one is free and their KV tokens fit."""
-        capacity = self.engine.kv_capacity
-        while self.pending:
-            job = self.pending[0]
-            if job.request.cancelled:
-                self.pending.popleft()
+    def _turn(self) -> bool:
+        """One turn of the scheduler once there is work; False when the server stops. (A function of its own, so
+        that nothing of a finished request outlives its turn in a local variable.)"""
+        with self.wakeup:
+            while not self.stopping and self.scheduler.idle:
+                self.wakeup.wait()
+            if self.stopping:
+                return False
+            left = self.scheduler.admit()  # under the lock: `submit` adds to the same queue
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            left += self.scheduler.cut(ShuttingDown("the server is shutting down: this request was cut off at the "
+                                                    "drain deadline"))
+        events = left + self.scheduler.advance()
+        with self.wakeup:
+            self._deliver(events)
+        return True
+
+    def _deliver(self, events: list[Step | Failure]) -> None:
+        for event in events:
+            job = self.jobs.get(id(event.sequence))
+            if isinstance(event, Failure):
+                self.jobs.pop(id(event.sequence), None)
+                if job is not None and not isinstance(event.error, Cancelled):
+                    job.send(error_reply(event.error))
                 continue
-            if len(self.batch.requests) + len(self.reading) >= self.limits.max_batch:
-                return
-            if capacity is not None and self.kv_in_use + job.kv_tokens > capacity:
-                return  # the head waits for room (make_request refused any job that could never fit)
-            self.pending.popleft()
-            self.kv_in_use += job.kv_tokens
-            job.request.prefill = Prefill(self.engine, job.request)
-            self.reading.append(job)
-
-    def _read_one_chunk(self) -> None:
-        while self.reading and self.reading[0].request.cancelled:
-            self._release(self.reading.popleft())
-        if not self.reading:
-            return
-        job = self.reading[0]
-        try:
-            job.request.prefill.advance(self.limits.prefill_chunk)
-            if not job.request.prefill.done:
-                self.reading.rotate(-1)  # the next prompt gets the next chunk
-                return
-            self.reading.popleft()
-            self.batch.add([job.request])  # leaves the batch as it was if it fails
-            self.running[id(job.request)] = job
-        except Exception as e:  # only this request was being read: only it fails
-            if job in self.reading:
-                self.reading.remove(job)
-            self._release(job, failure(e))
-
-    def _decode_step(self) -> None:
-        if not self.batch.requests:
-            return
-        try:
-            steps = self.batch.step()
-        except Exception as e:  # a step runs every row at once: fail the requests in it, start a fresh batch
-            problem = failure(e)
-            for job in list(self.running.values()):
-                self._release(job, problem)
-            self.running.clear()
-            self.batch = Batch(self.engine)
-            return
-        for step in steps:
-            job = self.running[id(step.request)]
-            job.send(step)
-            if step.finished:
-                self._release(self.running.pop(id(step.request)))
-        # Cancelled requests left the batch at this step without a last Step.
-        for key in set(self.running) - {id(r) for r in self.batch.requests}:
-            self._release(self.running.pop(key))
-
-    def _release(self, job: Job, problem: Failure | None = None) -> None:
-        self.kv_in_use -= job.kv_tokens
-        job.kv_tokens = 0
-        job.request.prefill = None  # its caches, if it was being read
-        if problem:
-            job.send(problem)
-
-    def _cut(self, message: str) -> None:
-        for job in list(self.reading) + list(self.running.values()):
-            self._release(job, Failure(message, 503))
-            job.request.cancelled = True
-        self.reading.clear()
-        self.batch.step()  # drops the cancelled rows (and returns no step: every row is cancelled)
-        self.running.clear()
+            if event.finished:
+                self.jobs.pop(id(event.sequence), None)
+            if job is not None:
+                job.send(event)
 
 
-def failure(e: Exception) -> Failure:
+class ShuttingDown(R2RError):
+    def __init__(self, why: str = "the server is shutting down; retry on another server"):
+        super().__init__(why)
+
+
+def error_reply(e: Exception) -> ErrorReply:
     """What a client may see of an engine error: our own messages; other exceptions stay in the log."""
+    if isinstance(e, ShuttingDown):
+        return ErrorReply(str(e), 503)
     if isinstance(e, RemoteError):  # its message names an address clients need not know
         log.error("remote model failure: %s", e)
-        return Failure("the LLM's server failed this request (the server's log has the details)", 502)
+        return ErrorReply("the LLM's server failed this request (the server's log has the details)", 502)
     if isinstance(e, R2RError):
-        return Failure(str(e))
-    log.exception("engine failure")
-    return Failure("internal error in the engine (the server's log has the details)")
+        return ErrorReply(str(e))
+    log.exception("engine failure", exc_info=e)
+    return ErrorReply("internal error in the engine (the server's log has the details)")
 
 
 # ---- what never reaches a handler ----------------------------------------------------------------
@@ -419,7 +368,7 @@ class ServerState:
     engine: Engine
     model_name: str
     limits: Limits
-    scheduler: Scheduler
+    engine_thread: EngineThread
     tokenizing: concurrent.futures.ThreadPoolExecutor  # off the event loop; one thread: tokenizers are not
     # safe to reconfigure from several threads at once
 
@@ -434,13 +383,13 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
                        f"once): lower --max-batch")
     # One request's limit: what one row may hold, and the KV pool all rows share where the backend has one.
     limits.context_length = min(limits.context_length, engine.max_context, engine.kv_capacity or engine.max_context)
-    state = ServerState(engine, model_name, limits, Scheduler(engine, limits),
+    state = ServerState(engine, model_name, limits, EngineThread(engine, limits),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-tokenize"))
 
     async def lifespan(app):
-        state.scheduler.start()
+        state.engine_thread.start()
         yield
-        state.scheduler.stop()
+        state.engine_thread.stop()
         state.tokenizing.shutdown(wait=False)
 
     app = FastAPI(title="R2R", lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
@@ -487,7 +436,7 @@ def server(http: HTTPRequest) -> ServerState:
 @routes.get("/health")
 async def health(http: HTTPRequest):
     s = server(http)
-    return {"status": "ok", "model": s.model_name, **s.scheduler.load()}
+    return {"status": "ok", "model": s.model_name, **s.engine_thread.load()}
 
 
 @routes.get("/v1/models")
@@ -552,7 +501,7 @@ def check_body(body: CommonBody, s: ServerState) -> None:
         raise APIError(400, "only n=1 is supported", param="n")
 
 
-def make_request(body: CommonBody, prompt_ids: list[int], s: ServerState) -> Request:
+def make_sequence(body: CommonBody, prompt_ids: list[int], s: ServerState) -> Sequence:
     limits = s.limits
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None and max_tokens < 1:
@@ -570,40 +519,40 @@ def make_request(body: CommonBody, prompt_ids: list[int], s: ServerState) -> Req
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                             top_k=body.top_k, stop=tuple(stop), seed=body.seed)
-    request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
-                      target_rate=body.r2r_llm_rate, verify=body.r2r_verify, max_unverified=body.r2r_max_unverified)
     try:
-        s.engine.check(request)  # here, not in the engine thread, where it would fail the whole batch
+        request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
+                          target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
+                          max_unverified=body.r2r_max_unverified)
+        return s.engine.sequence(request)  # here, not in the engine thread, where it would fail the whole batch
     except R2RError as e:
         raise APIError(400, str(e)) from None
-    return request
 
 
 async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompt_ids: list[int], chat: bool):
-    job = Job(make_request(body, prompt_ids, s), asyncio.get_running_loop())
-    s.scheduler.submit(job)
+    job = Job(make_sequence(body, prompt_ids, s), asyncio.get_running_loop())
+    s.engine_thread.submit(job)
     reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(job, reply, s.engine, include_usage), media_type="text/event-stream")
-    request = job.request
+    sequence = job.sequence
     try:
         while True:
             try:
                 event = await asyncio.wait_for(job.events.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
-                    request.cancelled = True
+                    sequence.cancelled = True
                     return Response(status_code=499)
                 continue
-            if isinstance(event, Failure):
+            if isinstance(event, ErrorReply):
                 raise APIError(event.status, event.message, kind="server_error")
             if event.finished:
                 break
     except asyncio.CancelledError:
-        request.cancelled = True
+        sequence.cancelled = True
         raise
-    return JSONResponse(reply.whole(request.generation))
+    return JSONResponse(reply.whole(sequence.generation))
 
 
 @dataclass
@@ -655,16 +604,16 @@ class Reply:
 async def stream_events(job: Job, reply: Reply, engine: Engine, include_usage: bool):
     """One chunk per token once it is final (at once without verification; with it, once the LLM has
     checked it), with its provenance; the last chunk carries the usage."""
-    request = job.request
+    sequence = job.sequence
     detok = Detokenizer(engine.tokenizer)
-    hold = max((len(s) for s in request.params.stop), default=1) - 1  # a stop string may be forming
+    hold = max((len(s) for s in sequence.params.stop), default=1) - 1  # a stop string may be forming
     text, sent, finished = "", 0, False
     try:
         if reply.chat:
             yield reply.chunk(None, role=True)
         while not finished:
             event = await job.events.get()
-            if isinstance(event, Failure):
+            if isinstance(event, ErrorReply):
                 error = {"error": {"message": event.message, "type": "server_error", "param": None, "code": None}}
                 yield f"data: {json.dumps(error)}\n\n"
                 break
@@ -672,21 +621,21 @@ async def stream_events(job: Job, reply: Reply, engine: Engine, include_usage: b
                 finished = event.finished and n == len(event.final)
                 text += detok.push(token, final=finished)
                 if finished:  # the final text has any stop string cut off
-                    final = request.generation.text
+                    final = sequence.generation.text
                     delta, sent = final[sent:], len(final)
                 else:
                     safe = len(text) - hold
                     delta, sent = (text[sent:safe], safe) if safe > sent else ("", sent)
                 extra = {"r2r": {"token_id": token, "source": source, "score": score}}
                 if finished:
-                    extra["usage"] = usage(request.generation)
-                yield reply.chunk(delta, request.generation.finish_reason if finished else None, extra)
+                    extra["usage"] = usage(sequence.generation)
+                yield reply.chunk(delta, sequence.generation.finish_reason if finished else None, extra)
         if finished and include_usage:
-            yield reply.usage_chunk(request.generation)
+            yield reply.usage_chunk(sequence.generation)
         yield "data: [DONE]\n\n"
     finally:
         if not finished:
-            request.cancelled = True  # the client went away (or an error): free the slot
+            sequence.cancelled = True  # the client went away (or an error): free the slot
 
 
 def usage(gen) -> CompletionUsage:
@@ -706,9 +655,9 @@ def run(app: FastAPI, host: str, port: int) -> None:
         def handle_exit(self, sig, frame):
             if self.should_exit:
                 self.force_exit = True  # uvicorn then stops waiting for connections
-                app.state.r2r.scheduler.drain(0)
+                app.state.r2r.engine_thread.drain(0)
             else:
-                app.state.r2r.scheduler.drain(app.state.r2r.limits.drain_timeout)
+                app.state.r2r.engine_thread.drain(app.state.r2r.limits.drain_timeout)
             super().handle_exit(sig, frame)
 
     drain = app.state.r2r.limits.drain_timeout

@@ -1,0 +1,153 @@
+"""What a client asks for (`Request`, immutable, checked when made) and what the engine keeps while it decodes it
+(`Sequence`), apart as in vLLM: nothing the engine does writes into a client's request. A sequence's result grows
+in its `Generation`; each decode step reports what it added as a `Step`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch
+
+from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify
+from roads_to_rome.errors import R2RError
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt and how to decode it. The one place a client's settings are parsed: a `Request` that exists is
+    valid in itself (whether an engine can run it is `Engine.sequence`'s to say)."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+    force: str | None = None  # "slm" or "llm": this request bypasses the policy
+    threshold: float | None = None  # this request's own routing threshold (None: the policy's)
+    target_rate: float | None = None  # aim for this LLM rate instead of a fixed threshold (`Batch._threshold`)
+    verify: str | float | None = None  # "off", "strict" or a tolerance in nats (None: the engine's)
+    max_unverified: int | None = None  # verify once this many tokens are unread by the LLM (None: the engine's)
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        if not self.prompt_ids:
+            raise R2RError("every prompt needs at least one token")
+        self.params.validate()
+        if self.force not in (None, "slm", "llm"):
+            raise R2RError(f"a request may force 'slm' or 'llm', not {self.force!r}")
+        if self.target_rate is not None and not 0 <= self.target_rate <= 1:
+            raise R2RError(f"a target LLM rate is in [0, 1], got {self.target_rate}")
+        if self.verify is not None:
+            object.__setattr__(self, "verify", parse_verify(self.verify))
+        check_max_unverified(self.max_unverified)
+
+    @property
+    def kv_tokens(self) -> int:
+        """The KV-cache tokens this request can ever need: its prompt and every token it may add."""
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+
+@dataclass
+class Timings:
+    """Seconds one request spent in each part of the loop (a batched step counts for each of its rows)."""
+
+    slm_s: float = 0.0
+    router_s: float = 0.0
+    llm_s: float = 0.0
+    total_s: float = 0.0
+    steps: int = 0
+    llm_calls: int = 0  # LLM catch-ups this request's row took part in
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # per token: "slm", "llm" (routed) or "fix" (verification)
+    scores: list[float] = field(default_factory=list)  # the policy's score behind each decision
+    text: str = ""
+    finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length"
+    elapsed_s: float = 0.0  # from the start of the call to this row's last token
+    params_b: tuple[float, float, float] = (0.0, 0.0, 0.0)  # SLM, router, LLM parameters (billions)
+    timings: Timings = field(default_factory=Timings)
+    rollbacks: int = 0  # times verification rejected a token and the row went back to it
+    discarded: int = 0  # tokens written and then thrown away by those rollbacks
+
+    @property
+    def llm_tokens(self) -> int:
+        """Every token the LLM produced: routed ones and verification's fixes."""
+        return self.sources.count("llm") + self.sources.count("fix")
+
+    @property
+    def llm_rate(self) -> float:
+        return self.llm_tokens / max(len(self.token_ids), 1)
+
+    @property
+    def avg_params_b(self) -> float:
+        """Average activated parameters per token, as the paper counts: SLM + router + rate x LLM."""
+        slm, router, llm = self.params_b
+        return slm + router + self.llm_rate * llm
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.elapsed_s if self.elapsed_s else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "sources": self.sources,
+            "scores": [round(s, 6) for s in self.scores],
+            "finish_reason": self.finish_reason,
+            "tokens": len(self.token_ids),
+            "llm_tokens": self.llm_tokens,
+            "fix_tokens": self.sources.count("fix"),
+            "rollbacks": self.rollbacks,
+            "discarded_tokens": self.discarded,
+            "llm_rate": self.llm_rate,
+            "avg_params_b": self.avg_params_b,
+            "tokens_per_s": self.tokens_per_s,
+            "elapsed_s": self.elapsed_s,
+            "time_slm_s": self.timings.slm_s,
+            "time_router_s": self.timings.router_s,
+            "time_llm_s": self.timings.llm_s,
+        }
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request being decoded: the engine's running state for it (`Engine.sequence` makes one)."""
+
+    request: Request
+    verify: str | float  # the request's setting, or the engine's default for it
+    max_unverified: int | None
+    generation: Generation
+    index: int = 0  # the prompt's position in its `Engine.run` / `Engine.stream` call
+    generator: torch.Generator | None = None  # the request's seeded draws
+    cancelled: bool = False  # set from anywhere; the sequence leaves at the next step
+    started: float = 0.0  # when it joined a batch
+    final: int = 0  # tokens of the output that can no longer change (verification may take back the rest)
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # token index -> the SLM's distribution
+    # it was drawn from (kept for strict verification under sampling only)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+    @property
+    def force(self) -> str | None:
+        return self.request.force
+
+
+@dataclass
+class Step:
+    """What one decode step added to one sequence."""
+
+    sequence: Sequence
+    token_id: int  # the token now at the end of the sequence's output
+    source: str  # "slm", "llm" (routed) or "fix" (put in by verification)
+    score: float  # the policy's score behind the decision
+    finished: bool
+    discarded: int = 0  # tokens before this one that verification took back
+    final: list[tuple[int, str, float]] = field(default_factory=list)  # (token, source, score) of the tokens
+    # that became final with this step, in order: what a stream may show (without verification: this token)

@@ -1,0 +1,141 @@
+"""The one scheduler every client drives, and the split between a client's request and the engine's sequence."""
+
+import dataclasses
+
+import pytest
+
+from roads_to_rome.core.engine import Cancelled, Engine, Failure, Scheduler
+from roads_to_rome.core.request import Request, Step
+from roads_to_rome.core.sampling import SamplingParams
+from roads_to_rome.errors import R2RError
+from roads_to_rome.routing.policies import AlwaysLLM, RandomPolicy
+
+PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain.",
+           "Count to five."]
+
+
+def drive(scheduler):
+    """Turns to the end: every event, in order."""
+    events = []
+    while not scheduler.idle:
+        events += scheduler.turn()
+    return events
+
+
+@pytest.fixture
+def engine(slm, llm, tokenizer):
+    return Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="1")
+
+
+def test_a_request_is_checked_when_made_and_never_written_to(engine):
+    with pytest.raises(R2RError, match="at least one token"):
+        Request([], SamplingParams())
+    with pytest.raises(R2RError, match="max new tokens"):
+        Request([1, 2], SamplingParams(max_new_tokens=0))
+    with pytest.raises(R2RError, match="force 'slm' or 'llm'"):
+        Request([1, 2], force="big")
+    with pytest.raises(R2RError, match="target LLM rate"):
+        Request([1, 2], target_rate=1.5)
+    with pytest.raises(R2RError, match="verify takes off, strict or a tolerance"):
+        Request([1, 2], verify="sometimes")
+    with pytest.raises(R2RError, match="max unverified"):
+        Request([1, 2], max_unverified=0)
+    request = Request([1, 2, 3], SamplingParams(max_new_tokens=4), verify="0.5")
+    assert request.verify == 0.5 and request.prompt_ids == (1, 2, 3)  # parsed once, when made
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.verify = "off"
+    plain = Request([1, 2, 3])
+    sequence = engine.sequence(plain)
+    assert sequence.verify == 1.0 and plain.verify is None  # the engine's default is the sequence's, not the request's
+    engine.run([plain])
+    assert plain == Request([1, 2, 3])
+
+
+def test_at_most_max_batch_sequences_run_and_each_leaves_once(engine):
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    alone = engine.generate([engine.encode_chat(p) for p in PROMPTS], params)
+    scheduler = Scheduler(engine, max_batch=2)
+    sequences = [engine.sequence(Request(engine.encode_chat(p), params), i) for i, p in enumerate(PROMPTS)]
+    for s in sequences:
+        scheduler.add(s)
+    events, most = [], 0
+    while not scheduler.idle:
+        events += scheduler.turn()
+        most = max(most, scheduler.admitted)
+    assert most == 2
+    last = [e.sequence.index for e in events if isinstance(e, Step) and e.finished]
+    assert sorted(last) == [0, 1, 2, 3] and not [e for e in events if isinstance(e, Failure)]
+    assert [s.generation.token_ids for s in sequences] == [g.token_ids for g in alone]
+    assert scheduler.kv_in_use == 0
+
+
+def test_admission_waits_for_kv_room_and_refuses_what_can_never_fit(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, AlwaysLLM())
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompts = [engine.encode_chat(p) for p in PROMPTS[:3]]
+    alone = engine.generate(prompts, params)
+    engine.kv_capacity = max(len(p) for p in prompts) + 8  # room for one sequence at a time
+    scheduler = Scheduler(engine)
+    sequences = [engine.sequence(Request(p, params), i) for i, p in enumerate(prompts)]
+    for s in sequences:
+        scheduler.add(s)
+    while not scheduler.idle:
+        scheduler.turn()
+        assert scheduler.admitted <= 1 and scheduler.kv_in_use <= engine.kv_capacity
+    assert [s.generation.token_ids for s in sequences] == [g.token_ids for g in alone]
+    too_long = Request(prompts[0], SamplingParams(max_new_tokens=engine.kv_capacity))
+    with pytest.raises(R2RError, match="KV-cache tokens"):
+        engine.run([too_long])
+
+
+def test_cancelled_sequences_leave_with_a_failure_waiting_or_running(engine):
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    scheduler = Scheduler(engine, max_batch=1, prefill_chunk=4)
+    running, waiting = (engine.sequence(Request(engine.encode_chat(p), params)) for p in PROMPTS[:2])
+    scheduler.add(running)
+    scheduler.add(waiting)
+    for _ in range(8):
+        scheduler.turn()
+    assert running.generation.token_ids and not waiting.generation.token_ids
+    running.cancelled = waiting.cancelled = True
+    events = drive(scheduler)
+    assert {id(e.sequence) for e in events} == {id(running), id(waiting)}
+    assert all(isinstance(e, Failure) and isinstance(e.error, Cancelled) for e in events)
+    assert scheduler.kv_in_use == 0
+
+
+def test_cut_and_drop_waiting_fail_every_sequence_they_hold(engine):
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    scheduler = Scheduler(engine, max_batch=2, prefill_chunk=8)
+    sequences = [engine.sequence(Request(engine.encode_chat(p), params)) for p in PROMPTS[:3]]
+    for s in sequences:
+        scheduler.add(s)
+    scheduler.turn()
+    stop = R2RError("stopping")
+    dropped = scheduler.drop_waiting(stop)
+    cut = scheduler.cut(stop)
+    assert [e.sequence for e in dropped] == sequences[2:]
+    assert {id(e.sequence) for e in cut} == {id(s) for s in sequences[:2]}
+    assert all(e.error is stop for e in dropped + cut)
+    assert scheduler.idle and scheduler.kv_in_use == 0
+
+
+def test_an_error_in_a_step_fails_the_sequences_in_it_and_the_scheduler_goes_on(engine, monkeypatch):
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    scheduler = Scheduler(engine)
+    first = engine.sequence(Request(engine.encode_chat(PROMPTS[0]), params))
+    scheduler.add(first)
+    scheduler.turn()
+    forward = engine.writer.forward
+    monkeypatch.setattr(engine.writer, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    events = scheduler.turn()
+    assert [(e.sequence, str(e.error)) for e in events] == [(first, "boom")]
+    monkeypatch.setattr(engine.writer, "forward", forward)
+    second = engine.sequence(Request(engine.encode_chat(PROMPTS[1]), params))
+    scheduler.add(second)
+    events = drive(scheduler)
+    assert all(isinstance(e, Step) and e.sequence is second for e in events) and events[-1].finished
+    assert len(second.generation.token_ids) == 5
+    with pytest.raises(RuntimeError, match="boom"):  # an offline run raises the error itself
+        monkeypatch.setattr(engine.writer, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+        engine.run([Request([1, 2, 3], params)])
