@@ -18,8 +18,9 @@ $(INSTALLED): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet ".[serve,eval,labels,test]"
-	@# The llama.cpp backend compiles llama.cpp (minutes). If that fails, say so and go on: torch still works.
-	$(BIN)/pip install --quiet "llama-cpp-python==$(LLAMA_CPP_VERSION)" || \
+	@# The llama.cpp backend, built for this processor (minutes, once per processor). If that fails, say so and
+	@# go on: torch still works.
+	sh scripts/install-llama-cpp.sh $(LLAMA_CPP_VERSION) $(BIN)/pip || \
 	  echo "warning: llama-cpp-python did not build; --backend llamacpp is unavailable, --backend torch works"
 	touch $@
 

@@ -23,6 +23,7 @@ _PUBLIC = {
     "Request": "roads_to_rome.core.request",
     "SamplingParams": "roads_to_rome.core.sampling",
     "load_engine": "roads_to_rome.models",
+    "EngineConfig": "roads_to_rome.models",
     "load_pair": "roads_to_rome.models",
     "load_model": "roads_to_rome.models",
     "RoutingPolicy": "roads_to_rome.routing.policies",

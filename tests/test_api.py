@@ -23,3 +23,17 @@ def test_the_public_names_run_a_pair(slm, llm, tokenizer):
     alone = Engine.alone(llm, tokenizer).generate([engine.encode_raw("a b c")],
                                                   SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
     assert result.token_ids == alone.token_ids and result.llm_rate == 1.0
+
+
+def test_load_engine_builds_what_a_config_says_and_fields_override_it(tmp_path):
+    from tiny import save_pair
+
+    from roads_to_rome import EngineConfig, load_engine
+
+    slm_dir, llm_dir = save_pair(tmp_path)
+    config = EngineConfig(slm=str(slm_dir), llm=str(llm_dir), device="cpu", policy="entropy", threshold=0.5)
+    engine = load_engine(config, verify="strict", max_unverified=3)
+    assert (engine.policy.name, engine.policy.threshold, engine.verify, engine.max_unverified) == \
+        ("entropy", 0.5, "strict", 3)
+    assert config.verify is None and config.max_unverified is None  # the config is left as it was made
+    assert load_engine(config).verify == 1.0  # a routing policy verifies at 1 nat unless told otherwise

@@ -38,6 +38,20 @@ def test_it_implements_the_protocol(backend, tokenizer):
     assert backend.embed(torch.tensor([1, 2])).shape == (2, backend.embedding_table().shape[1])
 
 
+def test_it_names_the_kernels_it_runs_with(backend, kind):
+    from roads_to_rome.hardware import cpu
+
+    if kind == "llamacpp":
+        from roads_to_rome.backends.llamacpp import compiled_features
+
+        assert backend.kernels.startswith("llama.cpp ")
+        if "avx512f" in cpu()[1]:  # a native build uses the widest vector unit of the CPU it was built on
+            assert "AVX512" in compiled_features()
+        assert ("REPACK (off)" in backend.kernels) == ("AMX_INT8" in compiled_features())
+    else:
+        assert backend.kernels == f"torch {torch.__version__} float32 {torch.backends.cpu.get_cpu_capability()}"
+
+
 def test_eos_ids_hold_the_models_end_of_turn(backend, tokenizer):
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in backend.eos_ids
 

@@ -38,6 +38,12 @@ def test_generate_prints_text_and_stats(run_cli, pair):
     code, out, err = run_cli("generate", "Hello", "--router", "llm", "--max-new-tokens", "6", *pair)
     assert code == 0, err
     assert "LLM rate" in out and "100.0%" in out and "avg. activated params" in out
+    import re
+
+    import torch
+
+    for role in ("SLM", "LLM"):  # which backend ran each model (model directories: torch)
+        assert re.search(rf"{role} ran on\s+torch {re.escape(torch.__version__)} bfloat16 ", out), out
 
 
 @pytest.mark.parametrize(

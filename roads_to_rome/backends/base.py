@@ -51,6 +51,10 @@ class Backend(Protocol):
     max_rows: int | None
     """The most rows one cache may hold at once; None when only memory limits it."""
 
+    kernels: str
+    """What runs the model's arithmetic here, for speed figures: a build's CPU kernels (llama.cpp: AVX512 REPACK
+    ...), torch's CPU capability or the GPU, or the server a remote model runs on."""
+
     verifies: bool
     """Whether `forward_all` works: the logits at every new column, which verification needs."""
 

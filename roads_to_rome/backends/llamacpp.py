@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from roads_to_rome.errors import R2RError
-from roads_to_rome.hardware import has_amx
 
 try:
     import llama_cpp
@@ -39,14 +38,33 @@ class LlamaCache:
     length: int = 0  # columns of the token streams already read
 
 
+def compiled_features() -> list[str]:
+    """What this build of llama.cpp compiled in for the CPU (its system info: AVX2, AVX512, AMX_INT8, REPACK...)."""
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    return [name.strip() for name, _, value in (item.partition("=") for item in info.split("|"))
+            if value.strip() == "1" and name.strip()]
+
+
+def amx_compiled() -> bool:
+    return "AMX_INT8" in compiled_features()
+
+
 def model_params():
-    """llama.cpp's default model parameters, safe on this CPU."""
+    """llama.cpp's default model parameters, safe with this build."""
     params = llama_cpp.llama_model_default_params()
-    # On CPUs with AMX (Intel Sapphire Rapids and later) llama.cpp repacks weights into its AMX buffer type,
-    # whose matmul crashes the process at the first decode (llama-cpp-python 0.3.36, Q4_K_M). Extra buffer
-    # types are left on elsewhere: on AVX2/AVX-512 CPUs they hold the faster repacked layouts.
-    params.use_extra_bufts = not has_amx()
+    # A build with AMX compiled in (on Intel Sapphire Rapids and later, unless set-up compiled it out) repacks
+    # weights into its AMX buffer type, whose matmul crashes the process at the first decode (llama-cpp-python
+    # 0.3.36, Q4_K_M). Extra buffer types are left on otherwise: they hold the faster repacked layouts.
+    params.use_extra_bufts = not amx_compiled()
     return params
+
+
+def kernels() -> str:
+    """The CPU kernels this build runs a model with: its vector units and whether the repacked layouts are on."""
+    wanted = [f for f in compiled_features() if f.startswith(("AVX", "AMX", "SVE", "NEON", "REPACK"))]
+    if amx_compiled():  # extra buffer types off (model_params): neither AMX nor the repacked layouts run
+        wanted = [f"{f} (off)" if f.startswith("AMX") or f == "REPACK" else f for f in wanted]
+    return "llama.cpp " + " ".join(wanted)
 
 
 def llama_cpp_available() -> bool:
@@ -98,6 +116,7 @@ class LlamaCppBackend:
         # One row may grow to the whole pool, but not past the context the model was trained for.
         self.max_context = min(n_ctx, llama_cpp.llama_model_n_ctx_train(self._model) or n_ctx)
         self.max_rows = max_rows
+        self.kernels = kernels()
         self.eos_ids = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)}
         self._free_seqs = list(range(max_rows))[::-1]
         self._embedding_table = None

@@ -196,6 +196,7 @@ class RemoteBackend:
             raise R2RError(f"--llm {address}: engine {engine!r} is not supported (use {', '.join(ENGINES)})")
         self.api = ENGINES[engine](self.client, query.get("model"))
         self.name = f"{self.api.model} @ {url}"
+        self.kernels = f"{engine} server at {url}"
         self.top_logprobs = top_logprobs
         self.vocab_size = vocab_size or len(tokenizer)
         self.eos_ids = set(eos_ids)

@@ -72,6 +72,14 @@ class TorchBackend:
     def dtype(self) -> torch.dtype:
         return self.head.weight.dtype
 
+    @property
+    def kernels(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.device.type == "cuda":
+            graphs = "CUDA graphs" if self.graphs else "eager"
+            return f"torch {torch.__version__} {dtype} on {torch.cuda.get_device_name(self.device)} ({graphs})"
+        return f"torch {torch.__version__} {dtype} {torch.backends.cpu.get_cpu_capability()}"
+
     def new_cache(self) -> TorchCache:
         return TorchCache(None if self.static else DynamicCache(config=self.model.config))
 

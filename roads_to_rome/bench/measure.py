@@ -30,6 +30,11 @@ def processor() -> str:
     return describe_cpu() + gpu
 
 
+def kernels(**models) -> dict[str, str]:
+    """What ran each model of a measurement (`Backend.kernels`), by its role."""
+    return {role: backend.kernels for role, backend in models.items() if backend is not None}
+
+
 @torch.inference_mode()
 def bare_loop(model, prompt_ids: list[int], n_tokens: int, static: bool = False, forward=None) -> tuple[list[int], float]:
     """The floor for any engine: the SLM's forward with its KV cache and argmax, nothing else. Returns the
@@ -95,7 +100,7 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
             progress.advance(task)
     medians = {name: statistics.median(r) for name, r in runs.items()}
     return {"tokens": n_tokens, "rounds": rounds, "device": str(slm_backend.device), "dtype": dtype,
-            "runs": runs, "tokens_per_s": medians, "compile_s": compile_s,
+            "kernels": kernels(slm=slm_backend), "runs": runs, "tokens_per_s": medians, "compile_s": compile_s,
             "ratio": medians["engine"] / medians["bare"],
             "vs_bare": {name: m / medians["bare"] for name, m in medians.items()}}
 
@@ -117,8 +122,8 @@ def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshol
 
     seq = phase([(len(g.token_ids), g.llm_tokens) for g in one_by_one], sequential_s)
     bat = phase([(len(g.token_ids), g.llm_tokens) for g in batched], batched_s)
-    return {"batch_size": batch_size, "dtype": dtype, "backend": backend, "device": str(slm_backend.device), "threshold": threshold,
-            "sequential": seq, "batched": bat, "speedup": bat["tokens_per_s"] / seq["tokens_per_s"]}
+    return {"batch_size": batch_size, "dtype": dtype, "backend": backend, "device": str(slm_backend.device),
+            "kernels": kernels(slm=slm_backend, llm=llm_backend), "threshold": threshold, "sequential": seq, "batched": bat, "speedup": bat["tokens_per_s"] / seq["tokens_per_s"]}
 
 
 def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, context: int, new_tokens: list[int],
@@ -134,7 +139,8 @@ def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, contex
         return ms
 
     table = {role: {k: timed(b, k) for k in new_tokens} for role, b in (("slm", slm_backend), ("llm", llm_backend))}
-    return {"dtype": dtype, "backend": backend, "device": str(slm_backend.device), "context": context, "ms": table}
+    return {"dtype": dtype, "backend": backend, "device": str(slm_backend.device),
+            "kernels": kernels(slm=slm_backend, llm=llm_backend), "context": context, "ms": table}
 
 
 def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: list[int], n_prompts: int,
@@ -169,7 +175,8 @@ def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: lis
             progress.advance(task)
     same = {system: sum(a == b for a, b in zip(outputs[f"{system} (local)"], outputs[f"{system} (remote)"]))
             for system in ("LLM alone", "R2R")}
-    return {"llm_url": llm_url, "remote": llms["remote"].name, "backend": backend, "dtype": dtype, "context": context,
+    return {"llm_url": llm_url, "remote": llms["remote"].name, "backend": backend, "dtype": dtype,
+            "kernels": kernels(slm=slm_b, **{f"llm ({name})": llm for name, llm in llms.items()}), "context": context,
             "catch_up": catch_up, "prompts": n_prompts, "max_new_tokens": n_tokens, "systems": systems,
             "same_output": same}
 
@@ -220,6 +227,7 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
     t, l = ({k: torch.cat(v) if v else None for k, v in found[name].items()} for name in ("torch", "llamacpp"))
     cosine = F.cosine_similarity(t["hidden"], l["hidden"], dim=-1)
     result = {"prompts": n_prompts, "positions": len(cosine), "dtype": dtype,
+              "kernels": kernels(**{f"slm ({name})": b for name, (b, _) in slms.items()}),
               "hidden_cosine_mean": cosine.mean().item(), "hidden_cosine_min": cosine.min().item(),
               "argmax_agreement": (t["argmax"] == l["argmax"]).float().mean().item(),
               "entropy_threshold": entropy_threshold,
@@ -330,6 +338,8 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
     for r in results.values():
         r["vs_fastest_llm"] = r["tokens_per_s"] / results[fastest_llm]["tokens_per_s"]
     return {"prompts": n_prompts, "max_new_tokens": n_tokens, "dtype": dtype, "router": str(router_path or "entropy"),
+            "kernels": kernels(**{f"{role} ({name})": b for name, pair in pairs.items() for role, b in zip(("slm", "llm"),
+                                                                                                          pair[:2])}),
             "baseline": fastest_llm, "systems": results}
 
 

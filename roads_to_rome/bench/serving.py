@@ -8,7 +8,7 @@ import time
 
 import openai
 
-from roads_to_rome.bench.measure import phase
+from roads_to_rome.bench.measure import kernels, phase
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
 from roads_to_rome.models import load_pair
@@ -37,5 +37,6 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold
             with concurrent.futures.ThreadPoolExecutor(workers) as pool:
                 results = list(pool.map(ask, prompts))
             phases[name] = phase(results, time.perf_counter() - start)
-    return {"clients": clients, "dtype": dtype, "backend": backend, "device": str(slm_backend.device), "threshold": threshold,
+    return {"clients": clients, "dtype": dtype, "backend": backend, "device": str(slm_backend.device),
+            "kernels": kernels(slm=slm_backend, llm=llm_backend), "threshold": threshold,
             **phases, "speedup": phases["concurrent"]["tokens_per_s"] / phases["one_at_a_time"]["tokens_per_s"]}

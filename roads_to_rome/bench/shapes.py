@@ -594,6 +594,7 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
                            vocab_size=len(tokenizer), graphs=plan.cuda_graphs)
         router = random_router(slm)
     slm = Recorded(slm)
+    result.setdefault("kernels", {})["slm"] = slm.kernels
     slm_engine = Engine.alone(slm, tokenizer, "slm")
     count = max(plan.prompts_at(b) for b in plan.batches)
     prompts = [slm_engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:count]]
@@ -636,6 +637,7 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
         llm, build = llm_backend(shape, tokenizer, backend, device, template, progress, plan.cuda_graphs)
         record_build(entry, build)
         llm = Recorded(llm)
+        result["kernels"][f"llm ({shape.name})"] = llm.kernels
         if "steps" not in entry:
             entry["steps"] = step_table(llm.inner, plan.context, plan.step_tokens, lengths)
             save(result)

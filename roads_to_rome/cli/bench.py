@@ -258,7 +258,8 @@ def bench_shapes(
     plot = bench_shapes_module.plot(result, out.with_suffix(".png"))
     out.with_suffix(".md").write_text(bench_shapes_module.markdown(result))
     where = f"{result['device_name']} ({result['processor']})" if result.get("device_name") else result["processor"]
-    console.print(f"measured on {where}\nJSON in {out}, Markdown table and plot beside it ({plot})")
+    measured_on(where, result)
+    console.print(f"JSON in {out}, Markdown table and plot beside it ({plot})")
 
 
 def whole_numbers(text: str, option: str) -> list[int]:
@@ -277,8 +278,15 @@ def save(result: dict, out: Path | None) -> None:
     from roads_to_rome.bench.measure import processor
 
     result["processor"] = processor()
-    console.print(f"measured on {result['processor']}")
+    measured_on(result["processor"], result)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         console.print(f"JSON in {out}")
+
+
+def measured_on(where: str, result: dict) -> None:
+    """The machine, and what ran each model on it (llama.cpp's kernels, torch's CPU capability or the GPU)."""
+    console.print(f"measured on {where}")
+    for role, ran_with in result.get("kernels", {}).items():
+        console.print(f"  {role}: {ran_with}", markup=False, highlight=False)

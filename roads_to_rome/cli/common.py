@@ -8,12 +8,11 @@ from rich.text import Text
 from roads_to_rome.cli.options import RouterChoice, console
 
 
-def build_engine(slm, llm, device, dtype, backend, router: RouterChoice | None, threshold, router_path, seed,
-                 verify=None, max_unverified=None, llama=None):
-    from roads_to_rome.models import load_engine
+def build_engine(router: RouterChoice | None = None, **options):
+    """The engine a command's options describe (`models.EngineConfig`; the router choice by its name)."""
+    from roads_to_rome.models import EngineConfig, load_engine
 
-    return load_engine(slm, llm, device, dtype, backend, router.value if router else None, threshold, router_path,
-                       seed, verify, max_unverified, llama)
+    return load_engine(EngineConfig(policy=router.value if router else None, **options))
 
 
 def progress_bar(*columns: ProgressColumn) -> Progress:

@@ -64,8 +64,8 @@ def generate(
     if not prompt.strip():
         raise R2RError("the prompt is empty: give the text to answer")
     params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
-    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, seed, verify,
-                          max_unverified)
+    engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
+                          router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified)
     prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
     generation = engine.generate([prompt_ids], params)[0]
     if as_json:
@@ -73,7 +73,7 @@ def generate(
         return
     console.print(tables.highlighted(engine.tokenizer, generation, console.is_terminal))
     console.print()
-    console.print(tables.stats(generation, engine.policy, console.is_terminal, engine.verify))
+    console.print(tables.stats(generation, engine, console.is_terminal))
 
 
 @app.command()
@@ -88,8 +88,8 @@ def chat(
     from roads_to_rome.text import Detokenizer
 
     params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
-    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, seed, verify,
-                          max_unverified)
+    engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
+                          router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified)
     messages = []
     while True:
         try:
@@ -112,7 +112,7 @@ def chat(
             console.print("\n[dim](interrupted)[/]")
         console.print()
         if results:
-            console.print(tables.stats(results[0], engine.policy, console.is_terminal, engine.verify))
+            console.print(tables.stats(results[0], engine, console.is_terminal))
             messages.append({"role": "assistant", "content": results[0].text})
 
 
@@ -144,8 +144,8 @@ def serve(
     from roads_to_rome.serving import server
 
     llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}
-    engine = build_engine(slm, llm, device, dtype, backend, router, threshold, router_path, None, verify,
-                          max_unverified, llama)
+    engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
+                          router_path=router_path, verify=verify, max_unverified=max_unverified, llama=llama)
     limits = server.Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
                            drain_timeout=drain_timeout)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=server.is_loopback(host),
@@ -174,14 +174,22 @@ def models_prepare(
 
 @models_app.command("status")
 def models_status():
-    """Show where the default models are and whether they are prepared."""
+    """Show where the default models are, whether they are prepared, and the kernels that would run them here."""
+    import torch
+
     from roads_to_rome import models
+    from roads_to_rome.backends import llamacpp
+    from roads_to_rome.hardware import describe_cpu
 
     for model in models.DEFAULT_PAIR:
         state = "prepared" if models.is_prepared(model) else "not prepared (run `r2r models prepare`)"
         console.print(f"{model.name}: {state}\n  cache: {models.converted_dir(model)}\n"
                       f"  packages: {model.package_prefix}1..{model.n_parts} == {model.version}\n"
                       f"  sha256: {model.sha256}")
+    llama = llamacpp.kernels() if llamacpp.llama_cpp_available() else f"not installed ({llamacpp.IMPORT_ERROR})"
+    gpu = f"; CUDA: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    console.print(f"this machine: {describe_cpu()}\n  kernels: {llama}\n  torch {torch.__version__}: CPU "
+                  f"{torch.backends.cpu.get_cpu_capability()}{gpu}", markup=False, highlight=False)
 
 
 

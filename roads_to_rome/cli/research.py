@@ -64,16 +64,18 @@ def eval_command(
 ):
     """Evaluate systems on a benchmark: accuracy with 95% CI, LLM rate, avg. params, speed; JSON, table, plots, HTML."""
     require("eval", "`r2r eval`")
-    from roads_to_rome.eval.evaluate import evaluate, markdown_table, parse_systems
+    from roads_to_rome.eval.evaluate import EvalConfig, evaluate, markdown_table
 
-    names = parse_systems(systems)
     try:
-        sweep_values = [float(v) for v in sweep.split(",")] if sweep else []
+        sweep_values = tuple(float(v) for v in sweep.split(",")) if sweep else ()
     except ValueError:
         raise R2RError(f"--sweep takes comma-separated numbers, got {sweep!r}") from None
-    table = evaluate(benchmark, names, ids, max_new_tokens, out, slm, llm, device, dtype, router_path, threshold,
-                     llm_rate, sweep_values, batch_size, console, backend, verify.split(","), max_unverified,
-                     spec_k)
+    config = EvalConfig(benchmark=benchmark, systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
+                        out=out, ids=ids, max_new_tokens=max_new_tokens, batch_size=batch_size, slm=slm, llm=llm,
+                        device=device, dtype=dtype, backend=backend, router_path=router_path, threshold=threshold,
+                        llm_rate=llm_rate, sweep=sweep_values, verify=tuple(verify.split(",")),
+                        max_unverified=max_unverified, spec_k=spec_k)
+    table = evaluate(config, console)
     console.print(markdown_table(table), markup=False, highlight=False)
     console.print(f"results, summary.json, plots and report.html in {out / benchmark}")
 

@@ -27,9 +27,10 @@ def highlighted(tokenizer, generation, terminal: bool) -> Text:
     return text.append(MARKS.get(span, ("", ""))[1])
 
 
-def stats(generation, policy, terminal: bool, verify="off") -> Table:
+def stats(generation, engine, terminal: bool) -> Table:
     table = Table(show_header=False, box=None, padding=(0, 2))
-    t = generation.timings
+    t, policy, verify = generation.timings, engine.policy, engine.verify
+    models = [(role, b) for role, b in (("SLM", engine.slm), ("LLM", engine.llm)) if b is not None]
     marked = "highlighted" if terminal else "in [[ ]]" + (", fixes in {{ }}" if verify != "off" else "")
     rows = [
         ("policy", policy.name + (f" (threshold {policy.threshold:g})" if policy.threshold is not None else "")),
@@ -39,6 +40,7 @@ def stats(generation, policy, terminal: bool, verify="off") -> Table:
         ("avg. activated params", f"{generation.avg_params_b:.3f} B"),
         ("speed", f"{generation.tokens_per_s:.1f} tokens/s"),
         ("time SLM / router / LLM", f"{t.slm_s:.2f} / {t.router_s:.3f} / {t.llm_s:.2f} s"),
+        *((f"{role} ran on", b.kernels) for role, b in models),
     ]
     if verify != "off":
         rows.insert(3, ("verification", f"{verify}: {generation.rollbacks} rollbacks, "

@@ -48,14 +48,6 @@ class SystemSpec:
         return SystemSpec(self.name + suffix, self.kind, self.value, verify, max_unverified)
 
 
-def parse_systems(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SYSTEMS]
-    if not names or unknown:
-        raise R2RError(f"--systems takes a comma-separated subset of {','.join(SYSTEMS)}; unknown: {unknown}")
-    return names
-
-
 def system_engine(spec: SystemSpec, slm, llm, tokenizer, router_path: Path | None) -> tuple[Engine, float | None]:
     """The engine for one system, and the per-request target LLM rate it decodes with (if any)."""
     if spec.kind == "slm":
@@ -314,11 +306,43 @@ def highlight(row: dict, tokenizer) -> str:
                    for p, s in zip(pieces, row["sources"]))
 
 
-def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_tokens: int, out: Path,
-             slm: str | None, llm: str | None, device: str, dtype: str, router_path: Path | None,
-             threshold: float | None, llm_rate: float, sweep: list[float], batch_size: int, console,
-             backend: str = "auto", verify: list = ("off",), max_unverified: int | None = None,
-             spec_k: int = 4) -> dict:
+@dataclass(frozen=True)
+class EvalConfig:
+    """One `r2r eval` run: the systems, the items, the pair they share, and how the routed systems are set up.
+    Checked when made, before any model loads."""
+
+    benchmark: str
+    systems: tuple[str, ...]
+    out: Path  # results go to OUT/BENCHMARK/
+    ids: str | None = None  # items by position: "0-199", "0,5,9-12" (None: all)
+    max_new_tokens: int = 512
+    batch_size: int = 1  # items decoded together
+    slm: str | None = None
+    llm: str | None = None
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    backend: str = "auto"
+    router_path: Path | None = None  # None: the shipped router for the default SLM
+    threshold: float | None = None  # r2r's threshold (None: the router's calibrated one)
+    llm_rate: float = 0.15  # entropy and random's target LLM rate when r2r is not among the systems
+    sweep: tuple[float, ...] = ()  # r2r thresholds (or entropy LLM rates without a router), one system each
+    verify: tuple[str | float, ...] = ("off",)  # verification settings of the routed systems, one system each
+    max_unverified: int | None = None
+    spec_k: int = 4  # the spec system's draft tokens per check
+
+    def __post_init__(self):
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if not self.systems or unknown:
+            raise R2RError(f"--systems takes a comma-separated subset of {','.join(SYSTEMS)}; unknown: {unknown}")
+        if self.max_new_tokens < 1 or self.batch_size < 1 or self.spec_k < 1:
+            raise R2RError("--max-new-tokens, --batch-size and --spec-k must be at least 1")
+        if not 0 <= self.llm_rate <= 1 or any(not 0 <= v <= 1 for v in self.sweep):
+            raise R2RError("--llm-rate and --sweep values must be in [0, 1]")
+        object.__setattr__(self, "verify", tuple(parse_verify(v) for v in self.verify))
+        check_max_unverified(self.max_unverified)
+
+
+def evaluate(config: EvalConfig, console) -> dict:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -328,21 +352,17 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
         TimeRemainingColumn,
     )
 
-    items = tasks.select(tasks.load(benchmark), ids)
-    if max_new_tokens < 1 or batch_size < 1:
-        raise R2RError("--max-new-tokens and --batch-size must be at least 1")
-    if not 0 <= llm_rate <= 1 or any(not 0 <= v <= 1 for v in sweep):
-        raise R2RError("--llm-rate and --sweep values must be in [0, 1]")
-    out_dir = out / benchmark
+    c, benchmark = config, config.benchmark
+    items = tasks.select(tasks.load(benchmark), c.ids)
+    out_dir = c.out / benchmark
     out_dir.mkdir(parents=True, exist_ok=True)
-    verify = [parse_verify(v) for v in verify]
-    check_max_unverified(max_unverified)
-    needs_llm = any(s != "slm" for s in system_names) or bool(sweep)
-    slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=needs_llm, dtype=dtype, backend=backend)
-    router_path = models.router_path_for(router_path, slm)
+    system_names = list(c.systems)
+    needs_llm = any(s != "slm" for s in system_names) or bool(c.sweep)
+    slm_b, llm_b, tokenizer = load_pair(c.slm, c.llm, c.device, need_llm=needs_llm, dtype=c.dtype, backend=c.backend)
+    router_path = models.router_path_for(c.router_path, c.slm)
     if router_path is not None:
-        policies.build("router", slm_b, threshold, router_path)  # refuse a router of another SLM before any run
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop=tasks.STOP.get(benchmark, ()))
+        policies.build("router", slm_b, c.threshold, router_path)  # refuse a router of another SLM before any run
+    params = SamplingParams(max_new_tokens=c.max_new_tokens, stop=tasks.STOP.get(benchmark, ()))
     item_ids = {item.id for item in items}
 
     # R2R first: the baselines are matched to the LLM rate it reaches on these items.
@@ -352,31 +372,31 @@ def evaluate(benchmark: str, system_names: list[str], ids: str | None, max_new_t
         if name in ("entropy", "random"):
             specs.append(SystemSpec(name, name, None))
         else:
-            specs.append(SystemSpec(name, name, threshold if name == "r2r" else None))
+            specs.append(SystemSpec(name, name, c.threshold if name == "r2r" else None))
     sweep_kind = "r2r" if router_path is not None else "entropy"
-    specs += [SystemSpec(f"{sweep_kind}@{v:g}", sweep_kind, v) for v in sweep]
-    specs = [s.with_verify(v, max_unverified) if s.kind in ROUTED else s
-             for s in specs for v in (verify if s.kind in ROUTED else ["off"])]
+    specs += [SystemSpec(f"{sweep_kind}@{v:g}", sweep_kind, v) for v in c.sweep]
+    specs = [s.with_verify(v, c.max_unverified) if s.kind in ROUTED else s
+             for s in specs for v in (c.verify if s.kind in ROUTED else ["off"])]
     for spec in specs:
         if spec.kind == "spec":
-            spec.name, spec.value = f"spec+k={spec_k}", spec_k
+            spec.name, spec.value = f"spec+k={c.spec_k}", c.spec_k
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=console) as progress:
         for spec in specs:
             if spec.kind in ("entropy", "random") and spec.value is None:
                 r2r_rows = [r for r in read_results(out_dir / "r2r.jsonl") if r["id"] in item_ids]
-                spec.value = summarize(r2r_rows)["llm_rate"] if "r2r" in system_names and r2r_rows else llm_rate
+                spec.value = summarize(r2r_rows)["llm_rate"] if "r2r" in system_names and r2r_rows else c.llm_rate
                 spec.value = round(spec.value, 4)
             engine, target_rate = system_engine(spec, slm_b, llm_b, tokenizer, router_path)
-            run_system(benchmark, items, spec, engine, target_rate, params, out_dir, batch_size, progress)
+            run_system(benchmark, items, spec, engine, target_rate, params, out_dir, c.batch_size, progress)
 
     # The report covers every system with results in this directory for these items, not only this call's:
     # a benchmark run in chunks, or a baseline run on its own, still ends in one table and one plot.
     table = summaries(out_dir, item_ids)
     names = list(table)
     (out_dir / "summary.json").write_text(json.dumps(
-        {"benchmark": benchmark, "ids": ids, "max_new_tokens": max_new_tokens, "systems": table}, indent=2))
+        {"benchmark": benchmark, "ids": c.ids, "max_new_tokens": c.max_new_tokens, "systems": table}, indent=2))
     colors = system_colors(names)
     images = plot(table, colors, out_dir, f"{benchmark} ({len(items)} items)")
     profiles = {name: routing_profile([r for r in read_results(out_dir / f"{name}.jsonl") if r["id"] in item_ids])

@@ -3,6 +3,7 @@
 from roads_to_rome.models.loading import (
                                           BACKENDS,
                                           DTYPES,
+                                          EngineConfig,
                                           choose_policy,
                                           load_alone,
                                           load_engine,
@@ -30,7 +31,7 @@ from roads_to_rome.models.packaged import (
                                           shipped_router,
 )
 
-__all__ = ["BACKENDS", "DTYPES", "choose_policy", "load_alone", "load_engine", "load_model", "load_pair",
+__all__ = ["BACKENDS", "DTYPES", "EngineConfig", "choose_policy", "load_alone", "load_engine", "load_model", "load_pair",
            "parse_backends", "pick_device", "resolve", "router_path_for", "same_tokenizer", "DEFAULT_LLM",
            "DEFAULT_PAIR", "DEFAULT_SLM", "PackagedModel", "assemble_gguf", "cache_dir", "convert_gguf",
            "converted_dir", "gguf_path", "install_parts", "is_prepared", "prepare", "shipped_router"]

@@ -6,7 +6,9 @@ hub id, or (for the LLM) the address of a server running it.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from roads_to_rome.backends import AUTO, BACKENDS
@@ -195,17 +197,32 @@ def choose_policy(kind: str | None, router_path: Path | None, slm_spec: str | No
     return policies.choose(kind, router_path_for(router_path, slm_spec), router_path is not None)
 
 
-def load_engine(slm: str | None = None, llm: str | None = None, device: str = "auto", dtype: str = "bfloat16",
-                backend: str = "auto", policy: str | None = None, threshold: float | None = None, router_path: Path | None = None, seed: int | None = None,
-                verify: str | float | None = None, max_unverified: int | None = None, llama: dict | None = None):
-    """The pair with a routing policy by name (None: the shipped router for the default pair, else
-    entropy) and verification (None: `DEFAULT_VERIFY` for a policy that routes, off for one model alone);
-    for the `slm` policy without verification the SLM alone, loading no LLM."""
-    kind, router_path = choose_policy(policy, router_path, slm)
-    if verify is None:
-        verify = "off" if kind in ("slm", "llm") else DEFAULT_VERIFY
-    verify, max_unverified = parse_verify(verify), check_max_unverified(max_unverified)  # before the slow load
-    slm_b, llm_b, tokenizer = load_pair(slm, llm, device, need_llm=kind != "slm" or verify != "off", dtype=dtype,
-                                        backend=backend, llama=llama)
-    return Engine(slm_b, llm_b, tokenizer, policies.build(kind, slm_b, threshold, router_path, seed), verify,
-                  max_unverified)
+@dataclass(frozen=True)
+class EngineConfig:
+    """What `load_engine` builds: the pair and where it runs, how it routes, how routed tokens are verified."""
+
+    slm: str | None = None  # a model spec (None: the default pair's SLM)
+    llm: str | None = None  # a model spec or a server's address (None: the default pair's LLM)
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    backend: str = "auto"  # a backend for both models, or per role: slm=llamacpp,llm=torch
+    policy: str | None = None  # None: the shipped router for the default pair, else entropy
+    threshold: float | None = None  # None: the policy's own (a router's calibrated one)
+    router_path: Path | None = None
+    seed: int | None = None  # the random policy's draws
+    verify: str | float | None = None  # None: `DEFAULT_VERIFY` for a policy that routes, off for one model alone
+    max_unverified: int | None = None
+    llama: dict | None = None  # a llama.cpp context's sizes: n_ctx (the KV pool its rows share), max_rows
+
+
+def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
+    """The engine a config describes (`fields` override it: `load_engine(llm="...")`). For the `slm` policy without
+    verification, the SLM alone: no LLM is loaded."""
+    config = dataclasses.replace(config or EngineConfig(), **fields)
+    kind, router_path = choose_policy(config.policy, config.router_path, config.slm)
+    verify = config.verify if config.verify is not None else "off" if kind in ("slm", "llm") else DEFAULT_VERIFY
+    verify, max_unverified = parse_verify(verify), check_max_unverified(config.max_unverified)  # before the load
+    slm_b, llm_b, tokenizer = load_pair(config.slm, config.llm, config.device, need_llm=kind != "slm" or verify != "off",
+                                        dtype=config.dtype, backend=config.backend, llama=config.llama)
+    return Engine(slm_b, llm_b, tokenizer, policies.build(kind, slm_b, config.threshold, router_path, config.seed),
+                  verify, max_unverified)

@@ -238,3 +238,13 @@ def test_strict_verification_gives_the_llms_greedy_output(backend):
                 logits, _ = llm.prefill(prompt + want[:split])
                 assert abs((logits[-1, want[split]] - logits[-1, gen.token_ids[split]]).item()) < 0.5
     assert rollbacks > 0  # the LLM did correct the SLM
+
+
+def test_the_readmes_python_example_runs_as_written():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    done = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "The answer is 391" in done.stdout and "tokens from the LLM" in done.stdout, done.stdout

@@ -60,7 +60,7 @@ def test_r2r_with_the_remote_llm_end_to_end(server, slm, run_cli, tmp_path):
     assert len(rows) == 2 and all(r["llm_tokens"] > 0 for r in rows)
     from roads_to_rome.models import load_engine
 
-    engine = load_engine(None, server.url, "cpu", "bfloat16", "llamacpp", None)
+    engine = load_engine(llm=server.url, device="cpu", backend="llamacpp")
     with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=2, max_tokens=256))) as r2r:
         body = {"messages": [{"role": "user", "content": "What is 48 / 2?"}], "max_tokens": 48, "temperature": 0}
         answer = httpx.post(r2r.url + "/v1/chat/completions", json=body, timeout=300).json()

@@ -22,7 +22,7 @@ QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold
 
 @pytest.fixture(scope="module")
 def url():
-    engine = load_engine(None, None, "cpu", "bfloat16", "llamacpp", None, llama={"max_rows": 4, "n_ctx": 4096})
+    engine = load_engine(device="cpu", backend="llamacpp", llama={"max_rows": 4, "n_ctx": 4096})
     with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=4, max_tokens=2048))) as srv:
         yield srv.url + "/v1/chat/completions"
 
