@@ -8,22 +8,23 @@ Commits before the package was renamed `roads_to_rome` (the `r2r` layout) work t
 give the noise band; nothing else should run meanwhile."""
 
 import argparse
+import importlib.util
 import json
 import time
 
-try:  # the layout in sub-packages
+if importlib.util.find_spec("r2r") is not None:  # a commit of the flat `r2r` package on PYTHONPATH
+    import r2r as package
+    from r2r import policies
+    from r2r.engine import Engine, SamplingParams
+    from r2r.models import load_pair
+    from r2r.policies import router_path_for
+    from r2r.tasks import gsm8k, gsm8k_prompt
+else:  # the layout in sub-packages
     import roads_to_rome as package
     from roads_to_rome.core.engine import Engine, SamplingParams
     from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
     from roads_to_rome.models import load_pair, router_path_for
     from roads_to_rome.routing import policies
-except ImportError:  # the flat `r2r` package
-    import r2r as package
-    from r2r.engine import Engine, SamplingParams
-    from r2r.models import load_pair
-    from r2r.policies import router_path_for
-    from r2r.tasks import gsm8k, gsm8k_prompt
-    from r2r import policies
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--prompts", type=int, default=4)
@@ -38,14 +39,16 @@ for verify in args.verify.split(","):
     engine = Engine(slm, llm, tokenizer, policy, verify=verify)
     prompts = prompts or [engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[: args.prompts]]
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
-    tokens = llm_tokens = rollbacks = discarded = calls = 0
+    tokens = llm_tokens = rollbacks = discarded = calls = steps = slm_s = llm_s = 0
     start = time.perf_counter()
     for p in prompts:
         gen = engine.generate([p], SamplingParams(max_new_tokens=args.tokens))[0]
         tokens, llm_tokens = tokens + len(gen.token_ids), llm_tokens + gen.llm_tokens
         rollbacks, discarded, calls = rollbacks + gen.rollbacks, discarded + gen.discarded, calls + gen.timings.llm_calls
+        steps, slm_s, llm_s = steps + gen.timings.steps, slm_s + gen.timings.slm_s, llm_s + gen.timings.llm_s
     seconds = time.perf_counter() - start
     print(json.dumps({"package": package.__file__, "verify": verify, "tokens": tokens,
                       "llm_rate": round(llm_tokens / tokens, 4), "llm_calls": calls, "rollbacks": rollbacks,
-                      "discarded": discarded, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2)}),
+                      "discarded": discarded, "steps": steps,
+                      "slm_s": round(slm_s, 2), "llm_s": round(llm_s, 2), "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2)}),
           flush=True)

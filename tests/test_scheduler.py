@@ -139,3 +139,20 @@ def test_an_error_in_a_step_fails_the_sequences_in_it_and_the_scheduler_goes_on(
     with pytest.raises(RuntimeError, match="boom"):  # an offline run raises the error itself
         monkeypatch.setattr(engine.writer, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
         engine.run([Request([1, 2, 3], params)])
+
+
+def test_an_offline_run_of_more_requests_than_the_backend_holds_queues_them(slm, llm, tokenizer, monkeypatch):
+    engine = Engine(slm, llm, tokenizer, AlwaysLLM())
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+    engine.max_rows = 2
+    admitted = Scheduler.admit
+
+    def at_most_two(self):
+        left = admitted(self)
+        assert self.admitted <= 2
+        return left
+
+    monkeypatch.setattr(Scheduler, "admit", at_most_two)
+    assert [g.token_ids for g in engine.generate(prompts, params)] == alone

@@ -103,10 +103,11 @@ class Engine:
         verify = request.verify if request.verify is not None else "off" if request.force else self.verify
         if verify != "off":
             self._check_verifiable(verify, request.params)
+        max_unverified = self.max_unverified if request.max_unverified is None else request.max_unverified
         seed = request.params.seed
-        return Sequence(request, verify, self.max_unverified if request.max_unverified is None else
-                        request.max_unverified, Generation(list(request.prompt_ids), params_b=self.params_b),
-                        index, None if seed is None else torch.Generator(self.writer.device).manual_seed(seed))
+        generator = None if seed is None else torch.Generator(self.writer.device).manual_seed(seed)
+        return Sequence(request, verify=verify, max_unverified=max_unverified, index=index, generator=generator,
+                        generation=Generation(list(request.prompt_ids), params_b=self.params_b))
 
     def _check_verifiable(self, verify: str | float, params: SamplingParams | None = None) -> None:
         if not self.routes:
@@ -141,7 +142,8 @@ class Engine:
         return self.run([Request(p, params) for p in prompts])
 
     def run(self, requests: list[Request]) -> list[Generation]:
-        """Decode requests to the end, all in one batch; their generations, in order."""
+        """Decode requests to the end in one batch (as many at once as the backends hold rows and KV room for; the
+        others join as rows finish); their generations, in order."""
         sequences = [self.sequence(r, i) for i, r in enumerate(requests)]
         for _ in self._decode(sequences):
             pass
@@ -159,8 +161,8 @@ class Engine:
         yield from self._decode(sequences)
 
     def _decode(self, sequences: list[Sequence]):
-        """The offline client of the scheduler: every sequence at once, turns to the end; an error is raised."""
-        scheduler = Scheduler(self)
+        """The offline client of the scheduler: every sequence queued at once, turns to the end; an error is raised."""
+        scheduler = Scheduler(self, max_batch=self.max_rows)  # more sequences than the backend holds wait
         for s in sequences:
             scheduler.add(s)
         while not scheduler.idle:
