@@ -70,3 +70,38 @@ main.main()
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and f'pip install "roads-to-rome[{extra}]"' in lines[0], done.stderr
+
+
+def test_set_up_builds_llama_cpp_once_per_processor_and_without_amx_where_it_has_amx(tmp_path):
+    """scripts/install-llama-cpp.sh with a pip that only records what it was asked: a wheel per processor (never
+    one built for another CPU), AMX compiled out on AMX CPUs, the kept wheel installed without a rebuild."""
+    log = tmp_path / "pip.log"
+    pip = tmp_path / "pip"
+    pip.write_text(f"""#!/bin/sh
+echo "$1 CMAKE_ARGS=${{CMAKE_ARGS:-}} $*" >> {log}
+if [ "$1" = wheel ]; then
+    while [ "$1" != --wheel-dir ]; do shift; done
+    mkdir -p "$2" && touch "$2/llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+fi
+""")
+    pip.chmod(0o755)
+    script = Path(__file__).parents[1] / "scripts/install-llama-cpp.sh"
+
+    def set_up(flags):
+        env = {**os.environ, "R2R_CPU_FLAGS": flags, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+        subprocess.run(["sh", str(script), "0.3.36", str(pip)], env=env, check=True, capture_output=True)
+        calls = log.read_text().splitlines()
+        log.unlink()
+        return calls
+
+    avx512 = "flags : fpu sse2 avx2 avx512f avx512_vnni"
+    amx = avx512 + " amx_tile amx_int8 amx_bf16"
+    first = set_up(avx512)
+    assert [c.split()[0] for c in first] == ["wheel", "install"] and "-mno-amx" not in first[0]
+    assert "--no-cache-dir" in first[0]  # never a wheel from pip's cache, which keys by version only
+    assert [c.split()[0] for c in set_up(avx512)] == ["install"]  # kept for this processor: no rebuild
+    on_amx = set_up(amx)  # another processor: its own build, with AMX compiled out
+    assert [c.split()[0] for c in on_amx] == ["wheel", "install"]
+    assert "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in on_amx[0]
+    wheels = sorted(p.parent.name for p in (tmp_path / "cache/r2r/wheels").glob("*/*.whl"))
+    assert len(wheels) == 2 and all(w.startswith("llama-cpp-python-0.3.36-") for w in wheels)
