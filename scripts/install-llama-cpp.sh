@@ -26,4 +26,6 @@ if ! ls "$dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     "$pip" wheel --quiet --no-cache-dir --no-deps --wheel-dir "$dir.partial" "llama-cpp-python==$version"
     rm -rf "$dir" && mv "$dir.partial" "$dir"
 fi
-"$pip" install --quiet --no-deps --force-reinstall "$dir"/llama_cpp_python-*.whl
+wheel=$(ls "$dir"/llama_cpp_python-*.whl)
+"$pip" install --quiet --no-deps --force-reinstall "$wheel"  # this build, even over the same version
+"$pip" install --quiet "$wheel"  # and what it needs (numpy, diskcache, jinja2...)

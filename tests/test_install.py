@@ -97,11 +97,11 @@ fi
     avx512 = "flags : fpu sse2 avx2 avx512f avx512_vnni"
     amx = avx512 + " amx_tile amx_int8 amx_bf16"
     first = set_up(avx512)
-    assert [c.split()[0] for c in first] == ["wheel", "install"] and "-mno-amx" not in first[0]
+    assert [c.split()[0] for c in first] == ["wheel", "install", "install"] and "-mno-amx" not in first[0]
     assert "--no-cache-dir" in first[0]  # never a wheel from pip's cache, which keys by version only
-    assert [c.split()[0] for c in set_up(avx512)] == ["install"]  # kept for this processor: no rebuild
+    assert [c.split()[0] for c in set_up(avx512)] == ["install", "install"]  # kept for this processor: no rebuild
     on_amx = set_up(amx)  # another processor: its own build, with AMX compiled out
-    assert [c.split()[0] for c in on_amx] == ["wheel", "install"]
+    assert [c.split()[0] for c in on_amx] == ["wheel", "install", "install"]
     assert "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in on_amx[0]
     wheels = sorted(p.parent.name for p in (tmp_path / "cache/r2r/wheels").glob("*/*.whl"))
     assert len(wheels) == 2 and all(w.startswith("llama-cpp-python-0.3.36-") for w in wheels)
