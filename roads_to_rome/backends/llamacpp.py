@@ -11,6 +11,7 @@ the output head, the same tensor the torch backend's trunk returns) at the posit
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -38,11 +39,12 @@ class LlamaCache:
     length: int = 0  # columns of the token streams already read
 
 
-def compiled_features() -> list[str]:
+@functools.cache  # the build a process loaded does not change
+def compiled_features() -> tuple[str, ...]:
     """What this build of llama.cpp compiled in for the CPU (its system info: AVX2, AVX512, AMX_INT8, REPACK...)."""
     info = llama_cpp.llama_print_system_info().decode(errors="replace")
-    return [name.strip() for name, _, value in (item.partition("=") for item in info.split("|"))
-            if value.strip() == "1" and name.strip()]
+    return tuple(name.strip() for name, _, value in (item.partition("=") for item in info.split("|"))
+                 if value.strip() == "1" and name.strip())
 
 
 def amx_compiled() -> bool:
