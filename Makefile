@@ -78,11 +78,13 @@ $(VLLM_VENV)/.installed:
 # The prepared LLM (bf16) on vLLM, on loopback, until ^C (start-up takes minutes on a CPU: it compiles):
 # then `r2r generate "..." --llm http://127.0.0.1:$(VLLM_PORT)`.
 VLLM_PORT ?= 8000
+# --block-size 32: vLLM's prefix cache reuses whole KV blocks only, and its CPU build's default of 128 tokens makes
+# every R2R request re-read up to 127 tokens the server has already seen (32 is the smallest its CPU kernels take).
 vllm-server: vllm models
 	VLLM_CPU_KVCACHE_SPACE=4 OMP_NUM_THREADS=$$(nproc) $(VLLM_VENV)/bin/python -m vllm.entrypoints.openai.api_server \
 	  --model $$($(BIN)/python -c "from roads_to_rome.models import DEFAULT_LLM, converted_dir; print(converted_dir(DEFAULT_LLM))") \
 	  --served-model-name $$($(BIN)/python -c "from roads_to_rome.models import DEFAULT_LLM; print(DEFAULT_LLM.name)") \
-	  --dtype bfloat16 --max-model-len 4096 --port $(VLLM_PORT)
+	  --dtype bfloat16 --max-model-len 4096 --block-size 32 --port $(VLLM_PORT)
 
 # Debian's Chromium, for the playground's browser test (playwright drives it; it downloads no browser).
 browser:

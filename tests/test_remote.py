@@ -66,6 +66,8 @@ def remote(url, tokenizer, slm, **kw):
 
 def test_the_llm_alone_through_the_remote_backend_equals_the_servers_own_greedy(server, slm, tokenizer):
     llm = remote(server.url, tokenizer, slm)
+    # What the prefix cache reuses is read from the server itself (vLLM: its metrics; the fixture asks for 32).
+    assert llm.kernels.endswith("(prefix cache: 32-token blocks)" if server.engine == "vllm" else "(prefix cache: per token)")
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for engine in (Engine.alone(llm, tokenizer), Engine(slm, llm, tokenizer, AlwaysLLM())):
         prompts = [engine.encode_chat(p) for p in PROMPTS[:2]]
@@ -124,6 +126,28 @@ def test_sampled_strict_verification_is_refused_with_a_remote_llm(server, slm, t
     engine = Engine(slm, remote(server.url, tokenizer, slm), tokenizer, RandomPolicy(0.2), verify="strict")
     with pytest.raises(R2RError, match="whole distribution"):
         engine.sequence(Request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.7)))
+
+
+def test_vllms_prefix_cache_is_read_from_its_metrics():
+    from roads_to_rome.backends.remote import vllm_prefix_cache
+    from roads_to_rome.errors import RemoteError
+
+    class Metrics:
+        def __init__(self, text):
+            self.body = text
+
+        def text(self, path):
+            if self.body is None:
+                raise RemoteError("refused GET /metrics (404)")
+            return self.body
+
+    line = ('vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="%s",'
+            'kv_cache_dtype_skip_layers="[]",num_gpu_blocks="292"} 1.0')
+    metrics = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n" + line
+    assert vllm_prefix_cache(Metrics(metrics % "True")) == "128-token blocks"
+    assert vllm_prefix_cache(Metrics(metrics % "False")) == "off"
+    assert vllm_prefix_cache(Metrics("vllm:num_requests_running 0.0")) == "unknown"
+    assert vllm_prefix_cache(Metrics(None)) == "unknown"
 
 
 def test_no_server_wrong_model_and_another_tokenizer_are_refused(server, slm, tokenizer, tmp_path):

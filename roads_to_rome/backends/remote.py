@@ -17,6 +17,7 @@ whole distribution, is refused (`full_logits`)."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 import urllib.parse
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ class ServerApi:
     tokens the server chooses itself, each with the top log-probabilities it chose from)."""
 
     engine: str
+    prefix_cache = "per token"  # how the server's prefix cache reuses a row's tokens, as `kernels` names it
 
     def __init__(self, client: "Client", model: str | None):
         self.client = client
@@ -96,6 +98,7 @@ class VllmApi(ServerApi):
         self.max_context = int(self.card.get("max_model_len") or 0)
         self.num_params = 0  # vLLM does not say; `?params=` in the address does
         self.slots = 64  # it schedules as many as fit; this many requests go out at once
+        self.prefix_cache = vllm_prefix_cache(client)
 
     def tokenize(self, text: str) -> list[int]:
         return self.client.post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})["tokens"]
@@ -108,6 +111,22 @@ class VllmApi(ServerApi):
         for token, tops in zip(logprobs.get("tokens") or [], logprobs.get("top_logprobs") or []):
             steps.append((token_id(token), {token_id(k): float(v) for k, v in (tops or {token: 0.0}).items()}))
         return steps
+
+
+def vllm_prefix_cache(client: "Client") -> str:
+    """How vLLM's prefix cache reuses a row, from its metrics: in whole KV blocks only, so each request re-reads
+    up to a block's worth of tokens the server has seen (vLLM's CPU build defaults to 128-token blocks)."""
+    try:
+        metrics = client.text("/metrics")
+    except RemoteError:
+        return "unknown"  # metrics off (--disable-log-stats) or not served
+    config = re.search(r"^vllm:cache_config_info\{(.*)\}", metrics, re.MULTILINE)
+    if config is None:
+        return "unknown"
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', config.group(1)))
+    if labels.get("enable_prefix_caching") == "False":
+        return "off"
+    return f"{labels['block_size']}-token blocks" if "block_size" in labels else "unknown"
 
 
 def token_id(text: str) -> int:
@@ -144,7 +163,10 @@ class Client:
     def post(self, path: str, body: dict) -> dict:
         return self._call("POST", path, body)
 
-    def _call(self, method: str, path: str, body: dict | None) -> dict:
+    def text(self, path: str) -> str:
+        return self._call("GET", path, None, as_json=False)
+
+    def _call(self, method: str, path: str, body: dict | None, as_json: bool = True):
         for attempt in range(self.retries + 1):
             try:
                 response = self.http.request(method, path, json=body)
@@ -163,6 +185,8 @@ class Client:
             except Exception:
                 message = response.text[:300]
             raise RemoteError(f"the LLM server at {self.url} refused {method} {path} ({response.status_code}): {message}")
+        if not as_json:
+            return response.text
         try:
             return response.json()
         except ValueError:
@@ -196,7 +220,7 @@ class RemoteBackend:
             raise R2RError(f"--llm {address}: engine {engine!r} is not supported (use {', '.join(ENGINES)})")
         self.api = ENGINES[engine](self.client, query.get("model"))
         self.name = f"{self.api.model} @ {url}"
-        self.kernels = f"{engine} server at {url}"
+        self.kernels = f"{engine} server at {url} (prefix cache: {self.api.prefix_cache})"
         self.top_logprobs = top_logprobs
         self.vocab_size = vocab_size or len(tokenizer)
         self.eos_ids = set(eos_ids)
