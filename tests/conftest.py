@@ -178,8 +178,9 @@ class VllmServer(LlamaServer):
         self.process = subprocess.Popen([str(self.PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
                                          str(self.model_dir), "--served-model-name", self.name, "--dtype", self.dtype,
                                          "--max-model-len", str(self.max_len), "--port", str(self.port),
-                                         "--enforce-eager", "--block-size", "32"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        env=env, start_new_session=True)
+                                         "--enforce-eager", "--block-size", "32"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                        start_new_session=True)
         return self.wait("/v1/models", 300)  # eager mode compiles nothing, but its imports take a while
 
     def own_greedy(self, ids: list[int], n: int) -> list[int]:

@@ -67,7 +67,8 @@ def remote(url, tokenizer, slm, **kw):
 def test_the_llm_alone_through_the_remote_backend_equals_the_servers_own_greedy(server, slm, tokenizer):
     llm = remote(server.url, tokenizer, slm)
     # What the prefix cache reuses is read from the server itself (vLLM: its metrics; the fixture asks for 32).
-    assert llm.kernels.endswith("(prefix cache: 32-token blocks)" if server.engine == "vllm" else "(prefix cache: per token)")
+    reuse = "32-token blocks" if server.engine == "vllm" else "per token"
+    assert llm.kernels.endswith(f"(prefix cache: {reuse})")
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for engine in (Engine.alone(llm, tokenizer), Engine(slm, llm, tokenizer, AlwaysLLM())):
         prompts = [engine.encode_chat(p) for p in PROMPTS[:2]]

@@ -166,7 +166,7 @@ class Client:
     def text(self, path: str) -> str:
         return self._call("GET", path, None, as_json=False)
 
-    def _call(self, method: str, path: str, body: dict | None, as_json: bool = True):
+    def _call(self, method: str, path: str, body: dict | None, as_json: bool = True) -> dict | str:
         for attempt in range(self.retries + 1):
             try:
                 response = self.http.request(method, path, json=body)
