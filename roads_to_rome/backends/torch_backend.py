@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from roads_to_rome.backends.cuda_graphs import capture
 from roads_to_rome.backends.static_cache import (
     BufferPool,
     GraphedStep,
@@ -156,22 +157,11 @@ class TorchBackend:
         return self.trunk(ids, {"full_attention": mask}, positions, kv, use_cache=True).last_hidden_state
 
     def _capture(self, kv: StaticKV, ids, positions, mask, write_at) -> GraphedStep:
-        step = GraphedStep(torch.cuda.CUDAGraph(), ids.clone(), positions.clone(), mask.clone(), write_at.clone(),
-                           None)
-
-        def run():
-            return self._trunk(kv, step.ids, step.positions, step.mask, step.write_at)
-
-        side = torch.cuda.Stream()  # warm-up off the main stream, as torch.cuda.graphs asks
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run()  # (writes this read's own columns: the same numbers the replay writes)
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(step.graph, pool=self.pool.memory):
-            step.hidden = run()
+        # (the warm-up writes this read's own columns: the same numbers the replay writes)
+        step = GraphedStep(None, ids.clone(), positions.clone(), mask.clone(), write_at.clone(), None)
+        step.graph, step.hidden = capture(lambda: self._trunk(kv, step.ids, step.positions, step.mask, step.write_at),
+                                          self.pool.memory)
         self.pool.memory = self.pool.memory or step.graph.pool()
-        step.graph.replay()  # capturing ran nothing
         return step
 
     @torch.inference_mode()

@@ -432,7 +432,7 @@ def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=Q
     return totals
 
 
-ASSISTED_TOKENS = 128  # enough rounds to time one; a round's cost does not depend on how many follow
+ASSISTED_TOKENS = 64  # enough rounds to time one; a round's cost does not depend on how many follow
 
 
 def assisted_run(slm: TorchBackend, llm: TorchBackend, prompt: list[int], tokens: int, k: int, tokenizer=None) -> dict:
