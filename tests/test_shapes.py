@@ -133,3 +133,41 @@ def test_a_cheap_llm_makes_routing_pay_less_than_a_dear_one():
 def test_bad_shapes_and_shares_are_one_line_errors(run_cli, args, message, tmp_path):
     code, out, err = run_cli("bench", "shapes", *args, "--out", tmp_path / "s.json")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_cost_model_at_a_batch_routes_a_step_when_any_row_is_routed():
+    assert shapes.batch_widths([5, 9, 3, 4, 7], 2) == [9, 4, 7]
+    share, tokens = 0.1, 4000
+    _, one = shapes.routing_calls(10, tokens, share, np.random.default_rng(0))
+    _, four = shapes.routing_calls(10, tokens, share, np.random.default_rng(0), rows=4)
+    assert abs(len(one) / tokens - share) < 0.02 and abs(len(four) / tokens - (1 - (1 - share) ** 4)) < 0.03
+    assert all(k > 0 for k in four) and sum(four) <= 10 + tokens - 1  # each reads the columns since the last
+    steps = np.flatnonzero(np.random.default_rng(0).random(tokens) < share)  # one row: the same draws as before
+    assert one == [10 + int(steps[0])] + np.diff(steps).tolist()
+    ms = {1: 10.0, 100: 208.0}
+    assert shapes.predicted_alone_tok_s(ms, [10], 5, rows=4) == pytest.approx(4 * shapes.predicted_alone_tok_s(ms, [10], 5))
+
+
+def test_batched_rows_carry_the_cost_model_where_batched_step_costs_were_measured():
+    slm_ms, llm_ms = {1: 5.0, 64: 8.0}, {1: 25.0, 64: 40.0}
+    result = {"config": {"tokens": 64}, "batch_prompt_widths": {"4": [120]},
+              "slm_batched_steps": {"4": {str(k): v for k, v in slm_ms.items()}}}
+    entry = {"batched_steps": {"4": {str(k): v for k, v in llm_ms.items()}}}
+    measured = {"llm b=4": {"tokens_per_s": 100.0, "llm_share": 1.0},
+                "r2r@0.1 b=4": {"tokens_per_s": 250.0, "llm_share": 0.1}}
+    llm_row, r2r_row = shapes.batched_rows(result, entry, measured, [0.1], 4)
+    assert llm_row["predicted"] == pytest.approx(shapes.predicted_alone_tok_s(llm_ms, [120], 64, rows=4))
+    assert r2r_row["predicted"] == pytest.approx(shapes.predicted_routing_tok_s(slm_ms, llm_ms, 0.1, [120], 64, rows=4))
+    assert r2r_row["x_llm"] == 2.5 and r2r_row["x_model"] == pytest.approx(250.0 / r2r_row["predicted"])
+    assert r2r_row["predicted_x_llm"] == pytest.approx(r2r_row["predicted"] / llm_row["predicted"])
+    # without step costs at that batch (an earlier file, or a backend that cannot hold the rows): measured only
+    bare = shapes.batched_rows({"config": {"tokens": 64}}, {}, measured, [0.1], 4)
+    assert [row["predicted"] for row in bare] == [None, None] and bare[1]["x_llm"] == 2.5
+
+
+def test_step_costs_are_measured_with_the_rows_asked(slm):
+    backend = TorchBackend(slm.model, name="tiny", static=True, pad_reads=True)
+    table = shapes.step_table(backend, 20, [1, 4], [12, 15], rows=3)
+    assert set(table) == {1, 4, 12, 15} and all(ms > 0 for ms in table.values())
+    assert shapes.unmeasured_batches(shapes.Plan((TINY,), batches=(1, 2, 4)), {"2": {}}, None) == [4]
+    assert shapes.unmeasured_batches(shapes.Plan((TINY,), batches=(1, 2, 4)), {}, 2) == [2]

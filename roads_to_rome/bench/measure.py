@@ -350,17 +350,17 @@ def synchronize(backend) -> None:
         torch.cuda.synchronize()
 
 
-def step_ms(backend, context: int, k: int, repeats: int = 5) -> float:
-    """Median milliseconds of one forward over k new tokens on top of a `context`-token cache."""
+def step_ms(backend, context: int, k: int, repeats: int = 5, rows: int = 1) -> float:
+    """Median milliseconds of one forward over k new tokens on top of a `context`-token cache, for `rows` rows."""
     cache = backend.new_cache()
-    ids = torch.randint(0, min(1000, backend.vocab_size), (1, context + k), device=backend.device)
+    ids = torch.randint(0, min(1000, backend.vocab_size), (rows, context + k), device=backend.device)
     mask = torch.ones_like(ids)
     if context:
         backend.forward(cache, ids[:, :context], mask)
     times = []
     for _ in range(repeats):
         # New tokens each time: a server's prefix cache would otherwise hold them from the last repeat.
-        ids[:, context:] = torch.randint(0, min(1000, backend.vocab_size), (1, k), device=backend.device)
+        ids[:, context:] = torch.randint(0, min(1000, backend.vocab_size), (rows, k), device=backend.device)
         start = time.perf_counter()
         backend.forward(cache, ids[:, context:], mask)
         synchronize(backend)

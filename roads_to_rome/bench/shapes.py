@@ -304,12 +304,14 @@ def predicted_seconds(calls: list[int], ms: dict[int, float]) -> float:
     return sum(cost_at(ms, k) for k in calls) / 1000
 
 
-def routing_calls(prompt: int, tokens: int, share: float, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+def routing_calls(prompt: int, tokens: int, share: float, rng: np.random.Generator,
+                  rows: int = 1) -> tuple[list[int], list[int]]:
     """The forwards R2R makes when a share of tokens goes to the LLM at random: the SLM reads the prompt, then one
-    column per step; the LLM, at each routed step, every column since it last read (the prompt first)."""
+    column per step; the LLM, at each step where any of the batch's `rows` is routed, every column since it last
+    read (the prompt first)."""
     slm = [prompt] + [1] * (tokens - 1)
     llm, read = [], 0
-    for step in np.flatnonzero(rng.random(tokens) < share):
+    for step in np.flatnonzero((rng.random((tokens, rows)) < share).any(axis=1)):
         columns = prompt + int(step)  # the prompt and the tokens written before this step
         llm.append(columns - read)
         read = columns
@@ -317,20 +319,26 @@ def routing_calls(prompt: int, tokens: int, share: float, rng: np.random.Generat
 
 
 def predicted_routing_tok_s(slm_ms: dict, llm_ms: dict, share: float, prompts: list[int], tokens: int,
-                            samples: int = 100) -> float:
+                            samples: int = 100, rows: int = 1) -> float:
     """The cost model's tokens/s for routing `share` of the tokens at random, over prompts of these lengths
-    (averaged over random draws)."""
+    (averaged over random draws); with `rows`, over batches of that many rows whose padded prompts have these
+    lengths, at step costs measured with that many rows."""
     rng = np.random.default_rng(0)
     seconds = 0.0
     for prompt in prompts:
         for _ in range(samples):
-            slm, llm = routing_calls(prompt, tokens, share, rng)
+            slm, llm = routing_calls(prompt, tokens, share, rng, rows)
             seconds += (predicted_seconds(slm, slm_ms) + predicted_seconds(llm, llm_ms)) / samples
-    return tokens * len(prompts) / seconds
+    return tokens * rows * len(prompts) / seconds
 
 
-def predicted_alone_tok_s(ms: dict, prompts: list[int], tokens: int) -> float:
-    return tokens * len(prompts) / sum(predicted_seconds([p] + [1] * (tokens - 1), ms) for p in prompts)
+def predicted_alone_tok_s(ms: dict, prompts: list[int], tokens: int, rows: int = 1) -> float:
+    return tokens * rows * len(prompts) / sum(predicted_seconds([p] + [1] * (tokens - 1), ms) for p in prompts)
+
+
+def batch_widths(lengths: list[int], rows: int) -> list[int]:
+    """The padded prompt width of each batch of `rows` prompts, in order."""
+    return [max(lengths[i : i + rows]) for i in range(0, len(lengths), rows)]
 
 
 # ---- measuring ------------------------------------------------------------------------------------------------
@@ -491,13 +499,19 @@ def tokens_per_round(result: dict) -> float:
     return result["tokens"] / max(sum(len(calls) for calls in result["llm_calls"]), 1)
 
 
-def step_table(backend, context: int, step_tokens: list[int], prompts: list[int]) -> dict[int, float]:
+def step_table(backend, context: int, step_tokens: list[int], prompts: list[int], rows: int = 1) -> dict[int, float]:
     """Milliseconds of a forward over k new tokens on a `context`-token cache, for each k asked and for each
-    prompt's length on an empty cache (what reading the prompt costs)."""
-    table = {k: step_ms(backend, context, k, repeats=3) for k in step_tokens}
+    prompt's length on an empty cache (what reading the prompt costs), for `rows` rows."""
+    table = {k: step_ms(backend, context, k, repeats=3, rows=rows) for k in step_tokens}
     for p in sorted(set(prompts)):
-        table.setdefault(p, step_ms(backend, 0, p, repeats=1))
+        table.setdefault(p, step_ms(backend, 0, p, repeats=1, rows=rows))
     return table
+
+
+def unmeasured_batches(plan: Plan, store: dict, max_rows: int | None) -> list[int]:
+    """The batch sizes above 1 whose step tables (for the batched runs' cost model) `store` lacks, where a backend
+    holding `max_rows` rows (None: any) can run them."""
+    return [b for b in plan.batches if b > 1 and (max_rows is None or b <= max_rows) and str(b) not in store]
 
 
 def llm_backend(shape: LlmShape, tokenizer, backend: str, device: str, template: Path, progress=QUIET,
@@ -600,6 +614,14 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
     prompts = [slm_engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:count]]
     lengths = [len(p) for p in prompts[: plan.prompts]]
     result["prompt_tokens"] = lengths
+    widths = {str(b): batch_widths([len(p) for p in prompts[: plan.prompts_at(b)]], b) for b in plan.batches}
+    result["batch_prompt_widths"] = widths
+
+    def batched_steps(store: dict, model) -> None:
+        """Step tables with each batch's rows, for the batched runs' cost model."""
+        for b in unmeasured_batches(plan, store, model.max_rows):
+            store[str(b)] = step_table(model.inner, plan.context, plan.step_tokens, widths[str(b)], rows=b)
+            save(result)
 
     def runs(engine, name, label, systems, batches=plan.batches):
         for batch in batches:
@@ -622,6 +644,8 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
             real = json.loads(Path(plan.real_from).read_text()).get("real", {})
             result["real"] = {"from": plan.real_from, "systems": real.get("systems", {})}
             save(result)
+    batched_steps(result.setdefault("slm_batched_steps", {}), slm)
+    llm_rows = llama["max_rows"] if backend == "llamacpp" else None
     for shape in plan.shapes:
         entry = result["shapes"].setdefault(shape.name, {})
         entry.setdefault("params_b", shape.params / 1e9)
@@ -632,7 +656,9 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
         modes = () if slm_rows is None else (False, True) if shape.vocab_rows != slm_rows else (False,)
         assisted_todo = [(k, universal) for k in plan.spec_k for universal in modes
                          if assisted_key(k, universal) not in entry.get("assisted", {})]
-        if "steps" in entry and all(name in systems for name in todo) and not assisted_todo:
+        batched = entry.setdefault("batched_steps", {})
+        if ("steps" in entry and all(name in systems for name in todo) and not assisted_todo
+                and not unmeasured_batches(plan, batched, llm_rows)):
             continue
         llm, build = llm_backend(shape, tokenizer, backend, device, template, progress, plan.cuda_graphs)
         record_build(entry, build)
@@ -641,6 +667,7 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
         if "steps" not in entry:
             entry["steps"] = step_table(llm.inner, plan.context, plan.step_tokens, lengths)
             save(result)
+        batched_steps(batched, llm)
         runs(Engine.alone(llm, tokenizer, "llm"), "llm", shape.name, systems)
         for share in plan.shares:
             runs(Engine(slm, llm, tokenizer, RouterAtShare(router, share, seed=0)), f"r2r@{share:g}", shape.name,
@@ -742,17 +769,35 @@ def summarize(result: dict, shares: list[float]) -> dict:
             # assisted generation's figure comes from its measured cost per round: beside the LLM alone as measured
             row["predicted_x_llm"] = row["predicted"] / (reference if row.get("assisted") else alone_predicted)
         for batch in batches[1:] if batches[0] == 1 else batches:
-            alone_b = (measured.get(system_name("llm", batch)) or {}).get("tokens_per_s")
-            for system in ["llm"] + [f"r2r@{share:g}" for share in shares]:
-                run = measured.get(system_name(system, batch))
-                if run:
-                    table.append({"system": system_name(system, batch), "batch": batch, "share": run["llm_share"],
-                                  "measured": run["tokens_per_s"], "measured_share": run["llm_share"],
-                                  "x_llm": run["tokens_per_s"] / alone_b if alone_b else None, "predicted": None})
+            table += batched_rows(result, entry, measured, shares, batch)
         steps = {k: llm_ms[k] for k in sorted(llm_ms) if k in result["config"]["step_tokens"]}
         rows[name] = {"params_b": params_b, "build": (entry or {}).get("build"), "rows": table, "step_ms": steps}
     slm_alone = ((own_slm or real).get("systems") or {}).get("slm", {}).get("tokens_per_s")
     return {**result, "summary": rows, "slm_tokens_per_s": slm_alone}
+
+
+def batched_rows(result: dict, entry: dict | None, measured: dict, shares: list[float], batch: int) -> list[dict]:
+    """The LLM alone and R2R at each share, `batch` rows at a time: measured, and the cost model's figure where
+    step tables with that many rows were measured."""
+    slm_ms = ms_keys(result.get("slm_batched_steps", {}).get(str(batch), {}))
+    llm_ms = ms_keys((entry or {}).get("batched_steps", {}).get(str(batch), {}))
+    widths, tokens = result.get("batch_prompt_widths", {}).get(str(batch)), result["config"]["tokens"]
+    alone_predicted = predicted_alone_tok_s(llm_ms, widths, tokens, batch) if llm_ms and widths else None
+    alone = (measured.get(system_name("llm", batch)) or {}).get("tokens_per_s")
+    rows = []
+    for system, share in [("llm", None)] + [(f"r2r@{share:g}", share) for share in shares]:
+        run = measured.get(system_name(system, batch))
+        if not run:
+            continue
+        predicted = alone_predicted if share is None else (
+            predicted_routing_tok_s(slm_ms, llm_ms, share, widths, tokens, rows=batch) if slm_ms and alone_predicted
+            else None)
+        rows.append({"system": system_name(system, batch), "batch": batch, "share": run["llm_share"],
+                     "measured": run["tokens_per_s"], "measured_share": run["llm_share"],
+                     "x_llm": run["tokens_per_s"] / alone if alone else None, "predicted": predicted,
+                     "predicted_x_llm": predicted / alone_predicted if predicted else None,
+                     "x_model": run["tokens_per_s"] / predicted if predicted else None})
+    return rows
 
 
 def plot(result: dict, path: Path) -> Path:
