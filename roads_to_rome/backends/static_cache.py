@@ -69,12 +69,12 @@ class StaticKV:
 class GraphedStep:
     """One captured read of `size` new columns over a fixed cache: copy the inputs in, replay, read the output."""
 
-    graph: torch.cuda.CUDAGraph | None  # None until recorded
+    graph: torch.cuda.CUDAGraph
     ids: torch.Tensor  # [B, size]
     positions: torch.Tensor  # [B, size]
     mask: torch.Tensor  # [B, 1, size, capacity] additive
     write_at: torch.Tensor  # [size]: the cache columns the read writes
-    hidden: torch.Tensor | None  # [B, size, H]: the trunk's output
+    hidden: torch.Tensor  # [B, size, H]: the trunk's output
 
 
 @dataclass

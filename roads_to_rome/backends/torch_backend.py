@@ -158,11 +158,10 @@ class TorchBackend:
 
     def _capture(self, kv: StaticKV, ids, positions, mask, write_at) -> GraphedStep:
         # (the warm-up writes this read's own columns: the same numbers the replay writes)
-        step = GraphedStep(None, ids.clone(), positions.clone(), mask.clone(), write_at.clone(), None)
-        step.graph, step.hidden = capture(lambda: self._trunk(kv, step.ids, step.positions, step.mask, step.write_at),
-                                          self.pool.memory)
-        self.pool.memory = self.pool.memory or step.graph.pool()
-        return step
+        ids, positions, mask, write_at = (t.clone() for t in (ids, positions, mask, write_at))
+        graph, hidden = capture(lambda: self._trunk(kv, ids, positions, mask, write_at), self.pool.memory)
+        self.pool.memory = self.pool.memory or graph.pool()
+        return GraphedStep(graph, ids, positions, mask, write_at, hidden)
 
     @torch.inference_mode()
     def forward(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
