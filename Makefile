@@ -97,7 +97,7 @@ demo: models
 # import path) then tests the installed wheel.
 test: web browser vllm models
 	@$(MAKE) --no-print-directory $(PACKAGE)
-	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs
+	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs --durations=20
 
 # Unit tests on tiny models only: no model download, seconds.
 test-fast: web

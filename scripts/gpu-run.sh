@@ -6,7 +6,15 @@
 # and wheels of the [eval] dependencies the box lacks.
 # Each results file is copied to $OUT (default runs/gpu) as soon as its pair is done, so a run cut short keeps what
 # it measured; the tables and plots go there as one archive at the end, the log as log.txt.
+#
+# Parts, in this order, all but the r1-...compiled ones by default:
+#   scripts/gpu-run.sh [tests] [profile] [r1-uncompiled] [r1-compiled] [r1] [r1-batched] [coder] [qwen3]
+# profile: scripts/gpu-profile.py, where an R2R step's time goes at batch 1 (R1-Distill 1.5B); r1-uncompiled and
+# r1-compiled: the R1 pair at batch 1, no speculative rows, with the trunks as transformers runs them (--compile
+# none), and with the SLM's compiled (the default).
 set -u
+parts=" ${*:-tests profile r1 r1-batched coder qwen3} "
+want() { [[ "$parts" == *" $1 "* ]]; }
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT" runs/gpu
 exec > >(tee "$OUT/log.txt") 2>&1
@@ -17,7 +25,11 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 lscpu | grep -m1 "Model name"
 git log -1 --format='commit %h %s' 2>/dev/null || true
 
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
+want tests && timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
+if want profile; then
+  timeout 240 python3 scripts/gpu-profile.py --out runs/gpu/profile.json 2>&1 | grep -v Warning | tail -40
+  [ "$OUT" = runs/gpu ] || cp runs/gpu/profile* "$OUT/" 2>/dev/null
+fi
 
 shapes() {  # one pair; killed at $1 seconds so that later pairs still run; its results file copied to $OUT
   local limit=$1 out=$2; shift 2
@@ -27,9 +39,11 @@ shapes() {  # one pair; killed at $1 seconds so that later pairs still run; its 
   [ "$OUT" = runs/gpu ] || cp "runs/gpu/$out" "$OUT/" 2>/dev/null
 }
 r1=(--slm-shape r1-distill-qwen-1.5b --llm-shape r1-distill-qwen-32b --llm-share 0.11,0.15)
-shapes 180 r1-32b.json "${r1[@]}" --spec-k 4
-shapes 170 r1-32b-batched.json "${r1[@]}" --spec-k "" --batch 4,8
-shapes 100 coder.json --slm-shape qwen2.5-coder-0.5b --llm-shape qwen2.5-coder-7b,qwen2.5-coder-14b \
+want r1-uncompiled && shapes 150 r1-32b-uncompiled.json "${r1[@]}" --spec-k "" --compile none
+want r1-compiled && shapes 200 r1-32b-compiled.json "${r1[@]}" --spec-k ""
+want r1 && shapes 180 r1-32b.json "${r1[@]}" --spec-k 4
+want r1-batched && shapes 170 r1-32b-batched.json "${r1[@]}" --spec-k "" --batch 4,8
+want coder && shapes 100 coder.json --slm-shape qwen2.5-coder-0.5b --llm-shape qwen2.5-coder-7b,qwen2.5-coder-14b \
   --llm-share 0.11,0.15 --spec-k ""
-shapes 70 qwen3-8b.json --slm-shape qwen3-0.6b --llm-shape qwen3-8b --llm-share 0.11,0.15 --spec-k ""
+want qwen3 && shapes 70 qwen3-8b.json --slm-shape qwen3-0.6b --llm-shape qwen3-8b --llm-share 0.11,0.15 --spec-k ""
 tar czf "$OUT/tables-and-plots.tgz" -C runs/gpu --exclude '*.json' .

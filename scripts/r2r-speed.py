@@ -30,12 +30,16 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--prompts", type=int, default=4)
 parser.add_argument("--tokens", type=int, default=128)
 parser.add_argument("--verify", default="off,1", help="comma-separated verification settings, one run each")
+parser.add_argument("--backend", action="append", help="the pair's backends, as r2r's --backend (llamacpp, torch, "
+                    "slm=llamacpp,llm=torch...); repeat it for several, each run in turn (default: llamacpp)")
 args = parser.parse_args()
 
-slm, llm, tokenizer = load_pair(None, None, "cpu", backend="llamacpp")
-policy = policies.build("router", slm, None, router_path_for(None, None))
-prompts = None
-for verify in args.verify.split(","):
+prompts, pairs = None, {}
+for backend, verify in [(b, v) for b in args.backend or ["llamacpp"] for v in args.verify.split(",")]:
+    if backend not in pairs:
+        pairs = {backend: load_pair(None, None, "cpu", backend=backend)}  # (the last pair goes)
+    slm, llm, tokenizer = pairs[backend]
+    policy = policies.build("router", slm, None, router_path_for(None, None))
     engine = Engine(slm, llm, tokenizer, policy, verify=verify)
     prompts = prompts or [engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[: args.prompts]]
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
@@ -47,7 +51,7 @@ for verify in args.verify.split(","):
         rollbacks, discarded, calls = rollbacks + gen.rollbacks, discarded + gen.discarded, calls + gen.timings.llm_calls
         steps, slm_s, llm_s = steps + gen.timings.steps, slm_s + gen.timings.slm_s, llm_s + gen.timings.llm_s
     seconds = time.perf_counter() - start
-    print(json.dumps({"package": package.__file__, "verify": verify, "tokens": tokens,
+    print(json.dumps({"package": package.__file__, "backend": backend, "verify": verify, "tokens": tokens,
                       "llm_rate": round(llm_tokens / tokens, 4), "llm_calls": calls, "rollbacks": rollbacks,
                       "discarded": discarded, "steps": steps,
                       "slm_s": round(slm_s, 2), "llm_s": round(llm_s, 2), "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2)}),

@@ -32,6 +32,38 @@ def llm(tokenizer):
     return TorchBackend(tiny_model(tokenizer, hidden=64, seed=1), name="tiny-llm")
 
 
+# The default pair, loaded once and shared by the end-to-end tests that drive it in this process (tests of the
+# command line load their own, in the subprocess they start): on llama.cpp once per session (its weights are mapped,
+# not copied); on torch once per module, so that its gigabytes go once the module's tests are done.
+
+@pytest.fixture(scope="module")
+def torch_pair():
+    """(SLM, LLM, tokenizer) on torch, in the dtype `--dtype auto` picks here: the proofs against transformers."""
+    from roads_to_rome.models import load_pair
+
+    return load_pair(None, None, "cpu", backend="torch")
+
+
+@pytest.fixture(scope="module")
+def torch_pair_float32(torch_pair):
+    """The pair on torch in float32 (the one already loaded where `auto` picks float32)."""
+    from roads_to_rome.models import load_pair
+    from roads_to_rome.models.loading import pick_dtype
+
+    if pick_dtype("auto", "cpu") == "float32":
+        return torch_pair
+    return load_pair(None, None, "cpu", backend="torch", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def llamacpp_pair():
+    """(SLM, LLM, tokenizer) on llama.cpp, as `--backend auto` runs them on a CPU."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from roads_to_rome.models import load_pair
+
+    return load_pair(None, None, "cpu", backend="llamacpp")
+
+
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
     """Run the `r2r` entry point in-process; returns (exit code, stdout, stderr)."""

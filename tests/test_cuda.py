@@ -99,3 +99,21 @@ def test_the_router_replays_as_a_graph_with_the_eager_scores(pair, tokenizer):
         results = engine.generate(encode(engine), SamplingParams(max_new_tokens=N_TOKENS))
         outputs.append([(g.token_ids, g.sources) for g in results])
     assert outputs[0] == outputs[1]
+
+
+
+def test_the_graphs_record_the_compiled_trunk_with_the_uncompiled_tokens(tokenizer, pair):
+    """By default the graphs record the trunk as torch.compile makes it (the other tests here run that way against
+    transformers' generate); with compile=False they record it as it is, and both write the same tokens under mixed
+    routing, one-token steps and catch-ups alike."""
+    slm, llm = pair
+    assert slm.compiled_trunk is not None and "torch.compile" in slm.kernels
+    plain = [TorchBackend(tiny_model(tokenizer, hidden=h, seed=s).cuda(), name=f"plain-{h}", compile=False)
+             for h, s in ((32, 0), (64, 1))]
+    assert plain[0].compiled_trunk is None and "torch.compile" not in plain[0].kernels
+    outputs = []
+    for s, l in (pair, plain):
+        engine = Engine(s, l, tokenizer, RandomPolicy(0.3, seed=0))
+        results = engine.generate(encode(engine), SamplingParams(max_new_tokens=N_TOKENS))
+        outputs.append([(g.token_ids, g.sources) for g in results])
+    assert outputs[0] == outputs[1]

@@ -65,6 +65,37 @@ def test_device_choice():
         models.pick_device("tpu")
 
 
+@pytest.mark.parametrize("flags, device, expected", [
+    ("avx2 avx512f avx512_bf16", "cpu", "bfloat16"),  # Zen 4, Cooper Lake and later Xeons
+    ("avx2 avx512f amx_bf16 amx_tile", "cpu", "bfloat16"),  # Sapphire Rapids
+    ("avx2 avx512f", "cpu", "float32"),  # Skylake / Ice Lake Xeons: no native bf16
+    ("avx2 fma", "cpu", "float32"),  # Zen 3: AVX2 only
+    ("avx2 fma", "cuda", "bfloat16"),  # a GPU computes bf16 whatever the host
+])
+def test_dtype_auto_follows_the_processor(monkeypatch, flags, device, expected):
+    from roads_to_rome import hardware
+    from roads_to_rome.models import loading
+
+    monkeypatch.setattr(hardware, "cpu", lambda: ("a CPU", frozenset(flags.split())))
+    monkeypatch.setattr(loading, "pick_device", lambda d: device)
+    assert loading.pick_dtype("auto", "auto") == expected
+    assert loading.pick_dtype("float16", "auto") == "float16"  # asked for: as asked
+    with pytest.raises(R2RError, match="unknown dtype 'fp8': use one of auto, bfloat16"):
+        loading.pick_dtype("fp8", "auto")
+
+
+def test_load_model_resolves_dtype_auto(tmp_path, monkeypatch):
+    import torch
+
+    from roads_to_rome import hardware
+
+    slm_dir, _ = save_pair(tmp_path)
+    for flags, dtype in (("avx2", torch.float32), ("avx512_bf16", torch.bfloat16)):
+        monkeypatch.setattr(hardware, "cpu", lambda flags=flags: ("a CPU", frozenset(flags.split())))
+        backend, _ = models.load_model(str(slm_dir), "slm", "cpu", "auto", "torch")
+        assert backend.dtype == dtype
+
+
 def test_backend_auto_picks_llama_cpp_for_gguf_files_on_a_cpu_and_torch_otherwise(monkeypatch):
     from roads_to_rome.models import loading
 

@@ -515,7 +515,7 @@ def unmeasured_batches(plan: Plan, store: dict, max_rows: int | None) -> list[in
 
 
 def llm_backend(shape: LlmShape, tokenizer, backend: str, device: str, template: Path, progress=QUIET,
-                graphs: bool = True):
+                graphs: bool = True, compile: bool = False):
     """The shape as an LLM backend reading the SLM's tokenizer's ids: llama.cpp on its random Q4_K_M file (built
     on first use), or transformers from its configuration."""
     if backend == "llamacpp":
@@ -524,7 +524,7 @@ def llm_backend(shape: LlmShape, tokenizer, backend: str, device: str, template:
     start = time.perf_counter()
     model = torch_shape(shape, pick_device(device))
     built = {"path": None, "bytes": None, "built_s": time.perf_counter() - start}
-    return TorchBackend(model, name=shape.name, vocab_size=len(tokenizer), graphs=graphs), built
+    return TorchBackend(model, name=shape.name, vocab_size=len(tokenizer), graphs=graphs, compile=compile), built
 
 
 def ms_keys(table: dict) -> dict[int, float]:
@@ -549,6 +549,7 @@ class Plan:
     batches: tuple[int, ...] = (1,)
     real_from: str | None = None  # a results file whose real-pair runs stand in for this run's (random SLM)
     cuda_graphs: bool = True  # on CUDA, reads of up to 64 tokens as CUDA graphs (off: transformers' eager forwards)
+    compile: tuple[str, ...] = ("slm",)  # the roles whose CUDA graphs record their trunk compiled by torch.compile
 
     def config(self) -> dict:
         """What a resumed run must share with the saved one (keys only where not the default, so files of earlier
@@ -562,6 +563,8 @@ class Plan:
             config["batches"] = list(self.batches)
         if not self.cuda_graphs:
             config["cuda_graphs"] = False
+        if self.compile != ("slm",):
+            config["compile"] = list(self.compile)
         return config
 
     def prompts_at(self, batch: int) -> int:
@@ -605,7 +608,8 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
     else:
         tokenizer = default_tokenizer()
         slm = TorchBackend(torch_shape(plan.slm_shape, pick_device(device)), name=plan.slm_shape.name,
-                           vocab_size=len(tokenizer), graphs=plan.cuda_graphs)
+                           vocab_size=len(tokenizer), graphs=plan.cuda_graphs,
+                           compile="slm" in plan.compile)
         router = random_router(slm)
     slm = Recorded(slm)
     result.setdefault("kernels", {})["slm"] = slm.kernels
@@ -660,7 +664,8 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
         if ("steps" in entry and all(name in systems for name in todo) and not assisted_todo
                 and not unmeasured_batches(plan, batched, llm_rows)):
             continue
-        llm, build = llm_backend(shape, tokenizer, backend, device, template, progress, plan.cuda_graphs)
+        llm, build = llm_backend(shape, tokenizer, backend, device, template, progress, plan.cuda_graphs,
+                                 "llm" in plan.compile)
         record_build(entry, build)
         llm = Recorded(llm)
         result["kernels"][f"llm ({shape.name})"] = llm.kernels

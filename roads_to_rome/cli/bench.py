@@ -44,7 +44,7 @@ def bench_compare(
                                "besides plain R2R (strict, or tolerances in nats; empty: none)."),
     max_unverified: MaxUnverified = None,
     backends: str = typer.Option("torch,llamacpp", "--backends", help="Which backends to run, comma-separated."),
-    dtype: Dtype = "bfloat16",
+    dtype: Dtype = "auto",
     out: Optional[Path] = typer.Option(Path("runs/bench.json"), "--out", help="Write the figures as JSON here."),
 ):
     """Tokens/s of each model alone, speculative decoding and R2R (with and without verification), per backend,
@@ -54,7 +54,9 @@ def bench_compare(
     require("eval", "`r2r bench`")
     from roads_to_rome.bench.measure import compare
     from roads_to_rome.core.sampling import parse_verify
+    from roads_to_rome.models.loading import pick_dtype
 
+    dtype = pick_dtype(dtype, "cpu")
     ks = whole_numbers(spec_k, "--spec-k")
     names = [b.strip() for b in backends.split(",") if b.strip()]
     if not names or set(names) - set(BACKENDS):
@@ -72,12 +74,14 @@ def bench_backends(
     prompts: int = count(3, "--prompts", help="GSM8K dev prompts (items 0..N-1)."),
     tokens: int = count(128, "--tokens", help="Answer tokens per prompt (written by the SLM on llama.cpp)."),
     router_path: Optional[Path] = typer.Option(None, "--router-path", help="Router to compare (default: the shipped one)."),
-    threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD, dtype: Dtype = "bfloat16", out: Out = None,
+    threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD, dtype: Dtype = "auto", out: Out = None,
 ):
     """Torch vs llama.cpp SLM features: hidden-state cosine, argmax and routing decisions agreement."""
     require("eval", "`r2r bench backends`")
     from roads_to_rome.bench.measure import backend_agreement
+    from roads_to_rome.models.loading import pick_dtype
 
+    dtype = pick_dtype(dtype, "cpu")
     with Progress(console=console, transient=True) as progress:
         result = backend_agreement(prompts, tokens, router_path, threshold, dtype, progress)
     console.print(tables.bench_backends(result, prompts, threshold, dtype))
@@ -89,12 +93,14 @@ def bench_overhead(
     tokens: int = count(256, "--tokens", help="New tokens per generation."),
     rounds: int = count(3, "--rounds", help="Alternating rounds of each; medians are compared."),
     compile: bool = typer.Option(False, "--compile", help="Also the static-cache loop compiled by torch.compile (minutes to compile on a CPU)."),
-    slm: Slm = None, device: Device = "auto", dtype: Dtype = "bfloat16", out: Out = None,
+    slm: Slm = None, device: Device = "auto", dtype: Dtype = "auto", out: Out = None,
 ):
     """Engine overhead: R2R with the always-SLM policy against a bare SLM forward loop, same prompt."""
     require("eval", "`r2r bench overhead`")
     from roads_to_rome.bench.measure import overhead
+    from roads_to_rome.models.loading import pick_dtype
 
+    dtype = pick_dtype(dtype, device)
     with Progress(console=console, transient=True) as progress:
         result = overhead(slm, device, dtype, tokens, rounds, compile, progress)
     console.print(*tables.bench_overhead(result, tokens), sep="\n")
@@ -106,13 +112,15 @@ def bench_batch(
     batch_size: int = count(4, "--batch-size"),
     tokens: int = count(128, "--tokens", help="Max new tokens per prompt."),
     threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD,
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     out: Out = None,
 ):
     """Batching: R2R on N GSM8K dev prompts one at a time vs in one batch (aggregate tokens/s)."""
     require("eval", "`r2r bench batch`")
     from roads_to_rome.bench.measure import batching
+    from roads_to_rome.models.loading import pick_dtype
 
+    dtype = pick_dtype(dtype, device)
     result = batching(slm, llm, device, dtype, threshold, batch_size, tokens, backend)
     show_phases(result, ("sequential", "batched"), f"batch {batch_size}", out)
 
@@ -122,14 +130,16 @@ def bench_serve(
     clients: int = count(4, "--clients", help="Concurrent clients (and requests per phase)."),
     tokens: int = count(128, "--tokens", help="max_tokens per request."),
     threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD,
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     out: Out = None,
 ):
     """Serving throughput: N clients at once vs one at a time, through the HTTP server (aggregate tokens/s)."""
     require("serve", "`r2r bench serve`")
     require("eval", "`r2r bench serve`")
     from roads_to_rome.bench.serving import serving
+    from roads_to_rome.models.loading import pick_dtype
 
+    dtype = pick_dtype(dtype, device)
     result = serving(slm, llm, device, dtype, threshold, clients, tokens, backend)
     show_phases(result, ("one_at_a_time", "concurrent"), f"{clients} clients", out)
 
@@ -144,13 +154,15 @@ def show_phases(result: dict, modes: tuple[str, str], setting: str, out: Path | 
 def bench_steps(
     context: int = count(300, "--context", help="Tokens already in the KV cache."),
     new_tokens: str = typer.Option("1,2,4,8,16,32", "--new-tokens", help="Comma-separated k values."),
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     out: Out = None,
 ):
     """Per-step cost of each model for k new tokens (the inputs of the cost model)."""
     require("eval", "`r2r bench steps`")
     from roads_to_rome.bench.measure import step_costs
+    from roads_to_rome.models.loading import pick_dtype
 
+    dtype = pick_dtype(dtype, device)
     ks = whole_numbers(new_tokens, "--new-tokens")
     if not ks:
         raise R2RError("every --new-tokens value must be at least 1")
@@ -168,13 +180,15 @@ def bench_remote(
     new_tokens: str = typer.Option("1,4,16", "--new-tokens", help="Comma-separated catch-up sizes k."),
     prompts: int = count(2, "--prompts", help="GSM8K dev prompts for the tokens/s comparison."),
     tokens: int = count(128, "--tokens", help="Max new tokens per prompt."),
-    dtype: Dtype = "bfloat16", out: Out = None,
+    dtype: Dtype = "auto", out: Out = None,
 ):
     """The LLM behind a server vs the same LLM here: catch-up latency for k new tokens (prefix cached, and
     cold), and R2R's tokens/s with either LLM, in one run."""
     require("eval", "`r2r bench remote`")
     from roads_to_rome.bench.measure import remote
+    from roads_to_rome.models.loading import pick_dtype
 
+    dtype = pick_dtype(dtype, "cpu")
     ks = whole_numbers(new_tokens, "--new-tokens")
     with Progress(console=console, transient=True) as progress:
         result = remote(llm, backend, dtype, context, ks, prompts, tokens, progress=progress)
@@ -208,6 +222,9 @@ def bench_shapes(
                                    "acceptance)."),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On CUDA, reads of up to 64 tokens "
                                      "as CUDA graphs, or transformers' eager forwards (to see what graphs buy)."),
+    compile: str = typer.Option("slm", "--compile", help="On CUDA, whose graphs record its trunk compiled by "
+                                "torch.compile: slm (the default, as r2r runs it), llm, slm,llm, or none (transformers' "
+                                "own kernels, to see what compiling buys)."),
     backend: BackendOpt = "llamacpp", device: Device = "auto",
     build_only: bool = typer.Option(False, "--build-only", help="Only build the shapes' files (llama.cpp)."),
     out: Path = typer.Option(Path("runs/bench-shapes.json"), "--out", help="Results (JSON; a re-run with the same "
@@ -227,6 +244,9 @@ def bench_shapes(
     if backend not in ("llamacpp", "torch"):
         raise R2RError(f"--backend for shapes is llamacpp (a built GGUF) or torch (from the configuration), got {backend!r}")
     settings = [parse_verify(v.strip()) for v in verify.split(",") if v.strip()]
+    compiled = tuple(r.strip() for r in compile.split(",") if r.strip() and r.strip() != "none")
+    if set(compiled) - {"slm", "llm"}:
+        raise R2RError(f"--compile takes slm, llm, slm,llm or none, got {compile!r}")
     if backend == "llamacpp" and (other := [s.name for s in chosen if s.arch != "qwen2"]):
         raise R2RError(f"{', '.join(other)}: a qwen3 model; the GGUF builder writes qwen2 models, use --backend torch")
     if slm_shape and backend != "torch":
@@ -239,7 +259,7 @@ def bench_shapes(
         tuple(chosen), tuple(shares), prompts, tokens, context, tuple(ks), tuple(settings),
         tuple(whole_numbers(spec_k, "--spec-k")), backend, device,
         bench_shapes_module.parse_shape(slm_shape) if slm_shape else None,
-        tuple(whole_numbers(batch, "--batch")) or (1,), str(real_from) if real_from else None, cuda_graphs)
+        tuple(whole_numbers(batch, "--batch")) or (1,), str(real_from) if real_from else None, cuda_graphs, compiled)
     saved = json.loads(out.read_text()) if out.exists() else None
 
     def keep(result):

@@ -58,7 +58,7 @@ def generate(
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     seed: Seed = None, as_json: AsJson = False,
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Answer one prompt with R2R routing; the LLM's tokens are highlighted."""
     if not prompt.strip():
@@ -82,7 +82,7 @@ def chat(
     verify: Verify = None, max_unverified: MaxUnverified = None,
     max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = None,
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Chat interactively; answers stream in with the LLM's tokens highlighted. Empty line or Ctrl-D quits."""
     from roads_to_rome.text import Detokenizer
@@ -123,7 +123,7 @@ def serve(
     port: int = typer.Option(8000, "--port", min=1, max=65535),
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
     verify: Verify = None, max_unverified: MaxUnverified = None,
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
     max_batch: int = count(8, "--max-batch", help="Requests decoding (or having their prompt read) at once."),
     max_queue: int = count(64, "--max-queue", help="Requests waiting for a slot (then 429)."),

@@ -23,7 +23,7 @@ Llm = Annotated[Optional[str], typer.Option("--llm", help="LLM: local dir, .gguf
                                             "?model=NAME picks a served model) (default: the prepared "
                                             "Qwen2.5-Coder-1.5B)")]
 Device = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
-Dtype = Annotated[str, typer.Option("--dtype", help="Weights and compute: bfloat16, float16 or float32.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="Weights and compute on torch: auto (bf16 on CUDA and on CPUs with native bf16, AVX512-BF16 or AMX; float32 on other CPUs), bfloat16, float16 or float32.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (llama.cpp on a CPU for GGUF files, the default "
                                       "pair's included, when it is installed; torch on CUDA and for model "
                                       "directories), torch (transformers) or llamacpp, for both models or per role: "

@@ -60,7 +60,7 @@ def eval_command(
                                "random (off, strict, tolerances in nats): one system each, e.g. r2r+verify=1."),
     max_unverified: MaxUnverified = None,
     spec_k: int = count(4, "--spec-k", help="Draft tokens per check for the spec system."),
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Evaluate systems on a benchmark: accuracy with 95% CI, LLM rate, avg. params, speed; JSON, table, plots, HTML."""
     require("eval", "`r2r eval`")
@@ -93,7 +93,7 @@ def train(
     seed: int = typer.Option(0, "--seed"),
     epochs: int = count(40, "--epochs", help="At most this many epochs (early stopping on validation AUC)."),
     ablations: bool = typer.Option(False, "--ablations", help="Also train every input set x objective and print the table."),
-    slm: Slm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    slm: Slm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Train the router on label datasets (SLM features recomputed by prefill), calibrate, save, report."""
     require("labels", "`r2r train`")
@@ -121,7 +121,7 @@ def calibrate(
                                      "validation split: for a dataset the router was not trained on (e.g. margin "
                                      "labels of the SLM's own answers to an evaluation set)."),
     as_json: AsJson = False,
-    slm: Slm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    slm: Slm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Sweep thresholds on validation data: recall of divergent tokens vs LLM rate (table + plot)."""
     require("labels", "`r2r calibrate`")
@@ -177,7 +177,7 @@ def label_run(
     margin: float = typer.Option(1.0, "--margin", help="--judge margin: divergent where the LLM ranks the SLM's "
                                  "token more than this many nats below its own (what --verify at this tolerance "
                                  "rejects)."),
-    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Run the label pipeline (or some of its steps); re-running resumes where it stopped."""
     require("labels", "`r2r label`")
@@ -214,7 +214,7 @@ def label_prompts(
                                 "(GSM8K's style, none sharing 8 words in a row with a GSM8K test question)."),
     champ: bool = typer.Option(True, "--champ/--no-champ", help="math recipe: CHAMP's 270 competition problems."),
     seed: int = typer.Option(0, "--seed"),
-    llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Build a training prompt set (no evaluation data); the same seed gives the same set."""
     require("labels", "`r2r label prompts`")
@@ -249,7 +249,7 @@ def label_agree(
                                            "way, e.g. with --rejoin-tokens 0: how often stopping early changed a label; "
                                            "or a committed dataset's labels.parquet, labelled by another judge)."),
     judge_url: JudgeUrl = None, judge_model: JudgeModel = None,
-    llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Run a second judge on the same differing positions (or read another directory's verdicts) and report how
     often it agrees with the first."""
@@ -275,7 +275,7 @@ def label_check_judge(
                                            "(neutral|divergent). Default: the hand-labelled cases shipped with r2r."),
     judge: str = typer.Option("local", "--judge", help="local, remote, semantic or facts."),
     judge_url: JudgeUrl = None, judge_model: JudgeModel = None,
-    llm: Llm = None, device: Device = "auto", dtype: Dtype = "bfloat16", backend: BackendOpt = "auto",
+    llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     as_json: AsJson = False,
 ):
     """How well a judge agrees with hand labels: accuracy, divergent recall/precision, Cohen's kappa."""

@@ -320,7 +320,7 @@ class EvalConfig:
     slm: str | None = None
     llm: str | None = None
     device: str = "auto"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     backend: str = "auto"
     router_path: Path | None = None  # None: the shipped router for the default SLM
     threshold: float | None = None  # r2r's threshold (None: the router's calibrated one)

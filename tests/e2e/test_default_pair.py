@@ -10,22 +10,16 @@ import pytest
 from roads_to_rome import models
 from roads_to_rome.core.engine import Engine, SamplingParams, left_pad
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
-from roads_to_rome.models import load_pair
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM
 
 pytestmark = pytest.mark.e2e
 
-N_TOKENS = 128
+N_TOKENS = 64  # a cache or batching bug shows within 64 tokens as within 128, at half the cost
 PROMPTS = [
     "Write a Python class for a binary search tree with insert, delete and search, with docstrings.",
     "Explain in detail how quicksort works, then analyse its best, average and worst case running time.",
     gsm8k_prompt(gsm8k()[1]),
 ]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return load_pair(None, None, "cpu", backend="torch")  # the proof is against transformers
 
 
 def hf_greedy(model, prompt_ids, pad_id):
@@ -36,9 +30,10 @@ def hf_greedy(model, prompt_ids, pad_id):
 
 
 @pytest.mark.parametrize("role", ["slm", "llm"])
-def test_always_one_model_equals_its_greedy_generation(pair, role):
-    """The engine's proof: routing everything to one model reproduces that model token for token."""
-    slm, llm, tokenizer = pair
+def test_always_one_model_equals_its_greedy_generation(torch_pair, role):
+    """The engine's proof: routing everything to one model reproduces that model token for token (in the dtype the
+    engine runs in here: the reference is the same loaded model)."""
+    slm, llm, tokenizer = torch_pair
     engine = Engine(slm, llm, tokenizer, AlwaysSLM() if role == "slm" else AlwaysLLM())
     reference = slm if role == "slm" else llm
     prompts = [engine.encode_chat(p) for p in PROMPTS]
@@ -61,16 +56,17 @@ def test_always_one_model_equals_its_greedy_generation(pair, role):
 
 
 @pytest.mark.parametrize("role", ["slm", "llm"])
-def test_always_one_model_on_llamacpp_equals_llamacpps_own_greedy_output(role, monkeypatch):
+def test_always_one_model_on_llamacpp_equals_llamacpps_own_greedy_output(llamacpp_pair, role, monkeypatch):
     """The same proof on the llama.cpp backend, against llama-cpp-python's own greedy generation."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    import llama_cpp
+
     from roads_to_rome.backends.llamacpp import model_params
     from roads_to_rome.models import DEFAULT_LLM, DEFAULT_SLM, gguf_path
 
     # The reference loads its model with the backend's parameters: the defaults crash on AMX CPUs.
     monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", model_params)
 
-    slm, llm, tokenizer = load_pair(None, None, "cpu", backend="llamacpp")
+    slm, llm, tokenizer = llamacpp_pair
     engine = Engine(slm, llm, tokenizer, AlwaysSLM() if role == "slm" else AlwaysLLM())
     # flash_attn as llama.cpp's own default picks it on CPU (llama-cpp-python turns it off by default;
     # the attention sums then round differently and near-ties flip).
@@ -209,17 +205,15 @@ def test_eval_grades_the_real_slm_on_gsm8k_and_humaneval(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["torch", "llamacpp"])
-def test_strict_verification_gives_the_llms_greedy_output(backend):
+def test_strict_verification_gives_the_llms_greedy_output(backend, request):
     """Verification on catch-up, strict: the shipped router (the LLM checks at routed tokens and at the
     end) and speculative decoding (the SLM alone, checked every 4 tokens) both write the LLM's own greedy
-    output, 128 tokens on 3 prompts. Torch in float32: a multi-token LLM forward and a one-token step then
-    agree to well below any logit gap. On llama.cpp (Q4_K_M) they round differently, so where the output
-    leaves the LLM's one-token path, its two top tokens must nearly tie there."""
-    if backend == "llamacpp":
-        pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    output, 64 tokens on 3 prompts. Torch in float32: a multi-token LLM forward and a
+    one-token step then agree to well below any logit gap. On llama.cpp (Q4_K_M) they round differently, so where
+    the output leaves the LLM's one-token path, its two top tokens must nearly tie there."""
     from roads_to_rome.routing import policies
 
-    slm, llm, tokenizer = load_pair(None, None, "cpu", backend=backend, dtype="float32")
+    slm, llm, tokenizer = request.getfixturevalue("llamacpp_pair" if backend == "llamacpp" else "torch_pair_float32")
     alone = Engine.alone(llm, tokenizer)
     prompts = [alone.encode_chat(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True)

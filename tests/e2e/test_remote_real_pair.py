@@ -13,7 +13,7 @@ from conftest import LlamaServer, VllmServer
 from roads_to_rome.backends.remote import RemoteBackend
 from roads_to_rome.core.engine import Engine, SamplingParams
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
-from roads_to_rome.models import DEFAULT_LLM, converted_dir, gguf_path, load_model
+from roads_to_rome.models import DEFAULT_LLM, converted_dir, gguf_path
 from roads_to_rome.routing.policies import AlwaysLLM
 from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
 
@@ -34,8 +34,8 @@ def server(request):
 
 
 @pytest.fixture(scope="module")
-def slm():
-    return load_model(None, "slm", "cpu", "bfloat16", "llamacpp")
+def slm(llamacpp_pair):
+    return llamacpp_pair[0], llamacpp_pair[2]
 
 
 def test_the_llm_through_the_remote_backend_equals_the_servers_own_greedy(server, slm):
@@ -54,7 +54,7 @@ def test_r2r_with_the_remote_llm_end_to_end(server, slm, run_cli, tmp_path):
     assert code == 0, err
     assert "24" in out.replace("[[", "").replace("]]", "")  # [[...]]: the LLM's tokens, on a plain terminal
     code, out, err = run_cli("eval", "--benchmark", "gsm8k", "--ids", "0-1", "--llm", server.url, "--backend",
-                             "llamacpp", "--systems", "r2r", "--max-new-tokens", "256", "--out", tmp_path)
+                             "llamacpp", "--systems", "r2r", "--max-new-tokens", "128", "--out", tmp_path)
     assert code == 0, err
     rows = [json.loads(line) for line in (tmp_path / "gsm8k" / "r2r.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["llm_tokens"] > 0 for r in rows)
