@@ -5,18 +5,16 @@ import json
 import statistics
 import time
 
-import llama_cpp
 import torch
 
 from roads_to_rome.backends import llamacpp
 from roads_to_rome.models import DEFAULT_LLM, gguf_path
 
-results = {}
+results, default_params = {}, llamacpp.model_params
 for round_ in range(3):
     for extra in (True, False):
-        params = llamacpp.model_params()
+        params = default_params()
         params.use_extra_bufts = extra
-        original = llama_cpp.llama_cpp.llama_model_default_params
         llamacpp.model_params = lambda params=params: params  # this round's setting for the backend's load
         backend = llamacpp.LlamaCppBackend(gguf_path(DEFAULT_LLM), name="llm", n_ctx=4096, max_rows=2)
         for k in (1, 4, 8):

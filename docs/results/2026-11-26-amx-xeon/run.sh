@@ -24,3 +24,5 @@ for backend in llamacpp torch; do
     --tokens 128 --verify "" --spec-k "" --new-tokens 1,2,4,8,16 --out $here/shapes-7b-$backend.json \
     > "$LOGS/shapes-7b-$backend.txt" 2>&1
 done
+# The repacked layouts on and off, alternating (the A/B on the results page).
+.venv/bin/python $here/repack-ab.py > $here/repack-ab.json 2> "$LOGS/repack-ab.err"
