@@ -106,7 +106,7 @@ def test_the_graphs_record_the_compiled_trunk_with_the_uncompiled_tokens(tokeniz
     """By default the graphs record the trunk as torch.compile makes it (the other tests here run that way against
     transformers' generate); with compile=False they record it as it is, and both write the same tokens under mixed
     routing, one-token steps and catch-ups alike."""
-    slm, llm = pair
+    slm = pair[0]
     assert slm.compiled_trunk is not None and "torch.compile" in slm.kernels
     plain = [TorchBackend(tiny_model(tokenizer, hidden=h, seed=s).cuda(), name=f"plain-{h}", compile=False)
              for h, s in ((32, 0), (64, 1))]
