@@ -604,6 +604,8 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
         return result
     if plan.slm_shape is None:
         slm, tokenizer = load_model(None, "slm", device, backend=backend, llama=llama)
+        if "slm" not in plan.compile and isinstance(slm, TorchBackend):
+            slm.compiled_trunk = None  # (loading compiles the SLM's graphs on CUDA; --compile says otherwise)
         router = policies.build("router", slm, None, router_path_for(None, None))
     else:
         tokenizer = default_tokenizer()
