@@ -2,9 +2,9 @@
 
 On CUDA the cache is static (static_cache.py) and reads of up to 64 tokens replay as CUDA graphs: there a small
 model's step costs its kernel launches, not its weights. Inside a graph the kernels still run one after another, and
-most of the ~45 a transformers layer launches are tiny (norms, rotary embeddings, residual adds), so the graphs can
-record the trunk as torch.compile makes it, whose fused kernels do the same work in about 40% as many launches
-(`compile`; loading.py compiles the SLM's). On a CPU the cache is transformers' own DynamicCache, which grows as it
+most of those a transformers layer launches are tiny (norms, rotary embeddings, residual adds), so the graphs can
+record the trunk as torch.compile makes it, whose fused kernels do the same work in far fewer launches (`compile`;
+loading.py compiles the SLM's). On a CPU the cache is transformers' own DynamicCache, which grows as it
 is written."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class TorchBackend:
         reads of up to 64 new columns as CUDA graphs, padded to a power of two (default: with a static cache on
         CUDA); `pad_reads`: pad reads as graphs do, without graphs (to test the padding on a CPU); `compile`: the
         graphs record the trunk as torch.compile makes it (default: with graphs; compiled at the first capture of
-        a read, about 20 s for a 1.5B model, once for one-token reads and once for all longer ones)."""
+        a read, once for one-token reads and once for all longer ones)."""
         self.model, self.name = model.eval(), name
         # The trunk returns the last hidden state after the final norm: the router's input and
         # the head's input. Calling trunk and head separately lets us project only the last positions.
@@ -72,8 +72,7 @@ class TorchBackend:
         self.pool = BufferPool()
         # (dynamic=None: the first shape compiles as it is, a second makes the sizes that changed symbolic, so
         # one-token reads get their own kernels and every longer read shares one set)
-        self.compiled_trunk = torch.compile(self.trunk) if self.graphs and (True if compile is None else compile) \
-            else None
+        self.compiled_trunk = torch.compile(self.trunk) if self.graphs and compile is not False else None
 
     @property
     def device(self) -> torch.device:

@@ -603,9 +603,7 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
             save(result)
         return result
     if plan.slm_shape is None:
-        slm, tokenizer = load_model(None, "slm", device, backend=backend, llama=llama)
-        if "slm" not in plan.compile and isinstance(slm, TorchBackend):
-            slm.compiled_trunk = None  # (loading compiles the SLM's graphs on CUDA; --compile says otherwise)
+        slm, tokenizer = load_model(None, "slm", device, backend=backend, llama=llama, compile="slm" in plan.compile)
         router = policies.build("router", slm, None, router_path_for(None, None))
     else:
         tokenizer = default_tokenizer()

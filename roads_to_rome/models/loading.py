@@ -148,12 +148,13 @@ ROLES = {"slm": DEFAULT_SLM, "llm": DEFAULT_LLM}
 
 
 def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
-               llama: dict | None = None, vocab_size: int | None = None):
+               llama: dict | None = None, vocab_size: int | None = None, compile: bool | None = None):
     """One model on its backend: `spec` (None: the default pair's model for `role`, "slm" or "llm").
 
     Returns (backend, tokenizer). The backend returns logits over the tokenizer's ids only (`vocab_size` of them
     when given: another model's, whose tokenizer this one shares but for padding rows). `llama`: sizes for a
-    llama.cpp context (`n_ctx`: the KV pool its rows share; `max_rows`)."""
+    llama.cpp context (`n_ctx`: the KV pool its rows share; `max_rows`). `compile`: on CUDA, whether torch's graphs
+    record the trunk compiled (default: the SLM's do, the LLM's do not)."""
     import torch
 
     dtype = pick_dtype(dtype, device)
@@ -164,10 +165,11 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
     if name == "llamacpp":
         return _load_llamacpp(spec, default, label, llama or {}, vocab_size)
     model, tokenizer = _load_one(resolve(spec, default), label, pick_device(device), getattr(torch, dtype))
-    # On CUDA the SLM's graphs record its trunk compiled (its step is bound by kernel launches: 1.37x faster for a 1.5B,
-    # for 20 s of compiling); the LLM's as it is: compiling a 32B takes minutes, and its step is mostly its weights.
+    # On CUDA the SLM's graphs record its trunk compiled: its step is bound by kernel launches, and it compiles in
+    # seconds. The LLM's step is bound mostly by its weights, and a large one takes minutes to compile
+    # (docs/results/2026-11-26-gpu-h100.md).
     return TorchBackend(model, name=spec or default.name, vocab_size=vocab_size or len(tokenizer),
-                        compile=role == "slm"), tokenizer
+                        compile=role == "slm" if compile is None else compile), tokenizer
 
 
 def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True,
