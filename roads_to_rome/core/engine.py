@@ -5,9 +5,13 @@ and each keeps its own KV cache. Per step:
 
   1. the SLM reads the newest column (the whole prompt on the first step) and proposes a token;
   2. the routing policy looks at the SLM's logits, last hidden state and proposal;
-  3. if any row is routed, the LLM catches up on every column it has not read yet, in one
-     forward over them, and its token replaces the SLM's in the routed rows;
-  4. the chosen tokens become a new column; finished rows leave the batch.
+  3. if a row is routed, the LLM catches up on every column it has not read yet, in one
+     forward over them (with --defer, a routed row may instead keep the SLM's token and wait,
+     so that one LLM call serves several rows' routed tokens);
+  4. the LLM checks what waited for it (verification's unread tokens, deferred routed tokens:
+     verification.py), a row whose token it rejects goes back there, and its token replaces the
+     SLM's in the rows routed now;
+  5. the chosen tokens become a new column; finished rows leave the batch.
 
 The LLM reads lazily: nothing until the first routed token, then everything since its last read.
 Because every row gains exactly one token per step, both caches stay rectangular: the SLM's
@@ -27,21 +31,16 @@ from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from roads_to_rome.backends.base import Backend
 from roads_to_rome.core.request import Generation, Request, Sequence, Step, Timings
-from roads_to_rome.core.sampling import (
-    SamplingParams,
-    check_max_unverified,
-    parse_verify,
-    sample,
-    sampling_probs,
-    speculative_residual,
-    within_tolerance,
-)
+from roads_to_rome.core import verification
+from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify, sample, sampling_probs
+from roads_to_rome.core.verification import Deferral
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 
@@ -59,8 +58,10 @@ class Engine:
     writes every token itself, for label responses, judges and the single-model baselines."""
 
     def __init__(self, slm: Backend | None, llm: Backend | None, tokenizer, policy: RoutingPolicy | None = None,
-                 verify: str | float = "off", max_unverified: int | None = None):
-        """`verify`, `max_unverified`: the defaults of requests that do not set their own (see `Batch._catch_up`)."""
+                 verify: str | float = "off", max_unverified: int | None = None, defer: Deferral | str = "off"):
+        """`verify`, `max_unverified`: the defaults of requests that do not set their own (see `Batch._catch_up`).
+        `defer`: whether a routed row's LLM token may wait for an LLM call grouped with other rows' (a mode, or a
+        `Deferral` with its grouping rule; core/verification.py)."""
         if slm is None and llm is None:
             raise R2RError("an engine needs at least one model")
         self.slm, self.llm, self.tokenizer = slm, llm, tokenizer
@@ -84,6 +85,11 @@ class Engine:
         self.verify, self.max_unverified = parse_verify(verify), check_max_unverified(max_unverified)
         if self.verify != "off":
             self._check_verifiable(self.verify)
+        self.deferral = defer if isinstance(defer, Deferral) else Deferral(defer)
+        if self.deferral.on and self.routes and not llm.verifies:
+            raise R2RError(f"the LLM {llm.name} cannot return log-probabilities at every caught-up position, which a "
+                           "deferred routed token is checked with: use --defer off with it")
+        self.counters = Counters()
         # Parameters in billions (SLM, router, LLM) behind each token: a generation's average activated parameters.
         self.params_b = ((slm.num_params if slm else 0) / 1e9, (self.policy.num_params if self.routes else 0) / 1e9,
                          (llm.num_params if llm else 0) / 1e9)
@@ -171,6 +177,19 @@ class Engine:
             if failed is not None:
                 raise failed.error
             yield events
+
+
+@dataclass
+class Counters:
+    """An engine's totals over its life (benchmarks take differences; the server reports them)."""
+
+    steps: int = 0  # decode steps (of a whole batch)
+    llm_calls: int = 0  # LLM catch-ups
+    routed_rows: int = 0  # rows whose routed token an LLM call served, summed over the calls
+
+    @property
+    def routed_rows_per_call(self) -> float:
+        return self.routed_rows / self.llm_calls if self.llm_calls else 0.0
 
 
 class Failure(NamedTuple):
@@ -451,9 +470,11 @@ class Batch:
         t1 = time.perf_counter()
         routed, scores = self._route(logits, hidden, proposal)
         t2 = time.perf_counter()
-        chosen, sources, rejected, llm_ran = self._catch_up(column, proposal, routed)
+        deferred = self._deferred(routed)
+        llm_logits, read_from = self._catch_up(column, proposal, routed, deferred)
+        chosen, sources, rejected = self._verify(column, proposal, routed, deferred, logits, llm_logits, read_from)
         t3 = time.perf_counter()
-        return self._emit(column, chosen, sources, scores, rejected, llm_ran, (t0, t1, t2, t3))
+        return self._emit(column, chosen, sources, scores, rejected, llm_logits is not None, (t0, t1, t2, t3))
 
     def _propose(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """1. The writer (the SLM of a pair) reads the columns it has not read yet and proposes a token per row:
@@ -467,7 +488,7 @@ class Batch:
         proposal = sample_rows(logits, sequences)
         for i, s in enumerate(sequences):
             if s.verify == "strict" and s.params.temperature > 0:  # the ratio test needs what the SLM drew from
-                s.draft_probs[len(s.generation.token_ids)] = sampling_probs(logits[i : i + 1], s.params)[0]
+                s.checks.draft_probs[len(s.generation.token_ids)] = sampling_probs(logits[i : i + 1], s.params)[0]
         engine.sync()
         return proposal, logits, hidden
 
@@ -482,51 +503,81 @@ class Batch:
         routed = [s.force == "llm" if s.force else bool(x) for s, x in zip(self.sequences, to_llm.tolist())]
         return routed, scores.tolist()
 
-    def _catch_up(self, column: int, proposal: torch.Tensor, routed: list[bool]):
-        """3. The LLM catches up on every column since it last ran when a row is routed, or when a verifying row
-        has max_unverified tokens unread or would finish. It checks the verifying rows' unread tokens and
-        writes the routed rows' tokens. Returns (chosen tokens, their sources, rejected rows: row -> (column of
-        its first rejected token, the LLM's token there), whether the LLM ran)."""
+    def _deferred(self, routed: list[bool]) -> list[bool]:
+        """The routed rows whose LLM token may wait for a later, grouped LLM call (--defer): routed by the policy,
+        not forced onto the LLM (a request that asks for the LLM alone gets it at once)."""
+        on = self.engine.deferral.on
+        return [on and r and s.force is None for s, r in zip(self.sequences, routed)]
+
+    def _catch_up(self, column: int, proposal: torch.Tensor, routed: list[bool], deferred: list[bool]
+                  ) -> tuple[torch.Tensor | None, int]:
+        """3. The LLM catches up on every column since it last ran, when `verification.llm_due` says so: a row is
+        routed and may not wait, enough rows wait (or one waited long enough), a row must be checked. Returns its
+        logits [rows, n, V] at the last n columns it read (n: as far back as a row's unchecked tokens go; 1 when
+        none), or None when it did not run; and the column it read from."""
         engine, sequences = self.engine, self.sequences
-        chosen, sources = proposal.clone(), ["llm" if x else engine.writer_source for x in routed]
-        verifying = [s.verify != "off" for s in sequences]
-        proposed = proposal.tolist() if any(verifying) else [None] * len(sequences)
-        if not (any(routed) or any(v and self._must_verify(s, column, t)
-                                   for s, v, t in zip(sequences, verifying, proposed))):
-            return chosen, sources, {}, False
+        if not engine.routes:
+            return None, 0
         read_from = self.llm_cache.length
-        if any(verifying):
-            # Logits at the caught-up columns that predict unread generated tokens (the prompt's need no check);
+        unread = [verification.unread_tokens(s, column, read_from) for s in sequences]
+        proposed = proposal.tolist()
+
+        def ends(i: int) -> bool:
+            return self._ends(sequences[i], sequences[i].generation.token_ids, proposed[i]) is not None
+
+        if not verification.llm_due(sequences, routed, deferred, unread, ends, engine.deferral):
+            return None, read_from
+        checking = [verification.waits(s) for s in sequences]
+        if any(checking):
+            # Logits at the caught-up columns that predict unchecked generated tokens (the prompt's need no check);
             # the last one also serves routing.
-            checked = max(min(column - read_from, len(s.generation.token_ids) + 1)
-                          for s, v in zip(sequences, verifying) if v)
-            all_logits = engine.llm.forward_all(self.llm_cache, self.ids[:, read_from:], self.mask, checked)
-            llm_logits = all_logits[:, -1]
+            checked = max(n for n, c in zip(unread, checking) if c)
+            llm_logits = engine.llm.forward_all(self.llm_cache, self.ids[:, read_from:], self.mask, checked)
         else:
-            llm_logits, _ = engine.llm.forward(self.llm_cache, self.ids[:, read_from:], self.mask)
+            llm_logits = engine.llm.forward(self.llm_cache, self.ids[:, read_from:], self.mask)[0][:, None]
+        engine.sync()
+        return llm_logits, read_from
+
+    def _verify(self, column: int, proposal: torch.Tensor, routed: list[bool], deferred: list[bool],
+                slm_logits: torch.Tensor | None, llm_logits: torch.Tensor | None, read_from: int
+                ) -> tuple[torch.Tensor, list[str], dict[int, verification.Rejection]]:
+        """4. The LLM's word on each row: its unchecked tokens in order (the first rejected one sends the row back
+        there), then the routed rows' tokens. Without an LLM call, deferred rows keep the SLM's token, to be
+        checked at the next. Returns (chosen tokens, their sources, rejected rows: row -> first rejection)."""
+        engine, sequences = self.engine, self.sequences
+        chosen, sources = proposal.clone(), ["llm" if r else engine.writer_source for r in routed]
+        if llm_logits is None:
+            for i, s in enumerate(sequences):
+                if deferred[i]:
+                    verification.defer(s, len(s.generation.token_ids), slm_logits[i])
+            return chosen, sources, {}
+        park, full = engine.deferral.mode == "park", engine.llm.full_logits
+        logits_from, proposed = column - llm_logits.shape[1], proposal.tolist()
         rejected = {}
+        engine.counters.llm_calls += 1
         for i, s in enumerate(sequences):
-            if verifying[i]:
-                found = self._first_rejection(s, all_logits[i], column - checked, column, proposed[i], routed[i],
-                                              read_from)
+            engine.counters.routed_rows += routed[i] or bool(s.checks.routed)
+            if verification.waits(s):
+                found = verification.first_rejection(s, llm_logits[i], logits_from, column, proposed[i], routed[i],
+                                                     read_from, park, full)
                 if found:
                     rejected[i] = found
                     continue
             if routed[i]:
-                chosen[i] = sample_rows(llm_logits[i : i + 1], sequences[i : i + 1])[0]
-        engine.sync()
-        return chosen, sources, rejected, True
+                chosen[i] = sample_rows(llm_logits[i : i + 1, -1], sequences[i : i + 1])[0]
+        return chosen, sources, rejected
 
     def _emit(self, column: int, chosen: torch.Tensor, sources: list[str], scores: list[float],
-              rejected: dict[int, tuple[int, int]], llm_ran: bool, times: tuple[float, ...]) -> list[Step]:
-        """4. Rows whose verification rejected a token go back to it (their later tokens are discarded and the
-        LLM's token goes in its place); then the new column is appended, each row's token recorded, and
-        finished rows leave the batch."""
+              rejected: dict[int, verification.Rejection], llm_ran: bool, times: tuple[float, ...]) -> list[Step]:
+        """5. Rows whose check rejected a token go back to it (their later tokens are discarded and the LLM's
+        token goes in its place); then the new column is appended, each row's token recorded, and finished rows
+        leave the batch."""
         dropped = self._roll_back(rejected, column, chosen, sources, scores) if rejected else {}
         self._append_column(chosen)
         t0, t1, t2, t3 = times
         now = time.perf_counter()
         steps, keep = [], []
+        self.engine.counters.steps += 1
         for i, (s, token, source, score) in enumerate(zip(self.sequences, chosen.tolist(), sources, scores)):
             gen = s.generation
             self._count_time(gen.timings, t1 - t0, t2 - t1, t3 - t2, now - t0, llm_ran)
@@ -539,59 +590,13 @@ class Batch:
                 gen.text = self._final_text(s)
             else:
                 keep.append(i)
-            # A verifying row's tokens are final once the LLM has checked them (at a catch-up); others at once.
-            newly_final = len(gen.token_ids) if s.verify == "off" or llm_ran or finished else s.final
-            final = list(zip(gen.token_ids[s.final : newly_final], gen.sources[s.final : newly_final],
-                             gen.scores[s.final : newly_final]))
-            s.final = newly_final
-            if llm_ran:
-                s.draft_probs.clear()  # everything drawn so far is checked now
+            final = verification.settle(s, llm_ran, finished)
             steps.append(Step(s, token, source, float(score), finished, dropped.get(i, 0), final))
         self._keep(keep)
         return steps
 
-    def _must_verify(self, s: Sequence, column: int, proposal: int) -> bool:
-        """Whether a verifying row needs the LLM now: max_unverified tokens unread, or its output would end
-        with this proposal (a row is returned only once all of it is checked)."""
-        gen = s.generation
-        unread = min(column - self.llm_cache.length, len(gen.token_ids) + 1)  # its generated tokens the LLM has not read
-        if s.max_unverified is not None and unread >= s.max_unverified:
-            return True
-        return self._ends(s, gen.token_ids, proposal) is not None
-
-    def _first_rejection(self, s: Sequence, logits: torch.Tensor, logits_from: int, column: int, proposal: int,
-                         routed: bool, read_from: int) -> tuple[int, int] | None:
-        """Check a row's generated tokens the LLM had not read (columns after `read_from`) in order against its
-        logits (`logits[k]`: at column logits_from + k, predicting the next column); the first rejected
-        one's column and the LLM's token there."""
-        gen = s.generation
-        first_generated = column - len(gen.token_ids)  # the row's generated tokens fill columns first_generated..
-        last = column - 1 if routed else column  # a routed row's token at `column` is the LLM's own
-        for c in range(max(read_from + 1, first_generated), last + 1):
-            index = c - first_generated  # the token's index in the output
-            token = gen.token_ids[index] if c < column else proposal
-            replacement = self._check(s, token, logits[c - 1 - logits_from], index)
-            if replacement is not None:
-                return c, replacement
-        return None
-
-    def _check(self, s: Sequence, token: int, logits: torch.Tensor, index: int) -> int | None:
-        """Verification's rule for one token against the LLM's next-token logits: None when it is kept, else the
-        LLM's token in its place."""
-        params = s.params
-        if s.verify == "strict" and params.temperature > 0:  # speculative sampling: the output follows the LLM
-            target = sampling_probs(logits[None], params)[0]
-            draw = torch.rand((), generator=s.generator, device=target.device)
-            residual = speculative_residual(target, s.draft_probs[index], token, draw)
-            return None if residual is None else int(torch.multinomial(residual, 1, generator=s.generator))
-        best = int(logits.argmax())
-        kept = token == best if s.verify == "strict" else within_tolerance(logits, token, best, s.verify)
-        if kept:
-            return None
-        return best if params.temperature == 0 else int(sample(logits[None], params, s.generator)[0])
-
-    def _roll_back(self, rejected: dict[int, tuple[int, int]], column: int, chosen: torch.Tensor, sources: list,
-                   scores: list) -> dict[int, int]:
+    def _roll_back(self, rejected: dict[int, verification.Rejection], column: int, chosen: torch.Tensor,
+                   sources: list, scores: list) -> dict[int, int]:
         """Put each rejecting row back to its rejected column, the LLM's token there; returns how many earlier
         tokens each row dropped.
 
@@ -601,25 +606,18 @@ class Batch:
         the dropped columns in place would leave holes in the middle of rows that every backend's
         positions would have to skip). Both caches have read every column before `column`, so they move
         the same way (`Backend.shift_rows`)."""
-        shifts = [column - rejected[i][0] if i in rejected else 0 for i in range(len(self.sequences))]
+        shifts = [column - rejected[i].column if i in rejected else 0 for i in range(len(self.sequences))]
         for backend, cache in self._caches():
             backend.shift_rows(cache, shifts)
         ids, mask = torch.full_like(self.ids, self.engine.pad_id), torch.zeros_like(self.mask)
         for i, d in enumerate(shifts):
             ids[i, d:], mask[i, d:] = self.ids[i, : column - d], self.mask[i, : column - d]
         self._set(ids, mask)
-        for i, (_, token) in rejected.items():
-            s, dropped = self.sequences[i], shifts[i]
-            gen = s.generation
-            keep = len(gen.token_ids) - dropped
-            if dropped:
-                scores[i] = gen.scores[keep]  # the policy's score at the rejected position
-            del gen.token_ids[keep:], gen.sources[keep:], gen.scores[keep:]
-            for index in [k for k in s.draft_probs if k >= keep]:
-                del s.draft_probs[index]
-            chosen[i], sources[i] = token, "fix"
-            gen.rollbacks += 1
-            gen.discarded += dropped + 1  # this step's own token was written too
+        for i, rejection in rejected.items():
+            score = verification.take_back(self.sequences[i], shifts[i], rejection)
+            if score is not None:
+                scores[i] = score  # the policy's score at the rejected position
+            chosen[i], sources[i] = rejection.token, "llm" if rejection.routed else "fix"
         return {i: shifts[i] for i in rejected}
 
     def _count_time(self, t: Timings, writer_s: float, router_s: float, llm_s: float, total_s: float,

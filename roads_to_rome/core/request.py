@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify
+from roads_to_rome.core.verification import Checks
 from roads_to_rome.errors import R2RError
 
 
@@ -68,6 +69,9 @@ class Generation:
     timings: Timings = field(default_factory=Timings)
     rollbacks: int = 0  # times verification rejected a token and the row went back to it
     discarded: int = 0  # tokens written and then thrown away by those rollbacks
+    deferred: int = 0  # routed tokens that waited for a later LLM call (--defer continue or park)
+    deferred_replaced: int = 0  # of them, where the LLM's token differed from the SLM's (or the row was parked)
+    deferred_discarded: int = 0  # tokens written and then thrown away by those replacements
 
     @property
     def llm_tokens(self) -> int:
@@ -100,6 +104,10 @@ class Generation:
             "fix_tokens": self.sources.count("fix"),
             "rollbacks": self.rollbacks,
             "discarded_tokens": self.discarded,
+            "llm_calls": self.timings.llm_calls,
+            "deferred_tokens": self.deferred,
+            "deferred_replaced": self.deferred_replaced,
+            "deferred_discarded_tokens": self.deferred_discarded,
             "llm_rate": self.llm_rate,
             "avg_params_b": self.avg_params_b,
             "tokens_per_s": self.tokens_per_s,
@@ -122,9 +130,7 @@ class Sequence:
     generator: torch.Generator | None = None  # the request's seeded draws
     cancelled: bool = False  # set from anywhere; the sequence leaves at the next step
     started: float = 0.0  # when it joined a batch
-    final: int = 0  # tokens of the output that can no longer change (verification may take back the rest)
-    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # token index -> the SLM's distribution
-    # it was drawn from (kept for strict verification under sampling only)
+    checks: Checks = field(default_factory=Checks)  # what the LLM still has to check (core/verification.py)
 
     @property
     def params(self) -> SamplingParams:

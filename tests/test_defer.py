@@ -1,0 +1,186 @@
+"""Deferred routing (--defer continue / park) on every backend: a routed row that waits for a grouped LLM call
+ends with exactly the tokens immediate routing gives it (greedy: with and without verification, batched and
+alone), strict verification still gives the LLM's own output, a deferred routed token under sampling follows the
+LLM's distribution, and the LLM is called less often. The grouping rule and the per-row bookkeeping
+(core/verification.py) are tested on their own at the end."""
+
+import pytest
+import torch
+from conftest import make_backend
+from test_policies_router import make_checkpoint
+
+from roads_to_rome.core.engine import Engine, Request, SamplingParams, sampling_probs
+from roads_to_rome.core.request import Generation, Sequence
+from roads_to_rome.core.verification import Checks, Deferral, Rejection, llm_due, settle, take_back
+from roads_to_rome.errors import R2RError
+from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
+
+PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain.",
+           "Natalia sold clips to 48 of her friends in April."]
+N_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def pair(kind, slm, llm, tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("defer")
+    if kind == "torch":
+        return slm, llm
+    return (make_backend(kind, slm.model, tokenizer, folder, "slm"),
+            make_backend(kind, llm.model, tokenizer, folder, "llm"))
+
+
+def row_policies(slm):
+    """Policies whose decision for a row depends on that row's prefix only (a random policy's draws depend on the
+    batch and the step, so its immediate and deferred runs route different tokens)."""
+    return {"router": NeuralPolicy(make_checkpoint(slm), slm.embed, threshold=0.5), "entropy": EntropyPolicy(4.0)}
+
+
+def outputs(gens):
+    return [(g.token_ids, g.sources) for g in gens]
+
+
+@pytest.mark.parametrize("mode", ["continue", "park"])
+def test_deferred_routing_gives_every_row_the_tokens_of_immediate_routing(pair, tokenizer, mode):
+    slm, llm = pair
+    params = SamplingParams(max_new_tokens=N_TOKENS)
+    deferred_total = replaced_total = 0
+    for name, policy in row_policies(slm).items():
+        for verify in ("off", 1.0, "strict"):
+            immediate = Engine(slm, llm, tokenizer, policy, verify=verify)
+            prompts = [immediate.encode_chat(p) for p in PROMPTS]
+            expected = outputs(immediate.generate(prompts, params))
+            assert outputs([immediate.generate([p], params)[0] for p in prompts]) == expected, (name, verify)
+            calls = immediate.counters.llm_calls
+            for rule in (Deferral(mode, rows=3, steps=4), Deferral(mode, rows=4, steps=50)):
+                engine = Engine(slm, llm, tokenizer, policy, verify=verify, defer=rule)
+                gens = engine.generate(prompts, params)
+                assert outputs(gens) == expected, (name, verify, rule)
+                assert outputs([engine.generate([p], params)[0] for p in prompts]) == expected, (name, verify, rule)
+                deferred_total += sum(g.deferred for g in gens)
+                replaced_total += sum(g.deferred_replaced for g in gens)
+                for g in gens:
+                    assert g.deferred_replaced <= g.deferred and g.deferred_discarded >= g.deferred_replaced
+                    if mode == "park" and verify == "off":  # a parked row takes back all it wrote while waiting
+                        assert g.deferred_discarded >= g.deferred
+            if verify == "off":
+                assert engine.counters.llm_calls < calls, name  # batched: fewer LLM calls than immediate routing
+    assert deferred_total > 0 and replaced_total > 0
+
+
+def test_strict_verification_with_deferral_is_the_llms_greedy_output(pair, tokenizer):
+    slm, llm = pair
+    alone = Engine.alone(llm, tokenizer)
+    prompts = [alone.encode_chat(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=N_TOKENS)
+    expected = [g.token_ids for g in alone.generate(prompts, params)]
+    for mode in ("continue", "park"):
+        for n in (2, None):
+            engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), verify="strict", max_unverified=n,
+                            defer=Deferral(mode, rows=3, steps=6))
+            gens = engine.generate(prompts, params)
+            assert [g.token_ids for g in gens] == expected, (mode, n)
+            assert sum(g.deferred for g in gens) > 0
+
+
+def test_a_stream_with_deferral_shows_only_tokens_that_stay(pair, tokenizer):
+    slm, llm = pair
+    engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), defer=Deferral("continue", rows=4, steps=8))
+    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    results, shown = [], {i: [] for i in range(len(prompts))}
+    for steps in engine.stream(prompts, SamplingParams(max_new_tokens=N_TOKENS), results):
+        for step in steps:
+            shown[step.sequence.index] += [token for token, _, _ in step.final]
+    assert sum(g.deferred_replaced for g in results) > 0
+    for i, gen in enumerate(results):
+        assert shown[i] == gen.token_ids
+
+
+@pytest.mark.parametrize("mode", ["continue", "park"])
+def test_a_deferred_routed_token_under_sampling_follows_the_llms_distribution(pair, tokenizer, mode):
+    """Half the rows are routed at every step (their request's threshold 0: entropy is never below it) and wait,
+    as fewer than the grouping rule's rows are waiting, until their second token ends them: the LLM then decides
+    the first one, which must be drawn from its distribution, not the SLM's. The other half are never routed."""
+    slm, llm = pair
+    rows = min(llm.max_rows or 400, 400)
+    engine = Engine(slm, llm, tokenizer, EntropyPolicy(1e9), defer=Deferral(mode, rows=rows, steps=100))
+    prompt = engine.encode_chat("What is 48 / 2?")
+    base = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=20, ignore_eos=True)
+    target = sampling_probs(llm.prefill(prompt)[0][-1:], base)[0]
+    draft = sampling_probs(slm.prefill(prompt)[0][-1:], base)[0]
+    runs, counts, deferred = 2400, torch.zeros_like(target), 0
+    for start in range(0, 2 * runs, rows):
+        requests = [Request(prompt, SamplingParams(**{**base.__dict__, "seed": seed}),
+                            threshold=0.0 if seed % 2 == 0 else None) for seed in range(start, start + rows)]
+        for request, gen in zip(requests, engine.run(requests)):
+            if request.threshold is not None:
+                counts[gen.token_ids[0]] += 1
+                deferred += gen.deferred
+                assert gen.sources == ["llm", "llm"]
+    assert deferred == runs  # every tested row's first token waited
+    empirical = counts / runs
+    distance = lambda p, q: 0.5 * (p - q).abs().sum().item()  # noqa: E731
+    assert distance(target, draft) > 0.3  # the two models really differ here
+    assert distance(empirical, target) < 0.08, (distance(empirical, target), distance(empirical, draft))
+
+
+def test_a_request_forcing_the_llm_is_never_deferred_and_bad_settings_are_refused(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, EntropyPolicy(0.0), defer="continue")
+    prompt = engine.encode_chat("Hi")
+    gens = engine.run([Request(prompt, SamplingParams(max_new_tokens=6), force="llm")] * 3)
+    assert all(g.deferred == 0 and g.sources == ["llm"] * len(g.token_ids) for g in gens)
+    with pytest.raises(R2RError, match="defer takes off, continue, park"):
+        Engine(slm, llm, tokenizer, defer="later")
+    with pytest.raises(R2RError, match="at least 1"):
+        Deferral("continue", rows=0)
+
+
+# ---- the bookkeeping on its own --------------------------------------------------------------------------------
+
+def sequence(tokens: int, routed: list[int] = (), verify="off", max_unverified=None, max_new_tokens=100) -> Sequence:
+    s = Sequence(Request([1, 2], SamplingParams(max_new_tokens=max_new_tokens)), verify=verify,
+                 max_unverified=max_unverified, generation=Generation([1, 2]), checks=Checks(routed=list(routed)))
+    s.generation.token_ids, s.generation.sources = list(range(tokens)), ["slm"] * tokens
+    s.generation.scores = [0.0] * tokens
+    return s
+
+
+def test_the_grouping_rule():
+    rule = Deferral("continue", rows=2, steps=3)
+    never_ends = lambda i: False  # noqa: E731
+    a, b, c = sequence(5), sequence(5), sequence(5)
+    # a row routed now that may not wait calls the LLM; one that may, alone among three, does not
+    assert llm_due([a, b, c], [True, False, False], [False] * 3, [1] * 3, never_ends, rule)
+    assert not llm_due([a, b, c], [True, False, False], [True, False, False], [1] * 3, never_ends, rule)
+    # two rows waiting (one from before, one now) make a group
+    a.checks.routed = [4]
+    assert llm_due([a, b, c], [False, True, False], [False, True, False], [2] * 3, never_ends, rule)
+    # a waiting position three steps old calls it alone; two steps old does not
+    a.checks.routed = [2]
+    assert llm_due([a, b, c], [False] * 3, [False] * 3, [4] * 3, never_ends, rule)
+    a.checks.routed = [3]
+    assert not llm_due([a, b, c], [False] * 3, [False] * 3, [4] * 3, never_ends, rule)
+    # a waiting row that would end is checked first
+    assert llm_due([a, b, c], [False] * 3, [False] * 3, [4] * 3, lambda i: i == 0, rule)
+    assert not llm_due([a, b, c], [False] * 3, [False] * 3, [4] * 3, lambda i: i == 1, rule)
+    # a batch of one: its routed row is a group of one, as without deferral
+    assert llm_due([b], [True], [True], [1], never_ends, rule)
+    # verification's own reasons
+    v = sequence(5, verify="strict", max_unverified=3)
+    assert llm_due([v, b], [False] * 2, [False] * 2, [3, 1], never_ends, rule)
+    assert not llm_due([v, b], [False] * 2, [False] * 2, [2, 1], never_ends, rule)
+    # without deferral nothing waits, and only routing or verification calls the LLM
+    assert not llm_due([b, c], [False] * 2, [False] * 2, [4] * 2, never_ends, Deferral("off"))
+
+
+def test_what_becomes_final_and_what_a_rejection_takes_back():
+    s = sequence(6, routed=[3, 5])
+    assert [t for t, _, _ in settle(s, llm_ran=False, finished=False)] == [0, 1, 2]  # up to the first waiting
+    assert settle(s, llm_ran=False, finished=False) == []
+    score = take_back(s, 3, Rejection(column=10, token=99, routed=True))  # tokens 3, 4, 5 go
+    assert s.generation.token_ids == [0, 1, 2] and s.checks.routed == [] and score == 0.0
+    g = s.generation
+    assert (g.deferred_replaced, g.deferred_discarded, g.rollbacks, g.discarded) == (1, 4, 0, 0)
+    take_back(s, 1, Rejection(column=10, token=99, routed=False))
+    assert (g.rollbacks, g.discarded) == (1, 2)
+    v = sequence(4, verify=1.0)
+    assert settle(v, llm_ran=False, finished=False) == [] and len(settle(v, llm_ran=True, finished=False)) == 4
