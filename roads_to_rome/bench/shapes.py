@@ -13,6 +13,7 @@ with t(k) the measured cost of one forward over k new tokens (interpolated betwe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -26,6 +27,7 @@ from roads_to_rome.backends.llamacpp import LlamaCppBackend
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.bench.measure import processor, step_ms, synchronize
 from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.core.verification import Deferral
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
 from roads_to_rome.models import (
@@ -304,30 +306,56 @@ def predicted_seconds(calls: list[int], ms: dict[int, float]) -> float:
     return sum(cost_at(ms, k) for k in calls) / 1000
 
 
-def routing_calls(prompt: int, tokens: int, share: float, rng: np.random.Generator,
-                  rows: int = 1) -> tuple[list[int], list[int]]:
-    """The forwards R2R makes when a share of tokens goes to the LLM at random: the SLM reads the prompt, then one
-    column per step; the LLM, at each step where any of the batch's `rows` is routed, every column since it last
-    read (the prompt first)."""
-    slm = [prompt] + [1] * (tokens - 1)
-    llm, read = [], 0
-    for step in np.flatnonzero((rng.random((tokens, rows)) < share).any(axis=1)):
-        columns = prompt + int(step)  # the prompt and the tokens written before this step
-        llm.append(columns - read)
-        read = columns
+def routing_calls(prompt: int, tokens: int, share: float, rng: np.random.Generator, rows: int = 1,
+                  deferral: Deferral = Deferral(), accept: float = 0.0) -> tuple[list[int], list[int]]:
+    """The forwards R2R makes when a share of tokens goes to the LLM at random, `rows` rows in lockstep: the SLM
+    reads the prompt, then one column per step; the LLM, at each step where its grouping rule calls it (without
+    deferral: where any row is routed), every column since it last read (the prompt first). A deferred routed
+    token is the SLM's with probability `accept` (parked: never); where it is not, the row goes back to it and
+    what it wrote since is lost. Steps go on until every row holds `tokens` (a row that is done stays in the
+    step costs' row count)."""
+    length = np.zeros(rows, dtype=np.int64)  # tokens each row holds
+    waiting: list[list[int]] = [[] for _ in range(rows)]  # each row's deferred routed positions
+    slm, llm, read, column = [], [], 0, prompt
+    park = deferral.mode == "park"
+    while (length < tokens).any():
+        slm.append(prompt if not slm else 1)
+        active = length < tokens
+        routed = (rng.random(rows) < share) & active
+        if deferral.on:
+            waits = np.array([bool(w) for w in waiting]) | routed
+            oldest = max((length[i] - w[0] for i, w in enumerate(waiting) if w), default=0)
+            due = (waits.sum() >= deferral.rows(active.sum()) or oldest >= deferral.steps
+                   or (waits & (length + 1 >= tokens)).any()) and waits.any()
+        else:
+            due = routed.any()
+        if due:
+            llm.append(column - read)
+            read = column
+            for i in np.flatnonzero(active):
+                kept = next((p for p in waiting[i] if park or rng.random() >= accept), None)
+                length[i] = length[i] + 1 if kept is None else kept + 1
+                waiting[i] = []
+        else:
+            for i in np.flatnonzero(routed):
+                waiting[i].append(int(length[i]))
+            length += active
+        column += 1
     return slm, llm
 
 
 def predicted_routing_tok_s(slm_ms: dict, llm_ms: dict, share: float, prompts: list[int], tokens: int,
-                            samples: int = 100, rows: int = 1) -> float:
+                            samples: int = 100, rows: int = 1, deferral: Deferral = Deferral(),
+                            accept: float = 0.0) -> float:
     """The cost model's tokens/s for routing `share` of the tokens at random, over prompts of these lengths
     (averaged over random draws); with `rows`, over batches of that many rows whose padded prompts have these
-    lengths, at step costs measured with that many rows."""
+    lengths, at step costs measured with that many rows; with `deferral`, its grouping rule and a deferred routed
+    token kept with probability `accept`."""
     rng = np.random.default_rng(0)
     seconds = 0.0
     for prompt in prompts:
         for _ in range(samples):
-            slm, llm = routing_calls(prompt, tokens, share, rng, rows)
+            slm, llm = routing_calls(prompt, tokens, share, rng, rows, deferral, accept)
             seconds += (predicted_seconds(slm, slm_ms) + predicted_seconds(llm, llm_ms)) / samples
     return tokens * rows * len(prompts) / seconds
 
@@ -363,6 +391,27 @@ class Recorded:
     def read(self, cache, new_ids, attention_mask):
         self.calls.append(new_ids.shape[1])
         return self.inner.read(cache, new_ids, attention_mask)
+
+
+class AgreesAtRate:
+    """A random-weight LLM that, at each column whose next token it has read, prefers that token with probability
+    `rate` (else its own choice stands): a deferred routed token is then kept at the rate a real pair keeps it,
+    at the real cost of every forward."""
+
+    def __init__(self, inner, rate: float, seed: int = 0):
+        self.inner, self.rate, self.rng = inner, rate, np.random.default_rng(seed)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward_all(self, cache, new_ids, attention_mask, n):
+        logits = self.inner.forward_all(cache, new_ids, attention_mask, n)
+        rows, width = new_ids.shape
+        for k in range(logits.shape[1] - 1):  # the last column's next token is not written yet
+            column = width - logits.shape[1] + k + 1  # where the token that logits[:, k] predicts sits in new_ids
+            for row in np.flatnonzero(self.rng.random(rows) < self.rate):
+                logits[row, k, new_ids[row, column]] = logits[row, k].max() + 1
+        return logits
 
 
 class RouterAtShare(policies.RoutingPolicy):
@@ -410,7 +459,9 @@ def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=Q
     if engine.writer.device.type == "cuda":  # the first steps capture CUDA graphs and load kernels: not timed
         engine.generate([prompts[0][:16]] * batch, SamplingParams(max_new_tokens=4, ignore_eos=True))
     totals = {"tokens": 0, "seconds": 0.0, "llm_tokens": 0, "rollbacks": 0, "discarded": 0, "slm_calls": [],
-              "llm_calls": [], "batch": batch}
+              "llm_calls": [], "batch": batch, "deferred": 0, "deferred_kept": 0, "deferred_replaced": 0,
+              "deferred_discarded": 0}
+    counted = dataclasses.replace(engine.counters)
     phases = dict.fromkeys(("slm_s", "router_s", "llm_s", "step_s"), 0.0)  # where the decode steps' time went
     for first in range(0, len(prompts), batch):
         for model in (slm, llm):
@@ -429,6 +480,8 @@ def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=Q
             totals["llm_tokens"] += gen.llm_tokens
             totals["rollbacks"] += gen.rollbacks
             totals["discarded"] += gen.discarded
+            for key in ("deferred", "deferred_kept", "deferred_replaced", "deferred_discarded"):
+                totals[key] += getattr(gen, key)
         for role, model in (("slm", slm), ("llm", llm)):
             if isinstance(model, Recorded) and batch == 1:
                 totals[f"{role}_calls"].append(model.calls)
@@ -436,6 +489,11 @@ def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=Q
     totals |= {"tokens_per_s": totals["tokens"] / totals["seconds"],
                "llm_share": totals["llm_tokens"] / max(totals["tokens"], 1),
                "rollbacks_per_100": totals["rollbacks"] * per100, "discarded_per_100": totals["discarded"] * per100,
+               "llm_calls_total": engine.counters.llm_calls - counted.llm_calls,
+               "routed_rows_per_call": ((engine.counters.routed_rows - counted.routed_rows)
+                                        / max(engine.counters.llm_calls - counted.llm_calls, 1)),
+               "deferred_accept": totals["deferred_kept"] / max(totals["deferred_kept"] + totals["deferred_replaced"], 1),
+               "deferred_discarded_per_100": totals["deferred_discarded"] * per100,
                "phases": phases}
     return totals
 
@@ -484,6 +542,13 @@ def assisted_run(slm: TorchBackend, llm: TorchBackend, prompt: list[int], tokens
     made = out.shape[1] - len(prompt)
     return {"k": k, "universal": universal, "tokens": made, "seconds": seconds, "rounds": len(rounds),
             "tokens_per_s": made / seconds, "round_ms": 1000 * seconds / max(len(rounds), 1)}
+
+
+def real_acceptance(result: dict, plan: Plan) -> float:
+    """The share of deferred routed tokens the real pair's LLM kept (the SLM's token was its own), from its run
+    in this results file; 0 without one."""
+    run = result["real"].get("systems", {}).get(system_name("r2r+continue", max(plan.deferred_batches or [1])))
+    return run["deferred_accept"] if run else 0.0
 
 
 def predicted_from_calls(result: dict, slm_ms: dict, llm_ms: dict) -> float:
@@ -550,6 +615,8 @@ class Plan:
     real_from: str | None = None  # a results file whose real-pair runs stand in for this run's (random SLM)
     cuda_graphs: bool = True  # on CUDA, reads of up to 64 tokens as CUDA graphs (off: transformers' eager forwards)
     compile: tuple[str, ...] = ("slm",)  # the roles whose CUDA graphs record their trunk compiled by torch.compile
+    defer: tuple[str, ...] = ()  # deferral modes run beside lockstep R2R at each batch above 1
+    deferral: Deferral = Deferral()  # their grouping rule (its mode is each of `defer` in turn)
 
     def config(self) -> dict:
         """What a resumed run must share with the saved one (keys only where not the default, so files of earlier
@@ -565,7 +632,18 @@ class Plan:
             config["cuda_graphs"] = False
         if self.compile != ("slm",):
             config["compile"] = list(self.compile)
+        if self.deferred_batches:
+            config |= {"defer": list(self.defer), "defer_group": self.deferral.group,
+                       "defer_steps": self.deferral.steps}
         return config
+
+    @property
+    def deferred_batches(self) -> list[int]:
+        """The batches deferral runs at (a batch of one never defers)."""
+        return [b for b in self.batches if b > 1] if self.defer else []
+
+    def rule(self, mode: str) -> Deferral:
+        return dataclasses.replace(self.deferral, mode=mode)
 
     def prompts_at(self, batch: int) -> int:
         return -(-self.prompts // batch) * batch
@@ -593,7 +671,8 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
     if gpu:  # on a GPU the figures are the GPU's (the host it sits in may differ between runs)
         result["device_name"] = gpu
     backend, device = plan.backend, plan.device
-    llama = {"n_ctx": 4096, "max_rows": 2}
+    rows = max(2, *plan.batches)
+    llama = {"n_ctx": max(4096, 1024 * rows), "max_rows": rows}
     template = gguf_path(DEFAULT_LLM)
     if backend == "llamacpp" and not template.exists():
         raise R2RError(f"the default pair is not prepared ({template} is missing): run `r2r models prepare`")
@@ -636,8 +715,7 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
                 save(result)
 
     if plan.slm_shape is None:
-        measure_real_pair(plan, result, slm, slm_engine, router, tokenizer, prompts[: plan.prompts], lengths, llama,
-                          save, progress)
+        measure_real_pair(plan, result, slm, slm_engine, router, tokenizer, prompts, lengths, llama, save, progress)
     else:
         own = result.setdefault("slm", {"name": plan.slm_shape.name, "params_b": plan.slm_shape.params / 1e9})
         if "steps" not in own:
@@ -655,6 +733,8 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
         entry.setdefault("params_b", shape.params / 1e9)
         systems = entry.setdefault("systems", {})
         todo = [system_name(n, b) for n in ["llm"] + [f"r2r@{share:g}" for share in plan.shares] for b in plan.batches]
+        todo += [system_name(f"r2r@{share:g}+{mode}", b) for share in plan.shares for mode in plan.defer
+                 for b in plan.deferred_batches]
         # transformers' universal path only where the rows differ (else it refuses the tokenizers)
         slm_rows = slm.inner.model.config.get_text_config().vocab_size if backend == "torch" else None
         modes = () if slm_rows is None else (False, True) if shape.vocab_rows != slm_rows else (False,)
@@ -674,9 +754,16 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
             save(result)
         batched_steps(batched, llm)
         runs(Engine.alone(llm, tokenizer, "llm"), "llm", shape.name, systems)
+        accept = real_acceptance(result, plan)
         for share in plan.shares:
             runs(Engine(slm, llm, tokenizer, RouterAtShare(router, share, seed=0)), f"r2r@{share:g}", shape.name,
                  systems)
+            for mode in plan.defer:
+                # Random weights agree with nothing: at a deferred routed position the LLM keeps the SLM's token
+                # at the rate the real pair kept it in this run.
+                engine = Engine(slm, AgreesAtRate(llm, accept), tokenizer, RouterAtShare(router, share, seed=0),
+                                defer=plan.rule(mode))
+                runs(engine, f"r2r@{share:g}+{mode}", shape.name, systems, plan.deferred_batches)
         for k, universal in assisted_todo:
             run = assisted_run(slm.inner, llm.inner, prompts[0], min(plan.tokens, ASSISTED_TOKENS), k,
                                tokenizer if universal else None)
@@ -706,6 +793,15 @@ def measure_real_pair(plan: Plan, result: dict, slm, slm_engine, router, tokeniz
                          "llm": step_table(the_real_llm().inner, plan.context, plan.step_tokens, lengths)}
         save(result)
     systems = real.setdefault("systems", {})
+    if plan.deferred_batches:  # how often the real LLM keeps the SLM's token at a deferred routed position
+        batch = max(plan.deferred_batches)
+        name = system_name("r2r+continue", batch)
+        if name not in systems:
+            engine = Engine(slm, the_real_llm(), tokenizer, router, defer=plan.rule("continue"))
+            systems[name] = run_system(engine, prompts[: plan.prompts_at(batch)], plan.tokens, progress,
+                                       f"{DEFAULT_LLM.name} (real): {name}", batch)
+            save(result)
+    prompts = prompts[: plan.prompts]
     real_runs = [("slm", None, "off", None), ("llm", None, "off", None), ("r2r", router, "off", None)]
     real_runs += [(f"r2r+verify={v}", router, v, None) for v in plan.verify]
     real_runs += [(f"spec+k={k}", policies.AlwaysSLM(), "strict", k) for k in plan.spec_k]
@@ -782,26 +878,38 @@ def summarize(result: dict, shares: list[float]) -> dict:
 
 
 def batched_rows(result: dict, entry: dict | None, measured: dict, shares: list[float], batch: int) -> list[dict]:
-    """The LLM alone and R2R at each share, `batch` rows at a time: measured, and the cost model's figure where
-    step tables with that many rows were measured."""
+    """The LLM alone and R2R at each share, `batch` rows at a time, lockstep and with each deferral mode: measured,
+    and the cost model's figure where step tables with that many rows were measured (a deferred mode's at the rate
+    its run kept deferred routed tokens)."""
     slm_ms = ms_keys(result.get("slm_batched_steps", {}).get(str(batch), {}))
     llm_ms = ms_keys((entry or {}).get("batched_steps", {}).get(str(batch), {}))
     widths, tokens = result.get("batch_prompt_widths", {}).get(str(batch)), result["config"]["tokens"]
     alone_predicted = predicted_alone_tok_s(llm_ms, widths, tokens, batch) if llm_ms and widths else None
     alone = (measured.get(system_name("llm", batch)) or {}).get("tokens_per_s")
+    config = result["config"]
+    modes = ["off"] + config.get("defer", [])
     rows = []
-    for system, share in [("llm", None)] + [(f"r2r@{share:g}", share) for share in shares]:
+    for system, share, mode in [("llm", None, "off")] + [(f"r2r@{share:g}" + ("" if mode == "off" else f"+{mode}"),
+                                                         share, mode) for share in shares for mode in modes]:
         run = measured.get(system_name(system, batch))
         if not run:
             continue
+        rule = Deferral(mode, config.get("defer_group", Deferral.group), config.get("defer_steps", Deferral.steps))
         predicted = alone_predicted if share is None else (
-            predicted_routing_tok_s(slm_ms, llm_ms, share, widths, tokens, rows=batch) if slm_ms and alone_predicted
-            else None)
-        rows.append({"system": system_name(system, batch), "batch": batch, "share": run["llm_share"],
-                     "measured": run["tokens_per_s"], "measured_share": run["llm_share"],
-                     "x_llm": run["tokens_per_s"] / alone if alone else None, "predicted": predicted,
-                     "predicted_x_llm": predicted / alone_predicted if predicted else None,
-                     "x_model": run["tokens_per_s"] / predicted if predicted else None})
+            predicted_routing_tok_s(slm_ms, llm_ms, share, widths, tokens, rows=batch, deferral=rule,
+                                    accept=run.get("deferred_accept", 0.0), samples=100 if mode == "off" else 20)
+            if slm_ms and alone_predicted else None)
+        row = {"system": system_name(system, batch), "batch": batch, "share": run["llm_share"],
+               "measured": run["tokens_per_s"], "measured_share": run["llm_share"],
+               "x_llm": run["tokens_per_s"] / alone if alone else None, "predicted": predicted,
+               "predicted_x_llm": predicted / alone_predicted if predicted else None,
+               "x_model": run["tokens_per_s"] / predicted if predicted else None}
+        if "routed_rows_per_call" in run:
+            row |= {"llm_calls": run["llm_calls_total"], "routed_rows_per_call": run["routed_rows_per_call"]}
+        if mode != "off":
+            row |= {"defer": mode, "accept": run["deferred_accept"],
+                    "discarded_per_100": run["deferred_discarded_per_100"]}
+        rows.append(row)
     return rows
 
 
@@ -841,21 +949,51 @@ def plot(result: dict, path: Path) -> Path:
     return path
 
 
+COLUMNS = ("system", "LLM share", "tok/s measured", "× LLM alone", "tok/s cost model", "× LLM alone (model)",
+           "measured / model")
+GROUPED_COLUMNS = ("routed rows / LLM call", "kept")
+
+
+def grouped(entry: dict) -> bool:
+    """Whether a shape's rows include batched runs that counted their LLM calls (the grouping columns)."""
+    return any("routed_rows_per_call" in row for row in entry["rows"])
+
+
+def row_cells(row: dict, with_grouping: bool) -> list[str]:
+    """One summary row as text, in `COLUMNS` (and `GROUPED_COLUMNS`) order."""
+    share = row.get("measured_share", row.get("share"))
+    cells = [row["system"], "100%" if row["system"] == "llm" else f"{share:.1%}" if share is not None else "",
+             f"{row['measured']:.2f}" if row.get("measured") else "–",
+             f"{row['x_llm']:.2f}×" if row.get("x_llm") else "–",
+             f"{row['predicted']:.2f}" if row.get("predicted") else "–",
+             f"{row['predicted_x_llm']:.2f}×" if row.get("predicted_x_llm") else "–",
+             f"{row['x_model']:.2f}" if row.get("x_model") else "–"]
+    if with_grouping:
+        cells += [f"{row['routed_rows_per_call']:.2f}" if row.get("llm_calls") and row["system"] != "llm" else "",
+                  f"{row['accept']:.0%}" if "accept" in row else ""]
+    return cells
+
+
+def deferral_note(config: dict) -> str | None:
+    if not config.get("defer"):
+        return None
+    return (f"+{' / +'.join(config['defer'])}: deferred routing (--defer), the LLM called once "
+            f"{config['defer_group']:g} of the batch's rows wait or a routed token waited {config['defer_steps']} "
+            "steps. kept: deferred routed tokens whose SLM token the LLM kept; random weights agree with nothing, so "
+            "with them the LLM keeps the SLM's token at the rate the real pair kept it in this run.")
+
+
 def markdown(result: dict) -> str:
     """The summary as a Markdown table (for result pages): one row per shape and system."""
-    lines = ["| LLM | system | LLM share | tok/s | × LLM alone | tok/s (cost model) | × LLM alone (model) | "
-             "measured / model |", "|---|---|---|---|---|---|---|---|"]
+    with_grouping = any(grouped(entry) for entry in result["summary"].values())
+    columns = ("LLM",) + COLUMNS + (GROUPED_COLUMNS if with_grouping else ())
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for name, entry in result["summary"].items():
         for row in entry["rows"]:
-            share = row.get("measured_share", row.get("share"))
-            cells = [f"{name} ({entry['params_b']:.1f}B)", row["system"],
-                     "100%" if row["system"] == "llm" else f"{share:.1%}" if share is not None else "",
-                     f"{row['measured']:.2f}" if row.get("measured") else "–",
-                     f"{row['x_llm']:.2f}×" if row.get("x_llm") else "–",
-                     f"{row['predicted']:.2f}" if row.get("predicted") else "–",
-                     f"{row['predicted_x_llm']:.2f}×" if row.get("predicted_x_llm") else "–",
-                     f"{row['x_model']:.2f}" if row.get("x_model") else "–"]
+            cells = [f"{name} ({entry['params_b']:.1f}B)"] + row_cells(row, with_grouping)
             lines.append("| " + " | ".join(cells) + " |")
+    if note := deferral_note(result["config"]):
+        lines += ["", note]
     ks = result["config"]["step_tokens"]
     lines += ["", "What one catch-up over k tokens costs per token read, against a one-token step (the LLM's "
               f"forward on a {result['config']['context']}-token cache):", "",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Optional
@@ -13,6 +14,8 @@ from roads_to_rome.backends import BACKENDS
 from roads_to_rome.cli import tables
 from roads_to_rome.cli.options import (
     BackendOpt,
+    DeferGroup,
+    DeferSteps,
     Device,
     Dtype,
     EntropyThreshold,
@@ -225,6 +228,9 @@ def bench_shapes(
     compile: str = typer.Option("slm", "--compile", help="On CUDA, whose graphs record its trunk compiled by "
                                 "torch.compile: slm (the default, as r2r runs it), llm, slm,llm, or none (transformers' "
                                 "own kernels, to see what compiling buys)."),
+    defer: str = typer.Option("continue,park", "--defer", help="Deferral modes run beside lockstep R2R at each "
+                              "batch above 1 (comma-separated: continue, park; empty: none)."),
+    defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
     backend: BackendOpt = "llamacpp", device: Device = "auto",
     build_only: bool = typer.Option(False, "--build-only", help="Only build the shapes' files (llama.cpp)."),
     out: Path = typer.Option(Path("runs/bench-shapes.json"), "--out", help="Results (JSON; a re-run with the same "
@@ -237,6 +243,7 @@ def bench_shapes(
     require("eval", "`r2r bench shapes`")
     from roads_to_rome.bench import shapes as bench_shapes_module
     from roads_to_rome.core.sampling import parse_verify
+    from roads_to_rome.core.verification import Deferral
 
     chosen = bench_shapes_module.parse_shapes(llm_shape)
     shares = bench_shapes_module.parse_shares(llm_share)
@@ -255,11 +262,17 @@ def bench_shapes(
         raise R2RError("--real-from goes with --slm-shape (with the default SLM the real pair is measured in the run)")
     if real_from and not real_from.exists():
         raise R2RError(f"--real-from {real_from} does not exist")
+    modes = tuple(m.strip() for m in defer.split(",") if m.strip())
+    if set(modes) - {"continue", "park"}:
+        raise R2RError(f"--defer for shapes takes continue, park or both, got {defer!r}")
+    rule = Deferral()
+    rule = dataclasses.replace(rule, group=defer_group or rule.group, steps=defer_steps or rule.steps)
     plan = bench_shapes_module.Plan(
         tuple(chosen), tuple(shares), prompts, tokens, context, tuple(ks), tuple(settings),
         tuple(whole_numbers(spec_k, "--spec-k")), backend, device,
         bench_shapes_module.parse_shape(slm_shape) if slm_shape else None,
-        tuple(whole_numbers(batch, "--batch")) or (1,), str(real_from) if real_from else None, cuda_graphs, compiled)
+        tuple(whole_numbers(batch, "--batch")) or (1,), str(real_from) if real_from else None, cuda_graphs, compiled,
+        modes, rule)
     saved = json.loads(out.read_text()) if out.exists() else None
 
     def keep(result):

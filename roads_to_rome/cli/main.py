@@ -22,6 +22,9 @@ from roads_to_rome.cli.options import (
     Dtype,
     Llm,
     MaxNewTokens,
+    Defer,
+    DeferGroup,
+    DeferSteps,
     MaxUnverified,
     RouterOpt,
     RouterPath,
@@ -55,6 +58,7 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Plain completion: no chat template."),
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
     verify: Verify = None, max_unverified: MaxUnverified = None,
+    defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     seed: Seed = None, as_json: AsJson = False,
@@ -65,7 +69,8 @@ def generate(
         raise R2RError("the prompt is empty: give the text to answer")
     params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
     engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
-                          router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified)
+                          router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
+                          defer=defer, defer_group=defer_group, defer_steps=defer_steps)
     prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
     generation = engine.generate([prompt_ids], params)[0]
     if as_json:
@@ -80,6 +85,7 @@ def generate(
 def chat(
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
     verify: Verify = None, max_unverified: MaxUnverified = None,
+    defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
     max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
@@ -89,7 +95,8 @@ def chat(
 
     params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
     engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
-                          router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified)
+                          router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
+                          defer=defer, defer_group=defer_group, defer_steps=defer_steps)
     messages = []
     while True:
         try:
@@ -123,6 +130,7 @@ def serve(
     port: int = typer.Option(8000, "--port", min=1, max=65535),
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
     verify: Verify = None, max_unverified: MaxUnverified = None,
+    defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
     max_batch: int = count(8, "--max-batch", help="Requests decoding (or having their prompt read) at once."),
@@ -145,7 +153,8 @@ def serve(
 
     llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}
     engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
-                          router_path=router_path, verify=verify, max_unverified=max_unverified, llama=llama)
+                          router_path=router_path, verify=verify, max_unverified=max_unverified, llama=llama,
+                          defer=defer, defer_group=defer_group, defer_steps=defer_steps)
     limits = server.Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
                            drain_timeout=drain_timeout)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=server.is_loopback(host),

@@ -58,6 +58,18 @@ Verify = Annotated[Optional[str], typer.Option("--verify", help="Check the SLM's
                                                "strict (the LLM's own output: lossless) or a tolerance in nats (keep "
                                                "a token the LLM finds within that of its own choice). Default: 1 "
                                                "when routing, off for --router slm or llm.", show_default=False)]
+Defer = Annotated[Optional[str], typer.Option("--defer", help="Whether a routed row's LLM token may wait for an LLM "
+                                              "call grouped with other rows' (a batch's rows: the server, a batch "
+                                              "of prompts): off; continue (the row keeps the SLM's token and goes on; "
+                                              "where the LLM's token differs, the row goes back to it); park (the "
+                                              "row's tokens after it are thrown away). Greedy output is the same "
+                                              "either way. Default: continue when routing.", show_default=False)]
+DeferGroup = Annotated[Optional[float], typer.Option("--defer-group", min=0.0, max=1.0, help="With --defer: the LLM "
+                                                     "runs once this share of the batch's rows wait (default 0.6).",
+                                                     show_default=False)]
+DeferSteps = Annotated[Optional[int], typer.Option("--defer-steps", min=1, help="With --defer: ... or once a routed "
+                                                   "token has waited this many steps (default 16).",
+                                                   show_default=False)]
 MaxUnverified = Annotated[Optional[int], typer.Option("--max-unverified", help="With --verify: catch up "
                                                       "and check once this many tokens are unread by the LLM "
                                                       "(default: no limit). --router slm --verify strict "

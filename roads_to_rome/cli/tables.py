@@ -201,24 +201,22 @@ def bench_remote(result: dict, ks: list[int]) -> list:
 
 def bench_shapes(result: dict) -> list:
     """Per LLM shape: tokens/s measured and predicted by the cost model, and the ratios to the LLM alone."""
+    from roads_to_rome.bench import shapes
+
     out = []
     for name, entry in result["summary"].items():
         build = entry.get("build") or {}
         built = (f", {build['bytes'] / 1e9:.2f} GB" if build.get("bytes") else "") + \
             (f", built in {build['built_s'] / 60:.1f} min" if build.get("built_s") else "")
         table = Table(title=f"{name} ({entry['params_b']:.2f}B parameters{built})", title_justify="left")
-        for column in ("system", "LLM share", "tok/s measured", "× LLM alone", "tok/s cost model",
-                       "× LLM alone (model)", "measured / model"):
+        with_grouping = shapes.grouped(entry)
+        for column in shapes.COLUMNS + (shapes.GROUPED_COLUMNS if with_grouping else ()):
             table.add_column(column, justify="left" if column == "system" else "right")
         for row in entry["rows"]:
-            share = row.get("measured_share", row.get("share"))
-            table.add_row(row["system"], "100%" if row["system"] == "llm" else f"{share:.1%}" if share is not None else "",
-                          f"{row['measured']:.2f}" if row.get("measured") else "–",
-                          f"{row['x_llm']:.2f}×" if row.get("x_llm") else "–",
-                          f"{row['predicted']:.2f}" if row.get("predicted") else "–",
-                          f"{row['predicted_x_llm']:.2f}×" if row.get("predicted_x_llm") else "–",
-                          f"{row['x_model']:.2f}" if row.get("x_model") else "–")
+            table.add_row(*shapes.row_cells(row, with_grouping))
         out.append(table)
+    if note := shapes.deferral_note(result["config"]):
+        out.append(note)
     if result.get("slm_tokens_per_s"):
         slm = (result.get("slm") or {}).get("name", "the default SLM")
         out.append(f"SLM alone ({slm}): {result['slm_tokens_per_s']:.2f} tok/s. † the real 0.5B + 1.5B pair's "

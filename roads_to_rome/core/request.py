@@ -70,7 +70,8 @@ class Generation:
     rollbacks: int = 0  # times verification rejected a token and the row went back to it
     discarded: int = 0  # tokens written and then thrown away by those rollbacks
     deferred: int = 0  # routed tokens that waited for a later LLM call (--defer continue or park)
-    deferred_replaced: int = 0  # of them, where the LLM's token differed from the SLM's (or the row was parked)
+    deferred_kept: int = 0  # of them, where the LLM's token was the SLM's
+    deferred_replaced: int = 0  # ... where it was not (or the row was parked)
     deferred_discarded: int = 0  # tokens written and then thrown away by those replacements
 
     @property
@@ -106,6 +107,7 @@ class Generation:
             "discarded_tokens": self.discarded,
             "llm_calls": self.timings.llm_calls,
             "deferred_tokens": self.deferred,
+            "deferred_kept": self.deferred_kept,
             "deferred_replaced": self.deferred_replaced,
             "deferred_discarded_tokens": self.deferred_discarded,
             "llm_rate": self.llm_rate,

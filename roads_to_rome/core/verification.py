@@ -21,6 +21,7 @@ the tokens immediate routing gives it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -30,26 +31,33 @@ from roads_to_rome.core.sampling import sample, sampling_probs, speculative_resi
 from roads_to_rome.errors import R2RError
 
 DEFER_MODES = ("off", "continue", "park")
+DEFAULT_DEFER = "continue"  # what the commands and the server defer with when routing (docs/benchmarks.md: why)
 
 
 @dataclass(frozen=True)
 class Deferral:
     """When a routed row's LLM token may wait for a grouped LLM call (`mode` off: it never waits).
 
-    The LLM runs at the first step where `rows` rows wait (fewer when the batch holds fewer), where a waiting
-    position is `steps` steps old, or where a row must be checked (it would finish, or verification's
-    max_unverified is reached). A batch of one therefore runs the LLM whenever its row is routed, as without
-    deferral."""
+    The LLM runs at the first step where `group` of the batch's rows wait (rounded up: a batch of one therefore
+    runs it whenever its row is routed, as without deferral), where a waiting position is `steps` steps old, or
+    where a row must be checked (it would finish, or verification's max_unverified is reached). The defaults are
+    the schedule simulator's best on measured GPU step costs, batch 4 to 32 (docs/benchmarks.md)."""
 
     mode: str = "off"
-    rows: int = 4
-    steps: int = 8
+    group: float = 0.6
+    steps: int = 16
 
     def __post_init__(self):
         if self.mode not in DEFER_MODES:
             raise R2RError(f"defer takes {', '.join(DEFER_MODES)}, got {self.mode!r}")
-        if self.rows < 1 or self.steps < 1:
-            raise R2RError(f"deferral's rows and steps are at least 1, got rows={self.rows}, steps={self.steps}")
+        if not 0 < self.group <= 1:
+            raise R2RError(f"the deferral group is a share of the batch's rows in (0, 1], got {self.group}")
+        if self.steps < 1:
+            raise R2RError(f"a routed token waits at most 1 step or more, got {self.steps}")
+
+    def rows(self, batch: int) -> int:
+        """How many of a batch's rows must wait before the LLM runs."""
+        return max(1, math.ceil(self.group * batch - 1e-9))
 
     @property
     def on(self) -> bool:
@@ -99,7 +107,7 @@ def llm_due(sequences: list, routed: list[bool], deferred: list[bool], unread: l
             return True
     if not any(waiting):
         return False
-    if sum(waiting) >= min(deferral.rows, len(sequences)):
+    if sum(waiting) >= deferral.rows(len(sequences)):
         return True
     oldest = max((len(s.generation.token_ids) - s.checks.routed[0] for s in sequences if s.checks.routed), default=0)
     return oldest >= deferral.steps
@@ -123,6 +131,8 @@ def first_rejection(s, logits: torch.Tensor, logits_from: int, column: int, prop
                        else check_token(s, token, at, index))
         if replacement is not None:
             return Rejection(c, replacement, index in routed)
+        if index in routed:
+            gen.deferred_kept += 1
     return None
 
 

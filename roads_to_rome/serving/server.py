@@ -447,7 +447,8 @@ async def list_models(http: HTTPRequest):
         "id": s.model_name, "object": "model", "created": 0, "owned_by": "r2r",
         "r2r": {"slm": engine.slm.name if engine.slm else None, "llm": engine.llm.name if engine.llm else None,
                 "policy": engine.policy.name, "threshold": engine.policy.threshold, "verify": engine.verify,
-                "max_unverified": engine.max_unverified, "max_batch": s.limits.max_batch,
+                "max_unverified": engine.max_unverified, "defer": engine.deferral.mode,
+                "defer_group": engine.deferral.group, "defer_steps": engine.deferral.steps, "max_batch": s.limits.max_batch,
                 "max_tokens": s.limits.max_tokens},
     }]}
 
@@ -566,7 +567,8 @@ class Reply:
 
     def whole(self, gen) -> dict:
         r2r = {"token_ids": gen.token_ids, "sources": gen.sources, "scores": gen.scores, "rollbacks": gen.rollbacks,
-               "discarded_tokens": gen.discarded}
+               "discarded_tokens": gen.discarded, "llm_calls": gen.timings.llm_calls, "deferred_tokens": gen.deferred,
+               "deferred_replaced": gen.deferred_replaced, "deferred_discarded_tokens": gen.deferred_discarded}
         if self.chat:
             choice = ChatChoice(index=0, message=ChatCompletionMessage(role="assistant", content=gen.text),
                                 finish_reason=gen.finish_reason, logprobs=None)
@@ -642,7 +644,9 @@ def usage(gen) -> CompletionUsage:
     n = len(gen.token_ids)
     return CompletionUsage(prompt_tokens=len(gen.prompt_ids), completion_tokens=n,
                            total_tokens=len(gen.prompt_ids) + n, llm_tokens=gen.llm_tokens, llm_rate=gen.llm_rate,
-                           avg_activated_params_b=gen.avg_params_b, rollbacks=gen.rollbacks)
+                           avg_activated_params_b=gen.avg_params_b, rollbacks=gen.rollbacks,
+                           llm_calls=gen.timings.llm_calls, deferred_tokens=gen.deferred,
+                           deferred_discarded_tokens=gen.deferred_discarded)
 
 
 def run(app: FastAPI, host: str, port: int) -> None:
