@@ -580,12 +580,13 @@ def unmeasured_batches(plan: Plan, store: dict, max_rows: int | None) -> list[in
 
 
 def llm_backend(shape: LlmShape, tokenizer, backend: str, device: str, template: Path, progress=QUIET,
-                graphs: bool = True, compile: bool = False):
+                graphs: bool = True, compile: bool = False, llama: dict | None = None):
     """The shape as an LLM backend reading the SLM's tokenizer's ids: llama.cpp on its random Q4_K_M file (built
     on first use), or transformers from its configuration."""
     if backend == "llamacpp":
         build = build_shape(shape, template, progress)
-        return LlamaCppBackend(build["path"], name=shape.name, vocab_size=len(tokenizer), n_ctx=4096, max_rows=2), build
+        sizes = llama or {"n_ctx": 4096, "max_rows": 2}  # a context's KV pool and rows: the run's batches must fit
+        return LlamaCppBackend(build["path"], name=shape.name, vocab_size=len(tokenizer), **sizes), build
     start = time.perf_counter()
     model = torch_shape(shape, pick_device(device))
     built = {"path": None, "bytes": None, "built_s": time.perf_counter() - start}
@@ -745,7 +746,7 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
                 and not unmeasured_batches(plan, batched, llm_rows)):
             continue
         llm, build = llm_backend(shape, tokenizer, backend, device, template, progress, plan.cuda_graphs,
-                                 "llm" in plan.compile)
+                                 "llm" in plan.compile, llama)
         record_build(entry, build)
         llm = Recorded(llm)
         result["kernels"][f"llm ({shape.name})"] = llm.kernels
@@ -851,7 +852,7 @@ def summarize(result: dict, shares: list[float]) -> dict:
                           "measured_share": run["llm_share"] if run else None,
                           "predicted": predicted_routing_tok_s(slm_ms, llm_ms, share, lengths, tokens)})
         for system, run in real_systems.items():
-            if system.startswith(("r2r", "spec")):
+            if system.startswith(("r2r", "spec")) and run.get("batch", 1) == 1:  # (a batch records no calls)
                 row = {"system": system + " †", "share": run["llm_share"],
                        "predicted": predicted_from_calls(run, slm_ms, llm_ms)}
                 if entry is None:
