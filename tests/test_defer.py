@@ -190,3 +190,40 @@ def test_what_becomes_final_and_what_a_rejection_takes_back():
     assert (g.rollbacks, g.discarded) == (1, 2)
     v = sequence(4, verify=1.0)
     assert settle(v, llm_ran=False, finished=False) == [] and len(settle(v, llm_ran=True, finished=False)) == 4
+
+
+def test_a_deferring_server_answers_concurrent_clients_as_a_lockstep_one_does(slm, llm, tokenizer):
+    """Eight clients at once, streamed and whole: the same answers from a server that groups the LLM's calls as
+    from one that routes in lockstep, with the deferral counted in each response's usage."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+
+    from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
+
+    questions = [f"{q} ({i})" for i, q in enumerate(PROMPTS * 2)]
+    answers, deferred = {}, 0
+    for mode in ("off", "continue"):
+        engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), defer=Deferral(mode, group=0.5, steps=8))
+        with BackgroundServer(create_app(engine, "tiny", Limits(max_batch=8, max_tokens=64))) as server:
+            assert httpx.get(server.url + "/v1/models").json()["data"][0]["r2r"]["defer"] == mode
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+            def ask(question, stream):
+                kw = dict(model="tiny", messages=[{"role": "user", "content": question}], temperature=0,
+                          max_tokens=40)
+                if stream:
+                    chunks = list(client.chat.completions.create(stream=True, **kw))
+                    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), 0
+                out = client.chat.completions.create(**kw)
+                assert out.usage.model_extra["llm_calls"] >= 1 or out.usage.model_extra["llm_tokens"] == 0
+                return out.choices[0].message.content, out.usage.model_extra["deferred_tokens"]
+
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                for stream in (False, True):
+                    got = list(pool.map(lambda q: ask(q, stream), questions))
+                    answers[mode, stream] = [text for text, _ in got]
+                    deferred += sum(n for _, n in got) if mode == "continue" else 0
+    assert answers["continue", False] == answers["off", False] == answers["continue", True] == answers["off", True]
+    assert deferred > 0

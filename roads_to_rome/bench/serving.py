@@ -1,42 +1,84 @@
 """The OpenAI-compatible server under load: its own module, so that the other benchmarks need no serving
-dependencies (a GPU box may have torch and transformers and nothing else)."""
+dependencies (a GPU box may have torch and transformers and nothing else).
+
+For each deferral mode (lockstep routing first) and each number of clients, that many clients send the same
+GSM8K dev prompts back to back until all are answered: aggregate throughput, each request's latency, and how
+the LLM's calls were grouped. Greedy decoding gives every mode the same tokens, so the modes do the same work."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 
+import numpy as np
 import openai
 
-from roads_to_rome.bench.measure import kernels, phase
-from roads_to_rome.core.engine import Engine
+from roads_to_rome.bench.measure import kernels
+from roads_to_rome.core.engine import DEFAULT_VERIFY, Engine
+from roads_to_rome.core.verification import Deferral
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
 from roads_to_rome.models import load_pair
+from roads_to_rome.models.loading import choose_policy
+from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
 from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
 
 
-def serving(slm: str | None, llm: str | None, device: str, dtype: str, threshold: float, clients: int,
-            n_tokens: int, backend: str = "auto") -> dict:
-    """The server on GSM8K dev prompts: `clients` requests one at a time, then the same ones concurrently."""
-    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
-    engine = Engine(slm_backend, llm_backend, tokenizer, policies.build("entropy", threshold=threshold))
-    prompts = [gsm8k_prompt(item) for item in gsm8k()[:clients]]
-    with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=clients))) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: list[int], n_tokens: int,
+            requests: int, modes: list[str], rule: Deferral = Deferral(), backend: str = "auto",
+            threshold: float | None = None, progress=QUIET) -> dict:
+    """The server with the pair's default policy (the shipped router for the default pair) and verification: for
+    each of `modes` and each count in `clients`, `requests` GSM8K dev prompts sent by that many clients."""
+    rows = max(clients)
+    slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend,
+                                                    llama={"max_rows": rows, "n_ctx": rows * 4096})
+    kind, router_path = choose_policy(None, None, slm)
+    policy = policies.build(kind, slm_backend, threshold, router_path)
+    prompts = [gsm8k_prompt(item) for item in gsm8k()[:requests]]
+    runs = {}
+    task = progress.add_task("serving", total=len(modes) * len(clients) * requests)
+    for mode in modes:
+        engine = Engine(slm_backend, llm_backend, tokenizer, policy, DEFAULT_VERIFY,
+                        defer=dataclasses.replace(rule, mode=mode))
+        with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=rows))) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
 
-        def ask(prompt):
-            out = client.chat.completions.create(model="r2r", messages=[{"role": "user", "content": prompt}],
-                                                 temperature=0, max_tokens=n_tokens)
-            return out.usage.completion_tokens, out.usage.model_extra["llm_tokens"]
+            def ask(prompt):
+                start = time.perf_counter()
+                out = client.chat.completions.create(model="r2r", messages=[{"role": "user", "content": prompt}],
+                                                     temperature=0, max_tokens=n_tokens)
+                progress.advance(task)
+                return out.usage.completion_tokens, out.usage.model_extra["llm_tokens"], time.perf_counter() - start
 
-        ask(prompts[0][:50])  # warm-up
-        phases = {}
-        for name, workers in (("one_at_a_time", 1), ("concurrent", clients)):
-            start = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                results = list(pool.map(ask, prompts))
-            phases[name] = phase(results, time.perf_counter() - start)
-    return {"clients": clients, "dtype": dtype, "backend": backend, "device": str(slm_backend.device),
-            "kernels": kernels(slm=slm_backend, llm=llm_backend), "threshold": threshold,
-            **phases, "speedup": phases["concurrent"]["tokens_per_s"] / phases["one_at_a_time"]["tokens_per_s"]}
+            ask(prompts[0][:50])  # warm-up
+            for count in clients:
+                before = dataclasses.replace(engine.counters)
+                start = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(count) as pool:
+                    answers = list(pool.map(ask, prompts))
+                seconds = time.perf_counter() - start
+                calls = engine.counters.llm_calls - before.llm_calls
+                runs[f"{mode} x{count}"] = {
+                    "defer": mode, "clients": count, **load_figures(answers, seconds),
+                    "llm_calls": calls, "steps": engine.counters.steps - before.steps,
+                    "routed_rows_per_call": (engine.counters.routed_rows - before.routed_rows) / max(calls, 1)}
+    baseline = modes[0]
+    for run in runs.values():
+        base = runs[f"{baseline} x{run['clients']}"]
+        run["x_throughput"] = run["tokens_per_s"] / base["tokens_per_s"]
+        run["x_p95"] = run["p95_s"] / base["p95_s"]
+    return {"clients": clients, "requests": requests, "tokens": n_tokens, "dtype": dtype, "backend": backend,
+            "device": str(slm_backend.device), "kernels": kernels(slm=slm_backend, llm=llm_backend),
+            "policy": policy.name, "verify": DEFAULT_VERIFY, "defer_group": rule.group, "defer_steps": rule.steps,
+            "baseline": baseline, "runs": runs}
+
+
+def load_figures(answers: list[tuple[int, int, float]], seconds: float) -> dict:
+    """Aggregate throughput of (tokens, LLM tokens, latency) per request over `seconds`, and the latencies'
+    median and 95th percentile."""
+    tokens = sum(a[0] for a in answers)
+    latencies = np.array([a[2] for a in answers])
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "llm_rate": sum(a[1] for a in answers) / max(tokens, 1),
+            "p50_s": float(np.percentile(latencies, 50)), "p95_s": float(np.percentile(latencies, 95))}

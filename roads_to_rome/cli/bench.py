@@ -130,21 +130,38 @@ def bench_batch(
 
 @bench_app.command("serve")
 def bench_serve(
-    clients: int = count(4, "--clients", help="Concurrent clients (and requests per phase)."),
+    clients: str = typer.Option("1,4", "--clients", help="Comma-separated numbers of concurrent clients, one run "
+                                "each (the server holds as many requests at once as the largest)."),
+    requests: int = count(8, "--requests", help="GSM8K dev prompts (items 0..N-1) each run answers."),
     tokens: int = count(128, "--tokens", help="max_tokens per request."),
-    threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD,
+    defer: str = typer.Option("off,continue", "--defer", help="Comma-separated deferral modes, one server each, "
+                              "the first the baseline of the ratios (off: lockstep routing)."),
+    defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
+    threshold: Optional[float] = typer.Option(None, "--threshold", help="The routing threshold (default: the "
+                                              "policy's own)."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     out: Out = None,
 ):
-    """Serving throughput: N clients at once vs one at a time, through the HTTP server (aggregate tokens/s)."""
+    """Serving under load through the HTTP server: throughput and per-request latency (p50, p95) at each number of
+    concurrent clients, lockstep routing against deferred (grouped) LLM calls, in one run."""
     require("serve", "`r2r bench serve`")
     require("eval", "`r2r bench serve`")
     from roads_to_rome.bench.serving import serving
+    from roads_to_rome.core.verification import DEFER_MODES, Deferral
     from roads_to_rome.models.loading import pick_dtype
 
+    counts = whole_numbers(clients, "--clients")
+    modes = [m.strip() for m in defer.split(",") if m.strip()]
+    if not counts or not modes or set(modes) - set(DEFER_MODES) or len(set(modes)) < len(modes):
+        raise R2RError(f"--clients takes whole numbers and --defer distinct modes of {', '.join(DEFER_MODES)}; got "
+                       f"--clients {clients!r} --defer {defer!r}")
+    rule = Deferral()
+    rule = dataclasses.replace(rule, group=defer_group or rule.group, steps=defer_steps or rule.steps)
     dtype = pick_dtype(dtype, device)
-    result = serving(slm, llm, device, dtype, threshold, clients, tokens, backend)
-    show_phases(result, ("one_at_a_time", "concurrent"), f"{clients} clients", out)
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console, transient=True) as progress:
+        result = serving(slm, llm, device, dtype, counts, tokens, requests, modes, rule, backend, threshold, progress)
+    console.print(tables.bench_serve(result))
+    save(result, out)
 
 
 def show_phases(result: dict, modes: tuple[str, str], setting: str, out: Path | None) -> None:

@@ -1,0 +1,81 @@
+"""Grouped LLM calls on a GPU, by simulation until one is lent: the schedule simulator of `r2r bench shapes`
+(`bench.shapes.routing_calls`) driven by the step costs a batched `r2r bench shapes` run measured, at larger
+batches too.
+
+    python scripts/grouping-sim.py docs/results/2026-11-26-gpu-h200/run4-r1-32b-batched.json \
+        --batch 4,8,16,32 --share 0.11 --accept 0,0.8 --json out.json
+
+Step costs at a batch the run did not measure are extended linearly in rows from the two largest it measured
+(at each k: t(b, k) = t(b2, k) + (t(b2, k) - t(b1, k)) / (b2 - b1) * (b - b2)), which is what a GPU does while
+its reads stay bound by the weights, and an over-estimate of the cost once they are compute-bound. The rule's
+settings are swept (--group, --steps) so that the default can be read off."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from roads_to_rome.bench import shapes
+from roads_to_rome.core.verification import Deferral
+
+
+def step_costs(tables: dict, batch: int) -> dict[int, float]:
+    measured = sorted(int(b) for b in tables)
+    if batch in measured:
+        return shapes.ms_keys(tables[str(batch)])
+    b1, b2 = measured[-2], measured[-1]
+    t1, t2 = shapes.ms_keys(tables[str(b1)]), shapes.ms_keys(tables[str(b2)])
+    return {k: t2[k] + (t2[k] - t1[k]) / (b2 - b1) * (batch - b2) for k in t2 if k in t1}
+
+
+def numbers(text: str, kind=float) -> list:
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path, help="a `r2r bench shapes --batch` results file with batched steps")
+    parser.add_argument("--shape", help="the LLM shape in it (default: its first)")
+    parser.add_argument("--batch", default="4,8,16,32")
+    parser.add_argument("--share", type=float, default=0.11)
+    parser.add_argument("--accept", default="0,0.8", help="shares of deferred routed tokens the LLM keeps")
+    parser.add_argument("--group", default="0.4,0.5,0.6,0.75,1")
+    parser.add_argument("--steps", default="8,16,32")
+    parser.add_argument("--tokens", type=int, help="new tokens per row (default: the run's)")
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    result = json.loads(args.results.read_text())
+    name = args.shape or next(iter(result["shapes"]))
+    entry = result["shapes"][name]
+    tokens = args.tokens or result["config"]["tokens"]
+    widths = [max(w for ws in result["batch_prompt_widths"].values() for w in ws)]  # the widest padded prompt
+    rows = []
+    print(f"{name}, {args.share:.0%} LLM tokens, {tokens} tokens per row, step costs from {args.results} "
+          f"({result.get('device_name') or result['processor']}); ×: against the LLM alone at the same batch")
+    for batch in numbers(args.batch, int):
+        slm_ms, llm_ms = step_costs(result["slm_batched_steps"], batch), step_costs(entry["batched_steps"], batch)
+        alone = shapes.predicted_alone_tok_s(llm_ms, widths, tokens, batch)
+        lockstep = shapes.predicted_routing_tok_s(slm_ms, llm_ms, args.share, widths, tokens, args.samples, batch)
+        row = {"batch": batch, "llm_alone": alone, "lockstep": lockstep, "grouped": {}}
+        print(f"batch {batch}: LLM alone {alone:.1f} tok/s, lockstep R2R {lockstep:.1f} ({lockstep / alone:.2f}×)")
+        for mode in ("continue", "park"):
+            for accept in numbers(args.accept) if mode == "continue" else [0.0]:
+                cells = []
+                for group in numbers(args.group):
+                    for steps in numbers(args.steps, int):
+                        rule = Deferral(mode, group, steps)
+                        tok_s = shapes.predicted_routing_tok_s(slm_ms, llm_ms, args.share, widths, tokens,
+                                                               args.samples, batch, rule, accept)
+                        row["grouped"][f"{mode} accept={accept:g} group={group:g} steps={steps}"] = tok_s
+                        cells.append(f"{group:g}/{steps}: {tok_s / alone:.2f}×")
+                print(f"  {mode}{f' (kept {accept:.0%})' if mode == 'continue' else ''}: " + "  ".join(cells))
+        rows.append(row)
+    if args.json:
+        args.json.write_text(json.dumps({"results": str(args.results), "shape": name, "share": args.share,
+                                         "tokens": tokens, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
