@@ -2,7 +2,7 @@
 ends with exactly the tokens immediate routing gives it (greedy: with and without verification, batched and
 alone), strict verification still gives the LLM's own output, a deferred routed token under sampling follows the
 LLM's distribution, and the LLM is called less often. The grouping rule and the per-row bookkeeping
-(core/verification.py) are tested on their own at the end."""
+(core/verification.py) are tested on their own in test_verification.py."""
 
 import pytest
 import torch
@@ -10,8 +10,7 @@ from conftest import make_backend
 from test_policies_router import make_checkpoint
 
 from roads_to_rome.core.engine import Engine, Request, SamplingParams, sampling_probs
-from roads_to_rome.core.request import Generation, Sequence
-from roads_to_rome.core.verification import Checks, Deferral, Rejection, llm_due, settle, take_back
+from roads_to_rome.core.verification import Deferral
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
 
@@ -137,59 +136,6 @@ def test_a_request_forcing_the_llm_is_never_deferred_and_bad_settings_are_refuse
         Deferral("continue", group=0)
     with pytest.raises(R2RError, match="waits at most"):
         Deferral("continue", steps=0)
-
-
-# ---- the bookkeeping on its own --------------------------------------------------------------------------------
-
-def sequence(tokens: int, routed: list[int] = (), verify="off", max_unverified=None, max_new_tokens=100) -> Sequence:
-    s = Sequence(Request([1, 2], SamplingParams(max_new_tokens=max_new_tokens)), verify=verify,
-                 max_unverified=max_unverified, generation=Generation([1, 2]), checks=Checks(routed=list(routed)))
-    s.generation.token_ids, s.generation.sources = list(range(tokens)), ["slm"] * tokens
-    s.generation.scores = [0.0] * tokens
-    return s
-
-
-def test_the_grouping_rule():
-    rule = Deferral("continue", group=0.5, steps=3)  # two of three rows
-    never_ends = lambda i: False  # noqa: E731
-    a, b, c = sequence(5), sequence(5), sequence(5)
-    # a row routed now that may not wait calls the LLM; one that may, alone among three, does not
-    assert llm_due([a, b, c], [True, False, False], [False] * 3, [1] * 3, never_ends, rule)
-    assert not llm_due([a, b, c], [True, False, False], [True, False, False], [1] * 3, never_ends, rule)
-    assert [rule.rows(n) for n in (1, 2, 3, 4, 8)] == [1, 1, 2, 2, 4]
-    # two rows waiting (one from before, one now) make a group
-    a.checks.routed = [4]
-    assert llm_due([a, b, c], [False, True, False], [False, True, False], [2] * 3, never_ends, rule)
-    # a waiting position three steps old calls it alone; two steps old does not
-    a.checks.routed = [2]
-    assert llm_due([a, b, c], [False] * 3, [False] * 3, [4] * 3, never_ends, rule)
-    a.checks.routed = [3]
-    assert not llm_due([a, b, c], [False] * 3, [False] * 3, [4] * 3, never_ends, rule)
-    # a waiting row that would end is checked first
-    assert llm_due([a, b, c], [False] * 3, [False] * 3, [4] * 3, lambda i: i == 0, rule)
-    assert not llm_due([a, b, c], [False] * 3, [False] * 3, [4] * 3, lambda i: i == 1, rule)
-    # a batch of one: its routed row is a group of one, as without deferral
-    assert llm_due([b], [True], [True], [1], never_ends, rule)
-    # verification's own reasons
-    v = sequence(5, verify="strict", max_unverified=3)
-    assert llm_due([v, b], [False] * 2, [False] * 2, [3, 1], never_ends, rule)
-    assert not llm_due([v, b], [False] * 2, [False] * 2, [2, 1], never_ends, rule)
-    # without deferral nothing waits, and only routing or verification calls the LLM
-    assert not llm_due([b, c], [False] * 2, [False] * 2, [4] * 2, never_ends, Deferral("off"))
-
-
-def test_what_becomes_final_and_what_a_rejection_takes_back():
-    s = sequence(6, routed=[3, 5])
-    assert [t for t, _, _ in settle(s, llm_ran=False, finished=False)] == [0, 1, 2]  # up to the first waiting
-    assert settle(s, llm_ran=False, finished=False) == []
-    score = take_back(s, 3, Rejection(column=10, token=99, routed=True))  # tokens 3, 4, 5 go
-    assert s.generation.token_ids == [0, 1, 2] and s.checks.routed == [] and score == 0.0
-    g = s.generation
-    assert (g.deferred_replaced, g.deferred_discarded, g.rollbacks, g.discarded) == (1, 4, 0, 0)
-    take_back(s, 1, Rejection(column=10, token=99, routed=False))
-    assert (g.rollbacks, g.discarded) == (1, 2)
-    v = sequence(4, verify=1.0)
-    assert settle(v, llm_ran=False, finished=False) == [] and len(settle(v, llm_ran=True, finished=False)) == 4
 
 
 def test_a_deferring_server_answers_concurrent_clients_as_a_lockstep_one_does(slm, llm, tokenizer):

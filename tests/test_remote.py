@@ -15,8 +15,9 @@ from tiny import save_gguf, tiny_model, tiny_tokenizer
 
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Batch, Engine, Request, SamplingParams
+from roads_to_rome.core.verification import Deferral
 from roads_to_rome.errors import R2RError
-from roads_to_rome.routing.policies import AlwaysLLM, RandomPolicy
+from roads_to_rome.routing.policies import AlwaysLLM, EntropyPolicy, RandomPolicy
 
 PROMPTS = ["Natalia sold clips to 48 of her friends.", "def add(a, b):", "Paris is the capital of"]
 NEEDS_LLAMA_SERVER = pytest.mark.skipif(importlib.util.find_spec("xllamacpp") is None,
@@ -97,6 +98,26 @@ def test_r2r_batches_with_the_remote_llm_match_the_same_model_run_locally(server
         outs[name] = [(s.generation.token_ids, s.generation.sources) for s in sequences]
     assert outs["remote"] == outs["local"]
     assert {s for _, sources in outs["remote"] for s in sources} == {"slm", "llm"}
+
+
+def test_deferred_routing_through_the_remote_llm_gives_lockstep_routings_tokens(server, slm, tokenizer):
+    """Grouped LLM calls (--defer) through a serving engine: every row's tokens are those lockstep routing gives it,
+    with and without strict verification (whose output is then the server's own greedy one)."""
+    llm = remote(server.url, tokenizer, slm)
+    prompts = [Engine.alone(slm, tokenizer, "slm").encode_chat(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    deferred = 0
+    for verify in ("off", "strict"):
+        lockstep = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), verify=verify).generate(prompts, params)
+        for mode in ("continue", "park"):
+            engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), verify=verify, defer=Deferral(mode, 1.0, 8))
+            gens = engine.generate(prompts, params)
+            assert [(g.token_ids, g.sources) for g in gens] == [(g.token_ids, g.sources) for g in lockstep], (verify,
+                                                                                                          mode)
+            deferred += sum(g.deferred for g in gens)
+        if verify == "strict":
+            assert [g.token_ids for g in lockstep] == [server.own_greedy(p, 24) for p in prompts]
+    assert deferred > 0
 
 
 def test_strict_verification_through_the_remote_llm_gives_the_servers_own_greedy_output(server, slm, tokenizer):

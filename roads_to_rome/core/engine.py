@@ -37,8 +37,8 @@ from typing import NamedTuple
 import torch
 
 from roads_to_rome.backends.base import Backend
-from roads_to_rome.core.request import Generation, Request, Sequence, Step, Timings
 from roads_to_rome.core import verification
+from roads_to_rome.core.request import Generation, Request, Sequence, Step, Timings
 from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify, sample, sampling_probs
 from roads_to_rome.core.verification import Deferral
 from roads_to_rome.errors import R2RError

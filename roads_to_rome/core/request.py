@@ -5,6 +5,7 @@ in its `Generation`; each decode step reports what it added as a `Step`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import torch
 
 from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify

@@ -1,0 +1,75 @@
+"""core/verification.py on its own: when the LLM runs (the grouping rule and verification's reasons), what
+becomes final, and what a rejection takes back from a row's record. The rules in action, on every backend, are
+in test_verify.py (verification) and test_defer.py (deferred routing)."""
+
+import torch
+
+from roads_to_rome.core.request import Generation, Request, Sequence
+from roads_to_rome.core.sampling import SamplingParams
+from roads_to_rome.core.verification import (
+    Checks,
+    Deferral,
+    Rejection,
+    check_routed,
+    llm_due,
+    settle,
+    take_back,
+)
+
+
+def sequence(tokens: int, routed: list[int] = (), verify="off", max_unverified=None, max_new_tokens=100) -> Sequence:
+    s = Sequence(Request([1, 2], SamplingParams(max_new_tokens=max_new_tokens)), verify=verify,
+                 max_unverified=max_unverified, generation=Generation([1, 2]), checks=Checks(routed=list(routed)))
+    s.generation.token_ids, s.generation.sources = list(range(tokens)), ["slm"] * tokens
+    s.generation.scores = [0.0] * tokens
+    return s
+
+
+def test_the_grouping_rule():
+    rule = Deferral("continue", group=0.5, steps=3)  # two of three rows
+    never_ends = lambda i: False  # noqa: E731
+    a, b, c = sequence(5), sequence(5), sequence(5)
+    # a row routed now that may not wait calls the LLM; one that may, alone among three, does not
+    assert llm_due([a, b, c], [True, False, False], [False] * 3, [1] * 3, never_ends, rule)
+    assert not llm_due([a, b, c], [True, False, False], [True, False, False], [1] * 3, never_ends, rule)
+    assert [rule.rows(n) for n in (1, 2, 3, 4, 8)] == [1, 1, 2, 2, 4]
+    # two rows waiting (one from before, one now) make a group
+    a.checks.routed = [4]
+    assert llm_due([a, b, c], [False, True, False], [False, True, False], [2] * 3, never_ends, rule)
+    # a waiting position three steps old calls it alone; two steps old does not
+    a.checks.routed = [2]
+    assert llm_due([a, b, c], [False] * 3, [False] * 3, [4] * 3, never_ends, rule)
+    a.checks.routed = [3]
+    assert not llm_due([a, b, c], [False] * 3, [False] * 3, [4] * 3, never_ends, rule)
+    # a waiting row that would end is checked first
+    assert llm_due([a, b, c], [False] * 3, [False] * 3, [4] * 3, lambda i: i == 0, rule)
+    assert not llm_due([a, b, c], [False] * 3, [False] * 3, [4] * 3, lambda i: i == 1, rule)
+    # a batch of one: its routed row is a group of one, as without deferral
+    assert llm_due([b], [True], [True], [1], never_ends, rule)
+    # verification's own reasons
+    v = sequence(5, verify="strict", max_unverified=3)
+    assert llm_due([v, b], [False] * 2, [False] * 2, [3, 1], never_ends, rule)
+    assert not llm_due([v, b], [False] * 2, [False] * 2, [2, 1], never_ends, rule)
+    # without deferral nothing waits, and only routing or verification calls the LLM
+    assert not llm_due([b, c], [False] * 2, [False] * 2, [4] * 2, never_ends, Deferral("off"))
+
+
+def test_what_becomes_final_and_what_a_rejection_takes_back():
+    s = sequence(6, routed=[3, 5])
+    assert [t for t, _, _ in settle(s, llm_ran=False, finished=False)] == [0, 1, 2]  # up to the first waiting
+    assert settle(s, llm_ran=False, finished=False) == []
+    score = take_back(s, 3, Rejection(column=10, token=99, routed=True))  # tokens 3, 4, 5 go
+    assert s.generation.token_ids == [0, 1, 2] and s.checks.routed == [] and score == 0.0
+    g = s.generation
+    assert (g.deferred_replaced, g.deferred_discarded, g.rollbacks, g.discarded) == (1, 4, 0, 0)
+    take_back(s, 1, Rejection(column=10, token=99, routed=False))
+    assert (g.rollbacks, g.discarded) == (1, 2)
+    v = sequence(4, verify=1.0)
+    assert settle(v, llm_ran=False, finished=False) == [] and len(settle(v, llm_ran=True, finished=False)) == 4
+
+
+def test_a_deferred_routed_token_is_the_llms_choice():
+    s, logits = sequence(3, routed=[1]), torch.tensor([0.0, 2.0, 1.0])
+    assert check_routed(s, 1, logits, 1, park=False, full_logits=True) is None  # the SLM's token is the LLM's
+    assert check_routed(s, 2, logits, 1, park=False, full_logits=True) == 1
+    assert check_routed(s, 1, logits, 1, park=True, full_logits=True) == 1  # parked: replaced even when equal
