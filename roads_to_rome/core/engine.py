@@ -527,11 +527,10 @@ class Batch:
 
         if not verification.llm_due(sequences, routed, deferred, unread, ends, engine.deferral):
             return None, read_from
-        checking = [verification.waits(s) for s in sequences]
-        if any(checking):
-            # Logits at the caught-up columns that predict unchecked generated tokens (the prompt's need no check);
-            # the last one also serves routing.
-            checked = max(n for n, c in zip(unread, checking) if c)
+        # Logits at the caught-up columns that predict unchecked generated tokens (the prompt's need no check; a row
+        # that does not verify needs them from its first waiting routed position on); the last also serves routing.
+        checked = max(verification.logits_needed(s, n) for s, n in zip(sequences, unread))
+        if checked > 1:
             llm_logits = engine.llm.forward_all(self.llm_cache, self.ids[:, read_from:], self.mask, checked)
         else:
             llm_logits = engine.llm.forward(self.llm_cache, self.ids[:, read_from:], self.mask)[0][:, None]

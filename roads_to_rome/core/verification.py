@@ -216,6 +216,15 @@ def settle(s, llm_ran: bool, finished: bool) -> list[tuple[int, str, float]]:
     return final
 
 
+def logits_needed(s, unread: int) -> int:
+    """How many of the LLM's last logits a catch-up must return to check row s: one per unread token if it
+    verifies, else from its first waiting routed position on; one (the next token's) when nothing waits."""
+    if s.verify != "off":
+        return unread
+    routed = s.checks.routed
+    return len(s.generation.token_ids) - routed[0] + 1 if routed else 1
+
+
 def unread_tokens(s, column: int, read_from: int) -> int:
     """Row s's generated tokens the LLM has not read, this step's (at `column`) included."""
     return min(column - read_from, len(s.generation.token_ids) + 1)
