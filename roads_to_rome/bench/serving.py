@@ -27,51 +27,61 @@ from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
 
 def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: list[int], n_tokens: int,
             requests: int, modes: list[str], rule: Deferral = Deferral(), backend: str = "auto",
-            threshold: float | None = None, progress=QUIET) -> dict:
+            threshold: float | None = None, rounds: int = 1, progress=QUIET) -> dict:
     """The server with the pair's default policy (the shipped router for the default pair) and verification: for
-    each of `modes` and each count in `clients`, `requests` GSM8K dev prompts sent by that many clients."""
+    each of `modes` and each count in `clients`, `requests` GSM8K dev prompts sent by that many clients; `rounds`
+    times over, the modes taking turns (a machine's speed drifts between minutes: alternating spreads the drift
+    over all of them)."""
     rows = max(clients)
     slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend,
                                                     llama={"max_rows": rows, "n_ctx": rows * 4096})
     kind, router_path = choose_policy(None, None, slm)
     policy = policies.build(kind, slm_backend, threshold, router_path)
     prompts = [gsm8k_prompt(item) for item in gsm8k()[:requests]]
+    engines = {mode: Engine(slm_backend, llm_backend, tokenizer, policy, DEFAULT_VERIFY,
+                            defer=dataclasses.replace(rule, mode=mode)) for mode in modes}
+    answered: dict[str, list] = {}  # "mode xN" -> per round: (answers, seconds, LLM calls, routed rows, steps)
+    task = progress.add_task("serving", total=rounds * len(modes) * len(clients) * requests)
+    for _ in range(rounds):
+        for mode, engine in engines.items():
+            with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=rows))) as server:
+                client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+
+                def ask(prompt):
+                    start = time.perf_counter()
+                    out = client.chat.completions.create(model="r2r", temperature=0, max_tokens=n_tokens,
+                                                         messages=[{"role": "user", "content": prompt}])
+                    progress.advance(task)
+                    return out.usage.completion_tokens, out.usage.model_extra["llm_tokens"], \
+                        time.perf_counter() - start
+
+                ask(prompts[0][:50])  # warm-up
+                for count in clients:
+                    before = dataclasses.replace(engine.counters)
+                    start = time.perf_counter()
+                    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+                        answers = list(pool.map(ask, prompts))
+                    answered.setdefault(f"{mode} x{count}", []).append((
+                        answers, time.perf_counter() - start, engine.counters.llm_calls - before.llm_calls,
+                        engine.counters.routed_rows - before.routed_rows, engine.counters.steps - before.steps))
     runs = {}
-    task = progress.add_task("serving", total=len(modes) * len(clients) * requests)
-    for mode in modes:
-        engine = Engine(slm_backend, llm_backend, tokenizer, policy, DEFAULT_VERIFY,
-                        defer=dataclasses.replace(rule, mode=mode))
-        with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=rows))) as server:
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
-
-            def ask(prompt):
-                start = time.perf_counter()
-                out = client.chat.completions.create(model="r2r", messages=[{"role": "user", "content": prompt}],
-                                                     temperature=0, max_tokens=n_tokens)
-                progress.advance(task)
-                return out.usage.completion_tokens, out.usage.model_extra["llm_tokens"], time.perf_counter() - start
-
-            ask(prompts[0][:50])  # warm-up
-            for count in clients:
-                before = dataclasses.replace(engine.counters)
-                start = time.perf_counter()
-                with concurrent.futures.ThreadPoolExecutor(count) as pool:
-                    answers = list(pool.map(ask, prompts))
-                seconds = time.perf_counter() - start
-                calls = engine.counters.llm_calls - before.llm_calls
-                runs[f"{mode} x{count}"] = {
-                    "defer": mode, "clients": count, **load_figures(answers, seconds),
-                    "llm_calls": calls, "steps": engine.counters.steps - before.steps,
-                    "routed_rows_per_call": (engine.counters.routed_rows - before.routed_rows) / max(calls, 1)}
+    for key, per_round in answered.items():
+        mode, count = key.split(" x")
+        calls = sum(r[2] for r in per_round)
+        runs[key] = {"defer": mode, "clients": int(count),
+                     **load_figures([a for r in per_round for a in r[0]], sum(r[1] for r in per_round)),
+                     "tokens_per_s_rounds": [sum(a[0] for a in r[0]) / r[1] for r in per_round],
+                     "llm_calls": calls, "steps": sum(r[4] for r in per_round),
+                     "routed_rows_per_call": sum(r[3] for r in per_round) / max(calls, 1)}
     baseline = modes[0]
     for run in runs.values():
         base = runs[f"{baseline} x{run['clients']}"]
         run["x_throughput"] = run["tokens_per_s"] / base["tokens_per_s"]
         run["x_p95"] = run["p95_s"] / base["p95_s"]
-    return {"clients": clients, "requests": requests, "tokens": n_tokens, "dtype": dtype, "backend": backend,
-            "device": str(slm_backend.device), "kernels": kernels(slm=slm_backend, llm=llm_backend),
-            "policy": policy.name, "verify": DEFAULT_VERIFY, "defer_group": rule.group, "defer_steps": rule.steps,
-            "baseline": baseline, "runs": runs}
+    return {"clients": clients, "requests": requests, "tokens": n_tokens, "rounds": rounds, "dtype": dtype,
+            "backend": backend, "device": str(slm_backend.device),
+            "kernels": kernels(slm=slm_backend, llm=llm_backend), "policy": policy.name, "verify": DEFAULT_VERIFY,
+            "defer_group": rule.group, "defer_steps": rule.steps, "baseline": baseline, "runs": runs}
 
 
 def load_figures(answers: list[tuple[int, int, float]], seconds: float) -> dict:

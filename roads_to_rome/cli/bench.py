@@ -137,6 +137,8 @@ def bench_serve(
     defer: str = typer.Option("off,continue", "--defer", help="Comma-separated deferral modes, one server each, "
                               "the first the baseline of the ratios (off: lockstep routing)."),
     defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
+    rounds: int = count(1, "--rounds", help="Times over, the modes taking turns (figures pool the rounds; a "
+                        "machine's speed drifts between minutes)."),
     threshold: Optional[float] = typer.Option(None, "--threshold", help="The routing threshold (default: the "
                                               "policy's own)."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
@@ -159,7 +161,8 @@ def bench_serve(
     rule = dataclasses.replace(rule, group=defer_group or rule.group, steps=defer_steps or rule.steps)
     dtype = pick_dtype(dtype, device)
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console, transient=True) as progress:
-        result = serving(slm, llm, device, dtype, counts, tokens, requests, modes, rule, backend, threshold, progress)
+        result = serving(slm, llm, device, dtype, counts, tokens, requests, modes, rule, backend, threshold, rounds,
+                         progress)
     console.print(tables.bench_serve(result))
     save(result, out)
 

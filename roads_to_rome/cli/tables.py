@@ -176,7 +176,8 @@ def bench_serve(result: dict) -> Table:
     """`r2r bench serve`: throughput and latency per deferral mode and number of clients, beside the baseline's."""
     table = Table("defer", "clients", "tokens/s", f"× {result['baseline']}", "p50 s", "p95 s",
                   f"p95 × {result['baseline']}", "LLM calls", "routed rows / call", "LLM rate",
-                  title=f"{result['requests']} requests of up to {result['tokens']} tokens ({result['policy']}, verify "
+                  title=f"{result['requests']} requests of up to {result['tokens']} tokens, {result.get('rounds', 1)} "
+                        f"round(s) ({result['policy']}, verify "
                         f"{result['verify']}, group {result['defer_group']:g}, steps {result['defer_steps']}; "
                         f"{result['backend']}, {result['dtype']}, {result['device']})", title_justify="left")
     for run in sorted(result["runs"].values(), key=lambda r: (r["clients"], r["defer"] != result["baseline"])):
