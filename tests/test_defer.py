@@ -173,3 +173,11 @@ def test_a_deferring_server_answers_concurrent_clients_as_a_lockstep_one_does(sl
                     deferred += sum(n for _, n in got) if mode == "continue" else 0
     assert answers["continue", False] == answers["off", False] == answers["continue", True] == answers["off", True]
     assert deferred > 0
+
+
+def test_auto_groups_where_the_llm_runs_on_cuda_only():
+    from roads_to_rome.core.verification import resolve_defer
+
+    assert resolve_defer("auto", torch.device("cuda")) == "continue"
+    assert resolve_defer("auto", torch.device("cpu")) == "off" and resolve_defer("auto", None) == "off"
+    assert resolve_defer("park", torch.device("cpu")) == "park"

@@ -59,11 +59,13 @@ Verify = Annotated[Optional[str], typer.Option("--verify", help="Check the SLM's
                                                "a token the LLM finds within that of its own choice). Default: 1 "
                                                "when routing, off for --router slm or llm.", show_default=False)]
 Defer = Annotated[Optional[str], typer.Option("--defer", help="Whether a routed row's LLM token may wait for an LLM "
-                                              "call grouped with other rows' (a batch's rows: the server, a batch "
-                                              "of prompts): off; continue (the row keeps the SLM's token and goes on; "
-                                              "where the LLM's token differs, the row goes back to it); park (the "
-                                              "row's tokens after it are thrown away). Greedy output is the same "
-                                              "either way. Default: continue when routing.", show_default=False)]
+                                              "call grouped with other rows' (the server; a batch of prompts): off; "
+                                              "continue (the row keeps the SLM's token and goes on; where the LLM's "
+                                              "token differs, the row goes back to it); park (the row's tokens after "
+                                              "it are thrown away); auto, the default when routing: continue when the "
+                                              "LLM runs on CUDA, off on a CPU (where grouping measured no faster: "
+                                              "docs/benchmarks.md). Greedy output is the same either way.",
+                                              show_default=False)]
 DeferGroup = Annotated[Optional[float], typer.Option("--defer-group", min=0.0, max=1.0, help="With --defer: the LLM "
                                                      "runs once this share of the batch's rows wait (default 0.6).",
                                                      show_default=False)]

@@ -31,7 +31,17 @@ from roads_to_rome.core.sampling import sample, sampling_probs, speculative_resi
 from roads_to_rome.errors import R2RError
 
 DEFER_MODES = ("off", "continue", "park")
-DEFAULT_DEFER = "continue"  # what the commands and the server defer with when routing (docs/benchmarks.md: why)
+# What the commands and the server defer with when routing: continue where the LLM runs on CUDA, whose call costs
+# nearly the same for many rows as for one; off on a CPU, whose call costs grow with the tokens it reads, so that
+# grouping saves little and the tokens a replaced one throws away cost more (docs/benchmarks.md, "Under load").
+DEFAULT_DEFER = "auto"
+
+
+def resolve_defer(mode: str, llm_device) -> str:
+    """A deferral mode, `auto` made concrete for an LLM on this device."""
+    if mode != "auto":
+        return mode
+    return "continue" if llm_device is not None and llm_device.type == "cuda" else "off"
 
 
 @dataclass(frozen=True)

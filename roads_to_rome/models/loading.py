@@ -17,7 +17,7 @@ from roads_to_rome.backends.llamacpp import LlamaCppBackend, llama_cpp_available
 from roads_to_rome.backends.remote import RemoteBackend, is_remote
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import DEFAULT_VERIFY, Engine, check_max_unverified, parse_verify
-from roads_to_rome.core.verification import DEFAULT_DEFER, Deferral
+from roads_to_rome.core.verification import DEFAULT_DEFER, Deferral, resolve_defer
 from roads_to_rome.errors import R2RError
 from roads_to_rome.models.packaged import (
     DEFAULT_LLM,
@@ -226,7 +226,7 @@ class EngineConfig:
     seed: int | None = None  # the random policy's draws
     verify: str | float | None = None  # None: `DEFAULT_VERIFY` for a policy that routes, off for one model alone
     max_unverified: int | None = None
-    defer: str | None = None  # None: `DEFAULT_DEFER` for a policy that routes, off for one model alone
+    defer: str | None = None  # off, continue, park or auto (None: `DEFAULT_DEFER` when routing, off for one model)
     defer_group: float | None = None  # None: the grouping rule's default (`Deferral`)
     defer_steps: int | None = None
     llama: dict | None = None  # a llama.cpp context's sizes: n_ctx (the KV pool its rows share), max_rows
@@ -239,16 +239,18 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
     kind, router_path = choose_policy(config.policy, config.router_path, config.slm)
     verify = config.verify if config.verify is not None else "off" if kind in ("slm", "llm") else DEFAULT_VERIFY
     verify, max_unverified = parse_verify(verify), check_max_unverified(config.max_unverified)  # before the load
-    deferral = grouping_rule(config, kind)
+    mode, rule = grouping_rule(config, kind)
     slm_b, llm_b, tokenizer = load_pair(config.slm, config.llm, config.device, need_llm=kind != "slm" or verify != "off",
                                         dtype=config.dtype, backend=config.backend, llama=config.llama)
+    deferral = dataclasses.replace(rule, mode=resolve_defer(mode, llm_b.device if llm_b is not None else None))
     return Engine(slm_b, llm_b, tokenizer, policies.build(kind, slm_b, config.threshold, router_path, config.seed),
                   verify, max_unverified, deferral)
 
 
-def grouping_rule(config: EngineConfig, kind: str) -> Deferral:
-    """The config's deferral (checked before anything loads): its mode, and the default rule's settings where it
-    gives none."""
+def grouping_rule(config: EngineConfig, kind: str) -> tuple[str, Deferral]:
+    """The config's deferral mode (`auto` resolves once the LLM is loaded) and its rule, checked before anything
+    loads: the default rule's settings where the config gives none."""
     mode = config.defer if config.defer is not None else "off" if kind in ("slm", "llm") else DEFAULT_DEFER
-    rule = Deferral(mode)
-    return dataclasses.replace(rule, group=config.defer_group or rule.group, steps=config.defer_steps or rule.steps)
+    rule = Deferral("off" if mode == "auto" else mode)
+    return mode, dataclasses.replace(rule, group=config.defer_group or rule.group,
+                                     steps=config.defer_steps or rule.steps)
