@@ -8,7 +8,7 @@
 # it measured; the tables and plots go there as one archive at the end, the log as log.txt.
 #
 # Parts, in this order, all but the r1-...compiled ones by default:
-#   scripts/gpu-run.sh [tests] [profile] [r1-uncompiled] [r1-compiled] [r1] [r1-batched] [coder] [qwen3]
+#   scripts/gpu-run.sh [tests] [profile] [r1-uncompiled] [r1-compiled] [r1] [r1-batched] [r1-grouped] [coder] [qwen3]
 # profile: scripts/gpu-profile.py, where an R2R step's time goes at batch 1 (R1-Distill 1.5B); r1-uncompiled and
 # r1-compiled: the R1 pair at batch 1, no speculative rows, with the trunks as transformers runs them (--compile
 # none), and with the SLM's compiled (the default).
@@ -43,6 +43,10 @@ want r1-uncompiled && shapes 150 r1-32b-uncompiled.json "${r1[@]}" --spec-k "" -
 want r1-compiled && shapes 200 r1-32b-compiled.json "${r1[@]}" --spec-k ""
 want r1 && shapes 180 r1-32b.json "${r1[@]}" --spec-k 4
 want r1-batched && shapes 170 r1-32b-batched.json "${r1[@]}" --spec-k "" --batch 4,8
+# r1-grouped: lockstep and grouped LLM calls (--defer continue, park) at batch 4 to 32; the real pair's share of
+# deferred routed tokens kept comes from the CPU run that measured it
+want r1-grouped && shapes 400 r1-32b-grouped.json --slm-shape r1-distill-qwen-1.5b --llm-shape r1-distill-qwen-32b \
+  --llm-share 0.11 --spec-k "" --batch 4,8,16,32 --real-from docs/results/2026-11-26-grouped-amx/shapes-7b.json
 want coder && shapes 100 coder.json --slm-shape qwen2.5-coder-0.5b --llm-shape qwen2.5-coder-7b,qwen2.5-coder-14b \
   --llm-share 0.11,0.15 --spec-k ""
 want qwen3 && shapes 70 qwen3-8b.json --slm-shape qwen3-0.6b --llm-shape qwen3-8b --llm-share 0.11,0.15 --spec-k ""

@@ -544,11 +544,11 @@ def assisted_run(slm: TorchBackend, llm: TorchBackend, prompt: list[int], tokens
             "tokens_per_s": made / seconds, "round_ms": 1000 * seconds / max(len(rounds), 1)}
 
 
-def real_acceptance(result: dict, plan: Plan) -> float:
-    """The share of deferred routed tokens the real pair's LLM kept (the SLM's token was its own), from its run
-    in this results file; 0 without one."""
-    run = result["real"].get("systems", {}).get(system_name("r2r+continue", max(plan.deferred_batches or [1])))
-    return run["deferred_accept"] if run else 0.0
+def real_acceptance(result: dict) -> float:
+    """The share of deferred routed tokens the real pair's LLM kept (the SLM's token was its own), from its batched
+    run in this results file (or the one --real-from names; the largest batch's); 0 without one."""
+    runs = [run for name, run in result["real"].get("systems", {}).items() if name.startswith("r2r+continue b=")]
+    return max(runs, key=lambda run: run["batch"])["deferred_accept"] if runs else 0.0
 
 
 def predicted_from_calls(result: dict, slm_ms: dict, llm_ms: dict) -> float:
@@ -755,7 +755,7 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
             save(result)
         batched_steps(batched, llm)
         runs(Engine.alone(llm, tokenizer, "llm"), "llm", shape.name, systems)
-        accept = real_acceptance(result, plan)
+        accept = real_acceptance(result)
         for share in plan.shares:
             runs(Engine(slm, llm, tokenizer, RouterAtShare(router, share, seed=0)), f"r2r@{share:g}", shape.name,
                  systems)
