@@ -3,8 +3,11 @@
 import subprocess
 import sys
 
+import pytest
+
 import roads_to_rome
 from roads_to_rome import Engine, EntropyPolicy, SamplingParams
+from roads_to_rome.errors import R2RError
 
 
 def test_every_public_name_resolves():
@@ -37,3 +40,10 @@ def test_load_engine_builds_what_a_config_says_and_fields_override_it(tmp_path):
         ("entropy", 0.5, "strict", 3)
     assert config.verify is None and config.max_unverified is None  # the config is left as it was made
     assert load_engine(config).verify == 1.0  # a routing policy verifies at 1 nat unless told otherwise
+    # grouped LLM calls: auto is lockstep with an LLM on the CPU; a mode and its rule as asked; checked before loading
+    assert load_engine(config).deferral.mode == "off"
+    rule = load_engine(config, defer="continue", defer_group=0.5, defer_steps=4).deferral
+    assert (rule.mode, rule.group, rule.steps) == ("continue", 0.5, 4)
+    assert load_engine(config, policy="llm", defer=None).deferral.mode == "off"
+    with pytest.raises(R2RError, match="defer takes"):
+        load_engine(config, defer="sometimes", slm="/nowhere")
