@@ -119,12 +119,17 @@ def test_llm_tokens_are_marked_when_output_is_not_a_terminal(run_cli, pair):
 
 
 def test_serving_benchmark_runs(run_cli, pair, tmp_path):
-    code, out, err = run_cli("bench", "serve", "--clients", "2", "--tokens", "4", "--out", tmp_path / "s.json", *pair)
+    code, out, err = run_cli("bench", "serve", "--clients", "1,2", "--requests", "2", "--tokens", "4",
+                             "--defer", "off,continue", "--out", tmp_path / "s.json", *pair)
     assert code == 0, err
     result = json.loads((tmp_path / "s.json").read_text())
-    assert result["concurrent"]["tokens"] > 0
-    assert result["speedup"] == pytest.approx(result["concurrent"]["tokens_per_s"] /
-                                              result["one_at_a_time"]["tokens_per_s"])
+    assert set(result["runs"]) == {"off x1", "off x2", "continue x1", "continue x2"} and result["baseline"] == "off"
+    for run in result["runs"].values():
+        assert run["tokens"] > 0 and 0 < run["p50_s"] <= run["p95_s"] and run["llm_calls"] >= 0
+        base = result["runs"][f"off x{run['clients']}"]
+        assert run["x_throughput"] == pytest.approx(run["tokens_per_s"] / base["tokens_per_s"])
+    code, out, err = run_cli("bench", "serve", "--defer", "off,later", *pair)
+    assert code == 2 and "--defer distinct modes" in err
 
 
 def test_step_cost_benchmark_runs(run_cli, pair, tmp_path):
