@@ -93,6 +93,16 @@ def kind(request):
     return request.param
 
 
+@pytest.fixture(scope="module")
+def kind_pair(kind, slm, llm, tokenizer, tmp_path_factory):
+    """The tiny SLM and LLM on the `kind` backend (the suites that run a routed pair on every backend)."""
+    if kind == "torch":
+        return slm, llm
+    folder = tmp_path_factory.mktemp(kind)
+    return (make_backend(kind, slm.model, tokenizer, folder, "slm"),
+            make_backend(kind, llm.model, tokenizer, folder, "llm"))
+
+
 def make_backend(kind: str, model, tokenizer, folder, name: str):
     """A tiny transformers model on the `kind` backend (llama.cpp: through a GGUF copy of its weights)."""
     if kind in ("torch", "torch-static"):  # torch-static: the fixed-capacity cache CUDA uses, here on the CPU

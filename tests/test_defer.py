@@ -6,7 +6,6 @@ LLM's distribution, and the LLM is called less often. The grouping rule and the 
 
 import pytest
 import torch
-from conftest import make_backend
 from test_policies_router import make_checkpoint
 
 from roads_to_rome.core.engine import Engine, Request, SamplingParams, sampling_probs
@@ -17,15 +16,6 @@ from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
 PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain.",
            "Natalia sold clips to 48 of her friends in April."]
 N_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def pair(kind, slm, llm, tokenizer, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("defer")
-    if kind == "torch":
-        return slm, llm
-    return (make_backend(kind, slm.model, tokenizer, folder, "slm"),
-            make_backend(kind, llm.model, tokenizer, folder, "llm"))
 
 
 def row_policies(slm):
@@ -39,8 +29,8 @@ def outputs(gens):
 
 
 @pytest.mark.parametrize("mode", ["continue", "park"])
-def test_deferred_routing_gives_every_row_the_tokens_of_immediate_routing(pair, tokenizer, mode):
-    slm, llm = pair
+def test_deferred_routing_gives_every_row_the_tokens_of_immediate_routing(kind_pair, tokenizer, mode):
+    slm, llm = kind_pair
     params = SamplingParams(max_new_tokens=N_TOKENS)
     deferred_total = replaced_total = 0
     calls = {"immediate": 0, "deferred": 0}  # LLM calls of the batched runs without verification
@@ -69,8 +59,8 @@ def test_deferred_routing_gives_every_row_the_tokens_of_immediate_routing(pair, 
     assert calls["deferred"] < calls["immediate"]  # grouped: fewer LLM calls
 
 
-def test_strict_verification_with_deferral_is_the_llms_greedy_output(pair, tokenizer):
-    slm, llm = pair
+def test_strict_verification_with_deferral_is_the_llms_greedy_output(kind_pair, tokenizer):
+    slm, llm = kind_pair
     alone = Engine.alone(llm, tokenizer)
     prompts = [alone.encode_chat(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=N_TOKENS)
@@ -84,8 +74,8 @@ def test_strict_verification_with_deferral_is_the_llms_greedy_output(pair, token
             assert sum(g.deferred for g in gens) > 0
 
 
-def test_a_stream_with_deferral_shows_only_tokens_that_stay(pair, tokenizer):
-    slm, llm = pair
+def test_a_stream_with_deferral_shows_only_tokens_that_stay(kind_pair, tokenizer):
+    slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), defer=Deferral("continue", group=1.0, steps=8))
     prompts = [engine.encode_chat(p) for p in PROMPTS]
     results, shown = [], {i: [] for i in range(len(prompts))}
@@ -98,11 +88,11 @@ def test_a_stream_with_deferral_shows_only_tokens_that_stay(pair, tokenizer):
 
 
 @pytest.mark.parametrize("mode", ["continue", "park"])
-def test_a_deferred_routed_token_under_sampling_follows_the_llms_distribution(pair, tokenizer, mode):
+def test_a_deferred_routed_token_under_sampling_follows_the_llms_distribution(kind_pair, tokenizer, mode):
     """Half the rows are routed at every step (their request's threshold 0: entropy is never below it) and wait,
     as fewer than the grouping rule's rows are waiting, until their second token ends them: the LLM then decides
     the first one, which must be drawn from its distribution, not the SLM's. The other half are never routed."""
-    slm, llm = pair
+    slm, llm = kind_pair
     rows = min(llm.max_rows or 400, 400)
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(1e9), defer=Deferral(mode, group=1.0, steps=100))
     prompt = engine.encode_chat("What is 48 / 2?")

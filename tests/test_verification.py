@@ -33,6 +33,7 @@ def test_the_grouping_rule():
     assert llm_due([a, b, c], [True, False, False], [False] * 3, [1] * 3, never_ends, rule)
     assert not llm_due([a, b, c], [True, False, False], [True, False, False], [1] * 3, never_ends, rule)
     assert [rule.rows(n) for n in (1, 2, 3, 4, 8)] == [1, 1, 2, 2, 4]
+    assert Deferral.of("park", steps=4) == Deferral("park", Deferral.group, 4)  # defaults where none is given
     # two rows waiting (one from before, one now) make a group
     a.checks.routed = [4]
     assert llm_due([a, b, c], [False, True, False], [False, True, False], [2] * 3, never_ends, rule)

@@ -3,7 +3,6 @@ the policy and the catch-up interval; strict under sampling follows the LLM's di
 
 import pytest
 import torch
-from conftest import make_backend
 from test_engine import run_with_joins
 from test_policies_router import make_checkpoint
 
@@ -15,23 +14,14 @@ PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital o
 N_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def pair(kind, slm, llm, tokenizer, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("verify")
-    if kind == "torch":
-        return slm, llm
-    return (make_backend(kind, slm.model, tokenizer, folder, "slm"),
-            make_backend(kind, llm.model, tokenizer, folder, "llm"))
-
-
 def policies(slm):
     return {"router": NeuralPolicy(make_checkpoint(slm), slm.embed, threshold=0.5), "entropy": EntropyPolicy(3.0),
             "random 0.1": RandomPolicy(0.1, seed=0), "random 0.5": RandomPolicy(0.5, seed=1), "slm": AlwaysSLM(),
             "llm": AlwaysLLM()}
 
 
-def test_strict_under_greedy_is_the_llms_greedy_output_for_every_policy_and_interval(pair, tokenizer):
-    slm, llm = pair
+def test_strict_under_greedy_is_the_llms_greedy_output_for_every_policy_and_interval(kind_pair, tokenizer):
+    slm, llm = kind_pair
     alone = Engine.alone(llm, tokenizer)
     prompts = [alone.encode_chat(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=N_TOKENS)
@@ -51,8 +41,8 @@ def test_strict_under_greedy_is_the_llms_greedy_output_for_every_policy_and_inte
     assert fixes > 0  # the SLM did write tokens the LLM rejected
 
 
-def test_off_is_plain_r2r_and_a_huge_tolerance_rejects_nothing(pair, tokenizer):
-    slm, llm = pair
+def test_off_is_plain_r2r_and_a_huge_tolerance_rejects_nothing(kind_pair, tokenizer):
+    slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=2))
     prompts = [engine.encode_chat(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=N_TOKENS)
@@ -64,10 +54,10 @@ def test_off_is_plain_r2r_and_a_huge_tolerance_rejects_nothing(pair, tokenizer):
         assert all(g.rollbacks == 0 for g in gens)
 
 
-def test_a_tolerance_keeps_only_tokens_the_llm_finds_nearly_as_likely(pair, tokenizer):
+def test_a_tolerance_keeps_only_tokens_the_llm_finds_nearly_as_likely(kind_pair, tokenizer):
     """Every token in a tolerance-verified output was either routed, put in by a fix, or within T nats of
     the LLM's own choice given what precedes it."""
-    slm, llm = pair
+    slm, llm = kind_pair
     tolerance = 1.0
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.1, seed=0), verify=tolerance, max_unverified=4)
     prompts = [engine.encode_chat(p) for p in PROMPTS]
@@ -84,8 +74,8 @@ def test_a_tolerance_keeps_only_tokens_the_llm_finds_nearly_as_likely(pair, toke
 
 
 @pytest.mark.parametrize("prefill_chunk", [None, 5])
-def test_requests_joining_a_verifying_batch_get_the_llms_output(pair, tokenizer, prefill_chunk):
-    slm, llm = pair
+def test_requests_joining_a_verifying_batch_get_the_llms_output(kind_pair, tokenizer, prefill_chunk):
+    slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.2, seed=3), verify="strict", max_unverified=3)
     alone = Engine.alone(llm, tokenizer)
     prompts = [engine.encode_chat(p) for p in PROMPTS] + [engine.encode_raw("Hi")]
@@ -95,8 +85,8 @@ def test_requests_joining_a_verifying_batch_get_the_llms_output(pair, tokenizer,
         assert r.generation.token_ids == alone.generate([prompt], params)[0].token_ids
 
 
-def test_stream_shows_only_final_tokens_and_ends_with_all_of_them(pair, tokenizer):
-    slm, llm = pair
+def test_stream_shows_only_final_tokens_and_ends_with_all_of_them(kind_pair, tokenizer):
+    slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, AlwaysSLM(), verify="strict", max_unverified=4)
     prompts = [engine.encode_chat(p) for p in PROMPTS]
     results, shown = [], {i: [] for i in range(len(prompts))}
@@ -107,10 +97,10 @@ def test_stream_shows_only_final_tokens_and_ends_with_all_of_them(pair, tokenize
         assert shown[i] == gen.token_ids
 
 
-def test_strict_under_sampling_follows_the_llms_distribution(pair, tokenizer):
+def test_strict_under_sampling_follows_the_llms_distribution(kind_pair, tokenizer):
     """Many seeds on one prefix: the first token's frequencies match the LLM's sampling distribution, not the
     SLM's (every token is verified at once: max_unverified 1)."""
-    slm, llm = pair
+    slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, AlwaysSLM(), verify="strict", max_unverified=1)
     prompt = engine.encode_chat("What is 48 / 2?")
     base = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=20)

@@ -15,7 +15,7 @@ import numpy as np
 import openai
 
 from roads_to_rome.bench.measure import kernels
-from roads_to_rome.core.engine import DEFAULT_VERIFY, Engine
+from roads_to_rome.core.engine import DEFAULT_VERIFY, Counters, Engine
 from roads_to_rome.core.verification import Deferral
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
 from roads_to_rome.models import load_pair
@@ -40,7 +40,7 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: 
     prompts = [gsm8k_prompt(item) for item in gsm8k()[:requests]]
     engines = {mode: Engine(slm_backend, llm_backend, tokenizer, policy, DEFAULT_VERIFY,
                             defer=dataclasses.replace(rule, mode=mode)) for mode in modes}
-    answered: dict[str, list] = {}  # "mode xN" -> per round: (answers, seconds, LLM calls, routed rows, steps)
+    answered: dict[str, list] = {}  # "mode xN" -> per round: (answers, seconds, what the engine counted)
     task = progress.add_task("serving", total=rounds * len(modes) * len(clients) * requests)
     for _ in range(rounds):
         for mode, engine in engines.items():
@@ -61,18 +61,17 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: 
                     start = time.perf_counter()
                     with concurrent.futures.ThreadPoolExecutor(count) as pool:
                         answers = list(pool.map(ask, prompts))
-                    answered.setdefault(f"{mode} x{count}", []).append((
-                        answers, time.perf_counter() - start, engine.counters.llm_calls - before.llm_calls,
-                        engine.counters.routed_rows - before.routed_rows, engine.counters.steps - before.steps))
+                    answered.setdefault(f"{mode} x{count}", []).append(
+                        (answers, time.perf_counter() - start, engine.counters - before))
     runs = {}
     for key, per_round in answered.items():
         mode, count = key.split(" x")
-        calls = sum(r[2] for r in per_round)
+        counted = sum((r[2] for r in per_round), Counters())
         runs[key] = {"defer": mode, "clients": int(count),
                      **load_figures([a for r in per_round for a in r[0]], sum(r[1] for r in per_round)),
                      "tokens_per_s_rounds": [sum(a[0] for a in r[0]) / r[1] for r in per_round],
-                     "llm_calls": calls, "steps": sum(r[4] for r in per_round),
-                     "routed_rows_per_call": sum(r[3] for r in per_round) / max(calls, 1)}
+                     "llm_calls": counted.llm_calls, "steps": counted.steps,
+                     "routed_rows_per_call": counted.routed_rows_per_call}
     baseline = modes[0]
     for run in runs.values():
         base = runs[f"{baseline} x{run['clients']}"]

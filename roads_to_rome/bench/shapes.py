@@ -489,9 +489,8 @@ def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=Q
     totals |= {"tokens_per_s": totals["tokens"] / totals["seconds"],
                "llm_share": totals["llm_tokens"] / max(totals["tokens"], 1),
                "rollbacks_per_100": totals["rollbacks"] * per100, "discarded_per_100": totals["discarded"] * per100,
-               "llm_calls_total": engine.counters.llm_calls - counted.llm_calls,
-               "routed_rows_per_call": ((engine.counters.routed_rows - counted.routed_rows)
-                                        / max(engine.counters.llm_calls - counted.llm_calls, 1)),
+               "llm_calls_total": (engine.counters - counted).llm_calls,
+               "routed_rows_per_call": (engine.counters - counted).routed_rows_per_call,
                "deferred_accept": totals["deferred_kept"] / max(totals["deferred_kept"] + totals["deferred_replaced"], 1),
                "deferred_discarded_per_100": totals["deferred_discarded"] * per100,
                "phases": phases}
@@ -895,7 +894,7 @@ def batched_rows(result: dict, entry: dict | None, measured: dict, shares: list[
         run = measured.get(system_name(system, batch))
         if not run:
             continue
-        rule = Deferral(mode, config.get("defer_group", Deferral.group), config.get("defer_steps", Deferral.steps))
+        rule = Deferral.of(mode, config.get("defer_group"), config.get("defer_steps"))
         predicted = alone_predicted if share is None else (
             predicted_routing_tok_s(slm_ms, llm_ms, share, widths, tokens, rows=batch, deferral=rule,
                                     accept=run.get("deferred_accept", 0.0), samples=100 if mode == "off" else 20)

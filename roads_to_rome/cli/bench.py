@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Optional
@@ -157,8 +156,7 @@ def bench_serve(
     if not counts or not modes or set(modes) - set(DEFER_MODES) or len(set(modes)) < len(modes):
         raise R2RError(f"--clients takes whole numbers and --defer distinct modes of {', '.join(DEFER_MODES)}; got "
                        f"--clients {clients!r} --defer {defer!r}")
-    rule = Deferral()
-    rule = dataclasses.replace(rule, group=defer_group or rule.group, steps=defer_steps or rule.steps)
+    rule = Deferral.of("off", defer_group, defer_steps)
     dtype = pick_dtype(dtype, device)
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console, transient=True) as progress:
         result = serving(slm, llm, device, dtype, counts, tokens, requests, modes, rule, backend, threshold, rounds,
@@ -285,8 +283,7 @@ def bench_shapes(
     modes = tuple(m.strip() for m in defer.split(",") if m.strip())
     if set(modes) - {"continue", "park"}:
         raise R2RError(f"--defer for shapes takes continue, park or both, got {defer!r}")
-    rule = Deferral()
-    rule = dataclasses.replace(rule, group=defer_group or rule.group, steps=defer_steps or rule.steps)
+    rule = Deferral.of("off", defer_group, defer_steps)
     plan = bench_shapes_module.Plan(
         tuple(chosen), tuple(shares), prompts, tokens, context, tuple(ks), tuple(settings),
         tuple(whole_numbers(spec_k, "--spec-k")), backend, device,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -190,6 +190,13 @@ class Counters:
     @property
     def routed_rows_per_call(self) -> float:
         return self.routed_rows / self.llm_calls if self.llm_calls else 0.0
+
+    def __sub__(self, before: Counters) -> Counters:
+        """What happened since `before` (a copy taken earlier)."""
+        return Counters(*(getattr(self, f.name) - getattr(before, f.name) for f in fields(self)))
+
+    def __add__(self, other: Counters) -> Counters:
+        return Counters(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
 class Failure(NamedTuple):
@@ -470,9 +477,11 @@ class Batch:
         t1 = time.perf_counter()
         routed, scores = self._route(logits, hidden, proposal)
         t2 = time.perf_counter()
-        deferred = self._deferred(routed)
-        llm_logits, read_from = self._catch_up(column, proposal, routed, deferred)
-        chosen, sources, rejected = self._verify(column, proposal, routed, deferred, logits, llm_logits, read_from)
+        # The proposal as numbers, for the LLM's checks (one model alone checks nothing: no GPU sync for it here).
+        deferred, proposed = self._deferred(routed), proposal.tolist() if self.engine.routes else None
+        llm_logits, read_from = self._catch_up(column, proposed, routed, deferred)
+        chosen, sources, rejected = self._verify(column, proposal, proposed, routed, deferred, logits, llm_logits,
+                                                 read_from)
         t3 = time.perf_counter()
         return self._emit(column, chosen, sources, scores, rejected, llm_logits is not None, (t0, t1, t2, t3))
 
@@ -509,7 +518,7 @@ class Batch:
         on = self.engine.deferral.on
         return [on and r and s.force is None for s, r in zip(self.sequences, routed)]
 
-    def _catch_up(self, column: int, proposal: torch.Tensor, routed: list[bool], deferred: list[bool]
+    def _catch_up(self, column: int, proposed: list[int] | None, routed: list[bool], deferred: list[bool]
                   ) -> tuple[torch.Tensor | None, int]:
         """3. The LLM catches up on every column since it last ran, when `verification.llm_due` says so: a row is
         routed and may not wait, enough rows wait (or one waited long enough), a row must be checked. Returns its
@@ -520,7 +529,6 @@ class Batch:
             return None, 0
         read_from = self.llm_cache.length
         unread = [verification.unread_tokens(s, column, read_from) for s in sequences]
-        proposed = proposal.tolist()
 
         def ends(i: int) -> bool:
             return self._ends(sequences[i], sequences[i].generation.token_ids, proposed[i]) is not None
@@ -537,8 +545,8 @@ class Batch:
         engine.sync()
         return llm_logits, read_from
 
-    def _verify(self, column: int, proposal: torch.Tensor, routed: list[bool], deferred: list[bool],
-                slm_logits: torch.Tensor | None, llm_logits: torch.Tensor | None, read_from: int
+    def _verify(self, column: int, proposal: torch.Tensor, proposed: list[int] | None, routed: list[bool],
+                deferred: list[bool], slm_logits: torch.Tensor | None, llm_logits: torch.Tensor | None, read_from: int
                 ) -> tuple[torch.Tensor, list[str], dict[int, verification.Rejection]]:
         """4. The LLM's word on each row: its unchecked tokens in order (the first rejected one sends the row back
         there), then the routed rows' tokens. Without an LLM call, deferred rows keep the SLM's token, to be
@@ -551,7 +559,7 @@ class Batch:
                     verification.defer(s, len(s.generation.token_ids), slm_logits[i])
             return chosen, sources, {}
         park, full = engine.deferral.mode == "park", engine.llm.full_logits
-        logits_from, proposed = column - llm_logits.shape[1], proposal.tolist()
+        logits_from = column - llm_logits.shape[1]
         rejected = {}
         engine.counters.llm_calls += 1
         for i, s in enumerate(sequences):

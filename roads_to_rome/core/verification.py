@@ -65,6 +65,11 @@ class Deferral:
         if self.steps < 1:
             raise R2RError(f"a routed token waits at most 1 step or more, got {self.steps}")
 
+    @classmethod
+    def of(cls, mode: str, group: float | None = None, steps: int | None = None) -> Deferral:
+        """A rule with this mode, and the default settings where none is given."""
+        return cls(mode, cls.group if group is None else group, cls.steps if steps is None else steps)
+
     def rows(self, batch: int) -> int:
         """How many of a batch's rows must wait before the LLM runs."""
         return max(1, math.ceil(self.group * batch - 1e-9))

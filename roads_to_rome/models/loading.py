@@ -251,6 +251,4 @@ def grouping_rule(config: EngineConfig, kind: str) -> tuple[str, Deferral]:
     """The config's deferral mode (`auto` resolves once the LLM is loaded) and its rule, checked before anything
     loads: the default rule's settings where the config gives none."""
     mode = config.defer if config.defer is not None else "off" if kind in ("slm", "llm") else DEFAULT_DEFER
-    rule = Deferral("off" if mode == "auto" else mode)
-    return mode, dataclasses.replace(rule, group=config.defer_group or rule.group,
-                                     steps=config.defer_steps or rule.steps)
+    return mode, Deferral.of("off" if mode == "auto" else mode, config.defer_group, config.defer_steps)
