@@ -7,8 +7,10 @@ batches too.
 
 Step costs at a batch the run did not measure are extended linearly in rows from the two largest it measured
 (at each k: t(b, k) = t(b2, k) + (t(b2, k) - t(b1, k)) / (b2 - b1) * (b - b2)), which is what a GPU does while
-its reads stay bound by the weights, and an over-estimate of the cost once they are compute-bound. The rule's
-settings are swept (--group, --steps) so that the default can be read off."""
+its reads stay bound by the weights, and an over-estimate of the cost once they are compute-bound. With
+--one-row (a CPU run measured at batch 1 only), b rows × k tokens cost what one row's read of b·k tokens cost:
+t(b, k) = t(1, b·k), close on a compute-bound CPU. The rule's settings are swept (--group, --steps) so that the
+default can be read off; each figure is × the LLM alone at the same batch and × lockstep R2R."""
 
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ from pathlib import Path
 
 from roads_to_rome.bench import shapes
 from roads_to_rome.core.verification import Deferral
+
+
+def one_row_costs(table: dict, batch: int) -> dict[int, float]:
+    one = shapes.ms_keys(table)
+    return {k: shapes.cost_at(one, batch * k) for k in one}
 
 
 def step_costs(tables: dict, batch: int) -> dict[int, float]:
@@ -44,18 +51,25 @@ def main() -> None:
     parser.add_argument("--steps", default="8,16,32")
     parser.add_argument("--tokens", type=int, help="new tokens per row (default: the run's)")
     parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--one-row", action="store_true", help="price b rows from the batch-1 step tables")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = json.loads(args.results.read_text())
     name = args.shape or next(iter(result["shapes"]))
     entry = result["shapes"][name]
     tokens = args.tokens or result["config"]["tokens"]
-    widths = [max(w for ws in result["batch_prompt_widths"].values() for w in ws)]  # the widest padded prompt
+    widths = [max(w for ws in result.get("batch_prompt_widths", {"1": result["prompt_tokens"]}).values()
+                  for w in ws)]  # the widest padded prompt
+    own_slm = result.get("slm")  # a random-weight SLM's own table, else the default SLM's (as the summary reads it)
+    slm_one = own_slm["steps"] if own_slm else result["real"]["steps"]["slm"]
     rows = []
     print(f"{name}, {args.share:.0%} LLM tokens, {tokens} tokens per row, step costs from {args.results} "
           f"({result.get('device_name') or result['processor']}); ×: against the LLM alone at the same batch")
     for batch in numbers(args.batch, int):
-        slm_ms, llm_ms = step_costs(result["slm_batched_steps"], batch), step_costs(entry["batched_steps"], batch)
+        if args.one_row:
+            slm_ms, llm_ms = one_row_costs(slm_one, batch), one_row_costs(entry["steps"], batch)
+        else:
+            slm_ms, llm_ms = step_costs(result["slm_batched_steps"], batch), step_costs(entry["batched_steps"], batch)
         alone = shapes.predicted_alone_tok_s(llm_ms, widths, tokens, batch)
         lockstep = shapes.predicted_routing_tok_s(slm_ms, llm_ms, args.share, widths, tokens, args.samples, batch)
         row = {"batch": batch, "llm_alone": alone, "lockstep": lockstep, "grouped": {}}
@@ -69,7 +83,7 @@ def main() -> None:
                         tok_s = shapes.predicted_routing_tok_s(slm_ms, llm_ms, args.share, widths, tokens,
                                                                args.samples, batch, rule, accept)
                         row["grouped"][f"{mode} accept={accept:g} group={group:g} steps={steps}"] = tok_s
-                        cells.append(f"{group:g}/{steps}: {tok_s / alone:.2f}×")
+                        cells.append(f"{group:g}/{steps}: {tok_s / alone:.2f}× ({tok_s / lockstep:.2f}× lockstep)")
                 print(f"  {mode}{f' (kept {accept:.0%})' if mode == 'continue' else ''}: " + "  ".join(cells))
         rows.append(row)
     if args.json:
