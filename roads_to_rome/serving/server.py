@@ -38,6 +38,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletio
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.staticfiles import StaticFiles
@@ -46,6 +47,7 @@ from roads_to_rome.core.engine import Cancelled, Engine, Failure, Scheduler
 from roads_to_rome.core.request import Request, Sequence, Step
 from roads_to_rome.core.sampling import SamplingParams, parse_verify
 from roads_to_rome.errors import R2RError, RemoteError
+from roads_to_rome.serving.metrics import Metrics
 from roads_to_rome.text import Detokenizer
 
 log = logging.getLogger(__name__)
@@ -158,6 +160,8 @@ class Job:
 
     def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop):
         self.sequence, self.loop, self.events = sequence, loop, asyncio.Queue()
+        self.arrived = time.monotonic()
+        self.first_token_at: float | None = None
 
     def send(self, event: Step | ErrorReply) -> None:
         try:
@@ -174,6 +178,7 @@ class EngineThread:
     def __init__(self, engine: Engine, limits: Limits):
         self.limits = limits
         self.scheduler = Scheduler(engine, limits.max_batch, limits.prefill_chunk)
+        self.metrics = Metrics(engine, self.load)
         self.jobs: dict[int, Job] = {}  # id(sequence) -> its job, until the sequence leaves the scheduler
         self.wakeup = threading.Condition()
         self.stopping = False
@@ -200,15 +205,18 @@ class EngineThread:
     def submit(self, job: Job) -> None:
         with self.wakeup:
             if self.deadline is not None or self.stopping:
+                self.metrics.refused()
                 raise APIError(503, str(ShuttingDown()), kind="server_error", code="shutting_down")
             scheduler = self.scheduler
             # Waiting for a free slot (the engine thread admits between steps) is not queueing.
             free_slots = max(0, self.limits.max_batch - scheduler.admitted)
             if scheduler.load()["waiting"] >= self.limits.max_queue + free_slots:
+                self.metrics.refused()
                 raise APIError(429, "the server is busy: too many requests waiting; retry later",
                                code="queue_full", kind="rate_limit_error")
             self.jobs[id(job.sequence)] = job
             scheduler.add(job.sequence)
+            self.metrics.admitted(job.sequence)
             self.wakeup.notify()
 
     def load(self) -> dict:
@@ -240,12 +248,14 @@ class EngineThread:
             job = self.jobs.get(id(event.sequence))
             if isinstance(event, Failure):
                 self.jobs.pop(id(event.sequence), None)
+                self.metrics.failed(event.sequence, aborted=isinstance(event.error, Cancelled))
                 if job is not None and not isinstance(event.error, Cancelled):
                     job.send(error_reply(event.error))
                 continue
             if event.finished:
                 self.jobs.pop(id(event.sequence), None)
             if job is not None:
+                job.first_token_at = self.metrics.step(event, job.arrived, job.first_token_at)
                 job.send(event)
 
 
@@ -314,7 +324,7 @@ class Guard:
             if origin is not None and not is_loopback(urllib.parse.urlsplit(origin).hostname):
                 return error_response(403, f"requests from web pages at {origin} are refused: this server answers "
                                            "only its own playground on localhost", code="forbidden_origin")
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
+        if self.api_key is not None and (scope["path"].startswith("/v1/") or scope["path"] == "/metrics"):
             sent = headers.get("authorization", "")
             if not hmac.compare_digest(sent.encode(), f"Bearer {self.api_key}".encode()):
                 return error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' "
@@ -437,6 +447,12 @@ def server(http: HTTPRequest) -> ServerState:
 async def health(http: HTTPRequest):
     s = server(http)
     return {"status": "ok", "model": s.model_name, **s.engine_thread.load()}
+
+
+@routes.get("/metrics", include_in_schema=False)
+async def metrics(http: HTTPRequest):
+    """Prometheus's text format (`prometheus_client`); behind the API key when the server has one."""
+    return Response(server(http).engine_thread.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 @routes.get("/v1/models")
