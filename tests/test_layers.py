@@ -1,6 +1,7 @@
 """The package's architecture as a rule: sub-packages form layers, and imports only point down.
 
-Read the layers bottom to top: shared basics (errors, text, hardware, progress); the backends that run a model;
+Read the layers bottom to top: shared basics (errors, text, hardware, progress); reasoning models' thinking told
+from their answer (text); the backends that run a model;
 routing (policies and the router); the core decode loop; loading models into an engine; then the clients of an engine
 (evaluation; serving and the label pipeline; router training; benchmarks); the command line on top.
 A module may import from its own sub-package and from lower layers, never from a layer above or a
@@ -18,6 +19,7 @@ PACKAGE = "roads_to_rome"
 ROOT = Path(__file__).parents[1] / PACKAGE
 LAYERS = [
     {"errors", "text", "hardware", "progress"},
+    {"reasoning"},
     {"backends"},
     {"routing"},
     {"core"},

@@ -26,6 +26,7 @@ from roads_to_rome.cli.options import (
     Llm,
     MaxNewTokens,
     MaxUnverified,
+    ReasoningParserOpt,
     RouterOpt,
     RouterPath,
     Seed,
@@ -61,24 +62,31 @@ def generate(
     defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
-    seed: Seed = None, as_json: AsJson = False,
+    seed: Seed = None, as_json: AsJson = False, reasoning_parser: ReasoningParserOpt = "auto",
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
-    """Answer one prompt with R2R routing; the LLM's tokens are highlighted."""
+    """Answer one prompt with R2R routing; the LLM's tokens are highlighted, a reasoning model's thinking dimmed."""
+    from roads_to_rome import reasoning
+
     if not prompt.strip():
         raise R2RError("the prompt is empty: give the text to answer")
+    reasoning.check_parser(reasoning_parser)
     params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
     engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
                           router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
                           defer=defer, defer_group=defer_group, defer_steps=defer_steps)
+    parser = None if raw else reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
     generation = engine.generate([prompt_ids], params)[0]
+    reasoned = reasoning.reason(parser, engine.tokenizer, generation) if parser else None
     if as_json:
-        print(json.dumps({**generation.to_dict(), "policy": engine.policy.name}))
+        print(json.dumps({**generation.to_dict(), **(reasoned.to_dict() if reasoned else {}),
+                          "policy": engine.policy.name}))
         return
-    console.print(tables.highlighted(engine.tokenizer, generation, console.is_terminal))
+    thinking = reasoned.reasoning_tokens if reasoned else 0
+    console.print(tables.highlighted(engine.tokenizer, generation, console.is_terminal, thinking))
     console.print()
-    console.print(tables.stats(generation, engine, console.is_terminal))
+    console.print(tables.stats(generation, engine, console.is_terminal, reasoned))
 
 
 @app.command()
@@ -87,16 +95,20 @@ def chat(
     verify: Verify = None, max_unverified: MaxUnverified = None,
     defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
     max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
-    seed: Seed = None,
+    seed: Seed = None, reasoning_parser: ReasoningParserOpt = "auto",
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
-    """Chat interactively; answers stream in with the LLM's tokens highlighted. Empty line or Ctrl-D quits."""
+    """Chat interactively; answers stream in with the LLM's tokens highlighted, a reasoning model's thinking dimmed.
+    Empty line or Ctrl-D quits."""
+    from roads_to_rome import reasoning
     from roads_to_rome.text import Detokenizer
 
+    reasoning.check_parser(reasoning_parser)
     params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
     engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
                           router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
                           defer=defer, defer_group=defer_group, defer_steps=defer_steps)
+    parser = reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     messages = []
     while True:
         try:
@@ -106,21 +118,28 @@ def chat(
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        results, detok = [], Detokenizer(engine.tokenizer)
+        results, detok, text = [], Detokenizer(engine.tokenizer), ""
+        prompt_ids = engine.encode_messages(messages)
+        start = reasoning.prompt_start(parser, engine.tokenizer, prompt_ids) if parser else None
         try:
-            for steps in engine.stream([engine.encode_messages(messages)], params, results):
+            for steps in engine.stream([prompt_ids], params, results):
                 for step in steps:
                     for n, (token, source, _) in enumerate(step.final, 1):  # only what verification cannot take back
+                        thinking = parser is not None and parser.split(text, start, final=False).thinking
                         piece = detok.push(token, final=step.finished and n == len(step.final))
+                        text += piece
                         if piece and not console.is_terminal and source in tables.MARKS:
                             piece = piece.join(tables.MARKS[source])
-                        console.print(piece, style=tables.STYLES.get(source), end="", markup=False, highlight=False)
+                        console.print(piece, style=tables.style(source, thinking), end="", markup=False,
+                                      highlight=False)
         except KeyboardInterrupt:
             console.print("\n[dim](interrupted)[/]")
         console.print()
         if results:
-            console.print(tables.stats(results[0], engine, console.is_terminal))
-            messages.append({"role": "assistant", "content": results[0].text})
+            reasoned = reasoning.reason(parser, engine.tokenizer, results[0]) if parser else None
+            console.print(tables.stats(results[0], engine, console.is_terminal, reasoned))
+            # The answer only: reasoning models' templates leave earlier turns' thinking out.
+            messages.append({"role": "assistant", "content": reasoned.content if reasoned else results[0].text})
 
 
 @app.command()
@@ -146,11 +165,14 @@ def serve(
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0, help="On SIGINT/SIGTERM: seconds in-flight "
                                         "requests get to finish before they are cut (a second signal exits at once)."),
     docs: bool = typer.Option(False, "--docs", help="Serve the API docs at /docs and /openapi.json."),
+    reasoning_parser: ReasoningParserOpt = "auto",
 ):
     """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) and a playground at /."""
     require("serve", "`r2r serve`")
+    from roads_to_rome.reasoning import check_parser
     from roads_to_rome.serving import server
 
+    check_parser(reasoning_parser)
     llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}
     engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
                           router_path=router_path, verify=verify, max_unverified=max_unverified, llama=llama,
@@ -158,7 +180,7 @@ def serve(
     limits = server.Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
                            drain_timeout=drain_timeout)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=server.is_loopback(host),
-                            docs=docs)
+                            docs=docs, reasoning_parser=reasoning_parser)
     console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
     server.run(app, host, port)
 

@@ -72,6 +72,9 @@ DeferGroup = Annotated[Optional[float], typer.Option("--defer-group", min=0.0, m
 DeferSteps = Annotated[Optional[int], typer.Option("--defer-steps", min=1, help="With --defer: ... or once a routed "
                                                    "token has waited this many steps (default 16).",
                                                    show_default=False)]
+ReasoningParserOpt = Annotated[str, typer.Option("--reasoning-parser", help="Reasoning models' thinking "
+                                                  "(<think>...</think>) apart from the answer: deepseek_r1, qwen3, "
+                                                  "none, or auto (a parser when the chat template opens <think>).")]
 MaxUnverified = Annotated[Optional[int], typer.Option("--max-unverified", help="With --verify: catch up "
                                                       "and check once this many tokens are unread by the LLM "
                                                       "(default: no limit). --router slm --verify strict "

@@ -10,15 +10,21 @@ STYLES = {"llm": LLM_STYLE, "fix": "bold black on green"}  # by token source; th
 MARKS = {"llm": ("[[", "]]"), "fix": ("{{", "}}")}  # the same where output is not a terminal
 
 
-def highlighted(tokenizer, generation, terminal: bool) -> Text:
-    """The answer with the LLM's tokens highlighted (verification's fixes in their own colour); where output
-    is not a terminal, routed tokens in [[...]] and fixes in {{...}} instead."""
+def style(source: str, thinking: bool = False) -> str | None:
+    """A token's style: by its source; a reasoning model's thinking dimmed."""
+    return " ".join(s for s in ("dim" if thinking else None, STYLES.get(source)) if s) or None
+
+
+def highlighted(tokenizer, generation, terminal: bool, thinking: int = 0) -> Text:
+    """The answer with the LLM's tokens highlighted (verification's fixes in their own colour), the first
+    `thinking` tokens (a reasoning model's thinking) dimmed; where output is not a terminal, routed tokens in
+    [[...]] and fixes in {{...}} instead."""
     from roads_to_rome.text import token_pieces
 
     text, span = Text(), "slm"
-    for piece, source in zip(token_pieces(tokenizer, generation.token_ids), generation.sources):
+    for n, (piece, source) in enumerate(zip(token_pieces(tokenizer, generation.token_ids), generation.sources)):
         if terminal:
-            text.append(piece, style=STYLES.get(source))
+            text.append(piece, style=style(source, n < thinking))
             continue
         if source != span:
             text.append(MARKS.get(span, ("", ""))[1] + MARKS.get(source, ("", ""))[0])
@@ -27,7 +33,7 @@ def highlighted(tokenizer, generation, terminal: bool) -> Text:
     return text.append(MARKS.get(span, ("", ""))[1])
 
 
-def stats(generation, engine, terminal: bool) -> Table:
+def stats(generation, engine, terminal: bool, reasoned=None) -> Table:
     table = Table(show_header=False, box=None, padding=(0, 2))
     t, policy, verify = generation.timings, engine.policy, engine.verify
     models = [(role, b) for role, b in (("SLM", engine.slm), ("LLM", engine.llm)) if b is not None]
@@ -42,6 +48,11 @@ def stats(generation, engine, terminal: bool) -> Table:
         ("time SLM / router / LLM", f"{t.slm_s:.2f} / {t.router_s:.3f} / {t.llm_s:.2f} s"),
         *((f"{role} ran on", b.kernels) for role, b in models),
     ]
+    if reasoned is not None:
+        shares = [f"{rate:.1%}" if rate is not None else "-" for rate in (reasoned.llm_rate_thinking,
+                                                                           reasoned.llm_rate_answer)]
+        rows.insert(4, ("LLM rate thinking / answer", f"{shares[0]} / {shares[1]}  ({reasoned.reasoning_tokens} "
+                                                      f"thinking tokens)"))
     if verify != "off":
         rows.insert(3, ("verification", f"{verify}: {generation.rollbacks} rollbacks, "
                                         f"{generation.sources.count('fix')} fixes, {generation.discarded} tokens discarded"))

@@ -34,6 +34,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from openai.types import Completion, CompletionChoice, CompletionUsage
+from openai.types.completion_usage import CompletionTokensDetails
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
@@ -47,6 +48,7 @@ from roads_to_rome.core.engine import Cancelled, Engine, Failure, Scheduler
 from roads_to_rome.core.request import Request, Sequence, Step
 from roads_to_rome.core.sampling import SamplingParams, parse_verify
 from roads_to_rome.errors import R2RError, RemoteError
+from roads_to_rome.reasoning import ReasoningParser, parser_for, prompt_start, reason, resolve_parser
 from roads_to_rome.serving.metrics import Metrics
 from roads_to_rome.text import Detokenizer
 
@@ -381,12 +383,14 @@ class ServerState:
     engine_thread: EngineThread
     tokenizing: concurrent.futures.ThreadPoolExecutor  # off the event loop; one thread: tokenizers are not
     # safe to reconfigure from several threads at once
+    reasoning: ReasoningParser | None  # splits chat replies' thinking from their answer
 
 
 def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = None, api_key: str | None = None,
-               loopback_only: bool = True, docs: bool = False) -> FastAPI:
+               loopback_only: bool = True, docs: bool = False, reasoning_parser: str = "auto") -> FastAPI:
     """`loopback_only`: refuse requests whose Host or Origin is not localhost (for a server bound to a
-    loopback address). `docs`: serve /docs and /openapi.json."""
+    loopback address). `docs`: serve /docs and /openapi.json. `reasoning_parser`: how chat replies' thinking is
+    told from their answer (roads_to_rome/reasoning.py)."""
     limits = dataclasses.replace(limits or Limits())  # this server's own copy: the caller's is left as it was
     if engine.max_rows is not None and limits.max_batch > engine.max_rows:
         raise R2RError(f"--max-batch {limits.max_batch} is more than the backend holds ({engine.max_rows} rows at "
@@ -394,7 +398,8 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     # One request's limit: what one row may hold, and the KV pool all rows share where the backend has one.
     limits.context_length = min(limits.context_length, engine.max_context, engine.kv_capacity or engine.max_context)
     state = ServerState(engine, model_name, limits, EngineThread(engine, limits),
-                        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-tokenize"))
+                        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-tokenize"),
+                        parser_for(resolve_parser(reasoning_parser, engine.tokenizer)))
 
     async def lifespan(app):
         state.engine_thread.start()
@@ -465,7 +470,8 @@ async def list_models(http: HTTPRequest):
                 "policy": engine.policy.name, "threshold": engine.policy.threshold, "verify": engine.verify,
                 "max_unverified": engine.max_unverified, "defer": engine.deferral.mode,
                 "defer_group": engine.deferral.group, "defer_steps": engine.deferral.steps, "max_batch": s.limits.max_batch,
-                "max_tokens": s.limits.max_tokens},
+                "max_tokens": s.limits.max_tokens,
+                "reasoning_parser": s.reasoning.name if s.reasoning else None},
     }]}
 
 
@@ -548,7 +554,8 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], s: ServerState) -> Se
 async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompt_ids: list[int], chat: bool):
     job = Job(make_sequence(body, prompt_ids, s), asyncio.get_running_loop())
     s.engine_thread.submit(job)
-    reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat)
+    reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat,
+                  s.reasoning if chat else None, s.engine.tokenizer)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(job, reply, s.engine, include_usage), media_type="text/event-stream")
@@ -580,26 +587,41 @@ class Reply:
     created: int
     model_name: str
     chat: bool
+    parser: ReasoningParser | None = None  # chat replies only: thinking apart from the answer
+    tokenizer: object = None
+
+    def reasoned(self, gen):
+        return reason(self.parser, self.tokenizer, gen) if self.parser else None
 
     def whole(self, gen) -> dict:
         r2r = {"token_ids": gen.token_ids, "sources": gen.sources, "scores": gen.scores, "rollbacks": gen.rollbacks,
                "discarded_tokens": gen.discarded, "llm_calls": gen.timings.llm_calls, "deferred_tokens": gen.deferred,
                "deferred_replaced": gen.deferred_replaced, "deferred_discarded_tokens": gen.deferred_discarded}
         if self.chat:
-            choice = ChatChoice(index=0, message=ChatCompletionMessage(role="assistant", content=gen.text),
-                                finish_reason=gen.finish_reason, logprobs=None)
+            reasoned = self.reasoned(gen)
+            if reasoned is None:
+                message = ChatCompletionMessage(role="assistant", content=gen.text)
+            else:  # both names: vLLM's `reasoning`, and SGLang's and llama.cpp's `reasoning_content`
+                message = ChatCompletionMessage(role="assistant", content=reasoned.content,
+                                                reasoning=reasoned.reasoning, reasoning_content=reasoned.reasoning)
+            choice = ChatChoice(index=0, message=message, finish_reason=gen.finish_reason, logprobs=None)
             out = ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model_name,
-                                 choices=[choice], usage=usage(gen), r2r=r2r)
+                                 choices=[choice], usage=usage(gen, reasoned), r2r=r2r)
         else:
             choice = CompletionChoice(index=0, text=gen.text, logprobs=None, finish_reason=gen.finish_reason)
             out = Completion(id=self.id, object="text_completion", created=self.created, model=self.model_name,
                              choices=[choice], usage=usage(gen), r2r=r2r)
         return out.model_dump(exclude_unset=True)
 
-    def chunk(self, delta: str | None, finish_reason=None, extra: dict | None = None, role: bool = False) -> str:
+    def chunk(self, delta: str | None, finish_reason=None, extra: dict | None = None, role: bool = False,
+              reasoning: str | None = None) -> str:
         if self.chat:
-            d = ChoiceDelta(role="assistant", content="") if role else (
-                ChoiceDelta(content=delta) if delta is not None else ChoiceDelta())
+            if role:
+                d = ChoiceDelta(role="assistant", content="")
+            elif reasoning:
+                d = ChoiceDelta(reasoning=reasoning, reasoning_content=reasoning, **({"content": delta} if delta else {}))
+            else:
+                d = ChoiceDelta(content=delta) if delta is not None else ChoiceDelta()
             out = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                       model=self.model_name, choices=[ChunkChoice(index=0, delta=d,
                                                                              finish_reason=finish_reason)],
@@ -612,10 +634,10 @@ class Reply:
                       for k, v in (extra or {}).items()}}
         return f"data: {json.dumps(out)}\n\n"
 
-    def usage_chunk(self, gen) -> str:
+    def usage_chunk(self, gen, reasoned=None) -> str:
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model_name, "choices": [],
-               "usage": usage(gen).model_dump(exclude_unset=True)}
+               "usage": usage(gen, reasoned).model_dump(exclude_unset=True)}
         return f"data: {json.dumps(out)}\n\n"
 
 
@@ -626,6 +648,9 @@ async def stream_events(job: Job, reply: Reply, engine: Engine, include_usage: b
     detok = Detokenizer(engine.tokenizer)
     hold = max((len(s) for s in sequence.params.stop), default=1) - 1  # a stop string may be forming
     text, sent, finished = "", 0, False
+    parser, reasoned = reply.parser, None
+    start = prompt_start(parser, engine.tokenizer, sequence.prompt_ids) if parser else None
+    sent_thinking, sent_answer = 0, 0
     try:
         if reply.chat:
             yield reply.chunk(None, role=True)
@@ -644,25 +669,37 @@ async def stream_events(job: Job, reply: Reply, engine: Engine, include_usage: b
                 else:
                     safe = len(text) - hold
                     delta, sent = (text[sent:safe], safe) if safe > sent else ("", sent)
+                thinking = None
+                if parser:  # what is shown so far, split; a tag being written is held back
+                    split = parser.split(text[:sent] if not finished else sequence.generation.text, start, finished)
+                    thinking, delta = (split.reasoning or "")[sent_thinking:], split.content[sent_answer:]
+                    sent_thinking, sent_answer = sent_thinking + len(thinking), sent_answer + len(delta)
                 extra = {"r2r": {"token_id": token, "source": source, "score": score}}
                 if finished:
-                    extra["usage"] = usage(sequence.generation)
-                yield reply.chunk(delta, sequence.generation.finish_reason if finished else None, extra)
+                    reasoned = reply.reasoned(sequence.generation)
+                    extra["usage"] = usage(sequence.generation, reasoned)
+                yield reply.chunk(delta, sequence.generation.finish_reason if finished else None, extra,
+                                  reasoning=thinking)
         if finished and include_usage:
-            yield reply.usage_chunk(sequence.generation)
+            yield reply.usage_chunk(sequence.generation, reasoned)
         yield "data: [DONE]\n\n"
     finally:
         if not finished:
             sequence.cancelled = True  # the client went away (or an error): free the slot
 
 
-def usage(gen) -> CompletionUsage:
+def usage(gen, reasoned=None) -> CompletionUsage:
+    """OpenAI's usage, plus R2R's figures; with a reasoning parser, the thinking's tokens and the LLM's share of the
+    thinking and of the answer apart."""
     n = len(gen.token_ids)
+    thinking = {} if reasoned is None else {
+        "completion_tokens_details": CompletionTokensDetails(reasoning_tokens=reasoned.reasoning_tokens),
+        "llm_rate_thinking": reasoned.llm_rate_thinking, "llm_rate_answer": reasoned.llm_rate_answer}
     return CompletionUsage(prompt_tokens=len(gen.prompt_ids), completion_tokens=n,
                            total_tokens=len(gen.prompt_ids) + n, llm_tokens=gen.llm_tokens, llm_rate=gen.llm_rate,
                            avg_activated_params_b=gen.avg_params_b, rollbacks=gen.rollbacks,
                            llm_calls=gen.timings.llm_calls, deferred_tokens=gen.deferred,
-                           deferred_discarded_tokens=gen.deferred_discarded)
+                           deferred_discarded_tokens=gen.deferred_discarded, **thinking)
 
 
 def run(app: FastAPI, host: str, port: int) -> None:
