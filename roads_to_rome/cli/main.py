@@ -45,6 +45,7 @@ app = typer.Typer(help="R2R: token-level routing between a small and a large lan
                   pretty_exceptions_enable=False, no_args_is_help=True, add_completion=False)
 models_app = typer.Typer(help="Prepare and inspect the default model pair.", no_args_is_help=True)
 app.add_typer(research.label_app, name="label")
+app.add_typer(research.router_app, name="router")
 app.add_typer(models_app, name="models")
 app.add_typer(bench_app, name="bench")
 app.command("eval")(research.eval_command)

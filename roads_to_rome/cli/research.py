@@ -40,6 +40,40 @@ class DefaultRunGroup(TyperGroup):
 
 
 
+router_app = typer.Typer(no_args_is_help=True, help="Routers from and for the paper's reference code (thu-nics/R2R).")
+
+
+@router_app.command("import")
+def router_import(
+    file: Path = typer.Argument(..., help="A reference router checkpoint (.pt), e.g. the R1 pair's published one."),
+    out: Path = typer.Option(..., "--out", help="The router directory to write (then: --router-path DIR)."),
+    slm: Slm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
+):
+    """Turn a reference checkpoint into this project's router format, for the SLM it was trained on."""
+    from roads_to_rome.routing.router import import_reference
+
+    if not file.is_file():
+        raise R2RError(f"{file}: no such file")
+    slm_engine = load_alone(slm, "slm", device, dtype, backend)
+    ckpt = import_reference(file, slm_engine.slm, out)
+    params = sum(p.numel() for p in ckpt.router.parameters())
+    console.print(f"router saved to {out} ({params / 1e6:.1f}M parameters, threshold {ckpt.threshold:.4f}, for "
+                  f"{slm_engine.slm.name}): use it with --router-path {out}")
+
+
+@router_app.command("export")
+def router_export(
+    path: Path = typer.Argument(..., help="A router directory of the reference architecture (`r2r train "
+                                "--architecture reference`, or imported)."),
+    out: Path = typer.Option(..., "--out", help="The .pt file to write, in the reference's format."),
+):
+    """Write a router in the reference's checkpoint format, so that the reference's code runs it."""
+    from roads_to_rome.routing.router import export_reference
+
+    export_reference(path, out)
+    console.print(f"wrote {out}")
+
+
 label_app = typer.Typer(cls=DefaultRunGroup, no_args_is_help=True,
                         help="The routing-label pipeline: `r2r label PROMPTS --out DIR`, `r2r label report DIR`.")
 
@@ -93,6 +127,9 @@ def train(
     seed: int = typer.Option(0, "--seed"),
     epochs: int = count(40, "--epochs", help="At most this many epochs (early stopping on validation AUC)."),
     ablations: bool = typer.Option(False, "--ablations", help="Also train every input set x objective and print the table."),
+    architecture: str = typer.Option("mlp", "--architecture", help="mlp (this project's router) or reference (the "
+                                     "paper's reference router; `r2r router export` writes it for the reference's "
+                                     "code)."),
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Train the router on label datasets (SLM features recomputed by prefill), calibrate, save, report."""
@@ -104,7 +141,7 @@ def train(
     slm_engine = load_alone(slm, "slm", device, dtype, backend)
     with progress_bar() as progress:
         result = training.train_router(datasets, slm_engine.slm, out, objective, inputs, dim, blocks, target_rate, seed,
-                                       epochs, ablations, progress)
+                                       epochs, ablations, progress, architecture)
     for skip in result["skipped"]:
         console.print(f"[yellow]ablation {skip['inputs']} / {skip['objective']} skipped: {skip['reason']}")
     console.print(tables.training(result, training.RATES))

@@ -6,7 +6,8 @@ Linear) and a LayerNorm + Linear head give one logit: "this token should come fr
 
 The token embedding table is the SLM's own, frozen, and is never stored in a checkpoint: it is
 passed in at load time, and the checkpoint records a hash of it so a router cannot silently run
-with a different SLM. A checkpoint is a directory with `router.safetensors` and `router.json`.
+with a different SLM. A checkpoint is a directory with `router.safetensors` and `router.json`; its `model` says
+which architecture: this one ("mlp") or the paper's reference router ("reference", routing/reference.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from roads_to_rome.errors import R2RError
+from roads_to_rome.routing.reference import ReferenceConfig, ReferenceRouter, read_reference, write_reference
 
 INPUTS = ("hidden", "token", "logits")
 
@@ -55,6 +57,8 @@ class ResidualBlock(nn.Module):
 
 
 class Router(nn.Module):
+    logits_input = "logprobs"  # reads the top-k log-probabilities (the reference router: raw logits)
+
     def __init__(self, config: RouterConfig):
         super().__init__()
         self.config = config
@@ -91,9 +95,16 @@ def embedding_fingerprint(embedding: torch.Tensor) -> str:
     return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
 
 
+ARCHITECTURES = {"mlp": (RouterConfig, Router), "reference": (ReferenceConfig, ReferenceRouter)}
+
+
+def architecture(router: nn.Module) -> str:
+    return next(name for name, (_, cls) in ARCHITECTURES.items() if isinstance(router, cls))
+
+
 @dataclass
 class RouterCheckpoint:
-    router: Router
+    router: Router | ReferenceRouter
     threshold: float  # route to the LLM when sigmoid(logit) >= threshold
     slm: dict = field(default_factory=dict)  # identity of the SLM it was trained on
     extra: dict = field(default_factory=dict)  # training metadata, free-form
@@ -104,7 +115,10 @@ def save_router(path: str | Path, ckpt: RouterCheckpoint) -> None:
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in ckpt.router.state_dict().items()}
     save_file(tensors, str(path / "router.safetensors"))
-    meta = {"architecture": asdict(ckpt.router.config), "threshold": ckpt.threshold, "slm": ckpt.slm, **ckpt.extra}
+    config = {k: v for k, v in asdict(ckpt.router.config).items()
+              if k != "inputs" or isinstance(ckpt.router, Router)}  # the reference's inputs are fixed
+    meta = {"model": architecture(ckpt.router), "architecture": config, "threshold": ckpt.threshold,
+            "slm": ckpt.slm, **ckpt.extra}
     (path / "router.json").write_text(json.dumps(meta, indent=2))
 
 
@@ -126,8 +140,10 @@ def load_router(path: str | Path, slm: dict | None = None) -> RouterCheckpoint:
         raise R2RError(f"{path} is not a router checkpoint (needs router.json and router.safetensors)")
     try:
         meta = json.loads((path / "router.json").read_text())
-        config = RouterConfig(**meta["architecture"])
-        router = Router(config)
+        if meta.get("model", "mlp") not in ARCHITECTURES:
+            raise ValueError(f"unknown router architecture {meta['model']!r}")
+        config_class, router_class = ARCHITECTURES[meta.get("model", "mlp")]
+        router = router_class(config_class(**meta["architecture"]))
         router.load_state_dict(load_file(str(path / "router.safetensors")))
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise R2RError(f"router checkpoint {path} is damaged or of another version: {e}") from None
@@ -140,5 +156,25 @@ def load_router(path: str | Path, slm: dict | None = None) -> RouterCheckpoint:
                     f"but the SLM loaded is {slm.get('name')!r} ({key}={slm.get(key)}): train a router for this SLM"
                 )
     router.eval()
-    extra = {k: v for k, v in meta.items() if k not in ("architecture", "threshold", "slm")}
+    extra = {k: v for k, v in meta.items() if k not in ("model", "architecture", "threshold", "slm")}
     return RouterCheckpoint(router, float(meta["threshold"]), trained_on, extra)
+
+
+def import_reference(file: str | Path, slm, out: str | Path) -> RouterCheckpoint:
+    """A reference checkpoint (`r2r router import`) as this project's router directory, for the SLM backend `slm`."""
+    embedding = slm.embedding_table()
+    router, threshold, init = read_reference(Path(file), slm.hidden_size, embedding.shape[1])
+    ckpt = RouterCheckpoint(router, threshold, slm_identity(slm),
+                            {"imported_from": {"file": Path(file).name, "init_args": {
+                                k: v for k, v in init.items() if isinstance(v, (str, int, float, bool, list))}}})
+    save_router(out, ckpt)
+    return ckpt
+
+
+def export_reference(path: str | Path, out: str | Path) -> None:
+    """A router directory of the reference architecture as the reference's own file (`r2r router export`)."""
+    ckpt = load_router(path)
+    if not isinstance(ckpt.router, ReferenceRouter):
+        raise R2RError(f"{path} is a router of this project's own architecture, which the reference's code does not "
+                       f"run: train one with `r2r train --architecture reference` to export it")
+    write_reference(ckpt.router, ckpt.threshold, Path(out), ckpt.slm.get("name") or "")

@@ -25,6 +25,7 @@ from roads_to_rome.errors import R2RError
 from roads_to_rome.eval.stats import roc_auc
 from roads_to_rome.pipeline.labels import Parts, prefill_rows
 from roads_to_rome.progress import QUIET
+from roads_to_rome.routing.reference import ReferenceConfig, ReferenceRouter
 from roads_to_rome.routing.router import (
     Router,
     RouterCheckpoint,
@@ -36,7 +37,8 @@ from roads_to_rome.routing.router import (
 
 OBJECTIVES = ("divergent", "different")
 VAL_FRACTION = 0.15  # share of prompts held out for validation (training, calibration, reports)
-FEATURE_KEYS = ("hidden", "tokens", "top_logprobs")  # the cached router inputs, per labelled token
+FEATURE_KEYS = ("hidden", "tokens", "top_logits", "logsumexp")  # the cached router inputs, per labelled token
+ARCHITECTURES = ("mlp", "reference")  # this project's router; the paper's reference router (routing/reference.py)
 
 
 @dataclass
@@ -44,11 +46,20 @@ class Features:
     """Per labelled token: router inputs, label, entropy, and the prompt it belongs to."""
     hidden: torch.Tensor  # [N, H] float32
     tokens: torch.Tensor  # [N] the SLM's proposed token
-    top_logprobs: torch.Tensor  # [N, K] float32, sorted descending
+    top_logits: torch.Tensor  # [N, K] float32, raw, sorted descending
+    logsumexp: torch.Tensor  # [N] over the whole vocabulary: top_logits - logsumexp are log-probabilities
     labels: list[str]  # identical / neutral / divergent / unparseable
     entropy: torch.Tensor  # [N] the SLM's entropy (nats), for the entropy baseline
     prompt: torch.Tensor  # [N] index of the prompt (the split unit)
     ids: list[str]  # prompt index -> prompt id
+
+    @property
+    def top_logprobs(self) -> torch.Tensor:
+        return self.top_logits - self.logsumexp[:, None]
+
+    def top(self, kind: str) -> torch.Tensor:
+        """What a router reads of the logits (its `logits_input`): "raw" top-k logits or their "logprobs"."""
+        return self.top_logits if kind == "raw" else self.top_logprobs
 
     def target(self, objective: str) -> torch.Tensor:
         if objective not in OBJECTIVES:
@@ -66,7 +77,7 @@ class Features:
 
     def subset(self, mask: torch.Tensor) -> Features:
         keep = mask.nonzero()[:, 0].tolist()
-        return Features(self.hidden[mask], self.tokens[mask], self.top_logprobs[mask],
+        return Features(self.hidden[mask], self.tokens[mask], self.top_logits[mask], self.logsumexp[mask],
                         [self.labels[i] for i in keep], self.entropy[mask], self.prompt[mask], self.ids)
 
 
@@ -120,8 +131,9 @@ def features(dataset: Path, slm, top_k: int = 100, progress=QUIET, cache: Path |
         start = len(r["prompt_ids"]) - 1
         logits, states = slm.prefill(r["prompt_ids"] + r["response_ids"][:-1], start)
         at = torch.tensor([x["position"] for x in labelled])
+        raw = logits[at].float()
         done[rid] = {"hidden": states[at].float(), "tokens": torch.tensor([x["slm_token"] for x in labelled]),
-                     "top_logprobs": torch.log_softmax(logits[at].float(), -1).topk(top_k, dim=-1).values}
+                     "top_logits": raw.topk(top_k, dim=-1).values, "logsumexp": torch.logsumexp(raw, -1)}
         if count % save_every == 0 or count == len(todo):
             _write_cache(cache, done)
         progress.advance(task)
@@ -169,6 +181,8 @@ def _read_cache(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     if "ids" not in meta:
         return {}
     saved, ids, counts = load_file(str(path)), json.loads(meta["ids"]), json.loads(meta["counts"])
+    if any(key not in saved for key in FEATURE_KEYS):
+        return {}
     parts = {key: saved[key].split(counts) for key in FEATURE_KEYS}
     return {rid: {key: parts[key][i] for key in parts} for i, rid in enumerate(ids)}
 
@@ -213,17 +227,18 @@ def judged_auc(scores: torch.Tensor, data: Features, objective: str) -> float:
     return roc_auc(scores[judged], data.target(objective)[judged])
 
 
-def router_scores(router: Router, data: Features, embed, batch: int = 4096) -> torch.Tensor:
+def router_scores(router: Router | ReferenceRouter, data: Features, embed, batch: int = 4096) -> torch.Tensor:
     router.eval()
+    top = data.top(router.logits_input)
     with torch.inference_mode():
         return torch.cat([torch.sigmoid(router.forward_features(
-            data.hidden[i:i + batch], embed(data.tokens[i:i + batch]).float(), data.top_logprobs[i:i + batch]))
+            data.hidden[i:i + batch], embed(data.tokens[i:i + batch]).float(), top[i:i + batch]))
             for i in range(0, len(data.tokens), batch)])
 
 
-def train(data: Features, embed, config: RouterConfig, objective: str = "divergent", val_fraction: float = VAL_FRACTION,
+def train(data: Features, embed, config: RouterConfig | ReferenceConfig, objective: str = "divergent", val_fraction: float = VAL_FRACTION,
           seed: int = 0, epochs: int = 40, patience: int = 5, lr: float = 5e-4, batch_size: int = 512,
-          progress=QUIET) -> tuple[Router, Features, dict]:
+          progress=QUIET) -> tuple[Router | ReferenceRouter, Features, dict]:
     """Train a router; returns it (best validation AUC), the validation split and the training history."""
     data = data.subset(data.judged())
     train_set, val_set = split_by_prompt(data, val_fraction, seed)
@@ -232,7 +247,8 @@ def train(data: Features, embed, config: RouterConfig, objective: str = "diverge
         raise R2RError(f"the training split has no {'positive' if y_train.sum() == 0 else 'negative'} "
                        f"tokens for objective {objective!r}: label more prompts")
     torch.manual_seed(seed)
-    router = Router(config)
+    router = (ReferenceRouter if isinstance(config, ReferenceConfig) else Router)(config)
+    train_top = train_set.top(router.logits_input)
     # Class imbalance: weigh positives by negatives/positives so each class counts equally.
     pos_weight = (len(y_train) - y_train.sum()) / y_train.sum()
     loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=pos_weight)
@@ -247,7 +263,7 @@ def train(data: Features, embed, config: RouterConfig, objective: str = "diverge
         total = 0.0
         for i in range(0, len(order), batch_size):
             idx = order[i:i + batch_size]
-            logit = router.forward_features(train_set.hidden[idx], train_emb[idx], train_set.top_logprobs[idx])
+            logit = router.forward_features(train_set.hidden[idx], train_emb[idx], train_top[idx])
             loss = loss_fn(logit, y_train[idx])
             optimizer.zero_grad()
             loss.backward()
@@ -269,7 +285,7 @@ def train(data: Features, embed, config: RouterConfig, objective: str = "diverge
     return router, val_set, {"history": history, "best_val_auc": best, "epochs_run": len(history)}
 
 
-def checkpoint(router: Router, threshold: float, slm, metrics: dict) -> RouterCheckpoint:
+def checkpoint(router: Router | ReferenceRouter, threshold: float, slm, metrics: dict) -> RouterCheckpoint:
     return RouterCheckpoint(router, threshold, slm_identity(slm), metrics)
 
 
@@ -281,12 +297,20 @@ ABLATION_INPUTS = ("hidden", "hidden,token", "hidden,token,logits")
 
 def train_router(datasets: list[Path], slm, out: Path, objective: str = "divergent", inputs: str = "hidden,token,logits",
                  dim: int = 128, blocks: int = 2, target_rate: float = 0.12, seed: int = 0, epochs: int = 40,
-                 ablations: bool = False, progress=QUIET) -> dict:
+                 ablations: bool = False, progress=QUIET, architecture: str = "mlp") -> dict:
     """Train the router asked for (and, with `ablations`, every input set x objective on the same split),
     calibrate its threshold to `target_rate` on validation, save it at `out` with `training.json`.
 
+    `architecture`: "mlp" (this project's router) or "reference" (the paper's: `dim` x `blocks` block widths,
+    every input; `r2r router export` writes it in the reference's own file format).
+
     Returns {"runs": [...], "entropy": {...}, "metrics": {...}, "skipped": [...]}; the first run is the
     saved router's."""
+    if architecture not in ARCHITECTURES:
+        raise R2RError(f"--architecture is one of {', '.join(ARCHITECTURES)}, not {architecture!r}")
+    if architecture == "reference" and (ablations or set(inputs.split(",")) != {"hidden", "token", "logits"}):
+        raise R2RError("the reference architecture reads every input (hidden,token,logits): drop --inputs and "
+                       "--ablations, or train --architecture mlp")
     embed = slm.embedding_table().float().cpu()
 
     def lookup(tokens):
@@ -302,7 +326,11 @@ def train_router(datasets: list[Path], slm, out: Path, objective: str = "diverge
         runs += [(i, o) for o in objectives for i in ABLATION_INPUTS if (i, o) != (inputs, objective)]
     results, skipped, entropy_baseline, metrics = [], [], None, None
     for run_inputs, run_objective in runs:
-        config = RouterConfig(slm.hidden_size, embed.shape[1], tuple(run_inputs.split(",")), dim=dim, n_blocks=blocks)
+        if architecture == "reference":
+            config = ReferenceConfig(slm.hidden_size, embed.shape[1], hidden_dims=(dim,) * blocks)
+        else:
+            config = RouterConfig(slm.hidden_size, embed.shape[1], tuple(run_inputs.split(",")), dim=dim,
+                                  n_blocks=blocks)
         try:
             router, _, info = train(data, lookup, config, run_objective, seed=seed, epochs=epochs, progress=progress)
         except R2RError as e:

@@ -1,0 +1,215 @@
+"""The paper's reference router: checkpoints built here in the reference's layout (a torch.save'd dict, its state-dict
+keys, no token embeddings) import, score as the format's forward written below from its description, export back
+to the same file, train with `r2r train --architecture reference`, and every malformed one is refused in a line."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_train import planted_dataset
+
+from transformers import AutoModelForCausalLM
+
+from roads_to_rome.backends.torch_backend import TorchBackend
+from roads_to_rome.routing.policies import router_policy
+from roads_to_rome.routing.router import export_reference, import_reference, load_router
+
+TOP_K = 8
+
+
+def reference_checkpoint(hidden: int, embed: int, dims=(24, 24, 16), expansion=4, seed=0, threshold=0.5,
+                         normalize=False, **changes) -> dict:
+    """A checkpoint in the reference's layout with random weights: the keys its HiddenStatesTokenLMHeadLogits-
+    Classifier saves (its `token_embeddings.weight` left out, as its `save_model` leaves it out)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def linear(name, n_in, n_out):
+        state[f"{name}.weight"] = torch.randn(n_out, n_in, generator=g) / math.sqrt(n_in)
+        state[f"{name}.bias"] = torch.randn(n_out, generator=g) * 0.1
+
+    def norm(name, n):
+        state[f"{name}.weight"] = 1 + 0.1 * torch.randn(n, generator=g)
+        state[f"{name}.bias"] = 0.1 * torch.randn(n, generator=g)
+
+    state = {}
+    if normalize:
+        norm("layer_norm_hidden_states", hidden)
+        norm("layer_norm_token", embed)
+    linear("logits_projection", TOP_K, hidden)
+    linear("combined_projection", 2 * hidden + embed, dims[0])
+    linear("backbone.input_projection", dims[0], dims[0])
+    widths = list(dims) + [dims[-1]]
+    for i in range(len(dims)):
+        norm(f"backbone.blocks.{i}.layer_norm", widths[i])
+        linear(f"backbone.blocks.{i}.mlp.0", widths[i], widths[i] * expansion)
+        linear(f"backbone.blocks.{i}.mlp.3", widths[i] * expansion, widths[i + 1])
+        if widths[i] != widths[i + 1]:
+            linear(f"backbone.blocks.{i}.dim_change", widths[i], widths[i + 1])
+    norm("backbone.output_layer.0", widths[-1])
+    linear("backbone.output_layer.1", widths[-1], 1)
+    checkpoint = {
+        "model_type": "HiddenStatesTokenLMHeadLogitsClassifier",
+        "init_args": {"hidden_states_size": hidden, "logits_size": TOP_K, "hidden_dims": list(dims),
+                      "expansion_factor": expansion, "dropout_rate": 0.1, "use_position_embedding": False,
+                      "freeze_lm_head": True, "normalize_input": normalize, "dtype": torch.float32,
+                      "pretrained_model_name": "tiny/slm"},
+        "common_args": {"threshold": threshold, "input_type": ["hidden_states", "token", "logits"]},
+        "model_specific_args": {},
+        "state_dict": state,
+    }
+    checkpoint.update(changes)
+    return checkpoint
+
+
+@torch.no_grad()
+def format_forward(checkpoint: dict, hidden, token_embedding, logits) -> torch.Tensor:
+    """The reference router's score, from the format's description alone: sigmoid of the one-logit output."""
+    s, init = checkpoint["state_dict"], checkpoint["init_args"]
+
+    def linear(name, x):
+        return F.linear(x, s[f"{name}.weight"], s[f"{name}.bias"])
+
+    def norm(name, x):
+        return F.layer_norm(x, x.shape[-1:], s[f"{name}.weight"], s[f"{name}.bias"])
+
+    top = logits.float().topk(init["logits_size"], dim=-1).values  # raw, sorted, no softmax
+    hidden, token_embedding = hidden.float(), token_embedding.float()
+    if init["normalize_input"]:
+        hidden, token_embedding = norm("layer_norm_hidden_states", hidden), norm("layer_norm_token", token_embedding)
+        top = top.softmax(-1)
+    x = linear("combined_projection", torch.cat([hidden, token_embedding, linear("logits_projection", top)], -1))
+    x = linear("backbone.input_projection", x)
+    for i in range(len(init["hidden_dims"])):
+        block = f"backbone.blocks.{i}"
+        residual = linear(f"{block}.dim_change", x) if f"{block}.dim_change.weight" in s else x
+        x = residual + linear(f"{block}.mlp.3", F.gelu(linear(f"{block}.mlp.0", norm(f"{block}.layer_norm", x))))
+    return torch.sigmoid(linear("backbone.output_layer.1", norm("backbone.output_layer.0", x)))[:, 0]
+
+
+def features(slm, n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, slm.embedding_table().shape[0], (n,), generator=g)
+    hidden = torch.randn(n, slm.hidden_size, generator=g)
+    logits = torch.randn(n, slm.embedding_table().shape[0], generator=g) * 3
+    return hidden, tokens, logits
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_an_imported_checkpoint_scores_as_the_formats_forward(slm, tmp_path, normalize):
+    checkpoint = reference_checkpoint(slm.hidden_size, slm.embedding_table().shape[1], normalize=normalize)
+    hidden, tokens, logits = features(slm)
+    expected = format_forward(checkpoint, hidden, slm.embed(tokens), logits)
+    threshold = float(expected.median())  # half the rows routed
+    checkpoint["common_args"]["threshold"] = threshold
+    torch.save(checkpoint, tmp_path / "router.pt")
+    import_reference(tmp_path / "router.pt", slm, tmp_path / "imported")
+    policy = router_policy(tmp_path / "imported", slm)
+    routed, scores = policy.route(logits, hidden, tokens)
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(routed, expected >= threshold) and 0 < int(routed.sum()) < len(routed)
+    assert policy.threshold == threshold
+
+
+def test_import_export_round_trip(slm, tmp_path):
+    checkpoint = reference_checkpoint(slm.hidden_size, slm.embedding_table().shape[1], threshold=0.37)
+    torch.save(checkpoint, tmp_path / "router.pt")
+    import_reference(tmp_path / "router.pt", slm, tmp_path / "imported")
+    export_reference(tmp_path / "imported", tmp_path / "again.pt")
+    again = torch.load(tmp_path / "again.pt", weights_only=True)
+    assert again["model_type"] == checkpoint["model_type"] and again["model_specific_args"] == {}
+    assert again["common_args"] == {"threshold": 0.37, "input_type": ["hidden_states", "token", "logits"]}
+    for key in ("hidden_states_size", "logits_size", "hidden_dims", "expansion_factor", "normalize_input",
+                "use_position_embedding"):
+        assert again["init_args"][key] == checkpoint["init_args"][key], key
+    assert "token_embeddings.weight" not in again["state_dict"]
+    assert again["state_dict"].keys() == checkpoint["state_dict"].keys()
+    assert all(torch.equal(again["state_dict"][k], v) for k, v in checkpoint["state_dict"].items())
+    import_reference(tmp_path / "again.pt", slm, tmp_path / "twice")
+    hidden, tokens, logits = features(slm, seed=1)
+    first, second = (router_policy(tmp_path / d, slm).route(logits, hidden, tokens)[1] for d in ("imported", "twice"))
+    assert torch.equal(first, second)
+
+
+class Payload:
+    """What a hostile pickle does when unpickled without restrictions."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "LogitsClassifier"}, "only HiddenStatesTokenLMHeadLogitsClassifier"),
+    ({"init_args": {"hidden_states_size": 1536, "logits_size": TOP_K, "hidden_dims": [24, 24, 16]}},
+     "hidden size 1536, but this SLM's is 32"),
+    ({"common_args": {"threshold": 0.5, "input_type": ["logits"]}}, "reads ['logits']"),
+    ("no state_dict", "it has no state_dict"),
+    ("missing weights", "missing backbone.input_projection.bias"),
+    ("position", "position embeddings"),
+    ("a list", "holds a list"),
+    ("code", "loads safely"),
+])
+def test_refusals(slm, tmp_path, run_cli, change, message):
+    checkpoint = reference_checkpoint(slm.hidden_size, slm.embedding_table().shape[1])
+    if change == "no state_dict":
+        del checkpoint["state_dict"]
+    elif change == "missing weights":
+        del checkpoint["state_dict"]["backbone.input_projection.bias"]
+    elif change == "position":
+        checkpoint["init_args"]["use_position_embedding"] = True
+    elif change == "a list":
+        checkpoint = [checkpoint]
+    elif change == "code":
+        checkpoint["model_specific_args"] = {"hook": Payload(str(tmp_path / "ran"))}
+    else:
+        checkpoint.update(change)
+    torch.save(checkpoint, tmp_path / "router.pt")
+    with pytest.raises(Exception) as refused:
+        import_reference(tmp_path / "router.pt", slm, tmp_path / "out")
+    assert type(refused.value).__name__ == "R2RError" and message in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()
+
+
+def test_the_cli_imports_trains_and_exports(run_cli, slm, tokenizer, tmp_path):
+    from tiny import save_pair
+
+    slm_dir, _ = save_pair(tmp_path)
+    torch.save(reference_checkpoint(32, 32), tmp_path / "router.pt")
+    code, out, err = run_cli("router", "import", tmp_path / "router.pt", "--slm", slm_dir, "--out",
+                             tmp_path / "imported", "--backend", "torch")
+    assert code == 0, err
+    assert "--router-path" in out and load_router(tmp_path / "imported").threshold == 0.5
+    code, _, err = run_cli("generate", "What is 48 / 2?", "--slm", slm_dir, "--llm", tmp_path / "llm",
+                           "--router-path", tmp_path / "imported", "--backend", "torch", "--max-new-tokens", "6",
+                           "--json")
+    assert code == 0, err
+    code, _, err = run_cli("router", "import", tmp_path / "nothing.pt", "--slm", slm_dir, "--out", tmp_path / "x")
+    assert code == 2 and "no such file" in err
+
+    dataset = planted_dataset(tmp_path / "labels", slm, tokenizer, n_prompts=24, length=20)
+    code, out, err = run_cli("train", dataset, "--out", tmp_path / "trained", "--slm", slm_dir, "--dim", "16",
+                             "--blocks", "2", "--epochs", "2", "--architecture", "reference", "--backend", "torch",
+                             "--dtype", "float32")
+    assert code == 0, err
+    meta = json.loads((tmp_path / "trained" / "router.json").read_text())
+    assert meta["model"] == "reference" and meta["architecture"]["hidden_dims"] == [16, 16]
+    code, _, err = run_cli("router", "export", tmp_path / "trained", "--out", tmp_path / "trained.pt")
+    assert code == 0, err
+    exported = torch.load(tmp_path / "trained.pt", weights_only=True)
+    saved_slm = TorchBackend(AutoModelForCausalLM.from_pretrained(slm_dir), name=str(slm_dir))
+    hidden, tokens, logits = features(saved_slm, seed=2)
+    trained = router_policy(tmp_path / "trained", saved_slm)
+    torch.testing.assert_close(trained.route(logits, hidden, tokens)[1],
+                               format_forward(exported, hidden, saved_slm.embed(tokens), logits), atol=1e-5,
+                               rtol=1e-5)
+    code, _, err = run_cli("train", dataset, "--out", tmp_path / "t2", "--slm", slm_dir, "--architecture",
+                           "reference", "--inputs", "hidden")
+    assert code == 2 and "every input" in err
+    code, _, err = run_cli("router", "export", tmp_path / "imported-not-ref", "--out", tmp_path / "x.pt")
+    assert code == 2
