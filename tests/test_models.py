@@ -1,4 +1,5 @@
 import pytest
+import torch
 from tiny import save_pair, tiny_tokenizer
 
 from roads_to_rome import models
@@ -111,3 +112,29 @@ def test_backend_auto_picks_llama_cpp_for_gguf_files_on_a_cpu_and_torch_otherwis
     assert loading.auto_backend(None, "cpu") == "torch"
     assert loading.parse_backends("auto") == {"slm": "auto", "llm": "auto"}
     assert loading.parse_backends("slm=auto,llm=torch") == {"slm": "auto", "llm": "torch"}
+
+
+def test_prepare_makes_only_what_llamacpp_needs_and_torch_converts_on_first_use(tmp_path, monkeypatch, tokenizer):
+    """Set-up assembles and verifies the GGUF file and keeps its tokenizer; the bf16 copy comes the first time a
+    torch backend asks for it, and loads as the GGUF's weights."""
+    import hashlib
+
+    from tiny import save_gguf, tiny_model
+
+    model = tiny_model(tokenizer, hidden=32, seed=0)
+    save_gguf(model, tokenizer, tmp_path / "tiny.gguf")
+    data = (tmp_path / "tiny.gguf").read_bytes()
+    monkeypatch.setenv("R2R_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(packaged, "_part_paths", lambda m: [tmp_path / "tiny.gguf"])
+    fake = models.PackagedModel("tiny", "x/tiny", "tiny-part", "1.0", 1, len(data), hashlib.sha256(data).hexdigest())
+    assert not models.is_prepared(fake)
+    assert models.prepare(fake) == models.gguf_path(fake)
+    assert models.is_prepared(fake) and not models.is_converted(fake)
+    assert models.tokenizer_source(fake) == models.tokenizer_dir(fake)
+    assert not models.converted_dir(fake).exists()
+    path = models.resolve(None, fake)  # a torch backend asks: converted now, once
+    assert models.is_converted(fake) and path == str(models.converted_dir(fake))
+    loaded, _ = models.loading._load_one(path, "SLM", "cpu", torch.float32)
+    ids = torch.tensor([[1, 5, 9, 20]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits.float(), model(ids).logits, atol=0.1, rtol=0.05)  # bf16 copy

@@ -34,11 +34,11 @@ from roads_to_rome.models import (
     DEFAULT_LLM,
     DEFAULT_SLM,
     cache_dir,
-    converted_dir,
     gguf_path,
     load_model,
     pick_device,
     router_path_for,
+    tokenizer_source,
 )
 from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
@@ -442,7 +442,7 @@ def default_tokenizer():
     """The default pair's tokenizer (its prepared folder needs only the tokenizer files), for random-weight SLMs."""
     from transformers import AutoTokenizer
 
-    folder = converted_dir(DEFAULT_SLM)
+    folder = tokenizer_source(DEFAULT_SLM)
     if not (folder / "tokenizer.json").exists():
         raise R2RError(f"no tokenizer at {folder}: run `r2r models prepare` (or copy its tokenizer files there)")
     return AutoTokenizer.from_pretrained(folder)

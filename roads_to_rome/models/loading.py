@@ -23,20 +23,28 @@ from roads_to_rome.models.packaged import (
     DEFAULT_LLM,
     DEFAULT_SLM,
     PackagedModel,
+    bf16_dir,
     converted_dir,
     gguf_path,
+    is_converted,
     is_prepared,
     shipped_router,
+    tokenizer_source,
 )
+from roads_to_rome.progress import console_progress
 from roads_to_rome.routing import policies
 
 
 def resolve(spec: str | None, default: PackagedModel) -> str:
-    """Turn a user's model spec (None, local dir, .gguf file, hub id) into something from_pretrained reads."""
+    """Turn a user's model spec (None, local dir, .gguf file, hub id) into something from_pretrained reads: for the
+    default pair's model, its bf16 copy (made now if this is the first time a torch backend asks)."""
     if spec is None:
         if not is_prepared(default):
             raise R2RError(f"default model {default.name} is not prepared. Run `r2r models prepare` (or `make models`).")
-        return str(converted_dir(default))
+        if is_converted(default):
+            return str(converted_dir(default))
+        with console_progress() as progress:
+            return str(bf16_dir(default, progress))
     return spec
 
 
@@ -128,17 +136,17 @@ def _load_llamacpp(spec: str | None, default: PackagedModel, role: str, llama: d
     from transformers import AutoTokenizer
 
     if spec is None:
-        if not gguf_path(default).exists():
+        if not is_prepared(default):
             raise R2RError(f"default model {default.name} is not prepared. Run `r2r models prepare` (or `make models`).")
-        gguf_file, tokenizer_source = gguf_path(default), {"pretrained_model_name_or_path": str(converted_dir(default))}
+        gguf_file, source = gguf_path(default), {"pretrained_model_name_or_path": str(tokenizer_source(default))}
     else:
         gguf_file = Path(spec).expanduser()
         if gguf_file.suffix != ".gguf" or not gguf_file.is_file():
             raise R2RError(f"{role} model {spec}: the llama.cpp backend runs GGUF files; give an existing .gguf file "
                            "or use --backend torch")
-        tokenizer_source = {"pretrained_model_name_or_path": str(gguf_file.parent), "gguf_file": gguf_file.name}
+        source = {"pretrained_model_name_or_path": str(gguf_file.parent), "gguf_file": gguf_file.name}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(**tokenizer_source)
+        tokenizer = AutoTokenizer.from_pretrained(**source)
     except Exception as e:
         raise R2RError(f"cannot read the tokenizer of {role} model {gguf_file}: {str(e).strip().splitlines()[0]}") from None
     return LlamaCppBackend(gguf_file, name=spec or default.name, vocab_size=vocab_size or len(tokenizer), **llama), \

@@ -1,8 +1,9 @@
 """The default pair: where its weights come from, and the router shipped for its SLM.
 
-The default pair ships on the package index as raw chunks of two GGUF files. `prepare_default_pair`
-assembles them, checks their sha256, and converts each once into a bf16 safetensors directory
-in the cache, which then loads in about a second.
+The default pair ships on the package index as raw chunks of two GGUF files. `prepare` assembles them, checks
+their sha256 and keeps each model's tokenizer beside: all that llama.cpp, the default CPU path, needs. A torch
+backend (CUDA, `--backend torch`, vLLM) reads a bf16 safetensors directory instead, converted from the GGUF file the
+first time one asks for it (`bf16_dir`), which then loads in about a second.
 """
 
 from __future__ import annotations
@@ -74,8 +75,24 @@ def gguf_path(model: PackagedModel) -> Path:
     return cache_dir() / "gguf" / f"{model.name}.gguf"
 
 
+def tokenizer_dir(model: PackagedModel) -> Path:
+    return cache_dir() / "tokenizers" / model.name
+
+
 def is_prepared(model: PackagedModel) -> bool:
+    """Its GGUF file assembled and verified, and its tokenizer kept (the bf16 copy comes when asked for)."""
+    gguf = gguf_path(model)
+    return gguf.exists() and gguf.stat().st_size == model.gguf_bytes and (
+        (tokenizer_dir(model) / "tokenizer_config.json").exists() or is_converted(model))
+
+
+def is_converted(model: PackagedModel) -> bool:
     return (converted_dir(model) / "r2r-source.json").exists()
+
+
+def tokenizer_source(model: PackagedModel) -> Path:
+    """Where a prepared model's tokenizer loads from."""
+    return tokenizer_dir(model) if (tokenizer_dir(model) / "tokenizer_config.json").exists() else converted_dir(model)
 
 
 def _part_paths(model: PackagedModel) -> list[Path]:
@@ -177,15 +194,43 @@ def convert_gguf(gguf_file: Path, out_dir: Path, source: dict) -> Path:
     return out_dir
 
 
-def prepare(model: PackagedModel, progress=QUIET) -> Path:
-    """Assemble, verify and convert one packaged model; a no-op when already done."""
-    if is_prepared(model):
-        return converted_dir(model)
+def save_tokenizer(model: PackagedModel, gguf_file: Path) -> Path:
+    """The tokenizer in the GGUF file's header, kept as a tokenizer directory (loads in a fraction of a second)."""
+    from transformers import AutoTokenizer
+
+    target = tokenizer_dir(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    except Exception as e:
+        raise R2RError(f"cannot read the tokenizer of {gguf_file}: {type(e).__name__}: {e}") from None
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return target
+
+
+def prepare(model: PackagedModel, progress=QUIET, bf16: bool = False) -> Path:
+    """Assemble and verify one packaged model and keep its tokenizer (with `bf16`, its torch copy too); a no-op
+    for what is already done. Returns its GGUF file."""
     gguf_file = assemble_gguf(model, progress)
-    task = progress.add_task(f"convert {model.name} to bf16 safetensors", total=None)
-    out = convert_gguf(
-        gguf_file, converted_dir(model), {"hub_id": model.hub_id, "gguf_sha256": model.sha256}
-    )
+    if not (tokenizer_dir(model) / "tokenizer_config.json").exists():
+        save_tokenizer(model, gguf_file)
+    if bf16:
+        bf16_dir(model, progress)
+    return gguf_file
+
+
+def bf16_dir(model: PackagedModel, progress=QUIET) -> Path:
+    """The model as a bf16 safetensors directory, for torch backends: converted from its GGUF file the first time
+    (tens of seconds to minutes, once)."""
+    if is_converted(model):
+        return converted_dir(model)
+    if not is_prepared(model):
+        raise R2RError(f"default model {model.name} is not prepared. Run `r2r models prepare` (or `make models`).")
+    task = progress.add_task(f"convert {model.name} to bf16 safetensors for torch (once)", total=None)
+    out = convert_gguf(gguf_path(model), converted_dir(model), {"hub_id": model.hub_id, "gguf_sha256": model.sha256})
     progress.update(task, total=1, completed=1)
     return out
 
