@@ -6,6 +6,14 @@ class RemoteError(R2RError):
     """A remote model's server failed: unreachable, timed out, refused a request, or answered nonsense."""
 
 
+class LLMUnavailable(RemoteError):
+    """The remote LLM stayed unreachable (or failing with 5xx, or stalled) for longer than its retry budget."""
+
+    def __init__(self, message: str, url: str):
+        super().__init__(message)
+        self.url = url
+
+
 # What each optional part of the package needs (pip extras of the distribution `roads-to-rome`): the core
 # install runs models, routing, generate and chat; research and serving bring their own dependencies.
 EXTRAS = {

@@ -25,8 +25,13 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from roads_to_rome.errors import R2RError, RemoteError
+from roads_to_rome.errors import LLMUnavailable, R2RError, RemoteError
 
+# Seconds a failing catch-up is retried before the requests that need it fail: a network blip or a llama.cpp
+# server's restart (seconds, its weights mapped) fits; a vLLM restart (minutes: it compiles) does not, and a client
+# is better told at once (503 with Retry-After) than held that long.
+DEFAULT_LLM_RETRY = 30.0
+RETRYABLE_STATUS = (500, 502, 503, 504)  # a server restarting, overloaded or behind a proxy that lost it
 FLOOR = -1e9  # the logit of tokens outside the server's top log-probabilities: finite, so no NaN downstream
 PROBE = "Roads to Rome: 12 × 7 = 84, naïve café ☕ — ok?\n<|im_end|>"  # digits, accents, an emoji, a special
 
@@ -150,12 +155,16 @@ def pick_model(models: list[dict], asked: str | None, url: str) -> str:
 
 
 class Client:
-    """JSON over HTTP with a timeout and bounded retries (with backoff) when the server cannot be reached or
-    drops the connection; every failure ends as one RemoteError naming the server."""
+    """JSON over HTTP with a timeout per call, and retries with backoff for `retry` seconds while the server
+    cannot be reached, drops the connection, times out or answers 5xx: every call the backend makes is a read of
+    token ids with prefix caching, so repeating one changes nothing. Past the budget: `LLMUnavailable`, and the
+    server counts as down (`down_since`) until a call or a probe (`reachable`) gets through."""
 
-    def __init__(self, url: str, timeout: float, retries: int):
-        self.url, self.retries = url.rstrip("/"), retries
+    def __init__(self, url: str, timeout: float, retry: float):
+        self.url, self.retry = url.rstrip("/"), retry
         self.http = httpx.Client(base_url=self.url, timeout=timeout, limits=httpx.Limits(max_connections=64))
+        self.down_since: float | None = None
+        self.last_probe = 0.0
 
     def get(self, path: str) -> dict:
         return self._call("GET", path, None)
@@ -166,19 +175,44 @@ class Client:
     def text(self, path: str) -> str:
         return self._call("GET", path, None, as_json=False)
 
+    def reachable(self, every: float = 1.0) -> bool:
+        """Whether the server is up: at once while no call has given up on it; once it has, a quick probe of
+        `/v1/models` at most every `every` seconds, so that serving resumes by itself when it is back."""
+        if self.down_since is None:
+            return True
+        if time.monotonic() - self.last_probe >= every:
+            self.last_probe = time.monotonic()
+            try:
+                if self.http.get("/v1/models", timeout=2.0).status_code == 200:
+                    self.down_since = None
+            except httpx.HTTPError:
+                pass
+        return self.down_since is None
+
     def _call(self, method: str, path: str, body: dict | None, as_json: bool = True) -> dict | str:
-        for attempt in range(self.retries + 1):
+        if not self.reachable():  # known to be away: the probe says when it is back, no call waits out the budget
+            raise LLMUnavailable(f"the LLM server at {self.url} is unavailable (down for "
+                                 f"{time.monotonic() - self.down_since:.0f} s)", self.url)
+        start, attempt = time.monotonic(), 0
+        while True:
             try:
                 response = self.http.request(method, path, json=body)
-                break
+                if response.status_code not in RETRYABLE_STATUS:
+                    break
+                why = f"it answered {response.status_code}"
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
-                if attempt == self.retries:
-                    raise RemoteError(f"the LLM server at {self.url} cannot be reached ({type(e).__name__}: {e}) "
-                                      f"after {self.retries + 1} tries") from None
-                time.sleep(0.5 * 2**attempt)
+                why = f"{type(e).__name__}: {e}"
             except httpx.TimeoutException:
-                raise RemoteError(f"the LLM server at {self.url} did not answer {method} {path} within "
-                                  f"{self.http.timeout.read:.0f} s") from None
+                why = f"no answer to {method} {path} within {self.http.timeout.read:.0f} s"
+            pause = min(0.25 * 2**attempt, 4.0)
+            if time.monotonic() - start + pause > self.retry:
+                if self.down_since is None:
+                    self.down_since = time.monotonic()
+                raise LLMUnavailable(f"the LLM server at {self.url} is unavailable ({why}); tried for "
+                                     f"{time.monotonic() - start:.0f} s (--llm-retry {self.retry:g})", self.url)
+            time.sleep(pause)
+            attempt += 1
+        self.down_since = None
         if response.status_code != 200:
             try:
                 message = response.json()["error"]["message"]
@@ -202,11 +236,14 @@ class RemoteBackend:
     full_logits = False  # only the server's top log-probabilities: no exact speculative sampling test
     hidden_size = 1  # the LLM's hidden state is never used (the router reads the SLM's)
 
-    def __init__(self, address: str, tokenizer, eos_ids: set[int], timeout: float = 120.0, retries: int = 3,
-                 top_logprobs: int = 20, vocab_size: int | None = None):
+    def __init__(self, address: str, tokenizer, eos_ids: set[int], timeout: float = 120.0,
+                 retry: float = DEFAULT_LLM_RETRY, top_logprobs: int = 20, vocab_size: int | None = None):
         """`address`: the server's URL, optionally with ?model=NAME, ?engine=llamacpp|vllm and ?params=N (the
         LLM's parameter count, for the average-parameters figure, where the server does not report it).
-        `tokenizer`: the SLM's, which the server's model must share (checked here)."""
+        `tokenizer`: the SLM's, which the server's model must share (checked here). `timeout`: seconds one call
+        may take; `retry`: seconds a failing call is retried (`Client`)."""
+        if retry < 0:
+            raise R2RError(f"--llm-retry is a number of seconds, at least 0, not {retry:g}")
         parts = urllib.parse.urlsplit(address)
         query = dict(urllib.parse.parse_qsl(parts.query))
         unknown = set(query) - {"model", "engine", "params"}
@@ -214,7 +251,8 @@ class RemoteBackend:
             raise R2RError(f"--llm {address}: unknown setting(s) {', '.join(sorted(unknown))} (use model=, engine=, "
                            "params=)")
         url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
-        self.client = Client(url, timeout, retries)
+        self.client = Client(url, timeout, retry)
+        self.url = url
         engine = query.get("engine") or self._detect()
         if engine not in ENGINES:
             raise R2RError(f"--llm {address}: engine {engine!r} is not supported (use {', '.join(ENGINES)})")
@@ -231,6 +269,12 @@ class RemoteBackend:
             raise R2RError(f"--llm {address}: params= takes a number of parameters, e.g. params=1.5e9") from None
         self.pool = concurrent.futures.ThreadPoolExecutor(max(8, self.api.slots), thread_name_prefix="r2r-remote")
         self._check_tokenizer(tokenizer)
+
+    def health(self) -> dict | None:
+        """None while the server is up; else what a health check reports of it (the server's `/health`)."""
+        if self.client.reachable():
+            return None
+        return {"url": self.url, "down_for_s": round(time.monotonic() - (self.client.down_since or 0), 1)}
 
     def _detect(self) -> str:
         owners = {m.get("owned_by") for m in self.client.get("/v1/models").get("data", [])}

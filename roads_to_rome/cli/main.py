@@ -25,6 +25,7 @@ from roads_to_rome.cli.options import (
     Dtype,
     Llm,
     MaxNewTokens,
+    LlmRetry,
     MaxUnverified,
     ReasoningParserOpt,
     RouterOpt,
@@ -65,6 +66,7 @@ def generate(
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     seed: Seed = None, as_json: AsJson = False, reasoning_parser: ReasoningParserOpt = "auto",
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
+    llm_retry: LlmRetry = None,
 ):
     """Answer one prompt with R2R routing; the LLM's tokens are highlighted, a reasoning model's thinking dimmed."""
     from roads_to_rome import reasoning
@@ -75,7 +77,7 @@ def generate(
     params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
     engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
                           router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
-                          defer=defer, defer_group=defer_group, defer_steps=defer_steps)
+                          defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry)
     parser = None if raw else reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
     generation = engine.generate([prompt_ids], params)[0]
@@ -98,6 +100,7 @@ def chat(
     max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = None, reasoning_parser: ReasoningParserOpt = "auto",
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
+    llm_retry: LlmRetry = None,
 ):
     """Chat interactively; answers stream in with the LLM's tokens highlighted, a reasoning model's thinking dimmed.
     Empty line or Ctrl-D quits."""
@@ -108,7 +111,7 @@ def chat(
     params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
     engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
                           router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
-                          defer=defer, defer_group=defer_group, defer_steps=defer_steps)
+                          defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry)
     parser = reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     messages = []
     while True:
@@ -152,6 +155,7 @@ def serve(
     verify: Verify = None, max_unverified: MaxUnverified = None,
     defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
+    llm_retry: LlmRetry = None,
     model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
     max_batch: int = count(8, "--max-batch", help="Requests decoding (or having their prompt read) at once."),
     max_queue: int = count(64, "--max-queue", help="Requests waiting for a slot (then 429)."),
@@ -177,7 +181,7 @@ def serve(
     llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}
     engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
                           router_path=router_path, verify=verify, max_unverified=max_unverified, llama=llama,
-                          defer=defer, defer_group=defer_group, defer_steps=defer_steps)
+                          defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry)
     limits = server.Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
                            drain_timeout=drain_timeout)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=server.is_loopback(host),

@@ -22,6 +22,10 @@ Llm = Annotated[Optional[str], typer.Option("--llm", help="LLM: local dir, .gguf
                                             "server running it (http://host:port, llama.cpp's server; "
                                             "?model=NAME picks a served model) (default: the prepared "
                                             "Qwen2.5-Coder-1.5B)")]
+LlmRetry = Annotated[Optional[float], typer.Option("--llm-retry", min=0.0, help="With --llm http://...: seconds a "
+                                                  "failing call to the LLM's server (unreachable, 5xx, stalled) is "
+                                                  "retried before the requests that need it fail (default 30).",
+                                                  show_default=False)]
 Device = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Weights and compute on torch: auto (bf16 on CUDA and on CPUs with native bf16, AVX512-BF16 or AMX; float32 on other CPUs), bfloat16, float16 or float32.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (llama.cpp on a CPU for GGUF files, the default "

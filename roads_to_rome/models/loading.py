@@ -14,7 +14,7 @@ from pathlib import Path
 from roads_to_rome import hardware
 from roads_to_rome.backends import AUTO, BACKENDS
 from roads_to_rome.backends.llamacpp import LlamaCppBackend, llama_cpp_available
-from roads_to_rome.backends.remote import RemoteBackend, is_remote
+from roads_to_rome.backends.remote import DEFAULT_LLM_RETRY, RemoteBackend, is_remote
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import DEFAULT_VERIFY, Engine, check_max_unverified, parse_verify
 from roads_to_rome.core.verification import DEFAULT_DEFER, Deferral, resolve_defer
@@ -182,15 +182,18 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
 
 
 def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True,
-              dtype: str = "auto", backend: str = "auto", llama: dict | None = None):
+              dtype: str = "auto", backend: str = "auto", llama: dict | None = None, llm_retry: float | None = None):
     """Load the SLM and (if `need_llm`) the LLM, each on its backend; refuse pairs whose tokenizers differ.
+    `llm_retry`: for an LLM on a server, seconds a failing call is retried (None: `DEFAULT_LLM_RETRY`).
 
     Returns (slm_backend, llm_backend or None, tokenizer)."""
     slm_backend, tokenizer = load_model(slm, "slm", device, dtype, backend, llama)
     if not need_llm:
         return slm_backend, None, tokenizer
     if is_remote(llm):  # an LLM on a serving engine: it must share the SLM's tokenizer (checked on connecting)
-        return slm_backend, RemoteBackend(llm, tokenizer, slm_backend.eos_ids, vocab_size=slm_backend.vocab_size), tokenizer
+        retry = DEFAULT_LLM_RETRY if llm_retry is None else llm_retry
+        return slm_backend, RemoteBackend(llm, tokenizer, slm_backend.eos_ids, vocab_size=slm_backend.vocab_size,
+                                          retry=retry), tokenizer
     llm_backend, llm_tokenizer = load_model(llm, "llm", device, dtype, backend, llama, slm_backend.vocab_size)
     if not same_tokenizer(tokenizer, llm_tokenizer):
         raise R2RError(
@@ -238,6 +241,7 @@ class EngineConfig:
     defer_group: float | None = None  # None: the grouping rule's default (`Deferral`)
     defer_steps: int | None = None
     llama: dict | None = None  # a llama.cpp context's sizes: n_ctx (the KV pool its rows share), max_rows
+    llm_retry: float | None = None  # an LLM on a server: seconds a failing call is retried (None: the default)
 
 
 def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
@@ -249,7 +253,8 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
     verify, max_unverified = parse_verify(verify), check_max_unverified(config.max_unverified)  # before the load
     mode, rule = grouping_rule(config, kind)
     slm_b, llm_b, tokenizer = load_pair(config.slm, config.llm, config.device, need_llm=kind != "slm" or verify != "off",
-                                        dtype=config.dtype, backend=config.backend, llama=config.llama)
+                                        dtype=config.dtype, backend=config.backend, llama=config.llama,
+                                        llm_retry=config.llm_retry)
     deferral = dataclasses.replace(rule, mode=resolve_defer(mode, llm_b.device if llm_b is not None else None))
     return Engine(slm_b, llm_b, tokenizer, policies.build(kind, slm_b, config.threshold, router_path, config.seed),
                   verify, max_unverified, deferral)

@@ -47,7 +47,7 @@ from starlette.staticfiles import StaticFiles
 from roads_to_rome.core.engine import Cancelled, Engine, Failure, Scheduler
 from roads_to_rome.core.request import Request, Sequence, Step
 from roads_to_rome.core.sampling import SamplingParams, parse_verify
-from roads_to_rome.errors import R2RError, RemoteError
+from roads_to_rome.errors import LLMUnavailable, R2RError, RemoteError
 from roads_to_rome.reasoning import ReasoningParser, parser_for, prompt_start, reason, resolve_parser
 from roads_to_rome.serving.metrics import Metrics
 from roads_to_rome.text import Detokenizer
@@ -70,18 +70,23 @@ class Limits:
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.code, self.kind)
+        return error_response(self.status, self.message, self.param, self.code, self.kind, self.headers)
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   kind: str = "invalid_request_error") -> JSONResponse:
+                   kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+LLM_RETRY_AFTER_S = 5  # what a request refused while the LLM is away is told (Retry-After): the probe's pace
+LLM_AWAY = "the LLM is unavailable at the moment; retry later (requests with r2r_policy 'slm' still run)"
 
 
 # ---- request bodies (unknown fields are ignored, as OpenAI clients send many) -----------------
@@ -155,6 +160,7 @@ class ErrorReply:
 
     message: str
     status: int = 500
+    code: str | None = None
 
 
 class Job:
@@ -270,6 +276,9 @@ def error_reply(e: Exception) -> ErrorReply:
     """What a client may see of an engine error: our own messages; other exceptions stay in the log."""
     if isinstance(e, ShuttingDown):
         return ErrorReply(str(e), 503)
+    if isinstance(e, LLMUnavailable):
+        log.error("remote LLM unavailable: %s", e)
+        return ErrorReply(LLM_AWAY, 503, "llm_unavailable")
     if isinstance(e, RemoteError):  # its message names an address clients need not know
         log.error("remote model failure: %s", e)
         return ErrorReply("the LLM's server failed this request (the server's log has the details)", 502)
@@ -384,6 +393,7 @@ class ServerState:
     tokenizing: concurrent.futures.ThreadPoolExecutor  # off the event loop; one thread: tokenizers are not
     # safe to reconfigure from several threads at once
     reasoning: ReasoningParser | None  # splits chat replies' thinking from their answer
+    probing: concurrent.futures.ThreadPoolExecutor  # asks a remote LLM whether it is back, off the event loop
 
 
 def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = None, api_key: str | None = None,
@@ -399,13 +409,15 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     limits.context_length = min(limits.context_length, engine.max_context, engine.kv_capacity or engine.max_context)
     state = ServerState(engine, model_name, limits, EngineThread(engine, limits),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-tokenize"),
-                        parser_for(resolve_parser(reasoning_parser, engine.tokenizer)))
+                        parser_for(resolve_parser(reasoning_parser, engine.tokenizer)),
+                        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-probe"))
 
     async def lifespan(app):
         state.engine_thread.start()
         yield
         state.engine_thread.stop()
         state.tokenizing.shutdown(wait=False)
+        state.probing.shutdown(wait=False)
 
     app = FastAPI(title="R2R", lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
                   openapi_url="/openapi.json" if docs else None)
@@ -448,10 +460,20 @@ def server(http: HTTPRequest) -> ServerState:
     return http.app.state.r2r
 
 
+async def llm_health(s: ServerState) -> dict | None:
+    """None while the LLM is up; what `/health` reports of it while a remote one is away (a probe of its server,
+    off the event loop)."""
+    check = getattr(s.engine.llm, "health", None)
+    return None if check is None else await asyncio.get_running_loop().run_in_executor(s.probing, check)
+
+
 @routes.get("/health")
 async def health(http: HTTPRequest):
+    """`ok`, or `degraded` while a remote LLM is away (requests that need it get 503; SLM-only ones still run)."""
     s = server(http)
-    return {"status": "ok", "model": s.model_name, **s.engine_thread.load()}
+    away = await llm_health(s)
+    return {"status": "degraded" if away else "ok", "model": s.model_name, **s.engine_thread.load(),
+            **({"llm": {"status": "unavailable", **away}} if away else {})}
 
 
 @routes.get("/metrics", include_in_schema=False)
@@ -552,7 +574,12 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], s: ServerState) -> Se
 
 
 async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompt_ids: list[int], chat: bool):
-    job = Job(make_sequence(body, prompt_ids, s), asyncio.get_running_loop())
+    sequence = make_sequence(body, prompt_ids, s)
+    if body.r2r_policy != "slm" and await llm_health(s):
+        s.engine_thread.metrics.refused()
+        raise APIError(503, LLM_AWAY, code="llm_unavailable", kind="server_error",
+                       headers={"Retry-After": str(LLM_RETRY_AFTER_S)})
+    job = Job(sequence, asyncio.get_running_loop())
     s.engine_thread.submit(job)
     reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat,
                   s.reasoning if chat else None, s.engine.tokenizer)
@@ -570,7 +597,8 @@ async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompt_id
                     return Response(status_code=499)
                 continue
             if isinstance(event, ErrorReply):
-                raise APIError(event.status, event.message, kind="server_error")
+                retry = {"Retry-After": str(LLM_RETRY_AFTER_S)} if event.code == "llm_unavailable" else None
+                raise APIError(event.status, event.message, code=event.code, kind="server_error", headers=retry)
             if event.finished:
                 break
     except asyncio.CancelledError:
@@ -650,18 +678,21 @@ async def stream_events(job: Job, reply: Reply, engine: Engine, include_usage: b
     text, sent, finished = "", 0, False
     parser, reasoned = reply.parser, None
     start = prompt_start(parser, engine.tokenizer, sequence.prompt_ids) if parser else None
-    sent_thinking, sent_answer = 0, 0
+    sent_thinking, sent_answer, streamed = 0, 0, 0
     try:
         if reply.chat:
             yield reply.chunk(None, role=True)
         while not finished:
             event = await job.events.get()
-            if isinstance(event, ErrorReply):
-                error = {"error": {"message": event.message, "type": "server_error", "param": None, "code": None}}
+            if isinstance(event, ErrorReply):  # with what the client has been sent so far, to resume from
+                error = {"error": {"message": event.message, "type": "server_error", "param": None,
+                                   "code": event.code, "r2r": {"token_ids": sequence.generation.token_ids[:streamed],
+                                                               "text": text[:sent]}}}
                 yield f"data: {json.dumps(error)}\n\n"
                 break
             for n, (token, source, score) in enumerate(event.final, 1):
                 finished = event.finished and n == len(event.final)
+                streamed += 1
                 text += detok.push(token, final=finished)
                 if finished:  # the final text has any stop string cut off
                     final = sequence.generation.text

@@ -1,0 +1,185 @@
+"""Faults of a remote LLM under `r2r serve`, on loopback with llama.cpp's own server (it starts in about a second):
+killed in the middle of streams and back within the retry budget, away for longer, stalled (SIGSTOP) briefly and
+for longer. Every request either finishes with the answer it gives on a healthy server or fails with the LLM-away
+error (a 503 with Retry-After, or an error event and [DONE] in a stream, with the tokens sent so far); none hangs;
+requests forced to the SLM run throughout; `/health` answers throughout, `degraded` while the LLM is away; and
+serving resumes by itself when it is back."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import LlamaServer
+from test_remote import NEEDS_LLAMA_SERVER, PROMPTS, llm_files, remote  # noqa: F401 (a fixture)
+
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.routing.policies import EntropyPolicy
+from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
+
+RETRY, TIMEOUT = 8.0, 3.0  # the remote backend's budget and per-call timeout in this test
+CLIENT_TIMEOUT = 60.0  # a request that takes longer than this has hung
+LONG = PROMPTS[:2]  # prompts whose answers run to max_tokens here: still streaming when the LLM is disturbed
+
+
+def chat(url: str, prompt: str, stream: bool, policy: str | None = None, started: threading.Event | None = None):
+    """One request's outcome: ("ok", text) or ("llm_unavailable", the error); anything else fails the test.
+    `started` is set at the stream's first line (or when the request ends without one)."""
+    try:
+        return request(url, prompt, stream, policy, started)
+    finally:
+        if started is not None:
+            started.set()
+
+
+def request(url: str, prompt: str, stream: bool, policy: str | None, started: threading.Event | None):
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 300, "temperature": 0, "stream": stream,
+            **({"r2r_policy": policy} if policy else {})}
+    if not stream:
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT)
+        if reply.status_code == 200:
+            return "ok", reply.json()["choices"][0]["message"]["content"]
+        error = reply.json()["error"]
+        assert reply.status_code == 503 and error["code"] == "llm_unavailable", reply.text
+        assert int(reply.headers["retry-after"]) > 0
+        return "llm_unavailable", error
+    text, events = "", 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT) as reply:
+        if reply.status_code != 200:
+            reply.read()
+            assert reply.status_code == 503 and reply.json()["error"]["code"] == "llm_unavailable", reply.text
+            return "llm_unavailable", reply.json()["error"]
+        lines, error = [], None
+        for line in reply.iter_lines():  # as they come: `started` fires at the first one
+            if not line.startswith("data: "):
+                continue
+            lines.append(line)
+            if line == "data: [DONE]" or error is not None:
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"]
+                assert error["code"] == "llm_unavailable", error
+                assert error["r2r"]["text"] == text  # what was sent before the error
+                continue
+            text += chunk["choices"][0]["delta"].get("content") or "" if chunk["choices"] else ""
+            events += 1
+            if started is not None:
+                started.set()
+    assert lines[-1] == "data: [DONE]"
+    return ("llm_unavailable", error) if error is not None else ("ok", text)
+
+
+class HealthWatch:
+    """Polls `/health` in a thread: the slowest answer, and every status seen."""
+
+    def __init__(self, url: str):
+        self.url, self.slowest, self.statuses, self.stop = url, 0.0, [], threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while not self.stop.is_set():
+            start = time.monotonic()
+            reply = httpx.get(self.url + "/health", timeout=10)
+            self.slowest = max(self.slowest, time.monotonic() - start)
+            assert reply.status_code == 200
+            self.statuses.append(reply.json())
+            time.sleep(0.1)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def signal_group(server: LlamaServer, sig: int) -> None:
+    os.killpg(server.process.pid, sig)
+
+
+@NEEDS_LLAMA_SERVER
+def test_a_remote_llm_that_dies_stalls_and_comes_back(llm_files, slm, tokenizer):  # noqa: F811
+    with LlamaServer(llm_files["gguf"], slots=4) as llm_server:
+        llm = remote(llm_server.url, tokenizer, slm, retry=RETRY, timeout=TIMEOUT)
+        engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), verify="off")  # routing that ignores company
+        app = create_app(engine, "tiny", Limits(max_batch=4, max_tokens=300, context_length=512))
+        with BackgroundServer(app) as r2r, HealthWatch(r2r.url) as health, \
+                concurrent.futures.ThreadPoolExecutor(8) as pool:
+            url = r2r.url
+            reference = {p: chat(url, p, stream=False) for p in PROMPTS}
+            assert all(outcome == "ok" for outcome, _ in reference.values())
+            assert all(len(reference[p][1]) > 200 for p in LONG)
+
+            def wave(disturb, streams=4):
+                """Streams (and a whole request) in flight, held at their first call to the LLM (its server
+                stopped, SIGSTOP); `disturb` runs once the streams are under way, and leaves the server as it
+                wants it."""
+                signal_group(llm_server, signal.SIGSTOP)
+                started = [threading.Event() for _ in range(streams)]
+                futures = [pool.submit(chat, url, LONG[i % len(LONG)], True, None, started[i]) for i in range(streams)]
+                futures.append(pool.submit(chat, url, PROMPTS[0], False))
+                for event in started:
+                    event.wait(10)
+                disturb()
+                results = [f.result(timeout=CLIENT_TIMEOUT + 5) for f in futures]
+                prompts = [LONG[i % len(LONG)] for i in range(streams)] + [PROMPTS[0]]
+                for prompt, (outcome, out) in zip(prompts, results):
+                    if outcome == "ok":
+                        assert out == reference[prompt][1], "a good request gave another answer"
+                return [outcome for outcome, _ in results]
+
+            def restart_quickly():
+                llm_server.stop()
+                llm_server.start()  # within the retry budget
+
+            # Killed and back within the budget: every request finishes with its healthy answer.
+            assert wave(restart_quickly) == ["ok"] * 5
+
+            def kill():
+                llm_server.stop()
+
+            # Killed and away: the requests in flight fail with the LLM-away error, none hangs.
+            started = time.monotonic()
+            outcomes = wave(kill)
+            assert "llm_unavailable" in outcomes and set(outcomes) <= {"ok", "llm_unavailable"}
+            assert time.monotonic() - started < RETRY + 4 * TIMEOUT
+            # While it is away: refused at once with 503, SLM-only requests run, health says degraded.
+            refused_at = time.monotonic()
+            assert chat(url, PROMPTS[1], stream=False)[0] == "llm_unavailable"
+            assert chat(url, PROMPTS[1], stream=True)[0] == "llm_unavailable"
+            assert time.monotonic() - refused_at < 2 * 2.5  # two probes at most, no retry budget waited out
+            assert chat(url, PROMPTS[1], stream=False, policy="slm")[0] == "ok"
+            away = httpx.get(url + "/health").json()
+            assert away["status"] == "degraded" and away["llm"]["url"] == llm_server.url
+            # Back: serving resumes without a restart of r2r serve.
+            llm_server.start()
+            deadline = time.monotonic() + 10
+            while httpx.get(url + "/health").json()["status"] != "ok":
+                assert time.monotonic() < deadline, "r2r serve did not see the LLM come back"
+                time.sleep(0.2)
+            assert {p: chat(url, p, stream=False) for p in PROMPTS} == reference
+
+            def stall(seconds):
+                def run():
+                    time.sleep(seconds)
+                    signal_group(llm_server, signal.SIGCONT)
+                return run
+
+            # A stall shorter than a call's timeout: nothing fails.
+            assert wave(stall(TIMEOUT / 2)) == ["ok"] * 5
+            # A stall longer than the budget: the requests in flight fail, then it resumes.
+            outcomes = wave(stall(RETRY + 2 * TIMEOUT))
+            assert "llm_unavailable" in outcomes and set(outcomes) <= {"ok", "llm_unavailable"}
+            deadline = time.monotonic() + 10
+            while httpx.get(url + "/health").json()["status"] != "ok":
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            assert {p: chat(url, p, stream=False) for p in PROMPTS} == reference
+        assert health.slowest < 3.0, f"/health took {health.slowest:.1f} s to answer"
+        assert {s["status"] for s in health.statuses} == {"ok", "degraded"}
