@@ -150,7 +150,7 @@ def main():
     # The reference: each greedy request alone, before the load (and the warm-up).
     reference = {}
     for question in QUESTIONS:
-        for max_tokens in (8, 16, 24):
+        for max_tokens in (4, 8, 12):
             reference[(question, max_tokens)] = ask(client, body(question, max_tokens, False))[1]
     process = psutil.Process(server.pid)
     before = usage(process)
@@ -158,7 +158,7 @@ def main():
     plan = []  # (kind, payload or raw body)
     for _ in range(args.requests):
         roll = rng.random()
-        question, max_tokens = rng.choice(QUESTIONS), rng.choice((8, 16, 24))
+        question, max_tokens = rng.choice(QUESTIONS), rng.choice((4, 8, 12))
         if roll < 0.40:
             plan.append(("whole", body(question, max_tokens, False)))
         elif roll < 0.80:
@@ -166,7 +166,7 @@ def main():
         elif roll < 0.88:
             plan.append(("bad", rng.choice(BAD)[0]))
         elif roll < 0.97:
-            plan.append(("leave", body(question, 24, True)))
+            plan.append(("leave", body(question, 12, True)))
         else:
             plan.append(("long", body(LONG + " Summarise this in one sentence.", 8, rng.random() < 0.5)))
 

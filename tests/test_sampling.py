@@ -54,3 +54,24 @@ def test_speculative_residual_falls_back_to_the_target_when_it_is_empty():
     target, draft = torch.tensor([0.2, 0.2]), torch.tensor([0.5, 0.5])
     residual = speculative_residual(target, draft, 0, torch.tensor(0.9))  # 0.9 * 0.5 > 0.2: rejected
     assert torch.equal(residual, torch.tensor([0.5, 0.5]))
+
+
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    """Found by the API fuzzer: temperature 3.3e-168 made every probability NaN and failed the batch."""
+    from roads_to_rome.core.sampling import SamplingParams, sample
+
+    logits = torch.tensor([[0.5, 3.0, -1.0], [2.0, 1.0, 0.0]])
+    for temperature in (3.282510075910062e-168, 5e-324, 1e-6):
+        params = SamplingParams(temperature=temperature)
+        assert params.temperature == 0.0
+        assert sample(logits, params, torch.Generator().manual_seed(0)).tolist() == [1, 0]
+    assert SamplingParams(temperature=1e-3).temperature == 1e-3
+
+
+def test_a_vanishing_top_p_keeps_the_best_token():
+    """Found by the API fuzzer: top_p 5e-324 is 0 in float32, which dropped every token."""
+    from roads_to_rome.core.sampling import SamplingParams, sampling_probs
+
+    logits = torch.tensor([[0.5, 3.0, -1.0]])
+    for top_p in (5e-324, 1e-30):
+        assert sampling_probs(logits, SamplingParams(temperature=1.0, top_p=top_p)).tolist() == [[0.0, 1.0, 0.0]]

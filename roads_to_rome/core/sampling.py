@@ -12,6 +12,9 @@ import torch
 from roads_to_rome.errors import R2RError
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 256
@@ -21,6 +24,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # for benchmarks: always produce max_new_tokens
+
+    def __post_init__(self):
+        # A temperature this small is greedy decoding, as in vLLM: dividing logits by it overflows to inf (NaN
+        # probabilities), and no draw at it could differ from the argmax anyway.
+        if 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -75,6 +84,7 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         probs = sorted_logits.softmax(-1)
         # Drop a token when the tokens ranked above it already hold top_p of the mass.
         drop = probs.cumsum(-1) - probs >= params.top_p
+        drop[:, 0] = False  # the best token always stays (a top_p that float32 rounds to 0 would drop it too)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits.softmax(-1)
 

@@ -1,0 +1,49 @@
+"""Schemathesis against the server's own `/openapi.json`: generated bodies for `/v1/chat/completions`,
+`/v1/completions` and `/v1/models`, valid and invalid ones, with a fixed seed. Every answer is a success or a 4xx
+in OpenAI's error shape: never a 5xx, never a dropped connection. R2R_FUZZ_EXAMPLES sets the examples per operation
+(a longer run: R2R_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz.py)."""
+
+import os
+
+import hypothesis
+import pytest
+import schemathesis
+
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.routing.policies import RandomPolicy
+from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
+
+EXAMPLES = int(os.environ.get("R2R_FUZZ_EXAMPLES", "50"))  # per operation and mode
+
+
+@pytest.fixture(scope="module")
+def api(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=4, max_tokens=8, context_length=256), docs=True)
+    with BackgroundServer(app) as server:
+        yield schemathesis.openapi.from_url(server.url + "/openapi.json").include(path_regex="^/v1/")
+
+
+NEGATIVE, POSITIVE = schemathesis.GenerationMode.NEGATIVE, schemathesis.GenerationMode.POSITIVE
+# Valid and invalid bodies; `GET /v1/models` takes no input, so it has no invalid one.
+RUNS = [("POST /v1/chat/completions", POSITIVE), ("POST /v1/chat/completions", NEGATIVE),
+        ("POST /v1/completions", POSITIVE), ("POST /v1/completions", NEGATIVE), ("GET /v1/models", POSITIVE)]
+
+
+# Hypothesis drives schemathesis's strategies directly (its pytest plugin does not run under this pytest).
+@pytest.mark.parametrize("label, mode", RUNS, ids=[f"{label}-{mode.value}" for label, mode in RUNS])
+def test_every_generated_request_gets_a_success_or_an_openai_error(api, label, mode):
+    operation = api.find_operation_by_label(label)
+    assert operation is not None, f"{label} is not in /openapi.json"
+
+    @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
+    @hypothesis.settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    def check(case):
+        response = case.call(timeout=60)  # a dropped connection raises here
+        assert response.status_code < 500, f"{label} {case.body!r}: {response.status_code} {response.text[:300]}"
+        if response.status_code >= 400:
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], response.text
+
+    check()
