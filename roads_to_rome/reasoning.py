@@ -15,6 +15,7 @@ from roads_to_rome.errors import R2RError
 from roads_to_rome.text import token_pieces
 
 OPEN, CLOSE = "<think>", "</think>"
+DEEPSEEK_ASSISTANT = "<｜Assistant｜>"  # DeepSeek's chat templates' turn marker
 PARSERS = ("auto", "deepseek_r1", "qwen3", "none")
 
 
@@ -25,8 +26,10 @@ def check_parser(name: str) -> str:
 
 
 def resolve_parser(name: str, tokenizer) -> str | None:
-    """The parser a tokenizer's replies get: `auto` picks one from the chat template (deepseek_r1 when its
-    generation prompt opens `<think>`, qwen3 when the template mentions the tags at all), or none."""
+    """The parser a tokenizer's replies get: `auto` picks one from the chat template: deepseek_r1 when its
+    generation prompt opens `<think>` or it is DeepSeek's (R1-Distill's first template mentions `</think>` only to
+    drop earlier turns' thinking, and its models open the tag themselves, or not), qwen3 when it mentions the tags
+    otherwise; none when it does not mention them."""
     check_parser(name)
     if name == "none":
         return None
@@ -40,7 +43,7 @@ def resolve_parser(name: str, tokenizer) -> str | None:
                                                tokenize=False)
     except Exception:  # a template that needs more than one user message: the mention alone decides
         prompt = ""
-    return "deepseek_r1" if opens_thinking(prompt) else "qwen3"
+    return "deepseek_r1" if opens_thinking(prompt) or DEEPSEEK_ASSISTANT in template else "qwen3"
 
 
 def opens_thinking(prompt: str) -> bool | None:

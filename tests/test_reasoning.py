@@ -28,6 +28,12 @@ QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.g
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
                   "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 
+# R1-Distill's first template (the one in the GGUF files of the package index): it opens no tag; it names
+# `</think>` to drop earlier turns' thinking.
+R1_FIRST_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}{% else %}"
+                     "{% set content = m['content'].split('</think>')[-1] %}<｜Assistant｜>{{ content }}"
+                     "<｜end▁of▁sentence｜>{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
+
 R1, QWEN3 = ReasoningParser("deepseek_r1"), ReasoningParser("qwen3")
 
 
@@ -85,6 +91,7 @@ def test_thinking_tokens_count_the_closing_tag_even_split_across_tokens():
 
 def test_auto_reads_the_chat_template():
     assert resolve_parser("auto", think_tokenizer(R1_TEMPLATE)) == "deepseek_r1"
+    assert resolve_parser("auto", think_tokenizer(R1_FIRST_TEMPLATE)) == "deepseek_r1"
     assert resolve_parser("auto", think_tokenizer(QWEN3_TEMPLATE)) == "qwen3"
     assert resolve_parser("auto", tiny_tokenizer()) is None  # no <think> in its template
     assert resolve_parser("qwen3", tiny_tokenizer()) == "qwen3"
