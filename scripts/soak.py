@@ -34,7 +34,8 @@ parser.add_argument("--clients", type=int, default=8)
 parser.add_argument("--port", type=int, default=18900)
 parser.add_argument("--remote", action="store_true", help="the LLM on llama.cpp's server, killed and restarted")
 parser.add_argument("--kills", type=int, default=2)
-parser.add_argument("--down-s", type=float, default=8.0, help="how long the LLM's server stays dead each time")
+parser.add_argument("--down-s", default="8,45", help="how long the LLM's server stays dead, each time in turn "
+                    "(comma-separated seconds: the default's first is within r2r serve's --llm-retry, the second not)")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--out", default="runs/soak.json")
 args = parser.parse_args()
@@ -202,7 +203,8 @@ def main():
                 os.killpg(llm_server.pid, signal.SIGKILL)
                 llm_server.wait()
                 killed = time.monotonic()
-                time.sleep(args.down_s)
+                downs = [float(x) for x in args.down_s.split(",")]
+                time.sleep(downs[done % len(downs)])
                 llm_server = start_process(llm_command, f"http://127.0.0.1:{llm_port}/health")
                 kills.append({"after_requests": finished, "down_s": round(time.monotonic() - killed, 1)})
                 done += 1
