@@ -13,7 +13,6 @@ import threading
 import time
 
 import httpx
-import pytest
 from conftest import LlamaServer
 from test_remote import NEEDS_LLAMA_SERVER, PROMPTS, llm_files, remote  # noqa: F401 (a fixture)
 
