@@ -252,7 +252,6 @@ class RemoteBackend:
                            "params=)")
         url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
         self.client = Client(url, timeout, retry)
-        self.url = url
         engine = query.get("engine") or self._detect()
         if engine not in ENGINES:
             raise R2RError(f"--llm {address}: engine {engine!r} is not supported (use {', '.join(ENGINES)})")
@@ -274,7 +273,7 @@ class RemoteBackend:
         """None while the server is up; else what a health check reports of it (the server's `/health`)."""
         if self.client.reachable():
             return None
-        return {"url": self.url, "down_for_s": round(time.monotonic() - (self.client.down_since or 0), 1)}
+        return {"url": self.client.url, "down_for_s": round(time.monotonic() - (self.client.down_since or 0), 1)}
 
     def _detect(self) -> str:
         owners = {m.get("owned_by") for m in self.client.get("/v1/models").get("data", [])}

@@ -79,11 +79,14 @@ def tokenizer_dir(model: PackagedModel) -> Path:
     return cache_dir() / "tokenizers" / model.name
 
 
+def has_tokenizer(model: PackagedModel) -> bool:
+    return (tokenizer_dir(model) / "tokenizer_config.json").exists()
+
+
 def is_prepared(model: PackagedModel) -> bool:
     """Its GGUF file assembled and verified, and its tokenizer kept (the bf16 copy comes when asked for)."""
     gguf = gguf_path(model)
-    return gguf.exists() and gguf.stat().st_size == model.gguf_bytes and (
-        (tokenizer_dir(model) / "tokenizer_config.json").exists() or is_converted(model))
+    return gguf.exists() and gguf.stat().st_size == model.gguf_bytes and (has_tokenizer(model) or is_converted(model))
 
 
 def is_converted(model: PackagedModel) -> bool:
@@ -92,7 +95,7 @@ def is_converted(model: PackagedModel) -> bool:
 
 def tokenizer_source(model: PackagedModel) -> Path:
     """Where a prepared model's tokenizer loads from."""
-    return tokenizer_dir(model) if (tokenizer_dir(model) / "tokenizer_config.json").exists() else converted_dir(model)
+    return tokenizer_dir(model) if has_tokenizer(model) else converted_dir(model)
 
 
 def _part_paths(model: PackagedModel) -> list[Path]:
@@ -215,7 +218,7 @@ def prepare(model: PackagedModel, progress=QUIET, bf16: bool = False) -> Path:
     """Assemble and verify one packaged model and keep its tokenizer (with `bf16`, its torch copy too); a no-op
     for what is already done. Returns its GGUF file."""
     gguf_file = assemble_gguf(model, progress)
-    if not (tokenizer_dir(model) / "tokenizer_config.json").exists():
+    if not has_tokenizer(model):
         save_tokenizer(model, gguf_file)
     if bf16:
         bf16_dir(model, progress)

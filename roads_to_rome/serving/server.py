@@ -89,6 +89,12 @@ LLM_RETRY_AFTER_S = 5  # what a request refused while the LLM is away is told (R
 LLM_AWAY = "the LLM is unavailable at the moment; retry later (requests with r2r_policy 'slm' still run)"
 
 
+def llm_away() -> APIError:
+    """A request that needs a remote LLM which is away: 503, and when to try again."""
+    return APIError(503, LLM_AWAY, code="llm_unavailable", kind="server_error",
+                    headers={"Retry-After": str(LLM_RETRY_AFTER_S)})
+
+
 # ---- request bodies (unknown fields are ignored, as OpenAI clients send many) -----------------
 
 def utf8_text(text: str) -> str:
@@ -577,8 +583,7 @@ async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompt_id
     sequence = make_sequence(body, prompt_ids, s)
     if body.r2r_policy != "slm" and await llm_health(s):
         s.engine_thread.metrics.refused()
-        raise APIError(503, LLM_AWAY, code="llm_unavailable", kind="server_error",
-                       headers={"Retry-After": str(LLM_RETRY_AFTER_S)})
+        raise llm_away()
     job = Job(sequence, asyncio.get_running_loop())
     s.engine_thread.submit(job)
     reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat,
@@ -597,8 +602,9 @@ async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompt_id
                     return Response(status_code=499)
                 continue
             if isinstance(event, ErrorReply):
-                retry = {"Retry-After": str(LLM_RETRY_AFTER_S)} if event.code == "llm_unavailable" else None
-                raise APIError(event.status, event.message, code=event.code, kind="server_error", headers=retry)
+                if event.code == "llm_unavailable":
+                    raise llm_away()
+                raise APIError(event.status, event.message, kind="server_error")
             if event.finished:
                 break
     except asyncio.CancelledError:
