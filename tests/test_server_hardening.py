@@ -245,6 +245,23 @@ def test_6_malformed_text_and_deep_json_are_400s(server, expected, raw):
     unharmed(server, expected)
 
 
+def test_6_errors_answered_at_once_start_no_threads(server, expected):
+    """Each kind of error reply (a 400 from validation, a 404, a 400 of the server's own) is written on the event
+    loop: a burst of them from 16 clients leaves the process with the threads it had."""
+    bodies = [(CHAT, b'{"messages": ['), ("/v1/nowhere", b"{}"), (CHAT, json.dumps(body(model="nope")).encode())]
+
+    def send(i):
+        path, raw = bodies[i % len(bodies)]
+        return httpx.post(server + path, content=raw, headers={"content-type": "application/json"}).status_code
+
+    before = {t.ident for t in threading.enumerate()}
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        assert set(pool.map(send, range(96))) == {400, 404}
+    new = [t.name for t in threading.enumerate() if t.ident not in before]
+    assert not new, f"error replies started threads: {new}"
+    unharmed(server, expected)
+
+
 def test_6_an_unexpected_error_is_a_json_500_without_internals(server, engine, expected, monkeypatch):
     def broken(*args):
         raise KeyError("secret internals")

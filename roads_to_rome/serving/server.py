@@ -428,9 +428,10 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     app = FastAPI(title="R2R", lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
                   openapi_url="/openapi.json" if docs else None)
     app.state.r2r = state
-    app.add_exception_handler(APIError, lambda _, e: e.response())
+    # The handlers are coroutines: Starlette runs a plain function in a worker thread, one per error at once.
+    app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(HTTPException, lambda _, e: error_response(e.status_code, str(e.detail)))
+    app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
     app.add_middleware(Guard, api_key=api_key, loopback_only=loopback_only, max_body_bytes=limits.max_body_bytes)
     app.include_router(routes)
@@ -440,12 +441,20 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     return app
 
 
-def internal_error(http: HTTPRequest, e: Exception) -> JSONResponse:
+async def api_error(_: HTTPRequest, e: APIError) -> JSONResponse:
+    return e.response()
+
+
+async def http_error(_: HTTPRequest, e: HTTPException) -> JSONResponse:
+    return error_response(e.status_code, str(e.detail))
+
+
+async def internal_error(http: HTTPRequest, e: Exception) -> JSONResponse:
     log.error("internal error on %s", http.url.path, exc_info=e)
     return error_response(500, "internal error (the server's log has the details)", kind="server_error")
 
 
-def validation_error(http: HTTPRequest, e: RequestValidationError) -> JSONResponse:
+async def validation_error(http: HTTPRequest, e: RequestValidationError) -> JSONResponse:
     """FastAPI's body validation, as an OpenAI-style 400 naming the first bad field."""
     first = e.errors()[0]
     loc = [str(x) for x in first["loc"] if x != "body"]
