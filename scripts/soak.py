@@ -4,6 +4,8 @@ which is killed and restarted --kills times during the run.
 
     python scripts/soak.py --requests 1000 --clients 8 [--remote --kills 2] --out runs/soak.json
 
+The servers' own logs go beside the results (runs/soak.server.log, runs/soak.llm-server.log).
+
 The workload, drawn from a seeded generator: greedy chat requests (whole and streamed; their answers are compared
 with the same request made alone before the load), long prompts, clients that go away in the middle of a stream,
 and bad bodies (malformed JSON, wrong types, out-of-range values, an unknown model); a client told by a 503 to come
@@ -62,8 +64,10 @@ BAD = [
 ]
 
 
-def start_process(command: list[str], health: str, seconds: float = 300) -> subprocess.Popen:
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+def start_process(command: list[str], health: str, log: Path, seconds: float = 300) -> subprocess.Popen:
+    """`command` started in a process group of its own, its output appended to `log`, once `health` answers."""
+    with log.open("ab") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
@@ -88,7 +92,7 @@ def refused(reply: httpx.Response) -> tuple[str, str, float]:
     if reply.json().get("error", {}).get("code") == "llm_unavailable":
         time.sleep(min(float(reply.headers.get("retry-after", 0)), 10.0))
         return "llm_unavailable", "", 0.0
-    return f"http {reply.status_code}", "", 0.0
+    return f"http {reply.status_code}", reply.text, 0.0
 
 
 def ask(client: httpx.Client, payload: dict, leave_after: int | None = None) -> tuple[str, str, float]:
@@ -144,6 +148,11 @@ def usage(process: psutil.Process) -> dict:
 def main():
     rng = random.Random(args.seed)
     llm_server, extra = None, []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    server_log, llm_log = out.with_suffix(".server.log"), out.with_suffix(".llm-server.log")
+    for log in (server_log, llm_log):
+        log.unlink(missing_ok=True)
     if args.remote:
         sys.path.insert(0, str(Path(__file__).parents[1]))
         from roads_to_rome.models import DEFAULT_LLM, gguf_path
@@ -151,10 +160,10 @@ def main():
         llm_port = args.port + 1
         llm_command = [sys.executable, str(Path(__file__).parent / "llama-server.py"), str(gguf_path(DEFAULT_LLM)),
                        "--port", str(llm_port), "--slots", str(args.clients)]
-        llm_server = start_process(llm_command, f"http://127.0.0.1:{llm_port}/health")
+        llm_server = start_process(llm_command, f"http://127.0.0.1:{llm_port}/health", llm_log)
         extra = ["--llm", f"http://127.0.0.1:{llm_port}"]
     server = start_process(["r2r", "serve", "--port", str(args.port), "--max-batch", str(args.clients), *extra],
-                           URL + "/health")
+                           URL + "/health", server_log)
     client = httpx.Client(base_url=URL, timeout=300)
     # The reference: each greedy request alone, before the load (and the warm-up).
     reference = {}
@@ -190,7 +199,7 @@ def main():
         else:
             plan.append(("long", body(LONG + " Summarise this in one sentence.", 8, rng.random() < 0.5)))
 
-    outcomes, latencies, same, compared = collections.Counter(), [], 0, 0
+    outcomes, latencies, same, compared, unexpected = collections.Counter(), [], 0, 0, []
     lock = threading.Lock()
     kill_times = [args.requests * (k + 1) // (args.kills + 1) for k in range(args.kills)] if args.remote else []
     kills = []
@@ -205,6 +214,9 @@ def main():
                 outcome, text, seconds = ask(own, payload, leave_after=3 if kind == "leave" else None)
         with lock:
             outcomes[f"{kind}: {outcome}"] += 1
+            if outcome not in ("ok", "left", "llm_unavailable", "refused 400", "refused 404"):
+                unexpected.append({"kind": kind, "outcome": outcome, "reply": text[:500],
+                                   "at_s": round(time.monotonic() - started, 1)})
             if outcome == "ok":
                 latencies.append(seconds)
                 key = (payload["messages"][0]["content"], payload["max_tokens"])
@@ -224,8 +236,9 @@ def main():
                 killed = time.monotonic()
                 downs = [float(x) for x in args.down_s.split(",")]
                 time.sleep(downs[done % len(downs)])
-                llm_server = start_process(llm_command, f"http://127.0.0.1:{llm_port}/health")
-                kills.append({"after_requests": finished, "down_s": round(time.monotonic() - killed, 1)})
+                llm_server = start_process(llm_command, f"http://127.0.0.1:{llm_port}/health", llm_log)
+                kills.append({"after_requests": finished, "at_s": round(killed - started, 1),
+                              "down_s": round(time.monotonic() - killed, 1)})
                 done += 1
             time.sleep(0.5)
 
@@ -249,14 +262,14 @@ def main():
     result = {
         "requests": len(plan), "clients": args.clients, "remote_llm": args.remote, "kills": kills,
         "wall_s": round(wall, 1), "outcomes": dict(sorted(outcomes.items())), "accounted": sum(outcomes.values()),
+        "unexpected": unexpected,
         "greedy_equal_to_alone": same, "greedy_compared": compared,
         "latency_p50_s": round(statistics.median(latencies), 2) if latencies else None,
         "latency_p95_s": round(latencies[int(0.95 * (len(latencies) - 1))], 2) if latencies else None,
         "server_start": before, "server_end": after, "health_at_end": health.get("status"),
         "server_exit_code": server.returncode,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
 

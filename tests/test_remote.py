@@ -5,9 +5,11 @@ match the same model run locally, and the faults a user meets (no server, a serv
 a wrong model name, another tokenizer)."""
 
 import importlib.util
+import threading
 import time
 
 import httpx
+import psutil
 import pytest
 import torch
 from conftest import HAS_LLAMA, LlamaServer, VllmServer, free_port
@@ -142,6 +144,26 @@ def test_tolerance_verification_through_the_remote_llm_matches_the_same_model_ru
         outs[name] = [(g.token_ids, g.sources, g.rollbacks) for g in gens]
     assert outs["remote"] == outs["local"]
     assert any("fix" in sources for _, sources, _ in outs["remote"])
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="intra-op threads need two cores to show")
+def test_the_remote_backends_pool_threads_start_no_threads_of_their_own(server, slm, tokenizer):
+    """The pool's threads only talk to the server: one that ran a tensor operation (a row of a real vocabulary's
+    logits) would keep a team of intra-op threads for as long as it lives, the pool's size times the cores."""
+    from roads_to_rome.backends.remote import RemoteBackend
+
+    process = psutil.Process()
+    torch.zeros(1 << 20).fill_(1.0)  # this thread's own team, which its first large operation starts
+    os_before, python_before = process.num_threads(), threading.active_count()
+    llm = RemoteBackend(server.url, tokenizer, slm.eos_ids, vocab_size=151_936)
+    rows = [Engine.alone(llm, tokenizer).encode_chat(p) for p in PROMPTS]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    cache = llm.new_cache()
+    assert llm.forward_all(cache, ids, mask, keep_last=4).shape == (3, 4, 151_936)
+    assert llm.forward(cache, ids[:, -1:] * 0 + 5, torch.ones(3, width + 1, dtype=torch.long))[0].shape[0] == 3
+    assert process.num_threads() - os_before == threading.active_count() - python_before
 
 
 def test_sampled_strict_verification_is_refused_with_a_remote_llm(server, slm, tokenizer):

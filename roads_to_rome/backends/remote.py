@@ -322,21 +322,26 @@ class RemoteBackend:
         chose otherwise, the next positions come from a request that continues after the row's own token."""
         self.read(cache, new_ids, attention_mask)
         keep = new_ids.shape[1] if keep_last is None else keep_last
-        out = torch.zeros(len(cache.rows), keep, self.vocab_size)  # padding columns: zeros
 
-        def row_logits(i: int) -> None:
+        def row_tops(i: int) -> list[tuple[int, dict[int, float]]]:
             row = cache.rows[i]
             first = len(row) - keep  # the row position of the first kept column (negative: padding)
-            position = max(first, 0)
+            position, tops = max(first, 0), []
             while position < len(row):
                 for token, top in self._greedy(row[: position + 1], len(row) - position):
-                    out[i, position - first].fill_(FLOOR)
-                    self._fill(out[i, position - first], top)
+                    tops.append((position - first, top))
                     position += 1
                     if position == len(row) or token != row[position]:
                         break  # past the end, or the server went elsewhere: ask again after the row's token
+            return tops
 
-        list(self.pool.map(row_logits, range(len(cache.rows))))
+        # The pool's threads only talk to the server: a tensor operation there would give each of them a team of
+        # intra-op threads of its own.
+        out = torch.zeros(len(cache.rows), keep, self.vocab_size)  # padding columns: zeros
+        for i, tops in enumerate(self.pool.map(row_tops, range(len(cache.rows)))):
+            for column, top in tops:
+                out[i, column].fill_(FLOOR)
+                self._fill(out[i, column], top)
         return out
 
     def complete(self, rows: list[list[int]], max_new_tokens: int) -> list[list[int]]:
