@@ -200,10 +200,10 @@ class Client:
                 if response.status_code not in RETRYABLE_STATUS:
                     break
                 why = f"it answered {response.status_code}"
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
-                why = f"{type(e).__name__}: {e}"
             except httpx.TimeoutException:
                 why = f"no answer to {method} {path} within {self.http.timeout.read:.0f} s"
+            except httpx.TransportError as e:  # refused, reset, closed mid-answer: whatever the socket says
+                why = f"{type(e).__name__}: {e}"
             pause = min(0.25 * 2**attempt, 4.0)
             if time.monotonic() - start + pause > self.retry:
                 if self.down_since is None:
