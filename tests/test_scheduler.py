@@ -1,8 +1,11 @@
 """The one scheduler every client drives, and the split between a client's request and the engine's sequence."""
 
 import dataclasses
+import gc
 
 import pytest
+from conftest import HAS_LLAMA
+from tiny import save_gguf, tiny_model
 
 from roads_to_rome.core.engine import Cancelled, Engine, Failure, Scheduler
 from roads_to_rome.core.request import Request, Step
@@ -139,6 +142,53 @@ def test_an_error_in_a_step_fails_the_sequences_in_it_and_the_scheduler_goes_on(
     with pytest.raises(RuntimeError, match="boom"):  # an offline run raises the error itself
         monkeypatch.setattr(engine.writer, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
         engine.run([Request([1, 2, 3], params)])
+
+
+@pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python is not installed")
+def test_a_failed_step_or_read_gives_its_llamacpp_sequences_back_at_once(tokenizer, llm, tmp_path, monkeypatch):
+    """llama.cpp holds a fixed number of sequences. A request that fails (its LLM call, its prompt's read, its
+    joining) gives its rows back then, not when the garbage collector gets to the failure's traceback, which
+    keeps the batch and its caches: with the collector off, two requests still find two sequences free."""
+    from roads_to_rome.backends.llamacpp import LlamaCppBackend
+
+    save_gguf(tiny_model(tokenizer, hidden=32, seed=0), tokenizer, tmp_path / "slm.gguf")
+    slm = LlamaCppBackend(tmp_path / "slm.gguf", name="tiny-slm", n_ctx=1024, max_rows=2, vocab_size=len(tokenizer))
+    engine = Engine(slm, llm, tokenizer, AlwaysLLM(), verify="off")
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prompts = [engine.encode_chat(p) for p in PROMPTS[:2]]
+    alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+
+    def run_two(failing: tuple | None):
+        """Two requests at once; `failing`: (backend, method, n) makes that method's n-th call fail."""
+        scheduler = Scheduler(engine, prefill_chunk=8)
+        sequences = [engine.sequence(Request(p, params)) for p in prompts]
+        if failing is not None:
+            backend, name, n = failing
+            method, calls = getattr(backend, name), []
+
+            def broken(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == n:
+                    raise RuntimeError("boom")
+                return method(*args, **kwargs)
+
+            monkeypatch.setattr(backend, name, broken)
+        for s in sequences:
+            scheduler.add(s)
+        events = drive(scheduler)
+        monkeypatch.undo()
+        return sequences, events
+
+    gc.disable()
+    try:
+        # The LLM's call in a step; the SLM's reads of a prompt's chunks and of a newcomer joining the batch.
+        for failing in [(llm, "forward", 1), (slm, "read", 2), (slm, "read", 4), (slm, "read", 5)]:
+            _, events = run_two(failing)
+            assert any(isinstance(e, Failure) for e in events), failing
+            sequences, events = run_two(None)  # both sequences free again
+            assert [s.generation.token_ids for s in sequences] == alone, failing
+    finally:
+        gc.enable()
 
 
 def test_an_offline_run_of_more_requests_than_the_backend_holds_queues_them(slm, llm, tokenizer, monkeypatch):

@@ -171,3 +171,15 @@ def test_step_costs_are_measured_with_the_rows_asked(slm):
     assert set(table) == {1, 4, 12, 15} and all(ms > 0 for ms in table.values())
     assert shapes.unmeasured_batches(shapes.Plan((TINY,), batches=(1, 2, 4)), {"2": {}}, None) == [4]
     assert shapes.unmeasured_batches(shapes.Plan((TINY,), batches=(1, 2, 4)), {}, 2) == [2]
+
+
+def test_the_llm_that_agrees_at_a_rate_keeps_every_deferred_token_at_rate_one_on_torch(slm, llm, tokenizer):
+    """What the grouped runs put in place of a real pair's agreement, over torch's logits (inference tensors)."""
+    from roads_to_rome.core.verification import Deferral
+
+    engine = Engine(slm, shapes.AgreesAtRate(llm, 1.0), tokenizer, RandomPolicy(0.3, seed=0),
+                    defer=Deferral("continue", 1.0, 4))
+    prompts = [engine.encode_chat(p) for p in ("What is 48 / 2?", "def add(a, b):", "Count to five.")]
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert sum(g.deferred for g in gens) > 0
+    assert [g.deferred_kept for g in gens] == [g.deferred for g in gens]

@@ -407,10 +407,11 @@ class AgreesAtRate:
     def forward_all(self, cache, new_ids, attention_mask, n):
         logits = self.inner.forward_all(cache, new_ids, attention_mask, n)
         rows, width = new_ids.shape
-        for k in range(logits.shape[1] - 1):  # the last column's next token is not written yet
-            column = width - logits.shape[1] + k + 1  # where the token that logits[:, k] predicts sits in new_ids
-            for row in np.flatnonzero(self.rng.random(rows) < self.rate):
-                logits[row, k, new_ids[row, column]] = logits[row, k].max() + 1
+        with torch.inference_mode():  # torch's logits are inference tensors: written in place only in this mode
+            for k in range(logits.shape[1] - 1):  # the last column's next token is not written yet
+                column = width - logits.shape[1] + k + 1  # where the token that logits[:, k] predicts sits in new_ids
+                for row in np.flatnonzero(self.rng.random(rows) < self.rate):
+                    logits[row, k, new_ids[row, column]] = logits[row, k].max() + 1
         return logits
 
 

@@ -48,6 +48,7 @@ from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 # recovers most of the accuracy the router alone misses for little more LLM share (docs: "Verification on
 # catch-up"). A model alone (the slm or llm policy, a request that forces one) is not verified unless asked.
 DEFAULT_VERIFY = "1"
+NO_ROWS = torch.empty(0, dtype=torch.long)  # the `select_rows` index that keeps none: a cache lets go of every row
 RATE_CATCH_UP_TOKENS = 16  # a request aiming at an LLM rate makes up a shortfall over this many tokens (_threshold)
 
 
@@ -311,6 +312,7 @@ class Scheduler:
         except Exception as e:  # only this sequence was being read: only it fails
             if self.reading and self.reading[0][0] is s:
                 self.reading.popleft()
+            prefill.release()
             left.append(self._leave(s, Failure(s, e)))
         return left
 
@@ -327,7 +329,8 @@ class Scheduler:
         try:
             steps = self.batch.step()
         except Exception as e:  # a step runs every row at once: fail the sequences in it, start a fresh batch
-            self.batch = Batch(self.engine)
+            failed, self.batch = self.batch, Batch(self.engine)
+            failed.release()
             return events + [self._leave(s, Failure(s, e)) for s in before]
         events += [self._leave(step.sequence, step) if step.finished else step for step in steps]
         # Cancelled sequences left the batch at this step without a last Step.
@@ -364,6 +367,11 @@ class Prefill:
             end = min(cache.length + chunk, self.goal)
             if end > cache.length:
                 model.read(cache, self.ids[:, cache.length : end], torch.ones_like(self.ids[:, :end]))
+
+    def release(self) -> None:
+        """Give back what the caches hold now (see `Batch.release`)."""
+        for model, cache in zip(self.models, self.caches):
+            model.select_rows(cache, NO_ROWS)
 
 
 class Batch:
@@ -416,17 +424,22 @@ class Batch:
         # alone: cut it to what the batch's cache covers and pad it to the batch's columns (positions count
         # real tokens only, so padding it afterwards changes nothing).
         joining = []
-        for k, (backend, cache) in enumerate(self._caches()):
-            if not cache.length:
-                continue
-            fresh = prefill.caches[k] if prefill else backend.new_cache()
-            keep = max(0, min(fresh.length, cache.length - pad))
-            backend.truncate(fresh, keep)  # (to 0: reused as new, holding no more rows than the request needs)
-            if keep:
-                backend.pad_left(fresh, pad)
-            if fresh.length < cache.length:
-                backend.read(fresh, ids[:, fresh.length : cache.length], mask[:, : cache.length])
-            joining.append((backend, cache, fresh))
+        try:
+            for k, (backend, cache) in enumerate(self._caches()):
+                if not cache.length:
+                    continue
+                fresh = prefill.caches[k] if prefill else backend.new_cache()
+                joining.append((backend, cache, fresh))
+                keep = max(0, min(fresh.length, cache.length - pad))
+                backend.truncate(fresh, keep)  # (to 0: reused as new, holding no more rows than the request needs)
+                if keep:
+                    backend.pad_left(fresh, pad)
+                if fresh.length < cache.length:
+                    backend.read(fresh, ids[:, fresh.length : cache.length], mask[:, : cache.length])
+        except BaseException:
+            for backend, _, fresh in joining:  # now: the error's traceback keeps them (see `release`)
+                backend.select_rows(fresh, NO_ROWS)
+            raise
         for backend, cache, fresh in joining:
             backend.append_rows(cache, fresh)
         self._set(torch.cat([self.ids, ids]), torch.cat([self.mask, mask]))
@@ -460,6 +473,15 @@ class Batch:
         yield self.engine.writer, self.writer_cache
         if self.llm_cache is not None:
             yield self.engine.llm, self.llm_cache
+
+    def release(self) -> None:
+        """Let go of every row now. A dropped batch gives back what its caches hold (llama.cpp: one of a fixed
+        number of sequences per row) when it is collected, and a failed step's traceback, which refers to it,
+        puts that off until the garbage collector runs: the next requests would find no sequence free."""
+        for backend, cache in self._caches():
+            backend.select_rows(cache, NO_ROWS)
+        self.sequences = []
+        self._set(None, None)
 
     def _pad_left(self, n: int) -> None:
         self._set(*pad_columns_left(self.ids, self.mask, n, self.engine.pad_id))
