@@ -97,15 +97,17 @@ browser:
 demo: models
 	$(BIN)/r2r generate "$(DEMO_QUESTION)" --max-new-tokens 384
 
-# The renderers go into the package first; pytest (not `python -m pytest`, which would put the checkout on the
-# import path) then tests the installed wheel.
+# The renderers go into the package first; ruff checks the tree (its rules are in pyproject.toml); pytest (not
+# `python -m pytest`, which would put the checkout on the import path) then tests the installed wheel.
 test: web browser vllm models-bf16
 	@$(MAKE) --no-print-directory $(PACKAGE)
+	$(BIN)/ruff check
 	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs --durations=20
 
 # Unit tests on tiny models only: no model download, seconds.
 test-fast: web
 	@$(MAKE) --no-print-directory $(PACKAGE)
+	$(BIN)/ruff check
 	R2R_TEST_INSTALLED=1 $(BIN)/pytest -q -m "not e2e"
 
 bench: models

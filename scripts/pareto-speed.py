@@ -50,7 +50,8 @@ def main():
                            "llm_rate": s["llm_rate"], "tokens_per_s": speeds[name]})
     for name, speed in speeds.items():
         if name.startswith("speculative"):
-            points.append({"system": name, "accuracy": systems["llm"]["accuracy"], "ci95": systems["llm"]["accuracy_ci95"],
+            points.append({"system": name, "accuracy": systems["llm"]["accuracy"],
+                           "ci95": systems["llm"]["accuracy_ci95"],
                            "llm_rate": None, "tokens_per_s": speed})
     if not points:
         sys.exit("error: no system is in both the eval results and the bench run")

@@ -71,5 +71,6 @@ print("measured on", processor())
 for system, stats in panes.items():
     print(f"{system:4} {stats}")
 Path(args.out).with_suffix(".json").write_text(json.dumps(
-    {"question": args.question, "processor": processor(), "backend": args.backend, "verify": args.verify, "panes": panes}, indent=1))
+    {"question": args.question, "processor": processor(), "backend": args.backend, "verify": args.verify,
+     "panes": panes}, indent=1))
 print("wrote", args.out)

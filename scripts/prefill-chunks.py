@@ -10,7 +10,7 @@ slm, llm, tok = load_pair(None, None, "cpu", backend="llamacpp")
 ids = torch.tensor([list(range(1000, 2024))])
 for name, m in (("slm", slm), ("llm", llm)):
     for chunk in (16, 32, 64, 128, 256, 512):
-        cache = m.new_cache(); t = time.perf_counter()
+        cache, t = m.new_cache(), time.perf_counter()
         for lo in range(0, 1024, chunk):
             m.forward(cache, ids[:, lo:lo+chunk], torch.ones(1, lo+chunk, dtype=torch.long))
         dt = time.perf_counter() - t

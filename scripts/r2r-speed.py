@@ -2,7 +2,9 @@
 time, greedy) at whatever commit of the package is importable: for before/after checks of the decode loop, e.g.
 
     git worktree add /tmp/before <commit>
-    for i in 1 2 3; do PYTHONPATH=/tmp/before python scripts/r2r-speed.py; PYTHONPATH=. python scripts/r2r-speed.py; done
+    for i in 1 2 3; do
+      PYTHONPATH=/tmp/before python scripts/r2r-speed.py; PYTHONPATH=. python scripts/r2r-speed.py
+    done
 
 Commits before the package was renamed `roads_to_rome` (the `r2r` layout) work too. Alternating runs in one session
 give the noise band; nothing else should run meanwhile."""
@@ -48,11 +50,13 @@ for backend, verify in [(b, v) for b in args.backend or ["llamacpp"] for v in ar
     for p in prompts:
         gen = engine.generate([p], SamplingParams(max_new_tokens=args.tokens))[0]
         tokens, llm_tokens = tokens + len(gen.token_ids), llm_tokens + gen.llm_tokens
-        rollbacks, discarded, calls = rollbacks + gen.rollbacks, discarded + gen.discarded, calls + gen.timings.llm_calls
+        rollbacks, discarded = rollbacks + gen.rollbacks, discarded + gen.discarded
+        calls += gen.timings.llm_calls
         steps, slm_s, llm_s = steps + gen.timings.steps, slm_s + gen.timings.slm_s, llm_s + gen.timings.llm_s
     seconds = time.perf_counter() - start
     print(json.dumps({"package": package.__file__, "backend": backend, "verify": verify, "tokens": tokens,
                       "llm_rate": round(llm_tokens / tokens, 4), "llm_calls": calls, "rollbacks": rollbacks,
                       "discarded": discarded, "steps": steps,
-                      "slm_s": round(slm_s, 2), "llm_s": round(llm_s, 2), "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2)}),
+                      "slm_s": round(slm_s, 2), "llm_s": round(llm_s, 2), "seconds": round(seconds, 2),
+                      "tokens_per_s": round(tokens / seconds, 2)}),
           flush=True)

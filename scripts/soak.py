@@ -137,7 +137,8 @@ def ask(client: httpx.Client, payload: dict, leave_after: int | None = None) -> 
 def bad(client: httpx.Client, raw: bytes) -> str:
     reply = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     shaped = isinstance(reply.json().get("error"), dict)
-    return f"refused {reply.status_code}" if 400 <= reply.status_code < 500 and shaped else f"bad body {reply.status_code}"
+    refused = 400 <= reply.status_code < 500 and shaped
+    return f"refused {reply.status_code}" if refused else f"bad body {reply.status_code}"
 
 
 def usage(process: psutil.Process) -> dict:

@@ -83,8 +83,9 @@ def run_cli(monkeypatch, capsys):
 
 
 HAS_LLAMA = importlib.util.find_spec("llama_cpp") is not None
-BACKENDS = ["torch", "torch-static", pytest.param("llamacpp", marks=pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python "
-                                                                      "is not installed"))]
+BACKENDS = ["torch", "torch-static",
+            pytest.param("llamacpp",
+                         marks=pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python is not installed"))]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -196,7 +197,8 @@ class LlamaServer:
 
     def own_greedy(self, ids: list[int], n: int) -> list[int]:
         out = httpx.post(self.url + "/completion", json={"prompt": ids, "n_predict": n, "temperature": 0,
-                                                         "ignore_eos": True, "return_tokens": True, "cache_prompt": False},
+                                                         "ignore_eos": True, "return_tokens": True,
+                                                         "cache_prompt": False},
                          timeout=120).json()
         return out["tokens"]
 
@@ -210,7 +212,8 @@ class VllmServer(LlamaServer):
 
     def __init__(self, model_dir: Path, name: str = "tiny", max_len: int = 512, threads: int = 1,
                  dtype: str = "float32"):
-        self.model_dir, self.name, self.max_len, self.threads, self.port = model_dir, name, max_len, threads, free_port()
+        self.model_dir, self.name, self.max_len, self.threads = model_dir, name, max_len, threads
+        self.port = free_port()
         self.dtype = dtype
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = None

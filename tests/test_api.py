@@ -17,7 +17,8 @@ def test_every_public_name_resolves():
 
 def test_importing_the_package_imports_no_torch():
     code = "import sys, roads_to_rome; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
 
 
 def test_the_public_names_run_a_pair(slm, llm, tokenizer):

@@ -55,8 +55,8 @@ def test_always_one_model_equals_generate_on_cuda(pair, tokenizer, policy, role)
 def test_cuda_equals_the_cpu(pair, tokenizer, slm, llm):
     """The graphed CUDA path writes the CPU's tokens under mixed routing (fp32 tiny models: far-apart logits)."""
     outputs = []
-    for s, l in (pair, (slm, llm)):
-        engine = Engine(s, l, tokenizer, RandomPolicy(0.3, seed=0))
+    for small, large in (pair, (slm, llm)):
+        engine = Engine(small, large, tokenizer, RandomPolicy(0.3, seed=0))
         outputs.append([g.token_ids for g in engine.generate(encode(engine), SamplingParams(max_new_tokens=N_TOKENS))])
     assert outputs[0] == outputs[1]
     sizes = {size for steps in pair[1].pool.graphs.values() for size in steps}
@@ -112,8 +112,8 @@ def test_the_graphs_record_the_compiled_trunk_with_the_uncompiled_tokens(tokeniz
              for h, s in ((32, 0), (64, 1))]
     assert plain[0].compiled_trunk is None and "torch.compile" not in plain[0].kernels
     outputs = []
-    for s, l in (pair, plain):
-        engine = Engine(s, l, tokenizer, RandomPolicy(0.3, seed=0))
+    for small, large in (pair, plain):
+        engine = Engine(small, large, tokenizer, RandomPolicy(0.3, seed=0))
         results = engine.generate(encode(engine), SamplingParams(max_new_tokens=N_TOKENS))
         outputs.append([(g.token_ids, g.sources) for g in results])
     assert outputs[0] == outputs[1]

@@ -210,7 +210,8 @@ def test_paired_counts_and_the_speed_pareto_scripts(tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert points["r2r+verify=1"]["tokens_per_s"] == 20.0 and points["r2r+verify=1"]["accuracy"] == 0.9
     assert points["speculative k=4"]["accuracy"] == 0.8 and points["llm"]["tokens_per_s"] == 27.0
-    missing = subprocess.run([sys.executable, scripts / "pareto-speed.py", tmp_path / "nowhere", tmp_path / "bench.json",
+    missing = subprocess.run([sys.executable, scripts / "pareto-speed.py", tmp_path / "nowhere",
+                              tmp_path / "bench.json",
                               tmp_path / "x.png"], capture_output=True, text=True)
     assert missing.returncode != 0 and "not found" in missing.stderr and "Traceback" not in missing.stderr
 

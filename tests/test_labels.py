@@ -221,7 +221,8 @@ def test_on_policy_margin_labels(tmp_path, slm, llm, tokenizer):
     responses = {r["id"]: r for r in labels.Parts(tmp_path / "d", "responses").rows()}
     slm_alone = Engine.alone(slm, tokenizer, "slm")
     for r in list(responses.values())[:2]:  # the SLM's own greedy responses
-        assert slm_alone.generate([r["prompt_ids"]], SamplingParams(max_new_tokens=24))[0].token_ids == r["response_ids"]
+        assert slm_alone.generate([r["prompt_ids"]],
+                                  SamplingParams(max_new_tokens=24))[0].token_ids == r["response_ids"]
     assert not any(c["position"] >= 0 for c in labels.Parts(tmp_path / "d", "continuations").rows())  # no branches
     labels_of = {label: [x for x in rows if x["label"] == label] for label in ("identical", "neutral", "divergent")}
     assert all(labels_of.values())

@@ -128,11 +128,17 @@ def test_no_import_cycles():
             visit(name, [name])
 
 
-def test_help_imports_no_torch():
-    """`r2r --help` and every command's --help answer without loading torch or transformers."""
-    code = ("import sys\nfrom roads_to_rome.cli.main import app\n"
-            "for args in (['--help'], ['generate', '--help'], ['bench', 'steps', '--help'], ['label', 'run', '--help']):\n"
-            "    try:\n        app(args)\n    except SystemExit:\n        pass\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+def test_help_and_argument_errors_import_no_torch():
+    """`r2r --help`, every command's --help and a bad argument answer through the command's own entry point without
+    importing torch, transformers or the hub's client: those take seconds to import."""
+    code = ("import sys\nfrom roads_to_rome.cli.main import main\n"
+            "for args in (['--help'], ['generate', '--help'], ['bench', 'steps', '--help'],\n"
+            "             ['label', 'run', '--help'], ['generate'], ['serve', '--port', 'x'],\n"
+            "             ['eval', 'run', '--tasks', 'gsm8k', '--bogus']):\n"
+            "    sys.argv = ['r2r', *args]\n"
+            "    try:\n        main()\n    except SystemExit as e:\n        print(args, e.code)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'huggingface_hub') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    codes = [line for line in out.splitlines() if line.startswith("[") and line.endswith(("0", "2"))]
+    assert [c.rsplit(" ", 1)[1] for c in codes] == ["0"] * 4 + ["2"] * 3, out
     assert out.strip().splitlines()[-1] == "[]"

@@ -39,7 +39,8 @@ def make_checkpoint(slm, threshold=0.5):
 def test_router_save_load_round_trips_bit_exactly(slm, tmp_path):
     ckpt = make_checkpoint(slm, threshold=0.37)
     save_router(tmp_path / "r", ckpt)
-    assert json.loads((tmp_path / "r" / "router.json").read_text())["slm"]["embedding_hash"] == ckpt.slm["embedding_hash"]
+    saved = json.loads((tmp_path / "r" / "router.json").read_text())
+    assert saved["slm"]["embedding_hash"] == ckpt.slm["embedding_hash"]
     loaded = load_router(tmp_path / "r", ckpt.slm)
     assert loaded.threshold == 0.37
     for (name, a), (_, b) in zip(ckpt.router.state_dict().items(), loaded.router.state_dict().items()):

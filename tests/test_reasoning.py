@@ -32,7 +32,8 @@ QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.g
 # `</think>` to drop earlier turns' thinking.
 R1_FIRST_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}{% else %}"
                      "{% set content = m['content'].split('</think>')[-1] %}<｜Assistant｜>{{ content }}"
-                     "<｜end▁of▁sentence｜>{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
+                     "<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+                     "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
 
 R1, QWEN3 = ReasoningParser("deepseek_r1"), ReasoningParser("qwen3")
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_train import planted_dataset
-
 from transformers import AutoModelForCausalLM
 
 from roads_to_rome.backends.torch_backend import TorchBackend

@@ -16,7 +16,8 @@ def test_the_tolerance_rule_is_the_log_probability_gap():
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
         logits = torch.randn(50, generator=generator) * 3
-        token, tolerance = int(torch.randint(50, (), generator=generator)), float(torch.rand((), generator=generator) * 4)
+        token = int(torch.randint(50, (), generator=generator))
+        tolerance = float(torch.rand((), generator=generator) * 4)
         best = int(logits.argmax())
         logp = torch.log_softmax(logits.double(), -1)
         gap = float(logp[best] - logp[token])
@@ -32,7 +33,8 @@ def test_speculative_acceptance_is_min_one_p_over_q():
         if ratio >= 1:  # kept whatever the draw
             assert speculative_residual(target, draft, token, torch.tensor(0.999)) is None
         else:
-            assert speculative_residual(target, draft, token, torch.tensor(max(ratio - 1e-3, 0.0))) is None or ratio == 0
+            below = torch.tensor(max(ratio - 1e-3, 0.0))
+            assert speculative_residual(target, draft, token, below) is None or ratio == 0
             assert speculative_residual(target, draft, token, torch.tensor(ratio + 1e-3)) is not None
 
 

@@ -196,7 +196,8 @@ def test_strict_verification_streams_the_llms_own_answer(client):
         whole = chat(client, prompt, max_tokens=30, extra_body=knobs)
         assert whole.model_extra["r2r"]["token_ids"] == llm_only.model_extra["r2r"]["token_ids"]
         chunks = list(chat(client, prompt, max_tokens=30, stream=True, extra_body=knobs))
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == llm_only.choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == llm_only.choices[0].message.content
         provenance = [c.model_extra["r2r"] for c in chunks if c.model_extra.get("r2r")]
         assert [p["token_id"] for p in provenance] == whole.model_extra["r2r"]["token_ids"]
         assert {p["source"] for p in provenance} <= {"slm", "llm", "fix"}  # the random policy draws anew each time

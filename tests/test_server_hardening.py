@@ -526,7 +526,8 @@ def test_soak_8_clients_200_requests_of_every_kind(engine):
         assert all(run(20, 200))
         assert_idle_soon(url)
         assert rss() <= 1.10 * rss_after_20
-        # No request, sequence or job is kept. (type(), not isinstance: that would touch lazy proxies, importing modules.)
+        # No request, sequence or job is kept. (type(), not isinstance: that would touch lazy proxies, importing
+        # modules.)
         assert not [o for o in gc.get_objects() if type(o) in (Request, Sequence, Job)]
         for _ in range(40):  # client threads that just finished take a moment to exit
             if process.num_threads() <= threads:

@@ -115,7 +115,8 @@ def test_cost_model_of_routing_and_of_a_models_calls():
 def test_a_cheap_llm_makes_routing_pay_less_than_a_dear_one():
     slm = {1: 40.0, 64: 400.0}
     cheap, dear = {1: 80.0, 64: 650.0}, {1: 900.0, 64: 3000.0}
-    gain = {name: shapes.predicted_routing_tok_s(slm, llm, 0.15, [150], 64) / shapes.predicted_alone_tok_s(llm, [150], 64)
+    gain = {name: shapes.predicted_routing_tok_s(slm, llm, 0.15, [150], 64)
+            / shapes.predicted_alone_tok_s(llm, [150], 64)
             for name, llm in (("cheap", cheap), ("dear", dear))}
     assert gain["dear"] > 2 * gain["cheap"]
 
@@ -145,7 +146,8 @@ def test_the_cost_model_at_a_batch_routes_a_step_when_any_row_is_routed():
     steps = np.flatnonzero(np.random.default_rng(0).random(tokens) < share)  # one row: the same draws as before
     assert one == [10 + int(steps[0])] + np.diff(steps).tolist()
     ms = {1: 10.0, 100: 208.0}
-    assert shapes.predicted_alone_tok_s(ms, [10], 5, rows=4) == pytest.approx(4 * shapes.predicted_alone_tok_s(ms, [10], 5))
+    alone = shapes.predicted_alone_tok_s(ms, [10], 5)
+    assert shapes.predicted_alone_tok_s(ms, [10], 5, rows=4) == pytest.approx(4 * alone)
 
 
 def test_batched_rows_carry_the_cost_model_where_batched_step_costs_were_measured():

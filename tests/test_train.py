@@ -121,7 +121,8 @@ def test_unjudged_positions_count_toward_the_rate_but_never_as_positives():
     # Answer labels roll out a sample of differing positions: the rest are `unparseable`. The router routes them
     # too, so they count toward the LLM rate, but AUC compares judged tokens only.
     labels = ["divergent", "unparseable", "unparseable", "neutral", "identical", "identical"]
-    data = training.Features(torch.zeros(6, 2), torch.zeros(6, dtype=torch.long), torch.zeros(6, 1), torch.zeros(6), labels,
+    data = training.Features(torch.zeros(6, 2), torch.zeros(6, dtype=torch.long), torch.zeros(6, 1), torch.zeros(6),
+                             labels,
                              torch.zeros(6), torch.zeros(6, dtype=torch.long), ["p0"])
     scores = torch.tensor([0.5, 0.9, 0.8, 0.4, 0.1, 0.2])
     assert training.judged_auc(scores, data, "divergent") == 1.0  # the unjudged high scorers are not negatives
@@ -218,6 +219,7 @@ def test_router_checkpoint_round_trip_keeps_the_calibrated_threshold(slm, tmp_pa
 ])
 def test_recall_is_measured_on_divergent_tokens_when_there_are_some(labels, measured):
     n = len(labels)
-    data = training.Features(torch.zeros(n, 4), torch.zeros(n, dtype=torch.long), torch.zeros(n, 2), torch.zeros(n), labels,
+    data = training.Features(torch.zeros(n, 4), torch.zeros(n, dtype=torch.long), torch.zeros(n, 2), torch.zeros(n),
+                             labels,
                              torch.zeros(n), torch.zeros(n, dtype=torch.long), ["p"])
     assert training.recall_measured_on(data) == measured

@@ -15,7 +15,8 @@ each. Conventions shared by every member:
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 

@@ -46,7 +46,8 @@ class RemoteCache:
     length: int = 0  # columns of the token streams already read
 
 
-ServerToken = tuple[int, dict[int, float]]  # a token the server chose greedily, and the top log-probabilities it chose from
+# a token the server chose greedily, and the top log-probabilities it chose from
+ServerToken = tuple[int, dict[int, float]]
 
 
 class ServerApi:
@@ -56,7 +57,7 @@ class ServerApi:
     engine: str
     prefix_cache = "per token"  # how the server's prefix cache reuses a row's tokens, as `kernels` names it
 
-    def __init__(self, client: "Client", model: str | None):
+    def __init__(self, client: Client, model: str | None):
         self.client = client
         models = client.get("/v1/models")["data"]
         self.model = pick_model(models, model, client.url)
@@ -68,7 +69,7 @@ class LlamaServerApi(ServerApi):
 
     engine = "llamacpp"
 
-    def __init__(self, client: "Client", model: str | None):
+    def __init__(self, client: Client, model: str | None):
         super().__init__(client, model)
         meta, props = self.card.get("meta", {}), client.get("/props")
         self.max_context = int(props.get("default_generation_settings", {}).get("n_ctx") or meta.get("n_ctx") or 0)
@@ -98,7 +99,7 @@ class VllmApi(ServerApi):
 
     engine = "vllm"
 
-    def __init__(self, client: "Client", model: str | None):
+    def __init__(self, client: Client, model: str | None):
         super().__init__(client, model)
         self.max_context = int(self.card.get("max_model_len") or 0)
         self.num_params = 0  # vLLM does not say; `?params=` in the address does
@@ -106,10 +107,12 @@ class VllmApi(ServerApi):
         self.prefix_cache = vllm_prefix_cache(client)
 
     def tokenize(self, text: str) -> list[int]:
-        return self.client.post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})["tokens"]
+        return self.client.post("/tokenize", {"model": self.model, "prompt": text,
+                                              "add_special_tokens": False})["tokens"]
 
     def greedy(self, ids: list[int], n: int, top: int) -> list[ServerToken]:
-        out = self.client.post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": n, "temperature": 0,
+        out = self.client.post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": n,
+                                                   "temperature": 0,
                                                    "logprobs": top, "return_tokens_as_token_ids": True})
         logprobs = out["choices"][0].get("logprobs") or {}
         steps = []
@@ -118,7 +121,7 @@ class VllmApi(ServerApi):
         return steps
 
 
-def vllm_prefix_cache(client: "Client") -> str:
+def vllm_prefix_cache(client: Client) -> str:
     """How vLLM's prefix cache reuses a row, from its metrics: in whole KV blocks only, so each request re-reads
     up to a block's worth of tokens the server has seen (vLLM's CPU build defaults to 128-token blocks)."""
     try:
@@ -218,7 +221,8 @@ class Client:
                 message = response.json()["error"]["message"]
             except Exception:
                 message = response.text[:300]
-            raise RemoteError(f"the LLM server at {self.url} refused {method} {path} ({response.status_code}): {message}")
+            raise RemoteError(f"the LLM server at {self.url} refused {method} {path} ({response.status_code}): "
+                              f"{message}")
         if not as_json:
             return response.text
         try:

@@ -36,7 +36,8 @@ def kernels(**models) -> dict[str, str]:
 
 
 @torch.inference_mode()
-def bare_loop(model, prompt_ids: list[int], n_tokens: int, static: bool = False, forward=None) -> tuple[list[int], float]:
+def bare_loop(model, prompt_ids: list[int], n_tokens: int, static: bool = False,
+              forward=None) -> tuple[list[int], float]:
     """The floor for any engine: the SLM's forward with its KV cache and argmax, nothing else. Returns the
     tokens and tokens/s.
     `static`: a preallocated StaticCache (what torch.compile needs for fixed shapes); `forward`: the
@@ -88,7 +89,8 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
     if compile:
         compiled = torch.compile(model.forward, dynamic=False)
         started = time.perf_counter()
-        bare_loop(model, prompt_ids, n_tokens, static=True, forward=compiled)  # compiles for these shapes (minutes on a CPU)
+        # compiles for these shapes (minutes on a CPU)
+        bare_loop(model, prompt_ids, n_tokens, static=True, forward=compiled)
         compile_s = time.perf_counter() - started
         loops["static_compiled"] = lambda: bare_loop(model, prompt_ids, n_tokens, static=True, forward=compiled)[1]
     bare_loop(model, prompt_ids, 8)  # warm-up
@@ -123,7 +125,8 @@ def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshol
     seq = phase([(len(g.token_ids), g.llm_tokens) for g in one_by_one], sequential_s)
     bat = phase([(len(g.token_ids), g.llm_tokens) for g in batched], batched_s)
     return {"batch_size": batch_size, "dtype": dtype, "backend": backend, "device": str(slm_backend.device),
-            "kernels": kernels(slm=slm_backend, llm=llm_backend), "threshold": threshold, "sequential": seq, "batched": bat, "speedup": bat["tokens_per_s"] / seq["tokens_per_s"]}
+            "kernels": kernels(slm=slm_backend, llm=llm_backend), "threshold": threshold, "sequential": seq,
+            "batched": bat, "speedup": bat["tokens_per_s"] / seq["tokens_per_s"]}
 
 
 def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, context: int, new_tokens: list[int],
@@ -163,7 +166,8 @@ def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: lis
     systems, outputs = {}, {}
     for where, llm in llms.items():
         for name, engine in ((f"LLM alone ({where})", Engine.alone(llm, tokenizer, "llm")),
-                             (f"R2R ({where})", Engine(slm_b, llm, tokenizer, policies.build(kind, slm_b, None, router)))):
+                             (f"R2R ({where})", Engine(slm_b, llm, tokenizer,
+                                                                   policies.build(kind, slm_b, None, router)))):
             engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
             start = time.perf_counter()
             gens = [engine.generate([p], params)[0] for p in prompts]
@@ -224,20 +228,21 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
                 f["router"].append(routers[name].route(logits.to(slm.device), hidden.to(slm.device),
                                                         argmax.to(slm.device))[1].float().cpu())
         progress.advance(task)
-    t, l = ({k: torch.cat(v) if v else None for k, v in found[name].items()} for name in ("torch", "llamacpp"))
-    cosine = F.cosine_similarity(t["hidden"], l["hidden"], dim=-1)
+    t, lc = ({k: torch.cat(v) if v else None for k, v in found[name].items()} for name in ("torch", "llamacpp"))
+    cosine = F.cosine_similarity(t["hidden"], lc["hidden"], dim=-1)
     result = {"prompts": n_prompts, "positions": len(cosine), "dtype": dtype,
               "kernels": kernels(**{f"slm ({name})": b for name, (b, _) in slms.items()}),
               "hidden_cosine_mean": cosine.mean().item(), "hidden_cosine_min": cosine.min().item(),
-              "argmax_agreement": (t["argmax"] == l["argmax"]).float().mean().item(),
+              "argmax_agreement": (t["argmax"] == lc["argmax"]).float().mean().item(),
               "entropy_threshold": entropy_threshold,
               "entropy_decision_agreement": ((t["entropy"] >= entropy_threshold) ==
-                                             (l["entropy"] >= entropy_threshold)).float().mean().item()}
+                                             (lc["entropy"] >= entropy_threshold)).float().mean().item()}
     if routers:
         threshold = routers["torch"].threshold
-        gap = (t["router"] - l["router"]).abs()
+        gap = (t["router"] - lc["router"]).abs()
         result |= {"router": str(router_path), "router_threshold": threshold,
-                   "router_decision_agreement": ((t["router"] >= threshold) == (l["router"] >= threshold)).float().mean().item(),
+                   "router_decision_agreement":
+                       ((t["router"] >= threshold) == (lc["router"] >= threshold)).float().mean().item(),
                    "router_score_gap_mean": gap.mean().item(), "router_score_gap_max": gap.max().item()}
     return result
 
@@ -338,8 +343,8 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
     for r in results.values():
         r["vs_fastest_llm"] = r["tokens_per_s"] / results[fastest_llm]["tokens_per_s"]
     return {"prompts": n_prompts, "max_new_tokens": n_tokens, "dtype": dtype, "router": str(router_path or "entropy"),
-            "kernels": kernels(**{f"{role} ({name})": b for name, pair in pairs.items() for role, b in zip(("slm", "llm"),
-                                                                                                          pair[:2])}),
+            "kernels": kernels(**{f"{role} ({name})": b for name, pair in pairs.items()
+                                  for role, b in zip(("slm", "llm"), pair[:2])}),
             "baseline": fastest_llm, "systems": results}
 
 

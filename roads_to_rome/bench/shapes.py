@@ -492,7 +492,8 @@ def run_system(engine: Engine, prompts: list[list[int]], tokens: int, progress=Q
                "rollbacks_per_100": totals["rollbacks"] * per100, "discarded_per_100": totals["discarded"] * per100,
                "llm_calls_total": (engine.counters - counted).llm_calls,
                "routed_rows_per_call": (engine.counters - counted).routed_rows_per_call,
-               "deferred_accept": totals["deferred_kept"] / max(totals["deferred_kept"] + totals["deferred_replaced"], 1),
+               "deferred_accept": totals["deferred_kept"]
+               / max(totals["deferred_kept"] + totals["deferred_replaced"], 1),
                "deferred_discarded_per_100": totals["deferred_discarded"] * per100,
                "phases": phases}
     return totals

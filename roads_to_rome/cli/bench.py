@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.progress import Progress, TimeElapsedColumn
@@ -38,8 +37,9 @@ def bench_compare(
     ctx: typer.Context,
     prompts: int = count(4, "--prompts", help="GSM8K dev prompts (items 0..N-1), run one at a time."),
     tokens: int = count(128, "--tokens", help="Max new tokens per prompt."),
-    router_path: Optional[Path] = typer.Option(None, "--router-path", help="R2R's router (default: the shipped one, else entropy routing)."),
-    threshold: Optional[float] = typer.Option(None, "--threshold", help="R2R's threshold (default: the router's own)."),
+    router_path: Path | None = typer.Option(None, "--router-path",
+                                            help="R2R's router (default: the shipped one, else entropy routing)."),
+    threshold: float | None = typer.Option(None, "--threshold", help="R2R's threshold (default: the router's own)."),
     spec_k: str = typer.Option("4", "--spec-k", help="Comma-separated draft tokens per check, one speculative "
                                "system each (this engine: --router slm --verify strict --max-unverified k)."),
     verify: str = typer.Option("1", "--verify", help="Comma-separated verification settings, one R2R system each "
@@ -47,7 +47,7 @@ def bench_compare(
     max_unverified: MaxUnverified = None,
     backends: str = typer.Option("torch,llamacpp", "--backends", help="Which backends to run, comma-separated."),
     dtype: Dtype = "auto",
-    out: Optional[Path] = typer.Option(Path("runs/bench.json"), "--out", help="Write the figures as JSON here."),
+    out: Path | None = typer.Option(Path("runs/bench.json"), "--out", help="Write the figures as JSON here."),
 ):
     """Tokens/s of each model alone, speculative decoding and R2R (with and without verification), per backend,
     in one run."""
@@ -75,7 +75,8 @@ def bench_compare(
 def bench_backends(
     prompts: int = count(3, "--prompts", help="GSM8K dev prompts (items 0..N-1)."),
     tokens: int = count(128, "--tokens", help="Answer tokens per prompt (written by the SLM on llama.cpp)."),
-    router_path: Optional[Path] = typer.Option(None, "--router-path", help="Router to compare (default: the shipped one)."),
+    router_path: Path | None = typer.Option(None, "--router-path",
+                                            help="Router to compare (default: the shipped one)."),
     threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD, dtype: Dtype = "auto", out: Out = None,
 ):
     """Torch vs llama.cpp SLM features: hidden-state cosine, argmax and routing decisions agreement."""
@@ -94,7 +95,9 @@ def bench_backends(
 def bench_overhead(
     tokens: int = count(256, "--tokens", help="New tokens per generation."),
     rounds: int = count(3, "--rounds", help="Alternating rounds of each; medians are compared."),
-    compile: bool = typer.Option(False, "--compile", help="Also the static-cache loop compiled by torch.compile (minutes to compile on a CPU)."),
+    compile: bool = typer.Option(False, "--compile",
+                                 help="Also the static-cache loop compiled by torch.compile "
+                                 "(minutes to compile on a CPU)."),
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "auto", out: Out = None,
 ):
     """Engine overhead: R2R with the always-SLM policy against a bare SLM forward loop, same prompt."""
@@ -138,7 +141,7 @@ def bench_serve(
     defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
     rounds: int = count(1, "--rounds", help="Times over, the modes taking turns (figures pool the rounds; a "
                         "machine's speed drifts between minutes)."),
-    threshold: Optional[float] = typer.Option(None, "--threshold", help="The routing threshold (default: the "
+    threshold: float | None = typer.Option(None, "--threshold", help="The routing threshold (default: the "
                                               "policy's own)."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     out: Out = None,
@@ -244,8 +247,8 @@ def bench_shapes(
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On CUDA, reads of up to 64 tokens "
                                      "as CUDA graphs, or transformers' eager forwards (to see what graphs buy)."),
     compile: str = typer.Option("slm", "--compile", help="On CUDA, whose graphs record its trunk compiled by "
-                                "torch.compile: slm (the default, as r2r runs it), llm, slm,llm, or none (transformers' "
-                                "own kernels, to see what compiling buys)."),
+                                "torch.compile: slm (the default, as r2r runs it), llm, slm,llm, or none "
+                                "(transformers' own kernels, to see what compiling buys)."),
     defer: str = typer.Option("continue,park", "--defer", help="Deferral modes run beside lockstep R2R at each "
                               "batch above 1 (comma-separated: continue, park; empty: none)."),
     defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
@@ -267,7 +270,8 @@ def bench_shapes(
     shares = bench_shapes_module.parse_shares(llm_share)
     ks = whole_numbers(new_tokens, "--new-tokens")
     if backend not in ("llamacpp", "torch"):
-        raise R2RError(f"--backend for shapes is llamacpp (a built GGUF) or torch (from the configuration), got {backend!r}")
+        raise R2RError(f"--backend for shapes is llamacpp (a built GGUF) or torch (from the configuration), "
+                       f"got {backend!r}")
     settings = [parse_verify(v.strip()) for v in verify.split(",") if v.strip()]
     compiled = tuple(r.strip() for r in compile.split(",") if r.strip() and r.strip() != "none")
     if set(compiled) - {"slm", "llm"}:

@@ -5,8 +5,8 @@ Commands import the layers that load torch inside their bodies, so `r2r --help` 
 from __future__ import annotations
 
 import json
+import os
 import sys
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -24,8 +24,8 @@ from roads_to_rome.cli.options import (
     Device,
     Dtype,
     Llm,
-    MaxNewTokens,
     LlmRetry,
+    MaxNewTokens,
     MaxUnverified,
     ReasoningParserOpt,
     RouterOpt,
@@ -63,7 +63,7 @@ def generate(
     verify: Verify = None, max_unverified: MaxUnverified = None,
     defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
-    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     seed: Seed = None, as_json: AsJson = False, reasoning_parser: ReasoningParserOpt = "auto",
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     llm_retry: LlmRetry = None,
@@ -160,12 +160,12 @@ def serve(
     max_batch: int = count(8, "--max-batch", help="Requests decoding (or having their prompt read) at once."),
     max_queue: int = count(64, "--max-queue", help="Requests waiting for a slot (then 429)."),
     max_tokens: int = count(4096, "--max-tokens", help="The most new tokens a request may ask for."),
-    kv_cache_tokens: Optional[int] = typer.Option(None, "--kv-cache-tokens", min=1, help="llama.cpp: the KV-cache "
+    kv_cache_tokens: int | None = typer.Option(None, "--kv-cache-tokens", min=1, help="llama.cpp: the KV-cache "
                                                   "tokens all requests share, per model (default: --max-batch x "
                                                   "4096). A request holds prompt + max_tokens of them while it runs."),
     prefill_chunk: int = count(64, "--prefill-chunk", help="Prompt tokens read between two decode steps (running "
                                "streams keep going while a long prompt is read)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="R2R_API_KEY", help="Require 'Authorization: "
+    api_key: str | None = typer.Option(None, "--api-key", envvar="R2R_API_KEY", help="Require 'Authorization: "
                                           "Bearer KEY' on /v1/ (also from $R2R_API_KEY)."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0, help="On SIGINT/SIGTERM: seconds in-flight "
                                         "requests get to finish before they are cut (a second signal exits at once)."),
@@ -235,13 +235,12 @@ def models_status():
 
 
 def quiet_transformers():
-    """Our own progress bars and errors only: no per-load bars or advice from transformers."""
-    from huggingface_hub.utils import logging as hub_logging
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
-    hub_logging.set_verbosity_error()
+    """Our own progress bars and errors only: no per-load bars or advice from transformers or the hub. Through their
+    environment variables (read when they are first imported, so importing them here would slow every command down),
+    and only where the user has not set them."""
+    for name, value in (("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_VERBOSITY", "error"),
+                        ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
+        os.environ.setdefault(name, value)
 
 
 def main():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -16,37 +16,39 @@ console = Console()  # where the commands print
 RouterChoice = Enum("RouterChoice", {name: name for name in POLICIES}, type=str)
 
 # Options that many commands share, declared once.
-Slm = Annotated[Optional[str], typer.Option("--slm", help="SLM: local dir, .gguf file or hub id (default: the "
+Slm = Annotated[str | None, typer.Option("--slm", help="SLM: local dir, .gguf file or hub id (default: the "
                                             "prepared Qwen2.5-Coder-0.5B)")]
-Llm = Annotated[Optional[str], typer.Option("--llm", help="LLM: local dir, .gguf file, hub id, or the address of a "
+Llm = Annotated[str | None, typer.Option("--llm", help="LLM: local dir, .gguf file, hub id, or the address of a "
                                             "server running it (http://host:port, llama.cpp's server; "
                                             "?model=NAME picks a served model) (default: the prepared "
                                             "Qwen2.5-Coder-1.5B)")]
-LlmRetry = Annotated[Optional[float], typer.Option("--llm-retry", min=0.0, help="With --llm http://...: seconds a "
+LlmRetry = Annotated[float | None, typer.Option("--llm-retry", min=0.0, help="With --llm http://...: seconds a "
                                                   "failing call to the LLM's server (unreachable, 5xx, stalled) is "
                                                   "retried before the requests that need it fail (default 30).",
                                                   show_default=False)]
 Device = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
-Dtype = Annotated[str, typer.Option("--dtype", help="Weights and compute on torch: auto (bf16 on CUDA and on CPUs with native bf16, AVX512-BF16 or AMX; float32 on other CPUs), bfloat16, float16 or float32.")]
+Dtype = Annotated[str, typer.Option("--dtype",
+                                    help="Weights and compute on torch: auto (bf16 on CUDA and on CPUs with native "
+                                    "bf16, AVX512-BF16 or AMX; float32 on other CPUs), bfloat16, float16 or float32.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (llama.cpp on a CPU for GGUF files, the default "
                                       "pair's included, when it is installed; torch on CUDA and for model "
                                       "directories), torch (transformers) or llamacpp, for both models or per role: "
                                       "slm=llamacpp,llm=torch. --dtype and --device apply to torch.")]
-RouterOpt = Annotated[Optional[RouterChoice], typer.Option("--router", show_default=False, help="Routing policy "
+RouterOpt = Annotated[RouterChoice | None, typer.Option("--router", show_default=False, help="Routing policy "
                                                            "(default: the shipped router for the default pair, "
                                                            "entropy for other pairs).")]
-Threshold = Annotated[Optional[float], typer.Option("--threshold", help="router: probability; entropy: nats; "
+Threshold = Annotated[float | None, typer.Option("--threshold", help="router: probability; entropy: nats; "
                                                     "random: LLM rate")]
-RouterPath = Annotated[Optional[Path], typer.Option("--router-path", help="Router checkpoint directory (for "
+RouterPath = Annotated[Path | None, typer.Option("--router-path", help="Router checkpoint directory (for "
                                                     "--router router).")]
-Out = Annotated[Optional[Path], typer.Option("--out", help="Also write the figures as JSON here.")]
-Seed = Annotated[Optional[int], typer.Option("--seed")]
+Out = Annotated[Path | None, typer.Option("--out", help="Also write the figures as JSON here.")]
+Seed = Annotated[int | None, typer.Option("--seed")]
 JudgeKind = Annotated[str, typer.Option("--judge", help="local (the pair's LLM), remote, semantic, facts "
                                         "(numbers and names, no model) or answer (the LLM writes each branch to "
-                                        "its final answer; divergent when the answer changes) or margin (the LLM's log-probability gap "
-                                        "between its token and the SLM's, see --margin).")]
-JudgeUrl = Annotated[Optional[str], typer.Option("--judge-url", help="OpenAI-compatible base URL (remote judge).")]
-JudgeModel = Annotated[Optional[str], typer.Option("--judge-model", help="Model name at that endpoint (remote judge).")]
+                                        "its final answer; divergent when the answer changes) or margin (the LLM's "
+                                        "log-probability gap between its token and the SLM's, see --margin).")]
+JudgeUrl = Annotated[str | None, typer.Option("--judge-url", help="OpenAI-compatible base URL (remote judge).")]
+JudgeModel = Annotated[str | None, typer.Option("--judge-model", help="Model name at that endpoint (remote judge).")]
 EntropyThreshold = Annotated[float, typer.Option("--threshold", help="Entropy threshold (nats).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens")]
@@ -58,11 +60,11 @@ TopK = Annotated[int, typer.Option("--top-k", help="0 turns it off.")]
 def count(default: int, name: str, help: str | None = None):
     """A whole-number option that must be at least 1."""
     return typer.Option(default, name, min=1, help=help)
-Verify = Annotated[Optional[str], typer.Option("--verify", help="Check the SLM's tokens at each LLM catch-up: off, "
+Verify = Annotated[str | None, typer.Option("--verify", help="Check the SLM's tokens at each LLM catch-up: off, "
                                                "strict (the LLM's own output: lossless) or a tolerance in nats (keep "
                                                "a token the LLM finds within that of its own choice). Default: 1 "
                                                "when routing, off for --router slm or llm.", show_default=False)]
-Defer = Annotated[Optional[str], typer.Option("--defer", help="Whether a routed row's LLM token may wait for an LLM "
+Defer = Annotated[str | None, typer.Option("--defer", help="Whether a routed row's LLM token may wait for an LLM "
                                               "call grouped with other rows' (the server; a batch of prompts): off; "
                                               "continue (the row keeps the SLM's token and goes on; where the LLM's "
                                               "token differs, the row goes back to it); park (the row's tokens after "
@@ -70,16 +72,16 @@ Defer = Annotated[Optional[str], typer.Option("--defer", help="Whether a routed 
                                               "LLM runs on CUDA, off on a CPU (where grouping measured no faster: "
                                               "docs/benchmarks.md). Greedy output is the same either way.",
                                               show_default=False)]
-DeferGroup = Annotated[Optional[float], typer.Option("--defer-group", min=0.0, max=1.0, help="With --defer: the LLM "
+DeferGroup = Annotated[float | None, typer.Option("--defer-group", min=0.0, max=1.0, help="With --defer: the LLM "
                                                      "runs once this share of the batch's rows wait (default 0.6).",
                                                      show_default=False)]
-DeferSteps = Annotated[Optional[int], typer.Option("--defer-steps", min=1, help="With --defer: ... or once a routed "
+DeferSteps = Annotated[int | None, typer.Option("--defer-steps", min=1, help="With --defer: ... or once a routed "
                                                    "token has waited this many steps (default 16).",
                                                    show_default=False)]
 ReasoningParserOpt = Annotated[str, typer.Option("--reasoning-parser", help="Reasoning models' thinking "
                                                   "(<think>...</think>) apart from the answer: deepseek_r1, qwen3, "
                                                   "none, or auto (a parser when the chat template opens <think>).")]
-MaxUnverified = Annotated[Optional[int], typer.Option("--max-unverified", help="With --verify: catch up "
+MaxUnverified = Annotated[int | None, typer.Option("--max-unverified", help="With --verify: catch up "
                                                       "and check once this many tokens are unread by the LLM "
                                                       "(default: no limit). --router slm --verify strict "
                                                       "--max-unverified k is speculative decoding.")]

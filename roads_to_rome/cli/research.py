@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.progress import TimeRemainingColumn
@@ -80,15 +79,19 @@ label_app = typer.Typer(cls=DefaultRunGroup, no_args_is_help=True,
 
 def eval_command(
     benchmark: str = typer.Option(..., "--benchmark", help="gsm8k, aime2025, gpqa or humaneval."),
-    systems: str = typer.Option("slm,llm,entropy,random", "--systems", help="Comma-separated: slm,llm,r2r,entropy,random,"
+    systems: str = typer.Option("slm,llm,entropy,random", "--systems",
+                                help="Comma-separated: slm,llm,r2r,entropy,random,"
                                 "spec (speculative decoding: the SLM drafts --spec-k tokens, the LLM checks them)."),
-    ids: Optional[str] = typer.Option(None, "--ids", help="Items by position: 0-199, or 0,5,9-12 (default: all)."),
+    ids: str | None = typer.Option(None, "--ids", help="Items by position: 0-199, or 0,5,9-12 (default: all)."),
     max_new_tokens: int = count(512, "--max-new-tokens"),
     out: Path = typer.Option(Path("runs/eval"), "--out", help="Results go to OUT/BENCHMARK/."),
     router_path: RouterPath = None,
-    threshold: Optional[float] = typer.Option(None, "--threshold", help="r2r: the router's threshold (default: its calibrated one)."),
-    llm_rate: float = typer.Option(0.15, "--llm-rate", min=0, max=1, help="entropy/random target LLM rate when r2r is not among the systems."),
-    sweep: Optional[str] = typer.Option(None, "--sweep", help="Comma-separated r2r thresholds (or entropy LLM rates without a router)."),
+    threshold: float | None = typer.Option(None, "--threshold",
+                                           help="r2r: the router's threshold (default: its calibrated one)."),
+    llm_rate: float = typer.Option(0.15, "--llm-rate", min=0, max=1,
+                                   help="entropy/random target LLM rate when r2r is not among the systems."),
+    sweep: str | None = typer.Option(None, "--sweep",
+                                     help="Comma-separated r2r thresholds (or entropy LLM rates without a router)."),
     batch_size: int = count(1, "--batch-size", help="Items decoded together."),
     verify: str = typer.Option("off", "--verify", help="Comma-separated verification settings for r2r, entropy and "
                                "random (off, strict, tolerances in nats): one system each, e.g. r2r+verify=1."),
@@ -118,15 +121,19 @@ def train(
     datasets: list[Path] = typer.Argument(..., help="Label datasets (output directories of `r2r label`). With several, "
                                           "a prompt comes from the first that judged it: give answer labels "
                                           "first, facts labels after them."),
-    out: Path = typer.Option(Path("runs/router"), "--out", help="Checkpoint directory (router.safetensors + router.json)."),
-    objective: str = typer.Option("divergent", "--objective", help="divergent (the judge's verdict) or different (any mismatch)."),
+    out: Path = typer.Option(Path("runs/router"), "--out",
+                             help="Checkpoint directory (router.safetensors + router.json)."),
+    objective: str = typer.Option("divergent", "--objective",
+                                  help="divergent (the judge's verdict) or different (any mismatch)."),
     inputs: str = typer.Option("hidden,token,logits", "--inputs", help="Comma-separated router inputs."),
     dim: int = count(128, "--dim", help="Router width."),
     blocks: int = count(2, "--blocks", help="Residual blocks."),
-    target_rate: float = typer.Option(0.12, "--target-rate", help="Calibrate the threshold to this LLM rate on validation."),
+    target_rate: float = typer.Option(0.12, "--target-rate",
+                                      help="Calibrate the threshold to this LLM rate on validation."),
     seed: int = typer.Option(0, "--seed"),
     epochs: int = count(40, "--epochs", help="At most this many epochs (early stopping on validation AUC)."),
-    ablations: bool = typer.Option(False, "--ablations", help="Also train every input set x objective and print the table."),
+    ablations: bool = typer.Option(False, "--ablations",
+                                   help="Also train every input set x objective and print the table."),
     architecture: str = typer.Option("mlp", "--architecture", help="mlp (this project's router) or reference (the "
                                      "paper's reference router; `r2r router export` writes it for the reference's "
                                      "code)."),
@@ -145,14 +152,16 @@ def train(
     for skip in result["skipped"]:
         console.print(f"[yellow]ablation {skip['inputs']} / {skip['objective']} skipped: {skip['reason']}")
     console.print(tables.training(result, training.RATES))
-    console.print(f"router saved to {out} (threshold {result['runs'][0]['threshold']:.4f} for {target_rate:.0%} LLM tokens)")
+    threshold = result["runs"][0]["threshold"]
+    console.print(f"router saved to {out} (threshold {threshold:.4f} for {target_rate:.0%} LLM tokens)")
 
 
 def calibrate(
     router_path: Path = typer.Argument(..., help="A router checkpoint directory."),
     dataset: Path = typer.Argument(..., help="The label dataset it was trained on (its validation prompts are used)."),
-    target_rate: Optional[float] = typer.Option(None, "--target-rate", help="Set the threshold for this LLM rate."),
-    target_recall: Optional[float] = typer.Option(None, "--target-recall", help="Set it for this recall of divergent tokens."),
+    target_rate: float | None = typer.Option(None, "--target-rate", help="Set the threshold for this LLM rate."),
+    target_recall: float | None = typer.Option(None, "--target-recall",
+                                               help="Set it for this recall of divergent tokens."),
     write: bool = typer.Option(False, "--write", help="Store the chosen threshold in the checkpoint."),
     all_prompts: bool = typer.Option(False, "--all-prompts", help="Sweep on every prompt of DATASET, not its "
                                      "validation split: for a dataset the router was not trained on (e.g. margin "
@@ -178,7 +187,8 @@ def calibrate(
     console.print(f"plot: {result['plot']}")
     if result["chosen"]:
         chosen = result["chosen"]
-        console.print(f"threshold {chosen['threshold']:.4f}: LLM rate {chosen['rate']:.1%}, recall {chosen['recall']:.1%}")
+        console.print(f"threshold {chosen['threshold']:.4f}: LLM rate {chosen['rate']:.1%}, "
+                      f"recall {chosen['recall']:.1%}")
         if write:
             console.print(f"threshold written to {router_path / 'router.json'}")
 
@@ -209,8 +219,8 @@ def label_run(
                                                "left unjudged, unparseable): rollouts to the end of the answer cost "
                                                "hundreds of tokens each. 0 (default): every one."),
     writer: str = typer.Option("llm", "--writer", help="Who writes the responses: llm (the paper's labels) or slm "
-                               "(on-policy: the prefixes the router meets when it runs; needs --judge margin, or --judge "
-                               "answer, which then rolls out the LLM's own token as well as the SLM's)."),
+                               "(on-policy: the prefixes the router meets when it runs; needs --judge margin, or "
+                               "--judge answer, which then rolls out the LLM's own token as well as the SLM's)."),
     margin: float = typer.Option(1.0, "--margin", help="--judge margin: divergent where the LLM ranks the SLM's "
                                  "token more than this many nats below its own (what --verify at this tolerance "
                                  "rejects)."),
@@ -281,10 +291,11 @@ def label_prompts(
 def label_agree(
     out: Path = typer.Argument(..., help="A label output directory whose judgements step has run."),
     judge: str = typer.Option("semantic", "--judge", help="The second judge: local, remote, semantic or facts."),
-    against: Optional[Path] = typer.Option(None, "--against", help="Instead of running a second judge, compare with "
+    against: Path | None = typer.Option(None, "--against", help="Instead of running a second judge, compare with "
                                            "this label directory's judgements (the same responses branched another "
-                                           "way, e.g. with --rejoin-tokens 0: how often stopping early changed a label; "
-                                           "or a committed dataset's labels.parquet, labelled by another judge)."),
+                                           "way, e.g. with --rejoin-tokens 0: how often stopping early changed a "
+                                           "label; or a committed dataset's labels.parquet, labelled by another "
+                                           "judge)."),
     judge_url: JudgeUrl = None, judge_model: JudgeModel = None,
     llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
@@ -308,7 +319,7 @@ def label_agree(
 
 @label_app.command("check-judge")
 def label_check_judge(
-    cases: Optional[Path] = typer.Argument(None, help="JSONL of hand-labelled cases: context, a, b, label "
+    cases: Path | None = typer.Argument(None, help="JSONL of hand-labelled cases: context, a, b, label "
                                            "(neutral|divergent). Default: the hand-labelled cases shipped with r2r."),
     judge: str = typer.Option("local", "--judge", help="local, remote, semantic or facts."),
     judge_url: JudgeUrl = None, judge_model: JudgeModel = None,

@@ -55,7 +55,8 @@ def stats(generation, engine, terminal: bool, reasoned=None) -> Table:
                                                       f"thinking tokens)"))
     if verify != "off":
         rows.insert(3, ("verification", f"{verify}: {generation.rollbacks} rollbacks, "
-                                        f"{generation.sources.count('fix')} fixes, {generation.discarded} tokens discarded"))
+                                        f"{generation.sources.count('fix')} fixes, "
+                                        f"{generation.discarded} tokens discarded"))
     for name, value in rows:
         table.add_row(Text(name, style="dim"), value)
     return table
@@ -90,7 +91,8 @@ def calibration(result: dict) -> Table:
 
 def judge_check(result: dict, judge: str) -> tuple[Table, str]:
     """`r2r label check-judge`: each case's verdict, then the agreement figures."""
-    table = Table("hand label", "verdict", "raw answer", title=f"{judge} judge on {result['cases']} hand-labelled cases")
+    table = Table("hand label", "verdict", "raw answer",
+                  title=f"{judge} judge on {result['cases']} hand-labelled cases")
     for a in result["answers"]:
         table.add_row(a["label"], a["verdict"], a["raw"].strip()[:40])
     pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
@@ -105,7 +107,8 @@ def label_report(result: dict) -> Table:
     title = None if result["judged"] else "not judged yet: the prefill step's figures (divergent ones need the judge)"
     table = Table("domain", "queries", "tokens", "different", "divergent", "paper", "H identical",
                   "H different", "H neutral", "H divergent", title=title,
-                  caption="paper: different/divergent, R1-1.5B vs R1-32B labelled by a 72B judge (the R2R paper's training data)")
+                  caption="paper: different/divergent, R1-1.5B vs R1-32B labelled by a 72B judge "
+                          "(the R2R paper's training data)")
     fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
     paper = result.get("paper", {})
     for name, r in [*result["domains"].items(), ("overall", result["overall"])]:
@@ -113,7 +116,8 @@ def label_report(result: dict) -> Table:
         table.add_row(name, str(r["queries"]), str(r["tokens"]), f"{r['different_rate']:.1%}",
                       "–" if r["divergent_rate"] is None else f"{r['divergent_rate']:.1%}",
                       f"{p['different_rate']:.1%}/{p['divergent_rate']:.1%}" if p else "–",
-                      *[fmt(r[f"mean_entropy_{label}"]) for label in ("identical", "different", "neutral", "divergent")])
+                      *[fmt(r[f"mean_entropy_{label}"]) for label in ("identical", "different", "neutral",
+                                                                      "divergent")])
     return table
 
 
@@ -145,13 +149,15 @@ def cost_model(name: str, r: dict) -> str:
 def bench_backends(result: dict, prompts: int, threshold: float, dtype: str) -> Table:
     """`r2r bench backends`: how closely the SLM's features agree across torch and llama.cpp."""
     table = Table("measure", "torch vs llama.cpp",
-                  title=f"SLM features over {result['positions']} answer positions ({prompts} GSM8K dev prompts, torch {dtype})")
+                  title=f"SLM features over {result['positions']} answer positions "
+                        f"({prompts} GSM8K dev prompts, torch {dtype})")
     table.add_row("hidden-state cosine, mean", f"{result['hidden_cosine_mean']:.4f}")
     table.add_row("hidden-state cosine, min", f"{result['hidden_cosine_min']:.4f}")
     table.add_row("argmax agreement", f"{result['argmax_agreement']:.1%}")
     table.add_row(f"entropy decisions agree (>= {threshold} nats)", f"{result['entropy_decision_agreement']:.1%}")
     if "router_decision_agreement" in result:
-        table.add_row(f"router decisions agree (>= {result['router_threshold']:.3f})", f"{result['router_decision_agreement']:.1%}")
+        table.add_row(f"router decisions agree (>= {result['router_threshold']:.3f})",
+                      f"{result['router_decision_agreement']:.1%}")
         table.add_row("router |score gap|, mean / max",
                       f"{result['router_score_gap_mean']:.3f} / {result['router_score_gap_max']:.3f}")
     return table
@@ -161,7 +167,8 @@ def bench_overhead(result: dict, tokens: int) -> list:
     """`r2r bench overhead`: the engine against bare forward loops."""
     names = {"bare": "bare SLM forward loop (DynamicCache)", "engine": "R2R engine, --router slm",
              "static": "bare loop, StaticCache", "static_compiled": "bare loop, StaticCache + torch.compile"}
-    table = Table("loop", "tokens/s (median)", "x bare", "runs", title=f"{tokens} tokens, {result['dtype']}, {result['device']}")
+    table = Table("loop", "tokens/s (median)", "x bare", "runs",
+                  title=f"{tokens} tokens, {result['dtype']}, {result['device']}")
     for name, median in result["tokens_per_s"].items():
         table.add_row(names[name], f"{median:.2f}", f"{result['vs_bare'][name]:.3f}",
                       ", ".join(f"{x:.2f}" for x in result["runs"][name]))
@@ -179,7 +186,8 @@ def phases(result: dict, modes: tuple[str, str], setting: str) -> list:
         table.add_row(mode.replace("_", " "), str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}",
                       f"{r['llm_rate']:.1%}")
     names = [m.replace("_", " ") for m in modes]
-    return [table, f"{names[1]} / {names[0]} = {result['speedup']:.2f}x  ({setting}, {result['backend']}, {result['dtype']}, "
+    return [table,
+            f"{names[1]} / {names[0]} = {result['speedup']:.2f}x  ({setting}, {result['backend']}, {result['dtype']}, "
                   f"{result['device']})"]
 
 
@@ -200,7 +208,8 @@ def bench_serve(result: dict) -> Table:
 
 def bench_steps(result: dict, ks: list[int], backend: str, dtype: str, context: int) -> Table:
     """`r2r bench steps`: milliseconds per forward step."""
-    table = Table("model", *[f"k={k}" for k in ks], title=f"ms per forward step ({backend}, {dtype}, {result['device']}, "
+    table = Table("model", *[f"k={k}" for k in ks],
+                  title=f"ms per forward step ({backend}, {dtype}, {result['device']}, "
                                                           f"{context}-token cache)")
     for role, row in result["ms"].items():
         table.add_row(role.upper(), *[f"{row[k]:.0f}" for k in ks])

@@ -11,7 +11,6 @@ import torch
 
 from roads_to_rome.errors import R2RError
 
-
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 
 
@@ -95,7 +94,8 @@ def within_tolerance(logits: torch.Tensor, token: int, best: int, tolerance: flo
     return bool(logits[token] >= logits[best] - tolerance)
 
 
-def speculative_residual(target: torch.Tensor, draft: torch.Tensor, token: int, draw: torch.Tensor) -> torch.Tensor | None:
+def speculative_residual(target: torch.Tensor, draft: torch.Tensor, token: int,
+                         draw: torch.Tensor) -> torch.Tensor | None:
     """Speculative sampling's test for a token drawn from `draft` (the SLM's distribution) against `target` (the
     LLM's): kept when draw * q(token) <= p(token), `draw` uniform in [0, 1), i.e. with probability min(1, p/q).
     None when kept; else the distribution the replacement is drawn from, normalised max(0, p - q) (p itself

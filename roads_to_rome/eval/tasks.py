@@ -26,7 +26,8 @@ from roads_to_rome.errors import R2RError
 BENCHMARKS = ("gsm8k", "aime2025", "gpqa", "humaneval")
 MATH_INSTRUCTION = "Reason step by step, then finish with 'The answer is N'."
 GPQA_INSTRUCTION = "Think step by step, then finish with 'The answer is (X)' where X is A, B, C or D."
-HUMANEVAL_INSTRUCTION = "Complete the following Python function. Answer with the whole function in one ```python code block."
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. "
+                         "Answer with the whole function in one ```python code block.")
 # Per benchmark, the strings that end an answer: HumanEval's ends with its first code block.
 STOP = {"humaneval": ("\n```\n",)}
 

@@ -40,7 +40,8 @@ def resolve(spec: str | None, default: PackagedModel) -> str:
     default pair's model, its bf16 copy (made now if this is the first time a torch backend asks)."""
     if spec is None:
         if not is_prepared(default):
-            raise R2RError(f"default model {default.name} is not prepared. Run `r2r models prepare` (or `make models`).")
+            raise R2RError(f"default model {default.name} is not prepared. "
+                           "Run `r2r models prepare` (or `make models`).")
         if is_converted(default):
             return str(converted_dir(default))
         with console_progress() as progress:
@@ -137,7 +138,8 @@ def _load_llamacpp(spec: str | None, default: PackagedModel, role: str, llama: d
 
     if spec is None:
         if not is_prepared(default):
-            raise R2RError(f"default model {default.name} is not prepared. Run `r2r models prepare` (or `make models`).")
+            raise R2RError(f"default model {default.name} is not prepared. "
+                           "Run `r2r models prepare` (or `make models`).")
         gguf_file, source = gguf_path(default), {"pretrained_model_name_or_path": str(tokenizer_source(default))}
     else:
         gguf_file = Path(spec).expanduser()
@@ -148,7 +150,8 @@ def _load_llamacpp(spec: str | None, default: PackagedModel, role: str, llama: d
     try:
         tokenizer = AutoTokenizer.from_pretrained(**source)
     except Exception as e:
-        raise R2RError(f"cannot read the tokenizer of {role} model {gguf_file}: {str(e).strip().splitlines()[0]}") from None
+        reason = str(e).strip().splitlines()[0]
+        raise R2RError(f"cannot read the tokenizer of {role} model {gguf_file}: {reason}") from None
     return LlamaCppBackend(gguf_file, name=spec or default.name, vocab_size=vocab_size or len(tokenizer), **llama), \
         tokenizer
 
@@ -252,7 +255,8 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
     verify = config.verify if config.verify is not None else "off" if kind in ("slm", "llm") else DEFAULT_VERIFY
     verify, max_unverified = parse_verify(verify), check_max_unverified(config.max_unverified)  # before the load
     mode, rule = grouping_rule(config, kind)
-    slm_b, llm_b, tokenizer = load_pair(config.slm, config.llm, config.device, need_llm=kind != "slm" or verify != "off",
+    slm_b, llm_b, tokenizer = load_pair(config.slm, config.llm, config.device,
+                                        need_llm=kind != "slm" or verify != "off",
                                         dtype=config.dtype, backend=config.backend, llama=config.llama,
                                         llm_retry=config.llm_retry)
     deferral = dataclasses.replace(rule, mode=resolve_defer(mode, llm_b.device if llm_b is not None else None))

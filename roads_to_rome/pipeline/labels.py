@@ -432,8 +432,8 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=QUIE
 
             # A rollout runs to the end of the answer: at most the response's remaining length (on-policy: what the
             # longest response had left there) + a margin.
-            limits = [max(len(x), budget - pos - 1 if on_policy else 0) + ROLLOUT_MARGIN for pos, x in zip(chunk, rests)] \
-                if rollout else [max_new_tokens] * len(chunk)
+            limits = [max(len(x), budget - pos - 1 if on_policy else 0) + ROLLOUT_MARGIN
+                      for pos, x in zip(chunk, rests)] if rollout else [max_new_tokens] * len(chunk)
             if on_policy:  # both branches in one batch, position by position (still descending)
                 llm_tokens = [p["llm_tokens"][pos] for pos in chunk]
                 both = llm_branches(llm, base, prompt_length, [pos for pos in chunk for _ in (0, 1)],
@@ -453,7 +453,8 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=QUIE
                     generated += len(llm_own[i]) + 1
                     rows.append({**row, "llm_token": llm_tokens[i], "rejoined": False,
                                  "slm_branch": tokenizer.decode([token] + written, skip_special_tokens=True),
-                                 "llm_branch": tokenizer.decode([llm_tokens[i]] + llm_own[i], skip_special_tokens=True)})
+                                 "llm_branch": tokenizer.decode([llm_tokens[i]] + llm_own[i],
+                                                                skip_special_tokens=True)})
                 elif rollout:
                     # A re-joined branch would go on as the response does: its remainder stands for the rest.
                     branch = [token] + written + (rests[i][joined[i] + 1 :] if i in joined else [])
@@ -462,8 +463,10 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=QUIE
                                  "rejoined": i in joined})
                 else:
                     rows.append({**row,
-                                 "slm_branch": to_sentence_end(tokenizer.decode([token] + written, skip_special_tokens=True)),
-                                 "llm_branch": to_sentence_end(tokenizer.decode(response[pos:], skip_special_tokens=True))})
+                                 "slm_branch": to_sentence_end(tokenizer.decode([token] + written,
+                                                                                skip_special_tokens=True)),
+                                 "llm_branch": to_sentence_end(tokenizer.decode(response[pos:],
+                                                                                skip_special_tokens=True))})
         # One part per response, so a response's positions are all there or none are.
         parts.write(sorted(rows, key=lambda row: row["position"]) or [{"id": r["id"], "position": -1}])
         log_throughput(out, "continuations", len(positions), generated, time.perf_counter() - began)
@@ -627,7 +630,8 @@ def report(dataset: Path) -> dict:
         return out
 
     domains = sorted({r["domain"] for r in rows})
-    return {"judged": judged, "paper": {k: {"different_rate": d, "divergent_rate": v} for k, (d, v) in PAPER_RATES.items()},
+    return {"judged": judged,
+            "paper": {k: {"different_rate": d, "divergent_rate": v} for k, (d, v) in PAPER_RATES.items()},
             "domains": {d: stats([r for r in rows if r["domain"] == d]) for d in domains},
             "overall": stats(rows)}
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hmac
 import html
 import importlib.resources
@@ -25,20 +26,19 @@ import threading
 import time
 import urllib.parse
 import uuid
-import dataclasses
 from dataclasses import dataclass
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from openai.types import Completion, CompletionChoice, CompletionUsage
-from openai.types.completion_usage import CompletionTokensDetails
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.completion_usage import CompletionTokensDetails
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
@@ -116,7 +116,7 @@ def verify_setting(value):
 
 Text = Annotated[str, AfterValidator(utf8_text)]
 Number = Annotated[float, Field(allow_inf_nan=False)]
-VerifySetting = Annotated[Union[Number, str], AfterValidator(verify_setting)]
+VerifySetting = Annotated[Number | str, AfterValidator(verify_setting)]
 
 
 class StreamOptions(BaseModel):
@@ -125,23 +125,23 @@ class StreamOptions(BaseModel):
 
 class CommonBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    requested: Optional[str] = Field(None, alias="model")  # the model id the client asks for
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    requested: str | None = Field(None, alias="model")  # the model id the client asks for
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     temperature: Number = Field(1.0, ge=0, le=2)  # OpenAI's range
     top_p: Number = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # what a 64-bit generator takes
-    stop: Optional[Union[Text, list[Text]]] = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a 64-bit generator takes
+    stop: Text | list[Text] | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
+    stream_options: StreamOptions | None = None
     n: int = 1
     # R2R routing knobs (extra body fields)
-    r2r_threshold: Optional[Number] = None
-    r2r_llm_rate: Optional[Number] = Field(None, ge=0, le=1)
-    r2r_policy: Optional[Literal["slm", "llm"]] = None
-    r2r_verify: Optional[VerifySetting] = None  # off, strict or a tolerance in nats (default: the server's)
-    r2r_max_unverified: Optional[int] = Field(None, ge=1)
+    r2r_threshold: Number | None = None
+    r2r_llm_rate: Number | None = Field(None, ge=0, le=1)
+    r2r_policy: Literal["slm", "llm"] | None = None
+    r2r_verify: VerifySetting | None = None  # off, strict or a tolerance in nats (default: the server's)
+    r2r_max_unverified: int | None = Field(None, ge=1)
 
 
 class ChatMessage(BaseModel):
@@ -154,7 +154,7 @@ class ChatBody(CommonBody):
 
 
 class CompletionBody(CommonBody):
-    prompt: Union[Text, list[Text]]
+    prompt: Text | list[Text]
 
 
 # ---- the engine thread ------------------------------------------------------------------------
@@ -506,7 +506,8 @@ async def list_models(http: HTTPRequest):
         "r2r": {"slm": engine.slm.name if engine.slm else None, "llm": engine.llm.name if engine.llm else None,
                 "policy": engine.policy.name, "threshold": engine.policy.threshold, "verify": engine.verify,
                 "max_unverified": engine.max_unverified, "defer": engine.deferral.mode,
-                "defer_group": engine.deferral.group, "defer_steps": engine.deferral.steps, "max_batch": s.limits.max_batch,
+                "defer_group": engine.deferral.group, "defer_steps": engine.deferral.steps,
+                "max_batch": s.limits.max_batch,
                 "max_tokens": s.limits.max_tokens,
                 "reasoning_parser": s.reasoning.name if s.reasoning else None},
     }]}
@@ -662,7 +663,8 @@ class Reply:
             if role:
                 d = ChoiceDelta(role="assistant", content="")
             elif reasoning:
-                d = ChoiceDelta(reasoning=reasoning, reasoning_content=reasoning, **({"content": delta} if delta else {}))
+                d = ChoiceDelta(reasoning=reasoning, reasoning_content=reasoning,
+                                **({"content": delta} if delta else {}))
             else:
                 d = ChoiceDelta(content=delta) if delta is not None else ChoiceDelta()
             out = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
@@ -782,7 +784,7 @@ class BackgroundServer:
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         import httpx
 
         self.thread.start()

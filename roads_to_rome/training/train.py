@@ -236,7 +236,8 @@ def router_scores(router: Router | ReferenceRouter, data: Features, embed, batch
             for i in range(0, len(data.tokens), batch)])
 
 
-def train(data: Features, embed, config: RouterConfig | ReferenceConfig, objective: str = "divergent", val_fraction: float = VAL_FRACTION,
+def train(data: Features, embed, config: RouterConfig | ReferenceConfig, objective: str = "divergent",
+          val_fraction: float = VAL_FRACTION,
           seed: int = 0, epochs: int = 40, patience: int = 5, lr: float = 5e-4, batch_size: int = 512,
           progress=QUIET) -> tuple[Router | ReferenceRouter, Features, dict]:
     """Train a router; returns it (best validation AUC), the validation split and the training history."""
@@ -295,7 +296,8 @@ RATES = (0.05, 0.10, 0.15, 0.20, 0.25)  # LLM rates the reports give recall at
 ABLATION_INPUTS = ("hidden", "hidden,token", "hidden,token,logits")
 
 
-def train_router(datasets: list[Path], slm, out: Path, objective: str = "divergent", inputs: str = "hidden,token,logits",
+def train_router(datasets: list[Path], slm, out: Path, objective: str = "divergent",
+                 inputs: str = "hidden,token,logits",
                  dim: int = 128, blocks: int = 2, target_rate: float = 0.12, seed: int = 0, epochs: int = 40,
                  ablations: bool = False, progress=QUIET, architecture: str = "mlp") -> dict:
     """Train the router asked for (and, with `ablations`, every input set x objective on the same split),

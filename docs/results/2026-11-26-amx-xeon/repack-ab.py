@@ -11,7 +11,7 @@ from roads_to_rome.backends import llamacpp
 from roads_to_rome.models import DEFAULT_LLM, gguf_path
 
 results, default_params = {}, llamacpp.model_params
-for round_ in range(3):
+for _ in range(3):
     for extra in (True, False):
         params = default_params()
         params.use_extra_bufts = extra
