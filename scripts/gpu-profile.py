@@ -28,8 +28,10 @@ from pathlib import Path
 import torch
 
 from roads_to_rome.backends.torch_backend import TorchBackend
-from roads_to_rome.bench.shapes import SHAPES, RouterAtShare, default_tokenizer, random_router, torch_shape
-from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.bench.shape_models import SHAPES, default_tokenizer, random_router, torch_shape
+from roads_to_rome.bench.shapes import RouterAtShare
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.sampling import SamplingParams
 
 
 def synchronize():

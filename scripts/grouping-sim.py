@@ -1,5 +1,5 @@
 """Grouped LLM calls on a GPU, by simulation until one is lent: the schedule simulator of `r2r bench shapes`
-(`bench.shapes.routing_calls`) driven by the step costs a batched `r2r bench shapes` run measured, at larger
+(`bench.cost_model.routing_calls`) driven by the step costs a batched `r2r bench shapes` run measured, at larger
 batches too.
 
     python scripts/grouping-sim.py docs/results/2026-11-26-gpu-h200/run4-r1-32b-batched.json \
@@ -18,21 +18,21 @@ import argparse
 import json
 from pathlib import Path
 
-from roads_to_rome.bench import shapes
+from roads_to_rome.bench import cost_model
 from roads_to_rome.core.verification import Deferral
 
 
 def one_row_costs(table: dict, batch: int) -> dict[int, float]:
-    one = shapes.ms_keys(table)
-    return {k: shapes.cost_at(one, batch * k) for k in one}
+    one = cost_model.ms_keys(table)
+    return {k: cost_model.cost_at(one, batch * k) for k in one}
 
 
 def step_costs(tables: dict, batch: int) -> dict[int, float]:
     measured = sorted(int(b) for b in tables)
     if batch in measured:
-        return shapes.ms_keys(tables[str(batch)])
+        return cost_model.ms_keys(tables[str(batch)])
     b1, b2 = measured[-2], measured[-1]
-    t1, t2 = shapes.ms_keys(tables[str(b1)]), shapes.ms_keys(tables[str(b2)])
+    t1, t2 = cost_model.ms_keys(tables[str(b1)]), cost_model.ms_keys(tables[str(b2)])
     return {k: t2[k] + (t2[k] - t1[k]) / (b2 - b1) * (batch - b2) for k in t2 if k in t1}
 
 
@@ -70,8 +70,8 @@ def main() -> None:
             slm_ms, llm_ms = one_row_costs(slm_one, batch), one_row_costs(entry["steps"], batch)
         else:
             slm_ms, llm_ms = step_costs(result["slm_batched_steps"], batch), step_costs(entry["batched_steps"], batch)
-        alone = shapes.predicted_alone_tok_s(llm_ms, widths, tokens, batch)
-        lockstep = shapes.predicted_routing_tok_s(slm_ms, llm_ms, args.share, widths, tokens, args.samples, batch)
+        alone = cost_model.predicted_alone_tok_s(llm_ms, widths, tokens, batch)
+        lockstep = cost_model.predicted_routing_tok_s(slm_ms, llm_ms, args.share, widths, tokens, args.samples, batch)
         row = {"batch": batch, "llm_alone": alone, "lockstep": lockstep, "grouped": {}}
         print(f"batch {batch}: LLM alone {alone:.1f} tok/s, lockstep R2R {lockstep:.1f} ({lockstep / alone:.2f}×)")
         for mode in ("continue", "park"):
@@ -80,7 +80,7 @@ def main() -> None:
                 for group in numbers(args.group):
                     for steps in numbers(args.steps, int):
                         rule = Deferral(mode, group, steps)
-                        tok_s = shapes.predicted_routing_tok_s(slm_ms, llm_ms, args.share, widths, tokens,
+                        tok_s = cost_model.predicted_routing_tok_s(slm_ms, llm_ms, args.share, widths, tokens,
                                                                args.samples, batch, rule, accept)
                         row["grouped"][f"{mode} accept={accept:g} group={group:g} steps={steps}"] = tok_s
                         cells.append(f"{group:g}/{steps}: {tok_s / alone:.2f}× ({tok_s / lockstep:.2f}× lockstep)")

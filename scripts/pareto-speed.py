@@ -15,6 +15,8 @@ import re
 import sys
 from pathlib import Path
 
+from roads_to_rome.plots import pyplot
+
 
 def bench_name(system: str) -> str | None:
     """The `r2r bench` system that runs the same setting as this eval system (without the backend suffix)."""
@@ -56,10 +58,7 @@ def main():
     if not points:
         sys.exit("error: no system is in both the eval results and the bench run")
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.6))
     for i, p in enumerate(points):

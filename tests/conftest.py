@@ -233,3 +233,14 @@ class VllmServer(LlamaServer):
             "model": self.name, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 0,
             "return_tokens_as_token_ids": True}, timeout=300).json()
         return [int(t.removeprefix("token_id:")) for t in out["choices"][0]["logprobs"]["tokens"]]
+
+
+@pytest.fixture(scope="module")
+def llm_files(tokenizer, tmp_path_factory):
+    """The tiny LLM as a GGUF file (llama.cpp) and a transformers directory (vLLM), and as a local backend."""
+    folder = tmp_path_factory.mktemp("remote")
+    model = tiny_model(tokenizer, hidden=128, seed=1)  # head size 32: the smallest vLLM's CPU attention runs
+    save_gguf(model, tokenizer, folder / "tiny-llm.gguf")
+    model.save_pretrained(folder / "tiny-llm")
+    tokenizer.save_pretrained(folder / "tiny-llm")
+    return {"gguf": folder / "tiny-llm.gguf", "dir": folder / "tiny-llm", "model": model}

@@ -8,7 +8,8 @@ from tiny import tiny_model
 
 from roads_to_rome.backends.base import Backend, mask_for
 from roads_to_rome.backends.torch_backend import TorchBackend
-from roads_to_rome.core.engine import Engine, SamplingParams, left_pad, pad_columns_left
+from roads_to_rome.core.engine import Engine, left_pad, pad_columns_left
+from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, RandomPolicy
 
@@ -36,6 +37,15 @@ def test_it_implements_the_protocol(backend, tokenizer):
     assert backend.num_params > 0 and backend.max_context > 0
     assert backend.embedding_table().shape[0] >= backend.vocab_size
     assert backend.embed(torch.tensor([1, 2])).shape == (2, backend.embedding_table().shape[1])
+
+
+def test_a_local_model_decodes_token_by_token_and_complete_reads_nothing(backend, tokenizer):
+    """`complete` is for a model that writes whole continuations in one go (a server); a local one says None and
+    leaves the cache as it was, for the caller to step `forward`."""
+    cache, rows = backend.new_cache(), token_rows(tokenizer)[:1]
+    ids = torch.tensor(rows, device=backend.device)
+    assert backend.complete(cache, ids, torch.ones_like(ids), 8) is None
+    assert cache.length == 0
 
 
 def test_it_names_the_kernels_it_runs_with(backend, kind):

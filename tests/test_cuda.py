@@ -4,11 +4,12 @@ where torch sees no CUDA device (CI has none; `scripts/gpu-run.sh` runs these on
 
 import pytest
 import torch
-from test_engine import PROMPTS, encode
+from helpers import PROMPTS, encode
 from tiny import tiny_model
 
 from roads_to_rome.backends.torch_backend import TorchBackend
-from roads_to_rome.core.engine import Engine, SamplingParams, left_pad
+from roads_to_rome.core.engine import Engine, left_pad
+from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
 from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig
 

@@ -6,9 +6,11 @@ LLM's distribution, and the LLM is called less often. The grouping rule and the 
 
 import pytest
 import torch
-from test_policies_router import make_checkpoint
+from helpers import make_checkpoint
 
-from roads_to_rome.core.engine import Engine, Request, SamplingParams, sampling_probs
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.request import Request
+from roads_to_rome.core.sampling import SamplingParams, sampling_probs
 from roads_to_rome.core.verification import Deferral
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
@@ -136,7 +138,8 @@ def test_a_deferring_server_answers_concurrent_clients_as_a_lockstep_one_does(sl
     import httpx
     import openai
 
-    from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
+    from roads_to_rome.serving.background import BackgroundServer
+    from roads_to_rome.serving.server import Limits, create_app
 
     questions = [f"{q} ({i})" for i, q in enumerate(PROMPTS * 2)]
     answers, deferred = {}, 0

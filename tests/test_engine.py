@@ -4,16 +4,12 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import encode, run_with_joins
 
-from roads_to_rome.core.engine import Engine, SamplingParams, left_pad, sample
+from roads_to_rome.core.engine import Engine, left_pad
+from roads_to_rome.core.sampling import SamplingParams, sample
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RandomPolicy
-
-PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain."]
-
-
-def encode(engine, prompts=PROMPTS):
-    return [engine.encode_chat(p) for p in prompts]
 
 
 def hf_greedy(backend, engine, prompt_ids, n):
@@ -175,24 +171,6 @@ def test_empty_prompt_and_missing_llm_are_refused(slm, tokenizer):
         Engine(slm, None, tokenizer, AlwaysLLM()).generate([[1, 2]], SamplingParams())
 
 
-def run_with_joins(engine, prompts, join_after, params, prefill_chunk=None):
-    """Start with prompts[0]; add each later prompt to the scheduler after `join_after[i]` turns. With
-    `prefill_chunk`, a newcomer's prompt is read that many tokens per turn between decode steps (as the server
-    does), and it joins once read. Returns the sequences."""
-    from roads_to_rome.core.engine import Failure, Scheduler
-    from roads_to_rome.core.request import Request
-
-    scheduler = Scheduler(engine, prefill_chunk=prefill_chunk)
-    sequences = [engine.sequence(Request(p, params), i) for i, p in enumerate(prompts)]
-    scheduler.add(sequences[0])
-    turns = 0
-    while not scheduler.idle or turns <= max(join_after):
-        for sequence, after in zip(sequences[1:], join_after):
-            if after == turns:
-                scheduler.add(sequence)
-        assert not [e for e in scheduler.turn() if isinstance(e, Failure)]
-        turns += 1
-    return sequences
 
 
 @pytest.mark.parametrize("prefill_chunk", [None, 1, 7])
@@ -214,7 +192,8 @@ def test_requests_joining_a_running_batch_decode_as_if_alone(slm, llm, tokenizer
 
 
 def test_cancelled_request_leaves_and_others_continue(slm, llm, tokenizer):
-    from roads_to_rome.core.engine import Batch, Request
+    from roads_to_rome.core.engine import Batch
+    from roads_to_rome.core.request import Request
 
     engine = Engine(slm, llm, tokenizer, AlwaysLLM())
     prompts = encode(engine)
@@ -234,7 +213,7 @@ def test_cancelled_request_leaves_and_others_continue(slm, llm, tokenizer):
 
 
 def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
-    from roads_to_rome.core.engine import Request
+    from roads_to_rome.core.request import Request
     from roads_to_rome.routing.policies import EntropyPolicy
 
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0))
@@ -260,7 +239,8 @@ def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
 
 def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, monkeypatch):
     """"LLM alone" through a pair costs the LLM alone; the SLM reads what it skipped once a row needs it."""
-    from roads_to_rome.core.engine import Batch, Request
+    from roads_to_rome.core.engine import Batch
+    from roads_to_rome.core.request import Request
     from roads_to_rome.routing.policies import EntropyPolicy
 
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0))
@@ -287,7 +267,7 @@ def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, mon
 
 
 def test_target_llm_rate_is_tracked_per_request(slm, llm, tokenizer):
-    from roads_to_rome.core.engine import Request
+    from roads_to_rome.core.request import Request
     from roads_to_rome.routing.policies import EntropyPolicy
 
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1e9))  # on its own it would never route
@@ -301,7 +281,7 @@ def test_target_llm_rate_is_tracked_per_request(slm, llm, tokenizer):
 def test_a_target_rate_holds_when_the_scores_drift(slm, llm, tokenizer):
     """Scores that fall as an answer goes on (the SLM growing surer) seldom reach the top of their own past:
     the share routed still meets the target, since the request aims off by what it is behind."""
-    from roads_to_rome.core.engine import Request
+    from roads_to_rome.core.request import Request
     from roads_to_rome.routing.policies import EntropyPolicy
 
     class Falling(EntropyPolicy):  # noisy scores whose level halves every 80 tokens

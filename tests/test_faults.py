@@ -14,15 +14,16 @@ import time
 
 import httpx
 from conftest import LlamaServer
-from test_remote import NEEDS_LLAMA_SERVER, PROMPTS, llm_files, remote  # noqa: F401 (a fixture)
+from helpers import NEEDS_LLAMA_SERVER, REMOTE_PROMPTS, remote
 
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import EntropyPolicy
-from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
+from roads_to_rome.serving.background import BackgroundServer
+from roads_to_rome.serving.server import Limits, create_app
 
 RETRY, TIMEOUT = 8.0, 3.0  # the remote backend's budget and per-call timeout in this test
 CLIENT_TIMEOUT = 60.0  # a request that takes longer than this has hung
-LONG = PROMPTS[:2]  # prompts whose answers run to max_tokens here: still streaming when the LLM is disturbed
+LONG = REMOTE_PROMPTS[:2]  # prompts whose answers run to max_tokens here: still streaming when the LLM is disturbed
 
 
 def chat(url: str, prompt: str, stream: bool, policy: str | None = None, started: threading.Event | None = None):
@@ -111,7 +112,7 @@ def test_a_remote_llm_that_dies_stalls_and_comes_back(llm_files, slm, tokenizer)
         with BackgroundServer(app) as r2r, HealthWatch(r2r.url) as health, \
                 concurrent.futures.ThreadPoolExecutor(8) as pool:
             url = r2r.url
-            reference = {p: chat(url, p, stream=False) for p in PROMPTS}
+            reference = {p: chat(url, p, stream=False) for p in REMOTE_PROMPTS}
             assert all(outcome == "ok" for outcome, _ in reference.values())
             assert all(len(reference[p][1]) > 200 for p in LONG)
 
@@ -122,12 +123,12 @@ def test_a_remote_llm_that_dies_stalls_and_comes_back(llm_files, slm, tokenizer)
                 signal_group(llm_server, signal.SIGSTOP)
                 started = [threading.Event() for _ in range(streams)]
                 futures = [pool.submit(chat, url, LONG[i % len(LONG)], True, None, started[i]) for i in range(streams)]
-                futures.append(pool.submit(chat, url, PROMPTS[0], False))
+                futures.append(pool.submit(chat, url, REMOTE_PROMPTS[0], False))
                 for event in started:
                     event.wait(10)
                 disturb()
                 results = [f.result(timeout=CLIENT_TIMEOUT + 5) for f in futures]
-                prompts = [LONG[i % len(LONG)] for i in range(streams)] + [PROMPTS[0]]
+                prompts = [LONG[i % len(LONG)] for i in range(streams)] + [REMOTE_PROMPTS[0]]
                 for prompt, (outcome, out) in zip(prompts, results):
                     if outcome == "ok":
                         assert out == reference[prompt][1], "a good request gave another answer"
@@ -150,10 +151,10 @@ def test_a_remote_llm_that_dies_stalls_and_comes_back(llm_files, slm, tokenizer)
             assert time.monotonic() - started < RETRY + 4 * TIMEOUT
             # While it is away: refused at once with 503, SLM-only requests run, health says degraded.
             refused_at = time.monotonic()
-            assert chat(url, PROMPTS[1], stream=False)[0] == "llm_unavailable"
-            assert chat(url, PROMPTS[1], stream=True)[0] == "llm_unavailable"
+            assert chat(url, REMOTE_PROMPTS[1], stream=False)[0] == "llm_unavailable"
+            assert chat(url, REMOTE_PROMPTS[1], stream=True)[0] == "llm_unavailable"
             assert time.monotonic() - refused_at < 2 * 2.5  # two probes at most, no retry budget waited out
-            assert chat(url, PROMPTS[1], stream=False, policy="slm")[0] == "ok"
+            assert chat(url, REMOTE_PROMPTS[1], stream=False, policy="slm")[0] == "ok"
             away = httpx.get(url + "/health").json()
             assert away["status"] == "degraded" and away["llm"]["url"] == llm_server.url
             # Back: serving resumes without a restart of r2r serve.
@@ -162,7 +163,7 @@ def test_a_remote_llm_that_dies_stalls_and_comes_back(llm_files, slm, tokenizer)
             while httpx.get(url + "/health").json()["status"] != "ok":
                 assert time.monotonic() < deadline, "r2r serve did not see the LLM come back"
                 time.sleep(0.2)
-            assert {p: chat(url, p, stream=False) for p in PROMPTS} == reference
+            assert {p: chat(url, p, stream=False) for p in REMOTE_PROMPTS} == reference
 
             def stall(seconds):
                 def run():
@@ -179,6 +180,6 @@ def test_a_remote_llm_that_dies_stalls_and_comes_back(llm_files, slm, tokenizer)
             while httpx.get(url + "/health").json()["status"] != "ok":
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
-            assert {p: chat(url, p, stream=False) for p in PROMPTS} == reference
+            assert {p: chat(url, p, stream=False) for p in REMOTE_PROMPTS} == reference
         assert health.slowest < 3.0, f"/health took {health.slowest:.1f} s to answer"
         assert {s["status"] for s in health.statuses} == {"ok", "degraded"}

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import roads_to_rome
-from roads_to_rome.errors import EXTRAS
+from roads_to_rome.errors import EXTRA_MODULES
 
-EXTRA_MODULES = sorted({m for modules in EXTRAS.values() for m in modules})
+OPTIONAL_MODULES = sorted({m for modules in EXTRA_MODULES.values() for m in modules})
 
 
 def test_the_tests_run_the_installed_wheel_with_its_package_data():
@@ -27,7 +27,7 @@ def test_the_tests_run_the_installed_wheel_with_its_package_data():
 BLOCK = f"""
 import sys
 from importlib.abc import MetaPathFinder
-BLOCKED = {EXTRA_MODULES!r}
+BLOCKED = {OPTIONAL_MODULES!r}
 class Block(MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in BLOCKED:

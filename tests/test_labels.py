@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError
 from roads_to_rome.pipeline import judges, labels
 
@@ -93,7 +94,7 @@ def test_continuation_branches_end_at_the_sentence(tmp_path, slm, llm, tokenizer
     rows = [c for c in labels.Parts(tmp_path, "continuations").rows() if c["position"] >= 0]
     assert rows
     llm_engine = Engine.alone(llm, tokenizer)
-    from roads_to_rome.core.engine import SamplingParams
+    from roads_to_rome.core.sampling import SamplingParams
 
     responses = {r["id"]: r for r in labels.Parts(tmp_path, "responses").rows()}
     for c in rows[:6]:  # the cache-reusing continuation equals a fresh greedy generation from the prefix
@@ -315,7 +316,7 @@ def test_margin_and_writer_misuse_is_refused(tmp_path, slm, llm, tokenizer):
         judges.check(judges.MarginJudge())
     run_pipeline(tmp_path / "paper", slm, llm, tokenizer)  # LLM-written, read by the SLM alone
     with pytest.raises(R2RError, match="ran without the LLM's reading"):
-        labels.step_judgements(judges.MarginJudge(), tmp_path / "paper")
+        labels.step_margin_judgements(judges.MarginJudge(), tmp_path / "paper")
     with pytest.raises(R2RError, match="use another --out"):  # its responses are the LLM's, its prefill SLM-only
         run_margin(tmp_path / "paper", slm, llm, tokenizer)
     with pytest.raises(R2RError, match="use another --out"):

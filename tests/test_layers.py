@@ -1,6 +1,6 @@
 """The package's architecture as a rule: sub-packages form layers, and imports only point down.
 
-Read the layers bottom to top: shared basics (errors, text, hardware, progress); reasoning models' thinking told
+Read the layers bottom to top: shared basics (errors, text, hardware, progress, plots); reasoning models' thinking told
 from their answer (text); the backends that run a model;
 routing (policies and the router); the core decode loop; loading models into an engine; then the clients of an engine
 (evaluation; serving and the label pipeline; router training; benchmarks); the command line on top.
@@ -18,7 +18,7 @@ import pytest
 PACKAGE = "roads_to_rome"
 ROOT = Path(__file__).parents[1] / PACKAGE
 LAYERS = [
-    {"errors", "text", "hardware", "progress"},
+    {"errors", "text", "hardware", "progress", "plots"},
     {"reasoning"},
     {"backends"},
     {"routing"},
@@ -126,6 +126,30 @@ def test_no_import_cycles():
     for name in graph:
         if name not in state:
             visit(name, [name])
+
+
+def defined_names(path: Path) -> set[str]:
+    """What a module itself defines at its top level: functions, classes and assigned names."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def test_names_are_imported_from_the_module_that_defines_them():
+    """A module is no facade for names it imports itself (a package's __init__ may be): everyone imports a name from
+    its home, so that a reader finds it there."""
+    homes = {name: defined_names(path) for name, path in modules().items() if path.name != "__init__.py"}
+    sources = [*ROOT.rglob("*.py"), *(ROOT.parent / "tests").rglob("*.py"), *(ROOT.parent / "scripts").rglob("*.py")]
+    borrowed = [f"{path.relative_to(ROOT.parent)}:{node.lineno}: {name} from {node.module}"
+                for path in sources for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.module in homes
+                for name in (alias.name for alias in node.names) if name not in homes[node.module]]
+    assert not borrowed
 
 
 def test_help_and_argument_errors_import_no_torch():

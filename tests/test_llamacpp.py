@@ -7,11 +7,12 @@ import torch
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (its build failed or was skipped)")
 
-from test_engine import PROMPTS, run_with_joins  # noqa: E402
+from helpers import PROMPTS, run_with_joins  # noqa: E402
 from tiny import save_gguf  # noqa: E402
 
 from roads_to_rome.backends.llamacpp import LlamaCppBackend  # noqa: E402
-from roads_to_rome.core.engine import Engine, SamplingParams  # noqa: E402
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError  # noqa: E402
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RandomPolicy  # noqa: E402
 

@@ -2,11 +2,13 @@ import json
 
 import pytest
 import torch
+from helpers import make_checkpoint
 
-from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy, RandomPolicy, entropy
-from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig, load_router, save_router, slm_identity
+from roads_to_rome.routing.router import Router, RouterConfig, load_router, save_router, slm_identity
 
 
 def test_entropy_policy_routes_uncertain_tokens():
@@ -29,11 +31,6 @@ def test_random_policy_hits_its_rate():
         RandomPolicy(1.5)
 
 
-def make_checkpoint(slm, threshold=0.5):
-    embedding = slm.embedding_table()
-    config = RouterConfig(hidden_size=slm.hidden_size, embed_size=embedding.shape[1], top_k=16, dim=32, n_blocks=2)
-    torch.manual_seed(0)
-    return RouterCheckpoint(Router(config), threshold, slm_identity(slm))
 
 
 def test_router_save_load_round_trips_bit_exactly(slm, tmp_path):

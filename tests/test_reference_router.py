@@ -3,89 +3,16 @@ keys, no token embeddings) import, score as the format's forward written below f
 to the same file, train with `r2r train --architecture reference`, and every malformed one is refused in a line."""
 
 import json
-import math
 import os
 
 import pytest
 import torch
-import torch.nn.functional as F
-from test_train import planted_dataset
+from helpers import TOP_K, format_forward, planted_dataset, reference_checkpoint
 from transformers import AutoModelForCausalLM
 
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.routing.policies import router_policy
 from roads_to_rome.routing.router import export_reference, import_reference, load_router
-
-TOP_K = 8
-
-
-def reference_checkpoint(hidden: int, embed: int, dims=(24, 24, 16), expansion=4, seed=0, threshold=0.5,
-                         normalize=False, **changes) -> dict:
-    """A checkpoint in the reference's layout with random weights: the keys its HiddenStatesTokenLMHeadLogits-
-    Classifier saves (its `token_embeddings.weight` left out, as its `save_model` leaves it out)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def linear(name, n_in, n_out):
-        state[f"{name}.weight"] = torch.randn(n_out, n_in, generator=g) / math.sqrt(n_in)
-        state[f"{name}.bias"] = torch.randn(n_out, generator=g) * 0.1
-
-    def norm(name, n):
-        state[f"{name}.weight"] = 1 + 0.1 * torch.randn(n, generator=g)
-        state[f"{name}.bias"] = 0.1 * torch.randn(n, generator=g)
-
-    state = {}
-    if normalize:
-        norm("layer_norm_hidden_states", hidden)
-        norm("layer_norm_token", embed)
-    linear("logits_projection", TOP_K, hidden)
-    linear("combined_projection", 2 * hidden + embed, dims[0])
-    linear("backbone.input_projection", dims[0], dims[0])
-    widths = list(dims) + [dims[-1]]
-    for i in range(len(dims)):
-        norm(f"backbone.blocks.{i}.layer_norm", widths[i])
-        linear(f"backbone.blocks.{i}.mlp.0", widths[i], widths[i] * expansion)
-        linear(f"backbone.blocks.{i}.mlp.3", widths[i] * expansion, widths[i + 1])
-        if widths[i] != widths[i + 1]:
-            linear(f"backbone.blocks.{i}.dim_change", widths[i], widths[i + 1])
-    norm("backbone.output_layer.0", widths[-1])
-    linear("backbone.output_layer.1", widths[-1], 1)
-    checkpoint = {
-        "model_type": "HiddenStatesTokenLMHeadLogitsClassifier",
-        "init_args": {"hidden_states_size": hidden, "logits_size": TOP_K, "hidden_dims": list(dims),
-                      "expansion_factor": expansion, "dropout_rate": 0.1, "use_position_embedding": False,
-                      "freeze_lm_head": True, "normalize_input": normalize, "dtype": torch.float32,
-                      "pretrained_model_name": "tiny/slm"},
-        "common_args": {"threshold": threshold, "input_type": ["hidden_states", "token", "logits"]},
-        "model_specific_args": {},
-        "state_dict": state,
-    }
-    checkpoint.update(changes)
-    return checkpoint
-
-
-@torch.no_grad()
-def format_forward(checkpoint: dict, hidden, token_embedding, logits) -> torch.Tensor:
-    """The reference router's score, from the format's description alone: sigmoid of the one-logit output."""
-    s, init = checkpoint["state_dict"], checkpoint["init_args"]
-
-    def linear(name, x):
-        return F.linear(x, s[f"{name}.weight"], s[f"{name}.bias"])
-
-    def norm(name, x):
-        return F.layer_norm(x, x.shape[-1:], s[f"{name}.weight"], s[f"{name}.bias"])
-
-    top = logits.float().topk(init["logits_size"], dim=-1).values  # raw, sorted, no softmax
-    hidden, token_embedding = hidden.float(), token_embedding.float()
-    if init["normalize_input"]:
-        hidden, token_embedding = norm("layer_norm_hidden_states", hidden), norm("layer_norm_token", token_embedding)
-        top = top.softmax(-1)
-    x = linear("combined_projection", torch.cat([hidden, token_embedding, linear("logits_projection", top)], -1))
-    x = linear("backbone.input_projection", x)
-    for i in range(len(init["hidden_dims"])):
-        block = f"backbone.blocks.{i}"
-        residual = linear(f"{block}.dim_change", x) if f"{block}.dim_change.weight" in s else x
-        x = residual + linear(f"{block}.mlp.3", F.gelu(linear(f"{block}.mlp.0", norm(f"{block}.layer_norm", x))))
-    return torch.sigmoid(linear("backbone.output_layer.1", norm("backbone.output_layer.0", x)))[:, 0]
 
 
 def features(slm, n=12, seed=0):

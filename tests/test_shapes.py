@@ -9,17 +9,18 @@ from conftest import HAS_LLAMA
 from tiny import save_gguf, tiny_model
 
 from roads_to_rome.backends.torch_backend import TorchBackend
-from roads_to_rome.bench import shapes
-from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.bench import cost_model, shape_models, shapes, shapes_report
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.routing.policies import RandomPolicy
 
 needs_llama = pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python is not installed")
-TINY = shapes.LlmShape("tiny", "test", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab_rows=384,
-                       tied=False)
-TINY_TIED = shapes.LlmShape("tiny-tied", "test", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512,
-                            vocab_rows=320, tied=True)
-TINY_QWEN3 = shapes.LlmShape("tiny-qwen3", "test", hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256,
-                             vocab_rows=320, tied=False, arch="qwen3", head_dim=64)
+TINY = shape_models.LlmShape("tiny", "test", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512,
+                             vocab_rows=384, tied=False)
+TINY_TIED = shape_models.LlmShape("tiny-tied", "test", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512,
+                                  vocab_rows=320, tied=True)
+TINY_QWEN3 = shape_models.LlmShape("tiny-qwen3", "test", hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256,
+                                   vocab_rows=320, tied=False, arch="qwen3", head_dim=64)
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +33,10 @@ def template(tokenizer, tmp_path_factory):
 
 @pytest.mark.parametrize("shape", [TINY, TINY_TIED], ids=["untied, padded rows", "tied"])
 def test_the_builder_writes_exactly_the_configurations_tensors(shape, template, tmp_path, tokenizer):
-    path = shapes.write_random_gguf(shape, template, tmp_path / "f16.gguf")
+    path = shape_models.write_random_gguf(shape, template, tmp_path / "f16.gguf")
     reader = gguf.GGUFReader(path)
     found = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-    assert found == shapes.tensor_shapes(shape)
+    assert found == shape_models.tensor_shapes(shape)
     assert reader.fields["qwen2.embedding_length"].contents() == shape.hidden
     assert reader.fields["qwen2.block_count"].contents() == shape.layers
     assert reader.fields["qwen2.attention.head_count_kv"].contents() == shape.kv_heads
@@ -46,12 +47,12 @@ def test_the_builder_writes_exactly_the_configurations_tensors(shape, template, 
 
 @pytest.mark.parametrize("shape", [TINY, TINY_TIED, TINY_QWEN3], ids=["untied", "tied", "qwen3"])
 def test_the_parameter_count_is_transformers_own(shape):
-    model = shapes.torch_shape(shape, "cpu", torch.float32)
+    model = shape_models.torch_shape(shape, "cpu", torch.float32)
     assert sum(p.numel() for p in model.parameters()) == shape.params
 
 
 def test_the_published_shapes_have_their_known_sizes():
-    sizes = {name: round(s.params / 1e9, 1) for name, s in shapes.SHAPES.items()}
+    sizes = {name: round(s.params / 1e9, 1) for name, s in shape_models.SHAPES.items()}
     assert sizes == {"qwen2.5-coder-0.5b": 0.5, "qwen2.5-coder-1.5b": 1.5, "qwen2.5-coder-3b": 3.1,
                      "qwen2.5-coder-7b": 7.6, "qwen2.5-coder-14b": 14.8, "qwen2.5-coder-32b": 32.8,
                      "r1-distill-qwen-1.5b": 1.8, "r1-distill-qwen-32b": 32.8, "qwen3-0.6b": 0.6, "qwen3-8b": 8.2}
@@ -68,7 +69,8 @@ def test_both_backends_run_the_shape_and_pair_it_with_an_slm(shape_file, slm, to
     from roads_to_rome.backends.llamacpp import LlamaCppBackend
 
     built = LlamaCppBackend(shape_file, name="tiny", vocab_size=len(tokenizer))
-    torch_llm = TorchBackend(shapes.torch_shape(TINY, "cpu", torch.float32), name="tiny", vocab_size=len(tokenizer))
+    torch_llm = TorchBackend(shape_models.torch_shape(TINY, "cpu", torch.float32), name="tiny",
+                             vocab_size=len(tokenizer))
     prompt = Engine.alone(slm, tokenizer).encode_chat("What is 48 / 2?")
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     for llm in (built, torch_llm):
@@ -81,42 +83,43 @@ def test_both_backends_run_the_shape_and_pair_it_with_an_slm(shape_file, slm, to
 @pytest.fixture(scope="module")
 def shape_file(template, tmp_path_factory):
     folder = tmp_path_factory.mktemp("shape")
-    return shapes.quantize(shapes.write_random_gguf(TINY, template, folder / "f16.gguf"), folder / "q4.gguf")
+    return shape_models.quantize(shape_models.write_random_gguf(TINY, template, folder / "f16.gguf"),
+                                 folder / "q4.gguf")
 
 
 @needs_llama
 def test_the_quantized_file_keeps_the_shapes_and_is_smaller(shape_file):
     reader = gguf.GGUFReader(shape_file)
     found = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-    assert found == shapes.tensor_shapes(TINY)
+    assert found == shape_models.tensor_shapes(TINY)
     assert any(t.tensor_type.name.startswith("Q") for t in reader.tensors)
 
 
 def test_cost_model_interpolates_and_extrapolates_step_costs():
     ms = {1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0}
-    assert shapes.cost_at(ms, 1) == 10.0 and shapes.cost_at(ms, 3) == 14.0 and shapes.cost_at(ms, 12) == 32.0
-    assert shapes.cost_at(ms, 0.5) == 10.0
+    assert [cost_model.cost_at(ms, k) for k in (1, 3, 12)] == [10.0, 14.0, 32.0]
+    assert cost_model.cost_at(ms, 0.5) == 10.0
 
 
 def test_cost_model_of_routing_and_of_a_models_calls():
     ms = {1: 10.0, 100: 208.0}  # t(k) = 8 + 2k
-    assert shapes.predicted_alone_tok_s(ms, [10], 5) == pytest.approx(5 / ((28 + 4 * 10) / 1000))
-    slm, llm = shapes.routing_calls(10, 50, 1.0, np.random.default_rng(0))
+    assert cost_model.predicted_alone_tok_s(ms, [10], 5) == pytest.approx(5 / ((28 + 4 * 10) / 1000))
+    slm, llm = cost_model.routing_calls(10, 50, 1.0, np.random.default_rng(0))
     assert slm == [10] + [1] * 49 and llm == [10] + [1] * 49  # every token routed: the LLM reads like the SLM
-    slm, llm = shapes.routing_calls(10, 50, 1e-9, np.random.default_rng(0))
+    slm, llm = cost_model.routing_calls(10, 50, 1e-9, np.random.default_rng(0))
     assert llm == []
     for share in (0.1, 0.3):
-        slm, llm = shapes.routing_calls(20, 200, share, np.random.default_rng(1))
+        slm, llm = cost_model.routing_calls(20, 200, share, np.random.default_rng(1))
         assert sum(llm) <= 20 + 199 and abs(len(llm) - share * 200) < 4 * (share * 200) ** 0.5
     run = {"tokens": 4, "slm_calls": [[3, 1, 1, 1]], "llm_calls": [[3, 3]]}
-    assert shapes.predicted_from_calls(run, ms, ms) == pytest.approx(4 / ((14 + 3 * 10 + 2 * 14) / 1000))
+    assert cost_model.predicted_from_calls(run, ms, ms) == pytest.approx(4 / ((14 + 3 * 10 + 2 * 14) / 1000))
 
 
 def test_a_cheap_llm_makes_routing_pay_less_than_a_dear_one():
     slm = {1: 40.0, 64: 400.0}
     cheap, dear = {1: 80.0, 64: 650.0}, {1: 900.0, 64: 3000.0}
-    gain = {name: shapes.predicted_routing_tok_s(slm, llm, 0.15, [150], 64)
-            / shapes.predicted_alone_tok_s(llm, [150], 64)
+    gain = {name: cost_model.predicted_routing_tok_s(slm, llm, 0.15, [150], 64)
+            / cost_model.predicted_alone_tok_s(llm, [150], 64)
             for name, llm in (("cheap", cheap), ("dear", dear))}
     assert gain["dear"] > 2 * gain["cheap"]
 
@@ -137,17 +140,17 @@ def test_bad_shapes_and_shares_are_one_line_errors(run_cli, args, message, tmp_p
 
 
 def test_the_cost_model_at_a_batch_routes_a_step_when_any_row_is_routed():
-    assert shapes.batch_widths([5, 9, 3, 4, 7], 2) == [9, 4, 7]
+    assert cost_model.batch_widths([5, 9, 3, 4, 7], 2) == [9, 4, 7]
     share, tokens = 0.1, 4000
-    _, one = shapes.routing_calls(10, tokens, share, np.random.default_rng(0))
-    _, four = shapes.routing_calls(10, tokens, share, np.random.default_rng(0), rows=4)
+    _, one = cost_model.routing_calls(10, tokens, share, np.random.default_rng(0))
+    _, four = cost_model.routing_calls(10, tokens, share, np.random.default_rng(0), rows=4)
     assert abs(len(one) / tokens - share) < 0.02 and abs(len(four) / tokens - (1 - (1 - share) ** 4)) < 0.03
     assert all(k > 0 for k in four) and sum(four) <= 10 + tokens - 1  # each reads the columns since the last
     steps = np.flatnonzero(np.random.default_rng(0).random(tokens) < share)  # one row: the same draws as before
     assert one == [10 + int(steps[0])] + np.diff(steps).tolist()
     ms = {1: 10.0, 100: 208.0}
-    alone = shapes.predicted_alone_tok_s(ms, [10], 5)
-    assert shapes.predicted_alone_tok_s(ms, [10], 5, rows=4) == pytest.approx(4 * alone)
+    alone = cost_model.predicted_alone_tok_s(ms, [10], 5)
+    assert cost_model.predicted_alone_tok_s(ms, [10], 5, rows=4) == pytest.approx(4 * alone)
 
 
 def test_batched_rows_carry_the_cost_model_where_batched_step_costs_were_measured():
@@ -157,13 +160,14 @@ def test_batched_rows_carry_the_cost_model_where_batched_step_costs_were_measure
     entry = {"batched_steps": {"4": {str(k): v for k, v in llm_ms.items()}}}
     measured = {"llm b=4": {"tokens_per_s": 100.0, "llm_share": 1.0},
                 "r2r@0.1 b=4": {"tokens_per_s": 250.0, "llm_share": 0.1}}
-    llm_row, r2r_row = shapes.batched_rows(result, entry, measured, [0.1], 4)
-    assert llm_row["predicted"] == pytest.approx(shapes.predicted_alone_tok_s(llm_ms, [120], 64, rows=4))
-    assert r2r_row["predicted"] == pytest.approx(shapes.predicted_routing_tok_s(slm_ms, llm_ms, 0.1, [120], 64, rows=4))
+    llm_row, r2r_row = shapes_report.batched_rows(result, entry, measured, [0.1], 4)
+    assert llm_row["predicted"] == pytest.approx(cost_model.predicted_alone_tok_s(llm_ms, [120], 64, rows=4))
+    assert r2r_row["predicted"] == pytest.approx(cost_model.predicted_routing_tok_s(slm_ms, llm_ms, 0.1, [120], 64,
+                                                                                    rows=4))
     assert r2r_row["x_llm"] == 2.5 and r2r_row["x_model"] == pytest.approx(250.0 / r2r_row["predicted"])
     assert r2r_row["predicted_x_llm"] == pytest.approx(r2r_row["predicted"] / llm_row["predicted"])
     # without step costs at that batch (an earlier file, or a backend that cannot hold the rows): measured only
-    bare = shapes.batched_rows({"config": {"tokens": 64}}, {}, measured, [0.1], 4)
+    bare = shapes_report.batched_rows({"config": {"tokens": 64}}, {}, measured, [0.1], 4)
     assert [row["predicted"] for row in bare] == [None, None] and bare[1]["x_llm"] == 2.5
 
 

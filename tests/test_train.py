@@ -1,40 +1,17 @@
 """Router training on a synthetic label dataset with a planted rule; calibration; the CLI."""
 
 import json
-import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import planted_dataset
 
 from roads_to_rome.pipeline.labels import Parts
+from roads_to_rome.routing.rate import threshold_at_rate
 from roads_to_rome.routing.router import RouterConfig, load_router, save_router
 from roads_to_rome.training import train as training
-
-
-def planted_dataset(path, slm, tokenizer, n_prompts=60, length=40, seed=0):
-    """Responses of random tokens; a token is 'divergent' exactly when the first coordinate of the SLM's
-    proposed token's embedding is in its top 30% over the vocabulary (the rule), 'neutral' in the next 20%."""
-    rng = random.Random(seed)
-    coordinate = slm.embedding_table()[:, 0].detach().float()
-    high, mid = coordinate.quantile(0.7), coordinate.quantile(0.5)
-    responses, rows = [], []
-    vocab = len(tokenizer)
-    for i in range(n_prompts):
-        prompt = [rng.randrange(3, vocab) for _ in range(5)]
-        response = [rng.randrange(3, vocab) for _ in range(length)]
-        logits, _ = slm.prefill(prompt + response)
-        proposals = logits[len(prompt) - 1 : len(prompt) - 1 + length].argmax(-1).tolist()
-        responses.append({"id": f"p{i}", "domain": "synthetic", "prompt_ids": prompt, "response_ids": response})
-        for pos, (token, proposal) in enumerate(zip(response, proposals)):
-            value = coordinate[proposal]
-            label = "divergent" if value > high else ("neutral" if value > mid else "identical")
-            rows.append({"id": f"p{i}", "domain": "synthetic", "position": pos, "token": token,
-                         "slm_token": proposal, "entropy": rng.random(), "label": label, "judge_raw": None})
-    Parts(path, "responses").write(responses)
-    pq.write_table(pa.Table.from_pylist(rows), path / "labels.parquet")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +91,7 @@ def test_metrics_on_known_scores():
     assert training.roc_auc(torch.tensor([0.5, 0.5]), torch.tensor([1.0, 0.0])) == 0.5
     recall = training.recall_at_rates(scores, target, [1 / 6, 2 / 6, 0.5, 1.0])
     assert list(recall.values()) == pytest.approx([1 / 3, 2 / 3, 2 / 3, 1.0])
-    assert training.threshold_at_rate(scores, 0.5) == pytest.approx(0.7)
+    assert threshold_at_rate(scores, 0.5) == pytest.approx(0.7)
 
 
 def test_unjudged_positions_count_toward_the_rate_but_never_as_positives():

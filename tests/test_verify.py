@@ -3,10 +3,10 @@ the policy and the catch-up interval; strict under sampling follows the LLM's di
 
 import pytest
 import torch
-from test_engine import run_with_joins
-from test_policies_router import make_checkpoint
+from helpers import make_checkpoint, run_with_joins
 
-from roads_to_rome.core.engine import Engine, SamplingParams, parse_verify, sampling_probs
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.sampling import SamplingParams, parse_verify, sampling_probs
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
 

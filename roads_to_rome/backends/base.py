@@ -80,6 +80,13 @@ class Backend(Protocol):
         """As `forward`, for columns whose outputs nobody needs (a prompt read ahead, a newcomer catching up
         with its batch). A local model reads them at once; a remote one leaves them to its next forward."""
 
+    def complete(self, cache: Cache, new_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int
+                 ) -> list[list[int]] | None:
+        """Where the model writes whole continuations in one go (a server: one request per row, all at once): read
+        `new_ids` as `read` does, then each row's greedy continuation, up to `max_new_tokens`, ending before an
+        EOS. None where it decodes token by token here: then nothing is read, and the caller steps `forward`
+        (`greedy` does)."""
+
     def forward_all(self, cache: Cache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
                     keep_last: int | None = None) -> torch.Tensor:
         """As `forward`, but the logits at every new column [B, n, V], or at the last `keep_last` of them
@@ -145,9 +152,9 @@ def greedy(backend: Backend, cache: Cache, new_ids: list[list[int]], max_new_tok
         outs[i].append(token)
         return len(outs[i]) < limits[i] and not (stop is not None and stop(i, outs[i]))
 
-    if hasattr(backend, "complete"):  # remote.RemoteBackend: its cache is each row's ids
-        backend.read(cache, ids, torch.cat([mask, mask.new_ones(n_rows, ids.shape[1])], dim=1))
-        for i, written in enumerate(backend.complete(cache.rows, max(limits))):
+    whole = backend.complete(cache, ids, torch.cat([mask, mask.new_ones(n_rows, ids.shape[1])], dim=1), max(limits))
+    if whole is not None:
+        for i, written in enumerate(whole):
             for token in written:
                 if not add(i, token):
                     break

@@ -5,6 +5,7 @@ call's values into them) and it writes its outputs to the same buffers every rep
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -28,3 +29,14 @@ def capture(run: Callable[[], Output], pool=None) -> tuple[torch.cuda.CUDAGraph,
         output = run()
     graph.replay()  # recording ran nothing
     return graph, output
+
+
+def recorded_or_none(record: Callable[[], Output], who: str) -> Output | None:
+    """What `record()` (a call that captures a graph) gives, or None, with a warning naming `who`, where the kernels
+    cannot be recorded (an operation that waits for the host): the caller then runs without graphs."""
+    try:
+        return record()
+    except RuntimeError as e:
+        warnings.warn(f"{who}: CUDA graph capture failed ({str(e).splitlines()[0]}); running without graphs",
+                      stacklevel=3)
+        return None

@@ -1,4 +1,4 @@
-"""The backend contract (backend.py) on llama.cpp, running the GGUF files as shipped.
+"""The backend contract (base.py) on llama.cpp, running the GGUF files as shipped.
 
 llama.cpp keeps one KV cache per context, shared by numbered sequences. A batch row is one
 sequence; `LlamaCache` records which sequence each row owns and how many left-padding columns
@@ -223,6 +223,9 @@ class LlamaCppBackend:
 
     def read(self, cache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         self.forward(cache, new_ids, attention_mask)
+
+    def complete(self, cache, new_ids, attention_mask, max_new_tokens: int) -> None:
+        return None  # decodes token by token here
 
     def forward_all(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
                     keep_last: int | None = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The backend contract (backend.py) for an LLM on a serving engine the user already runs.
+"""The backend contract (base.py) for an LLM on a serving engine the user already runs.
 
 R2R's SLM and router run where `r2r` runs; the LLM is any llama.cpp or vLLM server the user points
 `--llm` at: `--llm http://host:port` (`?model=NAME` picks a served model, `?engine=llamacpp|vllm`
@@ -112,8 +112,8 @@ class VllmApi(ServerApi):
 
     def greedy(self, ids: list[int], n: int, top: int) -> list[ServerToken]:
         out = self.client.post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": n,
-                                                   "temperature": 0,
-                                                   "logprobs": top, "return_tokens_as_token_ids": True})
+                                                   "temperature": 0, "logprobs": top,
+                                                   "return_tokens_as_token_ids": True})
         logprobs = out["choices"][0].get("logprobs") or {}
         steps = []
         for token, tops in zip(logprobs.get("tokens") or [], logprobs.get("top_logprobs") or []):
@@ -348,15 +348,18 @@ class RemoteBackend:
                 self._fill(out[i, column], top)
         return out
 
-    def complete(self, rows: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def complete(self, cache: RemoteCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 max_new_tokens: int) -> list[list[int]]:
         """Greedy continuations the server writes itself, one request per row (at once), ending before an EOS:
         what the label pipeline asks of an LLM alone, without a request per token."""
+        self.read(cache, new_ids, attention_mask)
+
         def one(ids: list[int]) -> list[int]:
             out = [token for token, _ in self.api.greedy(ids, max_new_tokens, 0)]
             ends = [i for i, token in enumerate(out) if token in self.eos_ids]
             return out[: ends[0]] if ends else out
 
-        return list(self.pool.map(one, rows))
+        return list(self.pool.map(one, cache.rows))
 
     def _next(self, row: list[int]) -> dict[int, float]:
         return self._greedy(row, 1)[0][1]

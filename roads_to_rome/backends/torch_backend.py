@@ -1,4 +1,4 @@
-"""The backend contract (backend.py) on PyTorch/transformers: any *ForCausalLM, on CPU or CUDA.
+"""The backend contract (base.py) on PyTorch/transformers: any *ForCausalLM, on CPU or CUDA.
 
 On CUDA the cache is static (static_cache.py) and reads of up to 64 tokens replay as CUDA graphs: there a small
 model's step costs its kernel launches, not its weights. Inside a graph the kernels still run one after another, and
@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import copy
 import warnings
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from roads_to_rome.backends.cuda_graphs import capture
+from roads_to_rome.backends.cuda_graphs import capture, recorded_or_none
 from roads_to_rome.backends.static_cache import (
     BufferPool,
     GraphedStep,
@@ -28,10 +27,118 @@ from roads_to_rome.backends.static_cache import (
 )
 
 
-@dataclass
 class TorchCache:
-    kv: DynamicCache | StaticKV | None  # a StaticKV comes with the first read, once the rows are known
-    length: int = 0  # columns of the token streams already read into `kv`
+    """A torch backend's cache: every layer's keys and values [rows, kv heads, columns, head dim] and the columns
+    read so far (`length`), with the contract's row operations written once over those tensors. Two kinds hold
+    them: `DynamicTorchCache` (transformers' own, which grows as it is written: on a CPU) and `StaticTorchCache`
+    (buffers of fixed capacity written in place, which CUDA graphs replay over)."""
+
+    length: int  # columns of the token streams already read
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every layer's keys, then every layer's values."""
+        raise NotImplementedError
+
+    def replace(self, tensors: list[torch.Tensor]) -> None:
+        """Hold these tensors (as `tensors` lists them) instead."""
+        raise NotImplementedError
+
+    def copy_rows(self, rows: torch.Tensor) -> TorchCache:
+        raise NotImplementedError
+
+    def pad_left(self, n: int) -> None:
+        raise NotImplementedError
+
+    def truncate(self, length: int) -> None:
+        raise NotImplementedError
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        if self.length:
+            self.replace([t[rows] for t in self.tensors()])
+
+    def append_rows(self, other: TorchCache) -> None:
+        if self.length != other.length:
+            raise ValueError("caches must cover the same columns")
+        if not self.length:
+            return
+        ours, theirs = self.tensors(), other.tensors()
+        columns = max(t.shape[2] for t in ours[:1] + theirs[:1])  # a static cache's capacity may exceed its length
+
+        def widened(t):
+            return torch.nn.functional.pad(t, (0, 0, 0, columns - t.shape[2]))
+
+        self.replace([torch.cat([widened(a), widened(b)]) for a, b in zip(ours, theirs)])
+
+    def shift_rows(self, shifts: list[int]) -> None:
+        # In place: a static cache's graphs replay over its buffers.
+        for t in self.tensors():
+            for row, d in enumerate(shifts):
+                if d:
+                    t[row, :, d : self.length] = t[row, :, : self.length - d].clone()
+                    t[row, :, :d] = 0
+
+
+class DynamicTorchCache(TorchCache):
+    """transformers' DynamicCache: each read appends its columns, so the tensors are `length` columns wide."""
+
+    def __init__(self, kv: DynamicCache, length: int = 0):
+        self.kv, self.length = kv, length
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [layer.keys for layer in self.kv.layers] + [layer.values for layer in self.kv.layers]
+
+    def replace(self, tensors: list[torch.Tensor]) -> None:
+        n = len(self.kv.layers)
+        for layer, keys, values in zip(self.kv.layers, tensors[:n], tensors[n:]):
+            layer.keys, layer.values = keys, values
+
+    def copy_rows(self, rows: torch.Tensor) -> DynamicTorchCache:
+        copied = DynamicTorchCache(copy.deepcopy(self.kv), self.length)
+        copied.select_rows(rows)
+        return copied
+
+    def pad_left(self, n: int) -> None:
+        if self.length:
+            self.replace([torch.cat([t.new_zeros(*t.shape[:2], n, t.shape[3]), t], dim=2) for t in self.tensors()])
+            self.length += n
+
+    def truncate(self, length: int) -> None:
+        if length < self.length:
+            self.kv.crop(length - self.length)  # negative: columns to drop
+            self.length = length
+
+
+class StaticTorchCache(TorchCache):
+    """Buffers of a fixed capacity (static_cache.StaticKV), written in place; columns past `length` are masked.
+    `reserve(cache, rows, columns)` gives the cache buffers that hold that much (the backend's pool)."""
+
+    def __init__(self, reserve, kv: StaticKV | None = None, length: int = 0):
+        self.reserve, self.kv, self.length = reserve, kv, length  # the buffers come with the first read
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.kv.keys + self.kv.values
+
+    def replace(self, tensors: list[torch.Tensor]) -> None:
+        # New buffers: graphs captured over the old ones do not apply to them.
+        n = len(self.kv.keys)
+        self.kv = StaticKV(tensors[:n], tensors[n:])
+
+    def copy_rows(self, rows: torch.Tensor) -> StaticTorchCache:
+        if not self.length:
+            return StaticTorchCache(self.reserve)
+        return StaticTorchCache(self.reserve, self.kv.rows_of(rows), self.length)
+
+    def pad_left(self, n: int) -> None:
+        if not self.length:
+            return
+        kv = self.reserve(self, self.kv.rows, self.length + n)
+        for t in kv.keys + kv.values:
+            t[:, :, n : self.length + n] = t[:, :, : self.length].clone()
+            t[:, :, :n] = 0
+        self.length += n
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)  # the columns past it are masked, and overwritten by the next read
 
 
 class TorchBackend:
@@ -92,9 +199,11 @@ class TorchBackend:
         return f"torch {torch.__version__} {dtype} {torch.backends.cpu.get_cpu_capability()}"
 
     def new_cache(self) -> TorchCache:
-        return TorchCache(None if self.static else DynamicCache(config=self.model.config))
+        if self.static:
+            return StaticTorchCache(self._reserve)
+        return DynamicTorchCache(DynamicCache(config=self.model.config))
 
-    def _reserve(self, cache: TorchCache, rows: int, columns: int) -> StaticKV:
+    def _reserve(self, cache: StaticTorchCache, rows: int, columns: int) -> StaticKV:
         """The cache's buffers, (re)allocated to hold `rows` rows and `columns` columns."""
         kv = cache.kv
         if kv is not None and kv.rows == rows and kv.capacity >= columns:
@@ -131,7 +240,7 @@ class TorchBackend:
         cache.length = start + n_new
         return hidden[:, :n_new]
 
-    def _static_read(self, cache: TorchCache, new_ids, mask, positions, size: int, graphed: bool) -> torch.Tensor:
+    def _static_read(self, cache: StaticTorchCache, new_ids, mask, positions, size: int, graphed: bool) -> torch.Tensor:
         """The new columns padded to `size` (the padding columns are not tokens: masked, and written past the
         cache's length, where the next read overwrites them), read by a CUDA graph of that size over this cache's
         buffers (captured on first use) when `graphed`, else eagerly. Hidden states [B, size, H]."""
@@ -146,13 +255,11 @@ class TorchBackend:
         steps = self.pool.graphs.setdefault(kv, {})
         step = steps.get(size)
         if step is None:
-            try:
-                step = steps[size] = self._capture(kv, new_ids, positions, step_mask, write_at)
-            except RuntimeError as e:  # a model whose forward syncs with the host cannot be captured
-                warnings.warn(f"{self.name}: CUDA graph capture failed ({str(e).splitlines()[0]}); "
-                              "running its steps without graphs", stacklevel=2)
+            step = self._capture(kv, new_ids, positions, step_mask, write_at)
+            if step is None:  # a model whose forward syncs with the host cannot be captured
                 self.graphs = False
                 return self._trunk(kv, new_ids, positions, step_mask, write_at)
+            steps[size] = step
         else:
             for static, value in ((step.ids, new_ids), (step.positions, positions), (step.mask, step_mask),
                                   (step.write_at, write_at)):
@@ -167,7 +274,7 @@ class TorchBackend:
         trunk = self.trunk if trunk is None else trunk
         return trunk(ids, {"full_attention": mask}, positions, kv, use_cache=True).last_hidden_state
 
-    def _capture(self, kv: StaticKV, ids, positions, mask, write_at) -> GraphedStep:
+    def _capture(self, kv: StaticKV, ids, positions, mask, write_at) -> GraphedStep | None:
         # (the warm-up writes this read's own columns: the same numbers the replay writes)
         ids, positions, mask, write_at = (t.clone() for t in (ids, positions, mask, write_at))
         if self.compiled_trunk is not None:
@@ -177,7 +284,7 @@ class TorchBackend:
                 warnings.warn(f"{self.name}: torch.compile failed ({str(e).strip().splitlines()[0]}); its CUDA "
                               "graphs record the trunk uncompiled", stacklevel=3)
                 self.compiled_trunk = None
-        return self._record(kv, ids, positions, mask, write_at)
+        return recorded_or_none(lambda: self._record(kv, ids, positions, mask, write_at), self.name)
 
     def _record(self, kv: StaticKV, ids, positions, mask, write_at, trunk=None) -> GraphedStep:
         graph, hidden = capture(lambda: self._trunk(kv, ids, positions, mask, write_at, trunk), self.pool.memory)
@@ -192,6 +299,9 @@ class TorchBackend:
     @torch.inference_mode()
     def read(self, cache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         self.forward(cache, new_ids, attention_mask)
+
+    def complete(self, cache, new_ids, attention_mask, max_new_tokens: int) -> None:
+        return None  # decodes token by token here
 
     @torch.inference_mode()
     def forward_all(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -208,83 +318,27 @@ class TorchBackend:
         return self._logits(hidden), hidden
 
     def select_rows(self, cache: TorchCache, rows: torch.Tensor) -> None:
-        if cache.length and self.static:
-            cache.kv = cache.kv.rows_of(rows.to(self.device))
-        elif cache.length:
-            cache.kv.batch_select_indices(rows.to(self.device))
+        cache.select_rows(rows.to(self.device))
 
     def copy_rows(self, cache: TorchCache, rows: list[int]) -> TorchCache:
-        if self.static:
-            if not cache.length:
-                return TorchCache(None)
-            return TorchCache(cache.kv.rows_of(torch.tensor(rows, device=self.device)), cache.length)
-        kv = copy.deepcopy(cache.kv)
-        if cache.length:
-            kv.batch_select_indices(torch.tensor(rows, device=self.device))
-        return TorchCache(kv, cache.length)
+        return cache.copy_rows(torch.tensor(rows, device=self.device))
 
     def append_rows(self, cache: TorchCache, other: TorchCache) -> None:
-        if cache.length != other.length:
-            raise ValueError("caches must cover the same columns")
-        if self.static:
-            if cache.length:
-                columns = max(cache.kv.capacity, other.kv.capacity)
-
-                def widened(t):
-                    return torch.nn.functional.pad(t, (0, 0, 0, columns - t.shape[2]))
-
-                cache.kv = StaticKV([torch.cat([widened(a), widened(b)]) for a, b in zip(cache.kv.keys, other.kv.keys)],
-                                    [torch.cat([widened(a), widened(b)])
-                                     for a, b in zip(cache.kv.values, other.kv.values)])
-            return
-        for layer, new in zip(cache.kv.layers, other.kv.layers):
-            layer.keys = torch.cat([layer.keys, new.keys])
-            layer.values = torch.cat([layer.values, new.values])
+        cache.append_rows(other)
 
     @torch.inference_mode()
     def pad_left(self, cache: TorchCache, n: int) -> None:
-        # The attention mask marks the new columns as padding, so they are never read.
-        if not cache.length:
-            return
-        if self.static:
-            kv = self._reserve(cache, cache.kv.rows, cache.length + n)
-            for t in kv.keys + kv.values:
-                t[:, :, n : cache.length + n] = t[:, :, : cache.length].clone()
-                t[:, :, :n] = 0
-            cache.length += n
-            return
-        for layer in cache.kv.layers:
-            b, h, _, d = layer.keys.shape
-            layer.keys = torch.cat([layer.keys.new_zeros(b, h, n, d), layer.keys], dim=2)
-            layer.values = torch.cat([layer.values.new_zeros(b, h, n, layer.values.shape[-1]), layer.values], dim=2)
-        cache.length += n
+        cache.pad_left(n)  # the attention mask marks the new columns as padding, so they are never read
 
     def truncate(self, cache: TorchCache, length: int) -> None:
-        if length < cache.length:
-            if not self.static:  # a static cache masks the columns past its length instead
-                cache.kv.crop(length - cache.length)  # negative: columns to drop
-            cache.length = length
+        cache.truncate(length)
 
     @torch.inference_mode()
     def shift_rows(self, cache: TorchCache, shifts: list[int]) -> None:
         # Keys keep the rotary positions they were computed at, and a row's positions count its real
         # tokens only, so moving a row's entries right (and masking the new left columns) changes nothing.
-        if not any(shifts):
-            return
-        if self.static:
-            for t in cache.kv.keys + cache.kv.values:
-                for row, d in enumerate(shifts):
-                    if d:
-                        t[row, :, d : cache.length] = t[row, :, : cache.length - d].clone()
-                        t[row, :, :d] = 0
-            return
-        for layer in cache.kv.layers:
-            for tensor_name in ("keys", "values"):
-                old = getattr(layer, tensor_name)
-                new = torch.zeros_like(old)
-                for row, d in enumerate(shifts):
-                    new[row, :, d:] = old[row, :, : old.shape[2] - d]
-                setattr(layer, tensor_name, new)
+        if any(shifts):
+            cache.shift_rows(shifts)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(token_ids.to(self.device))

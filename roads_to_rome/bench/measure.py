@@ -10,10 +10,11 @@ from transformers import DynamicCache
 
 from roads_to_rome import models
 from roads_to_rome.backends.remote import RemoteBackend
-from roads_to_rome.core.engine import Engine, SamplingParams
+from roads_to_rome.core.request import Totals
+from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
 from roads_to_rome.hardware import describe_cpu
-from roads_to_rome.models import load_model, load_pair
+from roads_to_rome.models import load_model, load_pair, systems
 from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
 from roads_to_rome.routing.policies import entropy
@@ -74,7 +75,7 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
     on a static KV cache; with `compile`, also that with the forward compiled by torch.compile. On torch:
     the bare loops drive the transformers model itself."""
     slm_backend, tokenizer = load_model(slm, "slm", device, dtype, backend="torch")
-    engine = Engine.alone(slm_backend, tokenizer, "slm")
+    engine = systems.alone(slm_backend, tokenizer, "slm")
     prompt_ids = engine.encode_chat(BENCH_PROMPT)
     params = SamplingParams(max_new_tokens=n_tokens, ignore_eos=True)
     model = slm_backend.model
@@ -111,7 +112,7 @@ def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshol
              n_tokens: int, backend: str = "auto") -> dict:
     """R2R (entropy routing) on `batch_size` GSM8K dev prompts: one at a time vs all in one batch."""
     slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
-    engine = Engine(slm_backend, llm_backend, tokenizer, policies.build("entropy", threshold=threshold))
+    engine = systems.routed(slm_backend, llm_backend, tokenizer, "entropy", threshold)
     prompts = [engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:batch_size]]
     params = SamplingParams(max_new_tokens=n_tokens)
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
@@ -161,19 +162,18 @@ def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: lis
             catch_up[where][k] = {"cached_ms": step_ms(llm, context, k), "cold_ms": cold_ms(llm, context + k)}
             progress.advance(task, 2)
     kind, router = models.choose_policy(None, router_path, None)
-    prompts = [Engine.alone(slm_b, tokenizer, "slm").encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:n_prompts]]
+    prompts = [systems.alone(slm_b, tokenizer, "slm").encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:n_prompts]]
     params = SamplingParams(max_new_tokens=n_tokens)
-    systems, outputs = {}, {}
+    figures, outputs = {}, {}
     for where, llm in llms.items():
-        for name, engine in ((f"LLM alone ({where})", Engine.alone(llm, tokenizer, "llm")),
-                             (f"R2R ({where})", Engine(slm_b, llm, tokenizer,
-                                                                   policies.build(kind, slm_b, None, router)))):
+        for name, engine in ((f"LLM alone ({where})", systems.alone(llm, tokenizer, "llm")),
+                             (f"R2R ({where})", systems.routed(slm_b, llm, tokenizer, kind, None, router))):
             engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
             start = time.perf_counter()
             gens = [engine.generate([p], params)[0] for p in prompts]
             seconds = time.perf_counter() - start
             tokens = sum(len(g.token_ids) for g in gens)
-            systems[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            figures[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                              "llm_rate": sum(g.llm_tokens for g in gens) / tokens}
             outputs[name] = [g.token_ids for g in gens]
             progress.advance(task)
@@ -181,7 +181,7 @@ def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: lis
             for system in ("LLM alone", "R2R")}
     return {"llm_url": llm_url, "remote": llms["remote"].name, "backend": backend, "dtype": dtype,
             "kernels": kernels(slm=slm_b, **{f"llm ({name})": llm for name, llm in llms.items()}), "context": context,
-            "catch_up": catch_up, "prompts": n_prompts, "max_new_tokens": n_tokens, "systems": systems,
+            "catch_up": catch_up, "prompts": n_prompts, "max_new_tokens": n_tokens, "systems": figures,
             "same_output": same}
 
 
@@ -207,7 +207,7 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
     router_path = models.router_path_for(router_path, None)
     slms = {name: load_model(None, "slm", "cpu", dtype, name) for name in ("torch", "llamacpp")}
     tokenizer = slms["torch"][1]
-    writer = Engine.alone(slms["llamacpp"][0], tokenizer, "slm")
+    writer = systems.alone(slms["llamacpp"][0], tokenizer, "slm")
     routers = {name: policies.build("router", b, None, router_path) for name, (b, _) in slms.items()} \
         if router_path else {}
     task = progress.add_task("backends", total=n_prompts)
@@ -266,49 +266,43 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
     router_path = models.router_path_for(router_path, None)
     pairs = {name: load_pair(None, None, "cpu", dtype=dtype, backend=name) for name in backends}
     first_slm, _, tokenizer = next(iter(pairs.values()))
-    prompts = [Engine.alone(first_slm, tokenizer, "slm").encode_chat(gsm8k_prompt(item))
+    prompts = [systems.alone(first_slm, tokenizer, "slm").encode_chat(gsm8k_prompt(item))
                for item in gsm8k()[:n_prompts]]
     params = SamplingParams(max_new_tokens=n_tokens)
 
-    def policy_for(slm_backend):
+    def r2r(slm_b, llm_b, verify_with="off", n=None):
         if router_path is None:
-            return policies.build("entropy", threshold=threshold if threshold is not None else entropy_threshold)
-        return policies.build("router", slm_backend, threshold, router_path)
+            return systems.routed(slm_b, llm_b, tokenizer, "entropy",
+                                  threshold if threshold is not None else entropy_threshold, verify=verify_with,
+                                  max_unverified=n)
+        return systems.routed(slm_b, llm_b, tokenizer, "router", threshold, router_path, verify=verify_with,
+                              max_unverified=n)
 
-    systems = {}
+    engines = {}
     for name, (slm_b, llm_b, _) in pairs.items():
-        systems[f"LLM alone ({name})"] = Engine.alone(llm_b, tokenizer, "llm")
-        systems[f"SLM alone ({name})"] = Engine.alone(slm_b, tokenizer, "slm")
-        systems[f"R2R ({name})"] = Engine(slm_b, llm_b, tokenizer, policy_for(slm_b))
+        engines[f"LLM alone ({name})"] = systems.alone(llm_b, tokenizer, "llm")
+        engines[f"SLM alone ({name})"] = systems.alone(slm_b, tokenizer, "slm")
+        engines[f"R2R ({name})"] = r2r(slm_b, llm_b)
         for v in verify:
-            systems[f"R2R verify={v}{f' n={max_unverified}' if max_unverified else ''} ({name})"] = Engine(
-                slm_b, llm_b, tokenizer, policy_for(slm_b), v, max_unverified)
+            label = f"R2R verify={v}{f' n={max_unverified}' if max_unverified else ''} ({name})"
+            engines[label] = r2r(slm_b, llm_b, v, max_unverified)
         for k in spec_k:
-            systems[f"speculative k={k} ({name})"] = Engine(slm_b, llm_b, tokenizer, policies.build("slm"), "strict", k)
+            engines[f"speculative k={k} ({name})"] = systems.System("spec", "spec", k).engine(slm_b, llm_b, tokenizer)
     results = {}
-    task = progress.add_task("bench", total=len(systems) + ("torch" in pairs))
-    for name, engine in systems.items():
+    task = progress.add_task("bench", total=len(engines) + ("torch" in pairs))
+    for name, engine in engines.items():
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
-        tokens = llm_tokens = llm_calls = steps = rollbacks = 0
-        router_s = slm_s = llm_s = 0.0
-        start = time.perf_counter()
+        totals, start = Totals(), time.perf_counter()
         for p in prompts:
-            gen = engine.generate([p], params)[0]
-            tokens += len(gen.token_ids)
-            llm_tokens += gen.llm_tokens
-            rollbacks += gen.rollbacks
-            llm_calls += gen.timings.llm_calls
-            steps += gen.timings.steps
-            router_s += gen.timings.router_s
-            slm_s += gen.timings.slm_s
-            llm_s += gen.timings.llm_s
-        seconds = time.perf_counter() - start
+            totals.add(engine.generate([p], params)[0])
+        seconds, tokens, timed = time.perf_counter() - start, totals.tokens, totals.timings
         results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                         "llm_rate": llm_tokens / tokens if engine.routes else None, "rollbacks": rollbacks,
-                         "llm_calls": llm_calls, "router_ms": 1000 * router_s / max(steps, 1),
+                         "llm_rate": totals.llm_tokens / tokens if engine.routes else None,
+                         "rollbacks": totals.rollbacks, "llm_calls": timed.llm_calls,
+                         "router_ms": 1000 * timed.router_s / max(timed.steps, 1),
                          # What the steps cost inside the run (the first of each includes the prompt):
-                         "slm_ms_per_step": 1000 * slm_s / max(steps, 1),
-                         "llm_ms_per_call": 1000 * llm_s / llm_calls if llm_calls else None}
+                         "slm_ms_per_step": 1000 * timed.slm_s / max(timed.steps, 1),
+                         "llm_ms_per_call": 1000 * timed.llm_s / timed.llm_calls if timed.llm_calls else None}
         progress.advance(task)
 
     if "torch" in pairs:

@@ -15,14 +15,15 @@ import numpy as np
 import openai
 
 from roads_to_rome.bench.measure import kernels
-from roads_to_rome.core.engine import DEFAULT_VERIFY, Counters, Engine
+from roads_to_rome.core.engine import DEFAULT_VERIFY, Counters
 from roads_to_rome.core.verification import Deferral
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
-from roads_to_rome.models import load_pair
+from roads_to_rome.models import load_pair, systems
 from roads_to_rome.models.loading import choose_policy
 from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
-from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
+from roads_to_rome.serving.background import BackgroundServer
+from roads_to_rome.serving.server import Limits, create_app
 
 
 def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: list[int], n_tokens: int,
@@ -38,8 +39,8 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: 
     kind, router_path = choose_policy(None, None, slm)
     policy = policies.build(kind, slm_backend, threshold, router_path)
     prompts = [gsm8k_prompt(item) for item in gsm8k()[:requests]]
-    engines = {mode: Engine(slm_backend, llm_backend, tokenizer, policy, DEFAULT_VERIFY,
-                            defer=dataclasses.replace(rule, mode=mode)) for mode in modes}
+    engines = {mode: systems.routed(slm_backend, llm_backend, tokenizer, policy, verify=DEFAULT_VERIFY,
+                                    defer=dataclasses.replace(rule, mode=mode)) for mode in modes}
     answered: dict[str, list] = {}  # "mode xN" -> per round: (answers, seconds, what the engine counted)
     task = progress.add_task("serving", total=rounds * len(modes) * len(clients) * requests)
     for _ in range(rounds):

@@ -24,7 +24,7 @@ from roads_to_rome.cli.options import (
     console,
     count,
 )
-from roads_to_rome.errors import R2RError, require
+from roads_to_rome.errors import R2RError, require_extra
 from roads_to_rome.routing import DEFAULT_ENTROPY_THRESHOLD
 
 bench_app = typer.Typer(help="Benchmarks that print ratios measured side by side in one run. Without a "
@@ -53,7 +53,7 @@ def bench_compare(
     in one run."""
     if ctx.invoked_subcommand is not None:
         return
-    require("eval", "`r2r bench`")
+    require_extra("eval", "`r2r bench`")
     from roads_to_rome.bench.measure import compare
     from roads_to_rome.core.sampling import parse_verify
     from roads_to_rome.models.loading import pick_dtype
@@ -80,7 +80,7 @@ def bench_backends(
     threshold: EntropyThreshold = DEFAULT_ENTROPY_THRESHOLD, dtype: Dtype = "auto", out: Out = None,
 ):
     """Torch vs llama.cpp SLM features: hidden-state cosine, argmax and routing decisions agreement."""
-    require("eval", "`r2r bench backends`")
+    require_extra("eval", "`r2r bench backends`")
     from roads_to_rome.bench.measure import backend_agreement
     from roads_to_rome.models.loading import pick_dtype
 
@@ -101,7 +101,7 @@ def bench_overhead(
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "auto", out: Out = None,
 ):
     """Engine overhead: R2R with the always-SLM policy against a bare SLM forward loop, same prompt."""
-    require("eval", "`r2r bench overhead`")
+    require_extra("eval", "`r2r bench overhead`")
     from roads_to_rome.bench.measure import overhead
     from roads_to_rome.models.loading import pick_dtype
 
@@ -121,7 +121,7 @@ def bench_batch(
     out: Out = None,
 ):
     """Batching: R2R on N GSM8K dev prompts one at a time vs in one batch (aggregate tokens/s)."""
-    require("eval", "`r2r bench batch`")
+    require_extra("eval", "`r2r bench batch`")
     from roads_to_rome.bench.measure import batching
     from roads_to_rome.models.loading import pick_dtype
 
@@ -148,8 +148,8 @@ def bench_serve(
 ):
     """Serving under load through the HTTP server: throughput and per-request latency (p50, p95) at each number of
     concurrent clients, lockstep routing against deferred (grouped) LLM calls, in one run."""
-    require("serve", "`r2r bench serve`")
-    require("eval", "`r2r bench serve`")
+    require_extra("serve", "`r2r bench serve`")
+    require_extra("eval", "`r2r bench serve`")
     from roads_to_rome.bench.serving import serving
     from roads_to_rome.core.verification import DEFER_MODES, Deferral
     from roads_to_rome.models.loading import pick_dtype
@@ -182,7 +182,7 @@ def bench_steps(
     out: Out = None,
 ):
     """Per-step cost of each model for k new tokens (the inputs of the cost model)."""
-    require("eval", "`r2r bench steps`")
+    require_extra("eval", "`r2r bench steps`")
     from roads_to_rome.bench.measure import step_costs
     from roads_to_rome.models.loading import pick_dtype
 
@@ -208,7 +208,7 @@ def bench_remote(
 ):
     """The LLM behind a server vs the same LLM here: catch-up latency for k new tokens (prefix cached, and
     cold), and R2R's tokens/s with either LLM, in one run."""
-    require("eval", "`r2r bench remote`")
+    require_extra("eval", "`r2r bench remote`")
     from roads_to_rome.bench.measure import remote
     from roads_to_rome.models.loading import pick_dtype
 
@@ -261,13 +261,14 @@ def bench_shapes(
     with random-weight models of each shape, beside the cost model's figures from per-step costs measured in the
     same run; verification and speculative decoding predicted from the real pair's forwards; on torch,
     transformers' assisted generation beside them."""
-    require("eval", "`r2r bench shapes`")
+    require_extra("eval", "`r2r bench shapes`")
+    from roads_to_rome.bench import shape_models, shapes_report
     from roads_to_rome.bench import shapes as bench_shapes_module
     from roads_to_rome.core.sampling import parse_verify
     from roads_to_rome.core.verification import Deferral
 
-    chosen = bench_shapes_module.parse_shapes(llm_shape)
-    shares = bench_shapes_module.parse_shares(llm_share)
+    chosen = shape_models.parse_shapes(llm_shape)
+    shares = shape_models.parse_shares(llm_share)
     ks = whole_numbers(new_tokens, "--new-tokens")
     if backend not in ("llamacpp", "torch"):
         raise R2RError(f"--backend for shapes is llamacpp (a built GGUF) or torch (from the configuration), "
@@ -291,7 +292,7 @@ def bench_shapes(
     plan = bench_shapes_module.Plan(
         tuple(chosen), tuple(shares), prompts, tokens, context, tuple(ks), tuple(settings),
         tuple(whole_numbers(spec_k, "--spec-k")), backend, device,
-        bench_shapes_module.parse_shape(slm_shape) if slm_shape else None,
+        shape_models.parse_shape(slm_shape) if slm_shape else None,
         tuple(whole_numbers(batch, "--batch")) or (1,), str(real_from) if real_from else None, cuda_graphs, compiled,
         modes, rule)
     saved = json.loads(out.read_text()) if out.exists() else None
@@ -309,8 +310,8 @@ def bench_shapes(
             console.print(f"{name}: {build['path']} ({build['bytes'] / 1e9:.2f} GB)")
         return
     console.print(*tables.bench_shapes(result), sep="\n")
-    plot = bench_shapes_module.plot(result, out.with_suffix(".png"))
-    out.with_suffix(".md").write_text(bench_shapes_module.markdown(result))
+    plot = shapes_report.plot(result, out.with_suffix(".png"))
+    out.with_suffix(".md").write_text(shapes_report.markdown(result))
     where = f"{result['device_name']} ({result['processor']})" if result.get("device_name") else result["processor"]
     measured_on(where, result)
     console.print(f"JSON in {out}, Markdown table and plot beside it ({plot})")

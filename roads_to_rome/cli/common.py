@@ -21,7 +21,7 @@ def progress_bar(*columns: ProgressColumn) -> Progress:
 
 
 def sampling(max_new_tokens, temperature, top_p, top_k, stop, seed):
-    from roads_to_rome.core.engine import SamplingParams
+    from roads_to_rome.core.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             stop=tuple(stop or ()), seed=seed)

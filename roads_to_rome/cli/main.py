@@ -40,7 +40,7 @@ from roads_to_rome.cli.options import (
     console,
     count,
 )
-from roads_to_rome.errors import R2RError, require
+from roads_to_rome.errors import R2RError, require_extra
 
 app = typer.Typer(help="R2R: token-level routing between a small and a large language model.",
                   pretty_exceptions_enable=False, no_args_is_help=True, add_completion=False)
@@ -173,7 +173,7 @@ def serve(
     reasoning_parser: ReasoningParserOpt = "auto",
 ):
     """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) and a playground at /."""
-    require("serve", "`r2r serve`")
+    require_extra("serve", "`r2r serve`")
     from roads_to_rome.reasoning import check_parser
     from roads_to_rome.serving import server
 

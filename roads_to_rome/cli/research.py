@@ -26,7 +26,7 @@ from roads_to_rome.cli.options import (
     console,
     count,
 )
-from roads_to_rome.errors import R2RError, require
+from roads_to_rome.errors import R2RError, require_extra
 
 
 class DefaultRunGroup(TyperGroup):
@@ -100,7 +100,7 @@ def eval_command(
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Evaluate systems on a benchmark: accuracy with 95% CI, LLM rate, avg. params, speed; JSON, table, plots, HTML."""
-    require("eval", "`r2r eval`")
+    require_extra("eval", "`r2r eval`")
     from roads_to_rome.eval.evaluate import EvalConfig, evaluate, markdown_table
 
     try:
@@ -140,7 +140,7 @@ def train(
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Train the router on label datasets (SLM features recomputed by prefill), calibrate, save, report."""
-    require("labels", "`r2r train`")
+    require_extra("labels", "`r2r train`")
     from roads_to_rome.training import train as training
 
     if not 0 < target_rate < 1:
@@ -170,7 +170,7 @@ def calibrate(
     slm: Slm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Sweep thresholds on validation data: recall of divergent tokens vs LLM rate (table + plot)."""
-    require("labels", "`r2r calibrate`")
+    require_extra("labels", "`r2r calibrate`")
     from roads_to_rome.training import train as training
 
     for name, v in (("--target-rate", target_rate), ("--target-recall", target_recall)):
@@ -227,7 +227,7 @@ def label_run(
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Run the label pipeline (or some of its steps); re-running resumes where it stopped."""
-    require("labels", "`r2r label`")
+    require_extra("labels", "`r2r label`")
     from roads_to_rome.models import load_pair
     from roads_to_rome.pipeline import judges, labels
 
@@ -264,7 +264,7 @@ def label_prompts(
     llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Build a training prompt set (no evaluation data); the same seed gives the same set."""
-    require("labels", "`r2r label prompts`")
+    require_extra("labels", "`r2r label prompts`")
     from roads_to_rome.pipeline import labels
 
     if recipe == "default":
@@ -301,7 +301,7 @@ def label_agree(
 ):
     """Run a second judge on the same differing positions (or read another directory's verdicts) and report how
     often it agrees with the first."""
-    require("labels", "`r2r label agree`")
+    require_extra("labels", "`r2r label agree`")
     from roads_to_rome.pipeline import labels
 
     if not ((out / "judgements").exists() or (against is not None and (out / "labels.parquet").exists())):
@@ -327,7 +327,7 @@ def label_check_judge(
     as_json: AsJson = False,
 ):
     """How well a judge agrees with hand labels: accuracy, divergent recall/precision, Cohen's kappa."""
-    require("labels", "`r2r label check-judge`")
+    require_extra("labels", "`r2r label check-judge`")
     from roads_to_rome.pipeline import judges
 
     result = judges.check(load_judge(judge, judge_url, judge_model, llm, device, dtype, backend),
@@ -344,7 +344,7 @@ def label_report(
     as_json: AsJson = False,
 ):
     """Per domain and overall: queries, tokens, different and divergent rates, SLM entropy by label."""
-    require("labels", "`r2r label report`")
+    require_extra("labels", "`r2r label report`")
     from roads_to_rome.pipeline import labels
 
     result = labels.report(dataset)

@@ -236,7 +236,7 @@ def bench_remote(result: dict, ks: list[int]) -> list:
 
 def bench_shapes(result: dict) -> list:
     """Per LLM shape: tokens/s measured and predicted by the cost model, and the ratios to the LLM alone."""
-    from roads_to_rome.bench import shapes
+    from roads_to_rome.bench import shapes_report
 
     out = []
     for name, entry in result["summary"].items():
@@ -244,13 +244,13 @@ def bench_shapes(result: dict) -> list:
         built = (f", {build['bytes'] / 1e9:.2f} GB" if build.get("bytes") else "") + \
             (f", built in {build['built_s'] / 60:.1f} min" if build.get("built_s") else "")
         table = Table(title=f"{name} ({entry['params_b']:.2f}B parameters{built})", title_justify="left")
-        with_grouping = shapes.grouped(entry)
-        for column in shapes.COLUMNS + (shapes.GROUPED_COLUMNS if with_grouping else ()):
+        with_grouping = shapes_report.grouped(entry)
+        for column in shapes_report.COLUMNS + (shapes_report.GROUPED_COLUMNS if with_grouping else ()):
             table.add_column(column, justify="left" if column == "system" else "right")
         for row in entry["rows"]:
-            table.add_row(*shapes.row_cells(row, with_grouping))
+            table.add_row(*shapes_report.row_cells(row, with_grouping))
         out.append(table)
-    if note := shapes.deferral_note(result["config"]):
+    if note := shapes_report.deferral_note(result["config"]):
         out.append(note)
     if result.get("slm_tokens_per_s"):
         slm = (result.get("slm") or {}).get("name", "the default SLM")

@@ -42,6 +42,7 @@ from roads_to_rome.core.request import Generation, Request, Sequence, Step, Timi
 from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify, sample, sampling_probs
 from roads_to_rome.core.verification import Deferral
 from roads_to_rome.errors import R2RError
+from roads_to_rome.routing import rate
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 
 # What `r2r generate`, `chat` and `serve` verify routed tokens with unless told otherwise: a 1-nat tolerance, which
@@ -49,7 +50,12 @@ from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 # catch-up"). A model alone (the slm or llm policy, a request that forces one) is not verified unless asked.
 DEFAULT_VERIFY = "1"
 NO_ROWS = torch.empty(0, dtype=torch.long)  # the `select_rows` index that keeps none: a cache lets go of every row
-RATE_CATCH_UP_TOKENS = 16  # a request aiming at an LLM rate makes up a shortfall over this many tokens (_threshold)
+
+
+def default_verify(routes: bool, routed: str | float = DEFAULT_VERIFY) -> str | float:
+    """Verification where none is asked for: `routed` (the default, or an engine's own) where tokens are routed,
+    off for one model writing alone (the slm or llm policy, a request forced onto one model)."""
+    return routed if routes else "off"
 
 
 class Engine:
@@ -107,7 +113,7 @@ class Engine:
         if self.slm is None and request.force == "slm":
             raise R2RError("this request asks for the SLM, but no SLM is loaded")
         # The engine's setting is for routed rows: a row forced onto one model is that model alone unless it asks.
-        verify = request.verify if request.verify is not None else "off" if request.force else self.verify
+        verify = request.verify if request.verify is not None else default_verify(request.force is None, self.verify)
         if verify != "off":
             self._check_verifiable(verify, request.params)
         max_unverified = self.max_unverified if request.max_unverified is None else request.max_unverified
@@ -662,26 +668,15 @@ class Batch:
         t.llm_calls += llm_ran
 
     def _thresholds(self) -> torch.Tensor | None:
-        """Per-row thresholds, or None when every row uses the policy's own."""
+        """Per-row thresholds (a request's own, or the one its target LLM rate gives: routing/rate.py), or None
+        when every row uses the policy's own."""
         requests = [s.request for s in self.sequences]
         if all(r.threshold is None and r.target_rate is None for r in requests):
             return None
-        return torch.tensor([self._threshold(s) for s in self.sequences], device=self.ids.device)
-
-    def _threshold(self, s: Sequence) -> float:
-        r = s.request
-        fixed = (self.engine.policy.threshold or 0.0) if r.threshold is None else r.threshold
-        if r.target_rate is None:
-            return fixed
-        # A target rate: the policy maps it to a threshold from this request's recent scores, aiming off to make
-        # up over the next RATE_CATCH_UP_TOKENS tokens what the request is behind or ahead of the target. Scores
-        # drift within an answer (the SLM grows surer as it goes on), so the top `rate` of the past alone
-        # under-routes.
-        gen = s.generation
-        behind = r.target_rate * len(gen.token_ids) - gen.llm_tokens  # tokens the request owes the LLM (< 0: ahead)
-        aim = min(1.0, max(0.0, r.target_rate + behind / RATE_CATCH_UP_TOKENS))
-        aimed = self.engine.policy.threshold_for_rate(aim, gen.scores)
-        return fixed if aimed is None else aimed
+        policy = self.engine.policy
+        return torch.tensor([rate.row_threshold(policy, s.request.threshold, s.request.target_rate,
+                                                len(s.generation.token_ids), s.generation.llm_tokens,
+                                                s.generation.scores) for s in self.sequences], device=self.ids.device)
 
     def _keep(self, rows: list[int]) -> None:
         if len(rows) == len(self.sequences):

@@ -121,6 +121,30 @@ class Generation:
         }
 
 
+@dataclass
+class Totals:
+    """Sums over generations, for the benches' tables: tokens, the LLM's, verification's and deferral's counts,
+    and the loop's steps, calls and seconds (`Timings`: a batched step counts for each of its rows)."""
+
+    tokens: int = 0
+    llm_tokens: int = 0
+    rollbacks: int = 0
+    discarded: int = 0
+    deferred: int = 0
+    deferred_kept: int = 0
+    deferred_replaced: int = 0
+    deferred_discarded: int = 0
+    timings: Timings = field(default_factory=Timings)
+
+    def add(self, gen: Generation) -> None:
+        self.tokens += len(gen.token_ids)
+        self.llm_tokens += gen.llm_tokens
+        for name in ("rollbacks", "discarded", "deferred", "deferred_kept", "deferred_replaced", "deferred_discarded"):
+            setattr(self, name, getattr(self, name) + getattr(gen, name))
+        for name in ("slm_s", "router_s", "llm_s", "total_s", "steps", "llm_calls"):
+            setattr(self.timings, name, getattr(self.timings, name) + getattr(gen.timings, name))
+
+
 @dataclass(eq=False)
 class Sequence:
     """A request being decoded: the engine's running state for it (`Engine.sequence` makes one)."""

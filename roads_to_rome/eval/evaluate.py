@@ -6,70 +6,25 @@ so a killed run resumes where it stopped. Summaries are always recomputed from t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from roads_to_rome import models
-from roads_to_rome.core.engine import (
-    Engine,
-    Request,
-    SamplingParams,
-    check_max_unverified,
-    parse_verify,
-)
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.request import Request
+from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval import tasks
 from roads_to_rome.eval.stats import wilson
 from roads_to_rome.models import load_pair
+from roads_to_rome.models.systems import ROUTED, SYSTEMS, System
+from roads_to_rome.plots import pyplot
 from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
 from roads_to_rome.text import token_pieces
-
-SYSTEMS = ("slm", "llm", "r2r", "entropy", "random", "spec")
-ROUTED = ("r2r", "entropy", "random")  # the systems verification applies to
-
-
-@dataclass
-class SystemSpec:
-    name: str  # as in the results file: "slm", "r2r", "entropy@0.15", "r2r+verify=1", "spec+k=4"...
-    kind: str  # one of SYSTEMS
-    value: float | None = None  # r2r: threshold; entropy/random: target LLM rate; spec: draft tokens per check
-    verify: str | float = "off"
-    max_unverified: int | None = None
-
-    def with_verify(self, verify: str | float, max_unverified: int | None) -> SystemSpec:
-        """This routed system with verification on catch-up, named for it."""
-        if verify == "off":
-            return self
-        suffix = f"+verify={verify:g}" if isinstance(verify, float) else f"+verify={verify}"
-        suffix += f"+n={max_unverified}" if max_unverified else ""
-        return SystemSpec(self.name + suffix, self.kind, self.value, verify, max_unverified)
-
-
-def system_engine(spec: SystemSpec, slm, llm, tokenizer, router_path: Path | None) -> tuple[Engine, float | None]:
-    """The engine for one system, and the per-request target LLM rate it decodes with (if any)."""
-    if spec.kind == "slm":
-        return Engine.alone(slm, tokenizer, "slm"), None
-    if spec.kind == "llm":
-        # The LLM alone, as the only model: its speed is the LLM's, not the LLM's plus an idle SLM's.
-        return Engine.alone(llm, tokenizer, "llm"), None
-    if spec.kind == "spec":  # lossless speculative decoding: the SLM drafts, the LLM checks every k tokens
-        return Engine(slm, llm, tokenizer, policies.build("slm"), "strict", int(spec.value)), None
-    target_rate = None
-    if spec.kind == "r2r":
-        if router_path is None:
-            raise R2RError("the r2r system needs a trained router: pass --router-path (or leave r2r out of --systems)")
-        policy = policies.build("router", slm, spec.value, router_path)
-    elif spec.kind == "entropy":
-        # Calibrated to the target rate per request: routes the tokens whose entropy is in the top `rate`.
-        policy, target_rate = policies.build("entropy", threshold=1.0), spec.value
-    elif spec.kind == "random":
-        policy = policies.build("random", threshold=spec.value, seed=0)
-    else:
-        raise R2RError(f"unknown system {spec.kind!r}")
-    return Engine(slm, llm, tokenizer, policy, spec.verify, spec.max_unverified), target_rate
 
 
 def read_results(path: Path) -> list[dict]:
@@ -85,8 +40,8 @@ def read_results(path: Path) -> list[dict]:
     return rows
 
 
-def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine: Engine,
-               target_rate: float | None, params: SamplingParams, out_dir: Path, batch_size: int, progress=QUIET):
+def run_system(benchmark: str, items: list[tasks.Item], spec: System, engine: Engine, params: SamplingParams,
+               out_dir: Path, batch_size: int, progress=QUIET):
     path = out_dir / f"{spec.name}.jsonl"
     config_path = out_dir / f"{spec.name}.config.json"
     config = {"benchmark": benchmark, "system": spec.name, "max_new_tokens": params.max_new_tokens,
@@ -96,9 +51,8 @@ def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine
               # Speed depends on the backend: resuming on another one would mix timings in one file.
               "backends": [type(b).__name__ for b in (engine.writer, engine.llm if engine.routes else None) if b],
               # A retrained router is another system: its results must not join the old one's.
-              "router": getattr(engine.policy, "identity", None)}
-    if engine.verify != "off":  # only then, so that results from before verification existed still resume
-        config |= {"verify": engine.verify, "max_unverified": engine.max_unverified}
+              "router": getattr(engine.policy, "identity", None),
+              "verify": engine.verify, "max_unverified": engine.max_unverified}
     if config_path.exists() and json.loads(config_path.read_text()) != config:
         raise R2RError(f"{path} holds results of another configuration ({config_path}); use another --out "
                        "or delete those files")
@@ -116,7 +70,8 @@ def run_system(benchmark: str, items: list[tasks.Item], spec: SystemSpec, engine
     with path.open("a") as f:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
-            requests = [Request(engine.encode_chat(item.prompt), params, target_rate=target_rate) for item in chunk]
+            requests = [Request(engine.encode_chat(item.prompt), params, target_rate=spec.target_rate)
+                        for item in chunk]
             began = time.perf_counter()
             for item, gen in zip(chunk, engine.run(requests)):
                 extracted, correct = tasks.grade(benchmark, item, gen.text)
@@ -205,10 +160,7 @@ def system_colors(names) -> dict[str, str]:
 
 def plot(table: dict[str, dict], colors: dict[str, str], out_dir: Path, title: str) -> list[Path]:
     """Accuracy against average activated parameters and against tokens/s: the Pareto view."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     paths = []
     for key, label, name in (("avg_params_b", "average activated parameters (B)", "pareto_params.png"),
@@ -236,10 +188,7 @@ def plot(table: dict[str, dict], colors: dict[str, str], out_dir: Path, title: s
 
 
 def plot_routing(profiles: dict[str, list[float]], colors: dict[str, str], out_dir: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     if not profiles:
         return None
@@ -367,29 +316,22 @@ def evaluate(config: EvalConfig, console) -> dict:
 
     # R2R first: the baselines are matched to the LLM rate it reaches on these items.
     order = sorted(system_names, key=lambda s: s != "r2r")
-    specs = []
-    for name in order:
-        if name in ("entropy", "random"):
-            specs.append(SystemSpec(name, name, None))
-        else:
-            specs.append(SystemSpec(name, name, c.threshold if name == "r2r" else None))
+    specs = [System(f"spec+k={c.spec_k}", name, c.spec_k) if name == "spec"
+             else System(name, name, c.threshold if name == "r2r" else None) for name in order]
     sweep_kind = "r2r" if router_path is not None else "entropy"
-    specs += [SystemSpec(f"{sweep_kind}@{v:g}", sweep_kind, v) for v in c.sweep]
+    specs += [System(f"{sweep_kind}@{v:g}", sweep_kind, v) for v in c.sweep]
     specs = [s.with_verify(v, c.max_unverified) if s.kind in ROUTED else s
              for s in specs for v in (c.verify if s.kind in ROUTED else ["off"])]
-    for spec in specs:
-        if spec.kind == "spec":
-            spec.name, spec.value = f"spec+k={c.spec_k}", c.spec_k
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=console) as progress:
         for spec in specs:
             if spec.kind in ("entropy", "random") and spec.value is None:
                 r2r_rows = [r for r in read_results(out_dir / "r2r.jsonl") if r["id"] in item_ids]
-                spec.value = summarize(r2r_rows)["llm_rate"] if "r2r" in system_names and r2r_rows else c.llm_rate
-                spec.value = round(spec.value, 4)
-            engine, target_rate = system_engine(spec, slm_b, llm_b, tokenizer, router_path)
-            run_system(benchmark, items, spec, engine, target_rate, params, out_dir, c.batch_size, progress)
+                rate = summarize(r2r_rows)["llm_rate"] if "r2r" in system_names and r2r_rows else c.llm_rate
+                spec = dataclasses.replace(spec, value=round(rate, 4))
+            engine = spec.engine(slm_b, llm_b, tokenizer, router_path)
+            run_system(benchmark, items, spec, engine, params, out_dir, c.batch_size, progress)
 
     # The report covers every system with results in this directory for these items, not only this call's:
     # a benchmark run in chunks, or a baseline run on its own, still ends in one table and one plot.

@@ -136,20 +136,32 @@ def last_boxed(text: str) -> str | None:
 
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+ANSWER_IS = re.compile(r"answer is[:\s]*(.+)", flags=re.IGNORECASE)
+
+
+def boxed_or_said(text: str) -> tuple[str | None, str | None]:
+    """Where a text states its answer: (its last \\boxed{...}, None), or (a \\boxed{...} inside what follows its
+    last "answer is", None), or (None, what follows that "answer is"), or (None, None) when it says neither."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip(), None
+    said = list(ANSWER_IS.finditer(text))
+    if not said:
+        return None, None
+    tail = said[-1].group(1).strip()
+    inner = last_boxed(tail)
+    return (inner.strip(), None) if inner is not None else (None, tail)
 
 
 def extract_math_answer(text: str) -> str | None:
-    boxed = last_boxed(text)
+    """The answer to grade: as stated (`boxed_or_said`: its first number, or the words), else the text's last
+    number."""
+    boxed, said = boxed_or_said(text)
     if boxed is not None:
-        return boxed.strip()
-    said = list(re.finditer(r"answer is[:\s]*(.+)", text, flags=re.IGNORECASE))
-    if said:
-        tail = said[-1].group(1).strip()
-        inner = last_boxed(tail)
-        if inner is not None:
-            return inner.strip()
-        number = NUMBER.search(tail)
-        return number.group(0) if number else tail.rstrip(".").strip("$ ")
+        return boxed
+    if said is not None:
+        number = NUMBER.search(said)
+        return number.group(0) if number else said.rstrip(".").strip("$ ")
     numbers = NUMBER.findall(text)
     return numbers[-1] if numbers else None
 

@@ -1,4 +1,5 @@
-"""Loading models and engines: the one place that wires backends, routing and the engine together.
+"""Loading models and engines: backends from model specs, and the engine a configuration describes (put together
+by `systems`, the one place that wires backends, routing and the engine).
 
 A model spec is None (the default pair's model for its role), a local directory, a .gguf file, a
 hub id, or (for the LLM) the address of a server running it.
@@ -16,9 +17,11 @@ from roads_to_rome.backends import AUTO, BACKENDS
 from roads_to_rome.backends.llamacpp import LlamaCppBackend, llama_cpp_available
 from roads_to_rome.backends.remote import DEFAULT_LLM_RETRY, RemoteBackend, is_remote
 from roads_to_rome.backends.torch_backend import TorchBackend
-from roads_to_rome.core.engine import DEFAULT_VERIFY, Engine, check_max_unverified, parse_verify
+from roads_to_rome.core.engine import Engine, default_verify
+from roads_to_rome.core.sampling import check_max_unverified, parse_verify
 from roads_to_rome.core.verification import DEFAULT_DEFER, Deferral, resolve_defer
 from roads_to_rome.errors import R2RError
+from roads_to_rome.models import systems
 from roads_to_rome.models.packaged import (
     DEFAULT_LLM,
     DEFAULT_SLM,
@@ -209,7 +212,7 @@ def load_pair(slm: str | None = None, llm: str | None = None, device: str = "aut
 def load_alone(spec: str | None, role: str, device: str = "auto", dtype: str = "auto", backend: str = "auto"):
     """One model writing every token by itself (`Engine.alone`): "slm" or "llm"."""
     model, tokenizer = load_model(spec, role, device, dtype, backend)
-    return Engine.alone(model, tokenizer, role)
+    return systems.alone(model, tokenizer, role)
 
 
 def router_path_for(router_path: Path | None, slm_spec: str | None) -> Path | None:
@@ -238,7 +241,7 @@ class EngineConfig:
     threshold: float | None = None  # None: the policy's own (a router's calibrated one)
     router_path: Path | None = None
     seed: int | None = None  # the random policy's draws
-    verify: str | float | None = None  # None: `DEFAULT_VERIFY` for a policy that routes, off for one model alone
+    verify: str | float | None = None  # None: `default_verify` (DEFAULT_VERIFY where a policy routes, else off)
     max_unverified: int | None = None
     defer: str | None = None  # off, continue, park or auto (None: `DEFAULT_DEFER` when routing, off for one model)
     defer_group: float | None = None  # None: the grouping rule's default (`Deferral`)
@@ -252,7 +255,7 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
     verification, the SLM alone: no LLM is loaded."""
     config = dataclasses.replace(config or EngineConfig(), **fields)
     kind, router_path = choose_policy(config.policy, config.router_path, config.slm)
-    verify = config.verify if config.verify is not None else "off" if kind in ("slm", "llm") else DEFAULT_VERIFY
+    verify = config.verify if config.verify is not None else default_verify(kind not in ("slm", "llm"))
     verify, max_unverified = parse_verify(verify), check_max_unverified(config.max_unverified)  # before the load
     mode, rule = grouping_rule(config, kind)
     slm_b, llm_b, tokenizer = load_pair(config.slm, config.llm, config.device,
@@ -260,8 +263,8 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
                                         dtype=config.dtype, backend=config.backend, llama=config.llama,
                                         llm_retry=config.llm_retry)
     deferral = dataclasses.replace(rule, mode=resolve_defer(mode, llm_b.device if llm_b is not None else None))
-    return Engine(slm_b, llm_b, tokenizer, policies.build(kind, slm_b, config.threshold, router_path, config.seed),
-                  verify, max_unverified, deferral)
+    return systems.routed(slm_b, llm_b, tokenizer, kind, config.threshold, router_path, config.seed, verify,
+                          max_unverified, deferral)
 
 
 def grouping_rule(config: EngineConfig, kind: str) -> tuple[str, Deferral]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from roads_to_rome.backends.base import greedy
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval.stats import cohen_kappa
-from roads_to_rome.eval.tasks import NUMBER, last_boxed, math_equal
+from roads_to_rome.eval.tasks import NUMBER, boxed_or_said, math_equal
 
 VERDICTS = ("neutral", "divergent", "unparseable")
 # The question comes first and the text so far next, so that consecutive judgements on one response
@@ -53,6 +53,10 @@ def same_text(a: str, b: str) -> bool:
 def judge_cases(judge, cases: list[tuple[str, str, str]]) -> list[tuple[str, str]]:
     """The judge's (verdict, raw answer) per case; cases whose continuations read the same are
     neutral without asking (raw answer "same text")."""
+    if isinstance(judge, MarginJudge):
+        raise R2RError("the margin judge reads the LLM's log-probabilities, not two texts: it labels in "
+                       "`r2r label run --judge margin`; compare it with another judge by `r2r label agree "
+                       "DIR --against OTHER`")
     same = [same_text(a, b) for _, a, b in cases]
     asked = iter(judge([c for c, s in zip(cases, same) if not s]))
     return [("neutral", "same text") if s else next(asked) for s in same]
@@ -185,13 +189,13 @@ class FactsJudge:
     is what changes the outcome, while rewording does not."""
 
     name = "facts"
-    NUMBER = re.compile(r"\d+(?:\.\d+)?")
+    UNSIGNED_NUMBER = re.compile(r"\d+(?:\.\d+)?")  # "1,000" is two facts here, "-3" the fact 3
     CAPITALISED = re.compile(r"\b[A-Z][a-z]+\b")
     LOWERCASE = re.compile(r"\b[a-z]+\b")
 
     def facts(self, text: str, lowercase: set[str]) -> Counter:
         names = (w for w in self.CAPITALISED.findall(text) if w.lower() not in lowercase)
-        return Counter(self.NUMBER.findall(text)) + Counter(names)
+        return Counter(self.UNSIGNED_NUMBER.findall(text)) + Counter(names)
 
     def __call__(self, cases):
         out = []
@@ -206,20 +210,13 @@ class FactsJudge:
 
 
 def final_answer(text: str) -> str | None:
-    """The answer a text states: its last \\boxed{...}, or what follows its last "answer is". None when it
-    states none: unlike grading, a number said in passing is not taken for an answer."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    said = list(re.finditer(r"answer is[:\s]*(.+)", text, flags=re.IGNORECASE))
-    if not said:
-        return None
-    tail = said[-1].group(1).strip()
-    inner = last_boxed(tail)
-    if inner is not None:
-        return inner.strip()
-    number = NUMBER.match(tail.lstrip("$*( "))
-    return number.group(0) if number else tail.rstrip(".").strip("*$ ") or None
+    """The answer a text states (`tasks.boxed_or_said`): a number that opens what follows "answer is", else those
+    words. None when it states none: unlike grading, a number said in passing is not taken for an answer."""
+    boxed, said = boxed_or_said(text)
+    if boxed is not None or said is None:
+        return boxed
+    number = NUMBER.match(said.lstrip("$*( "))
+    return number.group(0) if number else said.rstrip(".").strip("*$ ") or None
 
 
 def same_answer(a: str, b: str) -> bool:
@@ -261,7 +258,8 @@ def off_reference(verdict: tuple[str, str], context: str, llm_branch: str, refer
 class MarginJudge:
     """Divergent where the LLM ranks the SLM's token more than `margin` nats (log-probability) below its own: the
     tokens verification at that tolerance rejects. It reads the LLM's log-probabilities, which the label
-    pipeline's prefill step records with --judge margin, not two branches of text."""
+    pipeline's prefill step records with --judge margin, not two branches of text: it is no text judge (not a
+    callable), and labels in a step of its own (`labels.step_margin_judgements`)."""
 
     name = "margin"
 
@@ -280,11 +278,6 @@ class MarginJudge:
             return float(raw)
         except (TypeError, ValueError):
             return None
-
-    def __call__(self, cases):
-        raise R2RError("the margin judge reads the LLM's log-probabilities, not two texts: it labels in "
-                       "`r2r label run --judge margin`; compare it with another judge by `r2r label agree "
-                       "DIR --against OTHER`")
 
 
 JUDGES = ("local", "remote", "semantic", "facts", "answer", "margin")

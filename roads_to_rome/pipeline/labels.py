@@ -27,6 +27,7 @@ import shutil
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -34,10 +35,13 @@ import pyarrow.parquet as pq
 import torch
 
 from roads_to_rome.backends.base import greedy, mask_for
-from roads_to_rome.core.engine import Engine, Request, SamplingParams
+from roads_to_rome.core.engine import left_pad
+from roads_to_rome.core.request import Request
+from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval.stats import roc_auc
 from roads_to_rome.eval.tasks import MATH_INSTRUCTION, gsm8k
+from roads_to_rome.models import systems
 from roads_to_rome.pipeline import judges
 from roads_to_rome.progress import QUIET
 from roads_to_rome.routing.policies import entropy
@@ -245,12 +249,10 @@ def to_sentence_end(text: str) -> str:
 
 # ---- the steps -----------------------------------------------------------------------------------
 
-def same_mode(out: Path, step: str, mode: dict, legacy: dict | None = None) -> None:
-    """A step's parts are all made one way (OUT/<step>.json says which): refuse to add parts made another way.
-    Parts from before the mode was recorded were made the `legacy` way."""
+def same_mode(out: Path, step: str, mode: dict) -> None:
+    """A step's parts are all made one way (OUT/<step>.json says which): refuse to add parts made another way."""
     file = out / f"{step}.json"
-    made = json.loads(file.read_text()) if file.exists() else \
-        legacy if (out / step).is_dir() and any((out / step).glob("part-*.parquet")) else None
+    made = json.loads(file.read_text()) if file.exists() else None
     if made is not None and made != mode:
         raise R2RError(f"{out}'s {step} step was made with {json.dumps(made)}, not {json.dumps(mode)}: use another "
                        "--out for this setting")
@@ -259,7 +261,7 @@ def same_mode(out: Path, step: str, mode: dict, legacy: dict | None = None) -> N
 
 
 def writer_of(out: Path) -> str:
-    """Who wrote OUT's responses (`step_responses`' mode; runs from before it was recorded were the LLM's)."""
+    """Who wrote OUT's responses (`step_responses`' mode; the LLM, the default, where that step has not run)."""
     file = out / "responses.json"
     return json.loads(file.read_text())["writer"] if file.exists() else "llm"
 
@@ -267,7 +269,7 @@ def writer_of(out: Path) -> str:
 def step_responses(prompts: list[dict], engine, out: Path, max_new_tokens: int, batch_size: int,
                    progress=QUIET, writer: str = "llm") -> None:
     """`engine` is the writer alone (`Engine.alone`): the LLM, or with `writer="slm"` the SLM."""
-    same_mode(out, "responses", {"writer": writer}, legacy={"writer": "llm"})
+    same_mode(out, "responses", {"writer": writer})
     parts = Parts(out, "responses")
     done = parts.done()
     todo = [p for p in prompts if p["id"] not in done]
@@ -279,8 +281,10 @@ def step_responses(prompts: list[dict], engine, out: Path, max_new_tokens: int, 
         chunk = todo[i : i + batch_size]
         prompt_ids = [engine.encode_chat(p["prompt"]) for p in chunk]
         began = time.perf_counter()
-        if hasattr(writing, "complete"):  # an LLM behind a server writes whole responses there
-            written = writing.complete(prompt_ids, max_new_tokens)
+        # An LLM behind a server writes whole responses there; a local model through the engine.
+        written = writing.complete(writing.new_cache(), *left_pad(prompt_ids, engine.pad_id, writing.device),
+                                   max_new_tokens)
+        if written is not None:
             answers = [(ids, "length" if len(ids) == max_new_tokens else "stop") for ids in written]
         else:
             answers = [(g.token_ids, g.finish_reason) for g in engine.generate(prompt_ids, params)]
@@ -296,7 +300,7 @@ def step_prefill(slm, out: Path, progress=QUIET, llm=None) -> None:
     `llm` (the margin judge), one LLM forward too: its argmax (`llm_tokens`, the LLM's token at each position;
     without it, the response's token, which the LLM wrote) and `gap`, its log-probability of that token minus
     its log-probability of the SLM's."""
-    same_mode(out, "prefill", {"llm_reads": llm is not None}, legacy={"llm_reads": False})
+    same_mode(out, "prefill", {"llm_reads": llm is not None})
     responses = Parts(out, "responses").rows()
     parts = Parts(out, "prefill")
     done = parts.done()
@@ -399,98 +403,152 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=QUIE
     task = progress.add_task("2 continuations (LLM)", total=total, completed=total - sum(
         sum(p["different"]) for p in todo))
     for p in todo:
-        r, slm_tokens = responses[p["id"]], p["slm_tokens"]
-        response, prompt_length = r["response_ids"], len(r["prompt_ids"])
+        r = responses[p["id"]]
+        response = r["response_ids"]
         differing = [pos for pos, diff in enumerate(p["different"]) if diff]
         positions = differing if not 0 < positions_per_response < len(differing) else \
             sorted(random.Random(p["id"]).sample(differing, positions_per_response))
         began, generated = time.perf_counter(), 0
-        rows = [{"id": r["id"], "position": pos, "slm_token": slm_tokens[pos], "llm_token": (p.get("llm_tokens") or
+        rows = [{"id": r["id"], "position": pos, "slm_token": p["slm_tokens"][pos], "llm_token": (p.get("llm_tokens") or
                  response)[pos], "context": "", "slm_branch": "", "llm_branch": "", "sampled": False}
                 for pos in sorted(set(differing) - set(positions))]
         unanswered = bool(positions) and rollout and not on_policy and answered is not None and not answered(
             tokenizer.decode(response, skip_special_tokens=True))  # its branches stay at the SLM's token
+        branching = Branching(llm, tokenizer, llm_engine.eos_ids, None, r, p, bool(positions_per_response))
         if positions and not unanswered:
-            base = llm.new_cache()
+            branching.base = base = llm.new_cache()
             ids = r["prompt_ids"] + response[: positions[-1]]
             llm.read(base, torch.tensor([ids], device=llm.device), mask_for(base, len(ids), llm.device))
         last_first = positions[::-1]  # the base cache is only ever cut back
         for k in range(0, len(last_first), batch_size):
             chunk = last_first[k : k + batch_size]
-            tokens = [slm_tokens[pos] for pos in chunk]
-            rests = [response[pos + 1 :] for pos in chunk]
-            joined: dict[int, int] = {}  # branch -> where in its rest it re-joined the response
-
-            def rejoined(i: int, branch: list[int]) -> bool:
-                j = rejoin_point([tokens[i]] + branch, rests[i], rejoin_tokens)
-                if j is not None:
-                    joined[i] = j
-                return j is not None
-
-            def sentence_ends(i: int, branch: list[int]) -> bool:
-                return bool(SENTENCE_END.search(tokenizer.decode([tokens[i]] + branch, skip_special_tokens=True)))
-
-            # A rollout runs to the end of the answer: at most the response's remaining length (on-policy: what the
-            # longest response had left there) + a margin.
-            limits = [max(len(x), budget - pos - 1 if on_policy else 0) + ROLLOUT_MARGIN
-                      for pos, x in zip(chunk, rests)] if rollout else [max_new_tokens] * len(chunk)
-            if on_policy:  # both branches in one batch, position by position (still descending)
-                llm_tokens = [p["llm_tokens"][pos] for pos in chunk]
-                both = llm_branches(llm, base, prompt_length, [pos for pos in chunk for _ in (0, 1)],
-                                    [t for pair in zip(tokens, llm_tokens) for t in pair],
-                                    [n for n in limits for _ in (0, 1)], llm_engine.eos_ids, None)
-                branches, llm_own = both[0::2], both[1::2]
+            if on_policy:
+                written = on_policy_rollouts(branching, chunk, budget)
+            elif rollout:
+                written = rollouts(branching, chunk, rejoin_tokens, unanswered)
             else:
-                branches = [[] for _ in chunk] if unanswered else llm_branches(
-                    llm, base, prompt_length, chunk, tokens, limits, llm_engine.eos_ids,
-                    rejoined if rollout else sentence_ends)
-            for i, (pos, token, written) in enumerate(zip(chunk, tokens, branches)):
-                generated += 0 if unanswered else len(written) + 1
-                row = {"id": r["id"], "position": pos, "slm_token": token, "llm_token": response[pos],
-                       "context": tokenizer.decode(response[:pos], skip_special_tokens=True),
-                       **({"sampled": True} if positions_per_response else {})}
-                if on_policy:
-                    generated += len(llm_own[i]) + 1
-                    rows.append({**row, "llm_token": llm_tokens[i], "rejoined": False,
-                                 "slm_branch": tokenizer.decode([token] + written, skip_special_tokens=True),
-                                 "llm_branch": tokenizer.decode([llm_tokens[i]] + llm_own[i],
-                                                                skip_special_tokens=True)})
-                elif rollout:
-                    # A re-joined branch would go on as the response does: its remainder stands for the rest.
-                    branch = [token] + written + (rests[i][joined[i] + 1 :] if i in joined else [])
-                    rows.append({**row, "slm_branch": tokenizer.decode(branch, skip_special_tokens=True),
-                                 "llm_branch": tokenizer.decode(response[pos:], skip_special_tokens=True),
-                                 "rejoined": i in joined})
-                else:
-                    rows.append({**row,
-                                 "slm_branch": to_sentence_end(tokenizer.decode([token] + written,
-                                                                                skip_special_tokens=True)),
-                                 "llm_branch": to_sentence_end(tokenizer.decode(response[pos:],
-                                                                                skip_special_tokens=True))})
+                written = sentence_continuations(branching, chunk, max_new_tokens)
+            rows += written.rows
+            generated += written.tokens
         # One part per response, so a response's positions are all there or none are.
         parts.write(sorted(rows, key=lambda row: row["position"]) or [{"id": r["id"], "position": -1}])
         log_throughput(out, "continuations", len(positions), generated, time.perf_counter() - began)
         progress.advance(task, len(differing))
 
 
+@dataclass
+class Branching:
+    """One response as its continuations branch from it: the LLM alone, the response and its prefill row, and the
+    cache holding prompt + response (`base`, None when no branch is read)."""
+
+    llm: object
+    tokenizer: object
+    eos_ids: set[int]
+    base: object
+    response_row: dict
+    prefill_row: dict
+    sampled: bool  # whether the step branches from a sample of the positions (rows say they were sampled)
+
+    @property
+    def response(self) -> list[int]:
+        return self.response_row["response_ids"]
+
+    def branches(self, positions: list[int], tokens: list[int], limits: list[int], stop) -> list[list[int]]:
+        return llm_branches(self.llm, self.base, len(self.response_row["prompt_ids"]), positions, tokens, limits,
+                            self.eos_ids, stop)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def row(self, pos: int) -> dict:
+        """What every mode's row at `pos` holds before its branches."""
+        return {"id": self.response_row["id"], "position": pos, "slm_token": self.prefill_row["slm_tokens"][pos],
+                "llm_token": self.response[pos], "context": self.decode(self.response[:pos]),
+                **({"sampled": True} if self.sampled else {})}
+
+
+@dataclass
+class Written:
+    rows: list[dict]
+    tokens: int  # the LLM's tokens that made them
+
+
+def sentence_continuations(b: Branching, chunk: list[int], max_new_tokens: int) -> Written:
+    """The paper's labels: the SLM's token continued by the LLM to the end of its sentence, beside the response's."""
+    tokens = [b.prefill_row["slm_tokens"][pos] for pos in chunk]
+
+    def sentence_ends(i: int, branch: list[int]) -> bool:
+        return bool(SENTENCE_END.search(b.decode([tokens[i]] + branch)))
+
+    branches = b.branches(chunk, tokens, [max_new_tokens] * len(chunk), sentence_ends)
+    rows = [{**b.row(pos), "slm_branch": to_sentence_end(b.decode([token] + written)),
+             "llm_branch": to_sentence_end(b.decode(b.response[pos:]))}
+            for pos, token, written in zip(chunk, tokens, branches)]
+    return Written(rows, sum(len(written) + 1 for written in branches))
+
+
+def rollouts(b: Branching, chunk: list[int], rejoin_tokens: int, unanswered: bool) -> Written:
+    """The answer judge's: the SLM's token continued to the end of the answer (at most the response's remaining
+    length + a margin), stopped early where it re-joins the response (`rejoin_point`); none where the response
+    states no answer (`unanswered`)."""
+    tokens = [b.prefill_row["slm_tokens"][pos] for pos in chunk]
+    rests = [b.response[pos + 1 :] for pos in chunk]
+    joined: dict[int, int] = {}  # branch -> where in its rest it re-joined the response
+
+    def rejoined(i: int, branch: list[int]) -> bool:
+        j = rejoin_point([tokens[i]] + branch, rests[i], rejoin_tokens)
+        if j is not None:
+            joined[i] = j
+        return j is not None
+
+    limits = [len(rest) + ROLLOUT_MARGIN for rest in rests]
+    branches = [[] for _ in chunk] if unanswered else b.branches(chunk, tokens, limits, rejoined)
+    rows = []
+    for i, (pos, token, written) in enumerate(zip(chunk, tokens, branches)):
+        # A re-joined branch would go on as the response does: its remainder stands for the rest.
+        branch = [token] + written + (rests[i][joined[i] + 1 :] if i in joined else [])
+        rows.append({**b.row(pos), "slm_branch": b.decode(branch), "llm_branch": b.decode(b.response[pos:]),
+                     "rejoined": i in joined})
+    return Written(rows, 0 if unanswered else sum(len(written) + 1 for written in branches))
+
+
+def on_policy_rollouts(b: Branching, chunk: list[int], budget: int) -> Written:
+    """On-policy answer labels (the SLM wrote the response): from each position, a rollout from the SLM's token and
+    one from the LLM's (the prefill step's `llm_tokens`), in one batch, position by position. The LLM's road may be
+    longer than the SLM's: a rollout may run as long as the longest response (`budget`) had left there."""
+    tokens = [b.prefill_row["slm_tokens"][pos] for pos in chunk]
+    llm_tokens = [b.prefill_row["llm_tokens"][pos] for pos in chunk]
+    limits = [max(len(b.response) - pos - 1, budget - pos - 1) + ROLLOUT_MARGIN for pos in chunk]
+    both = b.branches([pos for pos in chunk for _ in (0, 1)], [t for pair in zip(tokens, llm_tokens) for t in pair],
+                      [n for n in limits for _ in (0, 1)], None)
+    branches, llm_own = both[0::2], both[1::2]
+    rows = [{**b.row(pos), "llm_token": llm_token, "rejoined": False, "slm_branch": b.decode([token] + written),
+             "llm_branch": b.decode([llm_token] + own)}
+            for pos, token, llm_token, written, own in zip(chunk, tokens, llm_tokens, branches, llm_own)]
+    return Written(rows, sum(len(written) + 1 + len(own) + 1 for written, own in zip(branches, llm_own)))
+
+
+def step_margin_judgements(judge: judges.MarginJudge, out: Path, name: str = "judgements") -> None:
+    """The margin judge's verdicts, from the prefill step's gaps instead of branches: cheap, so they are rewritten
+    whole for the current margin."""
+    prefill = Parts(out, "prefill").rows()
+    if any("gap" not in p for p in prefill):
+        raise R2RError(f"{out}'s prefill step ran without the LLM's reading: the margin judge needs a run made "
+                       "with --judge margin from its prefill step on (use another --out)")
+    began = time.perf_counter()
+    verdicts = [{"id": p["id"], "position": pos, "verdict": verdict, "raw": raw, "judge": judge.name}
+                for p in prefill for pos, (gap, diff) in enumerate(zip(p["gap"], p["different"])) if diff
+                for verdict, raw in [judge.verdict(gap)]]
+    shutil.rmtree(out / name, ignore_errors=True)
+    Parts(out, name).write(verdicts)
+    log_throughput(out, f"{name} ({judge.name})", len(verdicts), 0, time.perf_counter() - began)
+
+
 def step_judgements(judge, out: Path, batch_size: int = 16, progress=QUIET, name: str = "judgements",
                     references: dict[str, str] | None = None) -> None:
-    """`references` (prompt id -> reference answer), for the answer judge: positions of a response whose own final
-    answer misses its prompt's reference are not judged (`judges.off_reference`). The margin judge reads the
-    prefill step's gaps instead of branches: cheap, so its verdicts are rewritten whole for the current margin."""
-    if isinstance(judge, judges.MarginJudge):
-        prefill = Parts(out, "prefill").rows()
-        if any("gap" not in p for p in prefill):
-            raise R2RError(f"{out}'s prefill step ran without the LLM's reading: the margin judge needs a run made "
-                           "with --judge margin from its prefill step on (use another --out)")
-        began = time.perf_counter()
-        verdicts = [{"id": p["id"], "position": pos, "verdict": verdict, "raw": raw, "judge": judge.name}
-                    for p in prefill for pos, (gap, diff) in enumerate(zip(p["gap"], p["different"])) if diff
-                    for verdict, raw in [judge.verdict(gap)]]
-        shutil.rmtree(out / name, ignore_errors=True)
-        Parts(out, name).write(verdicts)
-        log_throughput(out, f"{name} ({judge.name})", len(verdicts), 0, time.perf_counter() - began)
-        return
+    """A text judge's verdicts on the continuations' branches. `references` (prompt id -> reference answer), for
+    the answer judge: positions of a response whose own final answer misses its prompt's reference are not judged
+    (`judges.off_reference`)."""
     continuations = [c for c in Parts(out, "continuations").rows() if c["position"] >= 0]
     parts = Parts(out, name)
     done = {(j["id"], j["position"]) for j in parts.rows()}
@@ -562,9 +620,9 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
     llm_alone = None
     if set(chosen) - {"labels"} - ({"judgements"} if margin else set()):  # those only read Parquet parts
         slm, llm, tokenizer = load_pair()
-        llm_alone = Engine.alone(llm, tokenizer, "llm")
+        llm_alone = systems.alone(llm, tokenizer, "llm")
     if "responses" in chosen:
-        writer_alone = llm_alone if writer == "llm" else Engine.alone(slm, tokenizer, "slm")
+        writer_alone = llm_alone if writer == "llm" else systems.alone(slm, tokenizer, "slm")
         step_responses(prompt_set, writer_alone, out, max_new_tokens, batch_size, progress, writer)
     if "prefill" in chosen:
         step_prefill(slm, out, progress, llm if margin or writer == "slm" else None)
@@ -584,7 +642,11 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
             if responses and not references:
                 raise R2RError(f"{prompts} is not the prompt set {out}'s responses answer (none of its prompts is "
                                "there): give the prompt set the run was started with")
-        step_judgements(judge_for(llm_alone), out, progress=progress, references=references)
+        judge = judge_for(llm_alone)
+        if margin:
+            step_margin_judgements(judge, out)
+        else:
+            step_judgements(judge, out, progress=progress, references=references)
     return step_labels(out) if "labels" in chosen else None
 
 

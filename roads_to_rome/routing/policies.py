@@ -7,42 +7,33 @@ own). `scores` [B] is the number the decision was made on (kept as provenance); 
 True where the LLM takes over this token.
 
 Policies also answer what the engine needs to know about them (whether they ever route to the
-LLM, how a target LLM rate maps to a threshold); `build` makes one by name, and `choose` picks
-the default: a router when there is one for the SLM, else entropy.
+LLM, whether their threshold is a rate: rate.py maps a target LLM rate to a threshold); `build`
+makes one by name, and `choose` picks the default: a router when there is one for the SLM, else
+entropy.
 """
 
 from __future__ import annotations
 
 import hashlib
-import warnings
 from pathlib import Path
 
 import torch
 
-from roads_to_rome.backends.cuda_graphs import capture
+from roads_to_rome.backends.cuda_graphs import capture, recorded_or_none
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing import DEFAULT_ENTROPY_THRESHOLD, DEFAULT_RANDOM_RATE, POLICIES
 from roads_to_rome.routing.router import RouterCheckpoint, load_router, slm_identity
-
-RATE_WARMUP_TOKENS = 16  # a request aiming at an LLM rate uses the fixed threshold for its first tokens
-RATE_WINDOW_TOKENS = 128  # ... and then the quantile of its last this many scores (they drift as it goes on)
 
 
 class RoutingPolicy:
     name = "policy"
     num_params = 0  # parameters the policy itself activates per token
     threshold: float | None = None  # route when the score is at least this (None: the policy has no dial)
+    threshold_is_rate = False  # whether the threshold is the share of tokens routed (random draws), not a score
     routes_to_llm = True  # whether it ever sends a token to the LLM
 
     def route(self, logits, hidden, tokens, thresholds=None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
-
-    def threshold_for_rate(self, rate: float, past_scores: list[float]) -> float | None:
-        """The threshold that routes about `rate` of a request's tokens, from its recent scores: route
-        when the score is in their top `rate`. None until there are enough scores to tell."""
-        if len(past_scores) < RATE_WARMUP_TOKENS:
-            return None
-        return torch.tensor(past_scores[-RATE_WINDOW_TOKENS:]).quantile(1 - rate).item()
 
 
 class AlwaysSLM(RoutingPolicy):
@@ -66,15 +57,18 @@ class RandomPolicy(RoutingPolicy):
     """Route each token with probability `rate`: the cost-matched baseline that knows nothing."""
 
     name = "random"
+    threshold_is_rate = True
 
     def __init__(self, rate: float, seed: int | None = None):
         if not 0.0 <= rate <= 1.0:
             raise R2RError(f"random routing rate must be in [0, 1], got {rate}")
-        self.threshold = rate  # the rate is this policy's threshold: route when the draw is below it
+        self.rate = rate
         self.generator = torch.Generator().manual_seed(0 if seed is None else seed)
 
-    def threshold_for_rate(self, rate: float, past_scores: list[float]) -> float:
-        return rate  # its threshold is the rate
+    @property
+    def threshold(self) -> float:
+        """The contract's dial, which here is the rate: a token is routed when its draw falls below it."""
+        return self.rate
 
     def route(self, logits, hidden, tokens, thresholds=None):
         draws = torch.rand(tokens.shape[0], generator=self.generator).to(tokens.device)
@@ -146,13 +140,11 @@ class NeuralPolicy(RoutingPolicy):
             graph.replay()
             return scores.clone()  # the next replay overwrites the buffer
         inputs = tuple(t.clone() for t in (logits, hidden, tokens))
-        try:
-            graph, scores = capture(lambda: self._scores(*inputs))
-        except RuntimeError as e:  # an operation that waits for the host cannot be recorded
-            warnings.warn(f"router: CUDA graph capture failed ({str(e).splitlines()[0]}); running it without graphs",
-                          stacklevel=2)
+        recorded = recorded_or_none(lambda: capture(lambda: self._scores(*inputs)), "router")
+        if recorded is None:
             self.graphs = False
             return self._scores(logits, hidden, tokens)
+        graph, scores = recorded
         self.captured[key] = graph, inputs, scores
         return scores.clone()
 

@@ -767,35 +767,3 @@ def run(app: FastAPI, host: str, port: int) -> None:
 
     drain = app.state.r2r.limits.drain_timeout
     Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain + 5)).run()
-
-
-class BackgroundServer:
-    """Run an app with uvicorn in a thread on a free loopback port (tests and benchmarks)."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1"):
-        import socket
-
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> BackgroundServer:
-        import httpx
-
-        self.thread.start()
-        for _ in range(200):
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        raise RuntimeError("the server did not start")
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)

@@ -24,7 +24,9 @@ from safetensors.torch import load_file, save_file
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval.stats import roc_auc
 from roads_to_rome.pipeline.labels import Parts, prefill_rows
+from roads_to_rome.plots import pyplot
 from roads_to_rome.progress import QUIET
+from roads_to_rome.routing.rate import threshold_at_rate
 from roads_to_rome.routing.reference import ReferenceConfig, ReferenceRouter
 from roads_to_rome.routing.router import (
     Router,
@@ -207,14 +209,6 @@ def split_by_prompt(data: Features, val_fraction: float, seed: int) -> tuple[Fea
     return data.subset(~val), data.subset(val)
 
 
-def threshold_at_rate(scores: torch.Tensor, rate: float) -> float:
-    """The threshold that sends the top `rate` of tokens (by score) to the LLM."""
-    if rate <= 0:
-        return float(scores.max()) + 1e-6
-    k = max(1, round(rate * len(scores)))
-    return float(scores.topk(k).values[-1])
-
-
 def recall_at_rates(scores: torch.Tensor, divergent: torch.Tensor, rates) -> dict[float, float]:
     """Share of divergent tokens that score within the top `rate` of all tokens, per rate."""
     total = max(int(divergent.sum()), 1)
@@ -368,10 +362,7 @@ def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None =
     and `calibration.png` next to the router. With a target rate or recall, the threshold that reaches
     it (stored in the checkpoint with `write`). `all_prompts`: every prompt of `dataset`, for one the
     router never saw (how its recall carries over to other prompts, an evaluation set's say)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     if write and (target_rate is None) == (target_recall is None):
         raise R2RError("--write needs exactly one of --target-rate or --target-recall")

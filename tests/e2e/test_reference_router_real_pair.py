@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from test_reference_router import format_forward, reference_checkpoint
+from helpers import format_forward, reference_checkpoint
 
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
 

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from roads_to_rome.models import load_engine
-from roads_to_rome.serving.server import BackgroundServer, Limits, create_app
+from roads_to_rome.serving.background import BackgroundServer
+from roads_to_rome.serving.server import Limits, create_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                                   reason="llama-cpp-python is not installed")]

@@ -3,21 +3,21 @@ and the default SLM with any LLM gets the shipped router and verification at 1 n
 
 import pytest
 
-from roads_to_rome.bench import shapes
-from roads_to_rome.core.engine import SamplingParams
+from roads_to_rome.bench import shape_models
+from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.models import DEFAULT_LLM, DEFAULT_SLM, gguf_path, is_prepared, load_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not is_prepared(DEFAULT_SLM) or not gguf_path(DEFAULT_LLM).exists(),
                                                   reason="the default pair is not prepared (`r2r models prepare`)")]
 # The real vocabulary padded to 152,064 rows as the 7B and larger Qwen2.5 models have it; small everywhere else.
-PADDED = shapes.LlmShape("padded", "test", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512,
+PADDED = shape_models.LlmShape("padded", "test", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512,
                          vocab_rows=152064, tied=False)
 
 
 @pytest.fixture(scope="module")
 def padded_file(tmp_path_factory):
     folder = tmp_path_factory.mktemp("padded")
-    return shapes.quantize(shapes.write_random_gguf(PADDED, gguf_path(DEFAULT_LLM), folder / "f16.gguf"),
+    return shape_models.quantize(shape_models.write_random_gguf(PADDED, gguf_path(DEFAULT_LLM), folder / "f16.gguf"),
                            folder / "padded.gguf")
 
 
