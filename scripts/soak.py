@@ -19,6 +19,8 @@ import concurrent.futures
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -142,8 +144,15 @@ def bad(client: httpx.Client, raw: bytes) -> str:
 
 
 def usage(process: psutil.Process) -> dict:
-    return {"rss_mb": round(process.memory_info().rss / 2**20, 1), "open_files": process.num_fds(),
-            "threads": process.num_threads()}
+    """The server's RSS, open files and threads; with py-spy on PATH also its Python threads by name, so that a
+    change in the thread count tells Python threads (pools, probes) from native ones (OpenMP teams)."""
+    figures = {"rss_mb": round(process.memory_info().rss / 2**20, 1), "open_files": process.num_fds(),
+               "threads": process.num_threads()}
+    if shutil.which("py-spy"):
+        dump = subprocess.run(["py-spy", "dump", "--pid", str(process.pid)], capture_output=True, text=True).stdout
+        names = re.findall(r'^Thread \S+ \([^)]*\): "([^"]*)"', dump, flags=re.M)
+        figures["python_threads"] = sorted(names)
+    return figures
 
 
 def main():

@@ -28,7 +28,7 @@ def planted_dataset(path, slm, tokenizer, n_prompts=60, length=40, seed=0):
     for i in range(n_prompts):
         prompt = [rng.randrange(3, vocab) for _ in range(5)]
         response = [rng.randrange(3, vocab) for _ in range(length)]
-        logits, _ = slm.prefill(prompt + response)
+        logits, _ = slm.forward_sequence(prompt + response)
         proposals = logits[len(prompt) - 1 : len(prompt) - 1 + length].argmax(-1).tolist()
         responses.append({"id": f"p{i}", "domain": "synthetic", "prompt_ids": prompt, "response_ids": response})
         for pos, (token, proposal) in enumerate(zip(response, proposals)):

@@ -46,6 +46,7 @@ def test_a_local_model_decodes_token_by_token_and_complete_reads_nothing(backend
     ids = torch.tensor(rows, device=backend.device)
     assert backend.complete(cache, ids, torch.ones_like(ids), 8) is None
     assert cache.length == 0
+    assert backend.health() is None
 
 
 def test_it_names_the_kernels_it_runs_with(backend, kind):
@@ -66,7 +67,7 @@ def test_eos_ids_hold_the_models_end_of_turn(backend, tokenizer):
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in backend.eos_ids
 
 
-def test_batched_forward_agrees_with_prefill_of_each_row(backend, kind, tokenizer):
+def test_batched_forward_agrees_with_forward_sequence_of_each_row(backend, kind, tokenizer):
     rows = token_rows(tokenizer)
     ids, mask = left_pad(rows, tokenizer.pad_token_id, backend.device)
     cache = backend.new_cache()
@@ -74,7 +75,7 @@ def test_batched_forward_agrees_with_prefill_of_each_row(backend, kind, tokenize
     assert cache.length == ids.shape[1]
     assert logits.shape == (len(rows), len(tokenizer)) and logits.dtype == torch.float32
     for i, row in enumerate(rows):
-        ref_logits, ref_hidden = backend.prefill(row)
+        ref_logits, ref_hidden = backend.forward_sequence(row)
         assert close(logits[i], ref_logits[-1], kind) and close(hidden[i], ref_hidden[-1], kind)
 
 
@@ -97,7 +98,7 @@ def test_forward_all_gives_every_new_position(backend, kind, tokenizer):
     assert logits.shape == (len(rows), ids.shape[1] - 3, len(tokenizer))
     for i, row in enumerate(rows):
         pad = ids.shape[1] - len(row)
-        ref, _ = backend.prefill(row)
+        ref, _ = backend.forward_sequence(row)
         for column in range(3, ids.shape[1]):
             if column < pad:
                 assert not logits[i, column - 3].any()  # padding: zeros
@@ -122,14 +123,14 @@ def test_shift_rows_moves_a_row_right_as_if_it_had_fewer_tokens(backend, kind, t
     ids[0], mask[0] = ids[0].roll(3), mask[0].roll(3)
     ids[0, :3], mask[0, :3] = tokenizer.pad_token_id, 0
     logits, _, _ = continue_one(backend, cache, ids, mask, token=7)
-    assert close(logits[0], backend.prefill(rows[0][:-3] + [7])[0][-1], kind)
-    assert close(logits[1], backend.prefill(rows[1] + [7])[0][-1], kind)
+    assert close(logits[0], backend.forward_sequence(rows[0][:-3] + [7])[0][-1], kind)
+    assert close(logits[1], backend.forward_sequence(rows[1] + [7])[0][-1], kind)
 
 
-def test_prefill_from_a_start_position(backend, kind, tokenizer):
+def test_forward_sequence_from_a_start_position(backend, kind, tokenizer):
     row = token_rows(tokenizer)[2]
-    logits, hidden = backend.prefill(row)
-    tail_logits, tail_hidden = backend.prefill(row, start=5)
+    logits, hidden = backend.forward_sequence(row)
+    tail_logits, tail_hidden = backend.forward_sequence(row, start=5)
     assert tail_logits.shape[0] == len(row) - 5
     assert close(tail_logits, logits[5:], kind) and close(tail_hidden, hidden[5:], kind)
 

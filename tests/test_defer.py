@@ -7,12 +7,15 @@ LLM's distribution, and the LLM is called less often. The grouping rule and the 
 import pytest
 import torch
 from helpers import make_checkpoint
+from tiny import tiny_model, tiny_tokenizer
 
+from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams, sampling_probs
 from roads_to_rome.core.verification import Deferral
 from roads_to_rome.errors import R2RError
+from roads_to_rome.hardware import has_amx
 from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
 
 PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain.",
@@ -99,8 +102,8 @@ def test_a_deferred_routed_token_under_sampling_follows_the_llms_distribution(ki
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(1e9), defer=Deferral(mode, group=1.0, steps=100))
     prompt = engine.encode_chat("What is 48 / 2?")
     base = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=20, ignore_eos=True)
-    target = sampling_probs(llm.prefill(prompt)[0][-1:], base)[0]
-    draft = sampling_probs(slm.prefill(prompt)[0][-1:], base)[0]
+    target = sampling_probs(llm.forward_sequence(prompt)[0][-1:], base)[0]
+    draft = sampling_probs(slm.forward_sequence(prompt)[0][-1:], base)[0]
     runs, counts, deferred = 2400, torch.zeros_like(target), 0
     for start in range(0, 2 * runs, rows):
         requests = [Request(prompt, SamplingParams(**{**base.__dict__, "seed": seed}),
@@ -168,9 +171,15 @@ def test_a_deferring_server_answers_concurrent_clients_as_a_lockstep_one_does(sl
     assert deferred > 0
 
 
-def test_auto_groups_where_the_llm_runs_on_cuda_only():
+def test_auto_groups_where_the_llms_grouped_reads_are_cheap(slm, llm):
+    from types import SimpleNamespace
+
     from roads_to_rome.core.verification import resolve_defer
 
-    assert resolve_defer("auto", torch.device("cuda")) == "continue"
-    assert resolve_defer("auto", torch.device("cpu")) == "off" and resolve_defer("auto", None) == "off"
-    assert resolve_defer("park", torch.device("cpu")) == "park"
+    cheap, dear = SimpleNamespace(grouped_reads=True), SimpleNamespace(grouped_reads=False)
+    assert resolve_defer("auto", cheap) == "continue"
+    assert resolve_defer("auto", dear) == "off" and resolve_defer("auto", None) == "off"
+    assert resolve_defer("park", dear) == "park"
+    assert not llm.grouped_reads  # the tiny models: torch in float32 on a CPU
+    bf16 = TorchBackend(tiny_model(tiny_tokenizer(), hidden=32, seed=0).to(torch.bfloat16))
+    assert bf16.grouped_reads == has_amx()

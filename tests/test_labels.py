@@ -71,7 +71,7 @@ def test_pipeline_labels_every_response_token(tmp_path, slm, llm, tokenizer):
     assert {r["label"] for r in rows} >= {"identical", "divergent", "neutral"}
     # Step 1 agrees with a cached forward: the SLM's argmax at each response position.
     first = responses[0]
-    logits, _ = slm.prefill(first["prompt_ids"] + first["response_ids"][:3])
+    logits, _ = slm.forward_sequence(first["prompt_ids"] + first["response_ids"][:3])
     assert logits[-1].argmax().item() == [r for r in rows if r["id"] == first["id"]][3]["slm_token"]
     report = labels.report(tmp_path)
     assert set(report["domains"]) == {"math", "code", "qa"}
@@ -229,7 +229,8 @@ def test_on_policy_margin_labels(tmp_path, slm, llm, tokenizer):
     assert all(labels_of.values())
     for row in rows[:40] + labels_of["neutral"][:5] + labels_of["divergent"][:5]:  # checked against a fresh forward
         r = responses[row["id"]]
-        logprobs = torch.log_softmax(llm.prefill(r["prompt_ids"] + r["response_ids"][: row["position"]])[0][-1], -1)
+        prefix = r["prompt_ids"] + r["response_ids"][: row["position"]]
+        logprobs = torch.log_softmax(llm.forward_sequence(prefix)[0][-1], -1)
         assert row["slm_token"] == r["response_ids"][row["position"]] and row["token"] == logprobs.argmax().item()
         gap = (logprobs.max() - logprobs[row["slm_token"]]).item()
         assert row["label"] == ("identical" if row["token"] == row["slm_token"] else

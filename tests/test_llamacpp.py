@@ -33,7 +33,7 @@ def greedy_by_full_forward(backend, prompt, n, eos_ids):
     """Reference greedy decoding: recompute every position from scratch with the backend's prefill."""
     ids = list(prompt)
     for _ in range(n):
-        logits, _ = backend.prefill(ids)
+        logits, _ = backend.forward_sequence(ids)
         ids.append(int(logits[-1].argmax()))
         if ids[-1] in eos_ids:
             break
@@ -43,8 +43,8 @@ def greedy_by_full_forward(backend, prompt, n, eos_ids):
 def test_logits_and_hidden_states_match_the_torch_backend(gguf_pair, slm, llm, tokenizer):
     ids = tokenizer(PROMPTS[2])["input_ids"]
     for backend, reference in zip(gguf_pair, (slm, llm)):
-        logits, hidden = backend.prefill(ids)
-        ref_logits, ref_hidden = reference.prefill(ids)
+        logits, hidden = backend.forward_sequence(ids)
+        ref_logits, ref_hidden = reference.forward_sequence(ids)
         assert logits.shape == ref_logits.shape and hidden.shape == ref_hidden.shape
         # Not bit-equal: llama.cpp keeps its KV cache in f16.
         assert (hidden - ref_hidden.float()).abs().max() < 1e-2
@@ -74,7 +74,7 @@ def test_requests_joining_and_mixed_routing_decode_as_if_alone(gguf_pair, tokeni
     for prompt, r in zip(prompts, requests):
         for i, (token, source) in enumerate(zip(r.generation.token_ids, r.generation.sources)):
             model = llm if source == "llm" else slm
-            logits, _ = model.prefill(prompt + r.generation.token_ids[:i])
+            logits, _ = model.forward_sequence(prompt + r.generation.token_ids[:i])
             assert token == int(logits[-1].argmax()), (i, source)
     # Every sequence a finished batch held is free again.
     assert sorted(slm._free_seqs) == list(range(8)) and sorted(llm._free_seqs) == list(range(8))

@@ -73,8 +73,8 @@ def test_feature_cache_adds_only_new_prompts_and_survives_a_kill(dataset, slm, t
     cache = tmp_path / "grown.safetensors"
     training.features(half, slm, top_k=20, cache=cache, save_every=4)
     calls = []
-    prefill = slm.prefill
-    monkeypatch.setattr(slm, "prefill", lambda *a: calls.append(1) or prefill(*a))
+    forward_sequence = slm.forward_sequence
+    monkeypatch.setattr(slm, "forward_sequence", lambda *a: calls.append(1) or forward_sequence(*a))
     grown = training.features(dataset, slm, top_k=20, cache=cache)
     assert len(calls) == 30
     assert grown.ids == full.ids and torch.equal(grown.prompt, full.prompt) and grown.labels == full.labels
@@ -166,7 +166,7 @@ def test_an_unjudged_dataset_trains_the_different_objective(dataset, slm, tmp_pa
     shutil.copytree(dataset / "responses", unjudged / "responses")
     prefill = []
     for r in Parts(dataset, "responses").rows():
-        logits, _ = slm.prefill(r["prompt_ids"] + r["response_ids"])
+        logits, _ = slm.forward_sequence(r["prompt_ids"] + r["response_ids"])
         start = len(r["prompt_ids"]) - 1
         slm_tokens = logits[start : start + len(r["response_ids"])].argmax(-1).tolist()
         prefill.append({"id": r["id"], "slm_tokens": slm_tokens, "entropy": [0.0] * len(slm_tokens),

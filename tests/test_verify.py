@@ -64,7 +64,7 @@ def test_a_tolerance_keeps_only_tokens_the_llm_finds_nearly_as_likely(kind_pair,
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=N_TOKENS))
     assert sum(g.rollbacks for g in gens) > 0
     for prompt, gen in zip(prompts, gens):
-        logits, _ = llm.prefill(prompt + gen.token_ids[:-1], start=len(prompt) - 1)
+        logits, _ = llm.forward_sequence(prompt + gen.token_ids[:-1], start=len(prompt) - 1)
         logp = torch.log_softmax(logits.float(), -1)
         for i, (token, source) in enumerate(zip(gen.token_ids, gen.sources)):
             if source == "slm":
@@ -104,8 +104,8 @@ def test_strict_under_sampling_follows_the_llms_distribution(kind_pair, tokenize
     engine = Engine(slm, llm, tokenizer, AlwaysSLM(), verify="strict", max_unverified=1)
     prompt = engine.encode_chat("What is 48 / 2?")
     base = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=20)
-    target = sampling_probs(llm.prefill(prompt)[0][-1:], base)[0]
-    draft = sampling_probs(slm.prefill(prompt)[0][-1:], base)[0]
+    target = sampling_probs(llm.forward_sequence(prompt)[0][-1:], base)[0]
+    draft = sampling_probs(slm.forward_sequence(prompt)[0][-1:], base)[0]
     runs, rows = 3000, llm.max_rows or 500
     counts = torch.zeros_like(target)
     for start in range(0, runs, rows):

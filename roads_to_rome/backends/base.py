@@ -63,9 +63,18 @@ class Backend(Protocol):
     """Whether the logits cover the whole vocabulary; False when only the top log-probabilities are known (a
     remote server's; the rest sit at a floor far below): exact for greedy, not for speculative sampling."""
 
+    grouped_reads: bool
+    """Whether one read of several rows' new columns costs little more than a read of one row's one column, so that
+    grouping routed rows into one LLM call pays (`--defer auto`): on CUDA, and torch's bf16 matrix kernels on a CPU
+    with AMX; not llama.cpp's CPU kernels, nor a CPU without AMX, whose reads cost about their columns."""
+
     @property
     def device(self) -> torch.device:
         """Where the tensors the backend returns live (and where it wants its inputs)."""
+
+    def health(self) -> dict | None:
+        """None while the model answers (a local one always does); for a model behind a server that is away, what a
+        health check reports of it (its address, how long it has been down)."""
 
     def new_cache(self) -> Cache:
         """An empty cache, for a batch of any number of rows."""
@@ -92,7 +101,7 @@ class Backend(Protocol):
         """As `forward`, but the logits at every new column [B, n, V], or at the last `keep_last` of them
         (what a verifier needs: each position's next-token distribution). Padding columns give zeros."""
 
-    def prefill(self, ids: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_sequence(self, ids: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence, no cache kept: logits [T - start, V] and hidden states [T - start, H] at
         positions start.. (positions before `start` are read but give no output)."""
 

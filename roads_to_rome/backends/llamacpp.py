@@ -77,6 +77,7 @@ class LlamaCppBackend:
     device = torch.device("cpu")  # tensors handed to the engine live on the CPU
     verifies = True
     full_logits = True
+    grouped_reads = False  # its CPU kernels read k columns in about k times one column's time
 
     def __init__(self, gguf_file: str | Path, name: str = "model", n_ctx: int = 16384, max_rows: int = 16,
                  n_threads: int | None = None, n_batch: int = 512, vocab_size: int | None = None):
@@ -227,6 +228,9 @@ class LlamaCppBackend:
     def complete(self, cache, new_ids, attention_mask, max_new_tokens: int) -> None:
         return None  # decodes token by token here
 
+    def health(self) -> None:
+        return None  # a local model always answers
+
     def forward_all(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
                     keep_last: int | None = None) -> torch.Tensor:
         skip = 0 if keep_last is None else new_ids.shape[1] - keep_last  # new columns whose logits nobody wants
@@ -235,7 +239,7 @@ class LlamaCppBackend:
             logits[row, column - skip] = self._logits(out_index)
         return logits
 
-    def prefill(self, ids: list[int], start: int = 0):
+    def forward_sequence(self, ids: list[int], start: int = 0):
         cache = self.new_cache()
         self._ensure_rows(cache, 1)
         seq = cache.seqs[0]

@@ -238,6 +238,7 @@ class RemoteBackend:
     max_rows = None  # rows beyond the server's slots wait there
     verifies = True
     full_logits = False  # only the server's top log-probabilities: no exact speculative sampling test
+    grouped_reads = False  # unknown from here: grouping is asked for with --defer continue
     hidden_size = 1  # the LLM's hidden state is never used (the router reads the SLM's)
 
     def __init__(self, address: str, tokenizer, eos_ids: set[int], timeout: float = 120.0,
@@ -376,7 +377,7 @@ class RemoteBackend:
             if token < self.vocab_size:
                 logits[token] = logprob
 
-    def prefill(self, ids: list[int], start: int = 0):
+    def forward_sequence(self, ids: list[int], start: int = 0):
         raise R2RError("a remote LLM gives no hidden states: this step needs a local model")
 
     def select_rows(self, cache: RemoteCache, rows: torch.Tensor) -> None:

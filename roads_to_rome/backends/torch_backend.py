@@ -15,6 +15,7 @@ import warnings
 import torch
 from transformers import DynamicCache
 
+from roads_to_rome import hardware
 from roads_to_rome.backends.cuda_graphs import capture, recorded_or_none
 from roads_to_rome.backends.static_cache import (
     BufferPool,
@@ -186,6 +187,12 @@ class TorchBackend:
         return self.head.weight.device
 
     @property
+    def grouped_reads(self) -> bool:
+        # Measured: the 7B shape reads 4 rows' columns in about the time of one row's one on AMX tiles in bf16
+        # (docs/results/2026-11-27-grouped-torch-amx.md).
+        return self.device.type == "cuda" or (self.dtype == torch.bfloat16 and hardware.has_amx())
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.head.weight.dtype
 
@@ -303,6 +310,9 @@ class TorchBackend:
     def complete(self, cache, new_ids, attention_mask, max_new_tokens: int) -> None:
         return None  # decodes token by token here
 
+    def health(self) -> None:
+        return None  # a local model always answers
+
     @torch.inference_mode()
     def forward_all(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
                     keep_last: int | None = None) -> torch.Tensor:
@@ -312,7 +322,7 @@ class TorchBackend:
         return self._logits(hidden).masked_fill(padding[..., None], 0.0)
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], start: int = 0):
+    def forward_sequence(self, ids: list[int], start: int = 0):
         out = self.trunk(input_ids=torch.tensor([ids], device=self.device), use_cache=False)
         hidden = out.last_hidden_state[0, start:]
         return self._logits(hidden), hidden

@@ -217,7 +217,8 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
         answer = writer.generate([prompt], SamplingParams(max_new_tokens=n_tokens))[0].token_ids
         ids = prompt + answer
         for name, (slm, _) in slms.items():
-            logits, hidden = slm.prefill(ids[:-1], start=len(prompt) - 1)  # the positions that propose answer tokens
+            # the positions that propose answer tokens
+            logits, hidden = slm.forward_sequence(ids[:-1], start=len(prompt) - 1)
             logits, hidden = logits.float().cpu(), hidden.float().cpu()
             argmax = logits.argmax(-1)
             f = found[name]

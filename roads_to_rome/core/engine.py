@@ -22,7 +22,7 @@ client drives: `Engine.run` and `Engine.stream` to the end, the server a turn at
 arrive. One model alone (`Engine.alone`) runs the same loop with nothing to route: it writes every
 token itself.
 
-Top to bottom: `Engine` (what clients call), `Scheduler`, `Prefill`, `Batch` (the four phases of a
+Top to bottom: `Engine` (what clients call), `Scheduler`, `PromptRead`, `Batch` (the four phases of a
 step), then the helpers. What a client asks for and what the engine keeps for it are in request.py;
 sampling and verification's acceptance rules in sampling.py.
 """
@@ -234,7 +234,7 @@ class Scheduler:
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.batch = Batch(engine)
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.reading: collections.deque[tuple[Sequence, Prefill]] = collections.deque()  # admitted, prompt in chunks
+        self.reading: collections.deque[tuple[Sequence, PromptRead]] = collections.deque()  # admitted, prompt in chunks
         self.joining: list[Sequence] = []  # admitted, to join the batch at the next decode step
         self.kv_in_use = 0  # KV tokens held by admitted sequences (each its prompt and max new tokens)
 
@@ -275,7 +275,7 @@ class Scheduler:
             self.waiting.popleft()
             self.kv_in_use += need
             if self.prefill_chunk:
-                self.reading.append((s, Prefill(self.engine, s.prompt_ids)))
+                self.reading.append((s, PromptRead(self.engine, s.prompt_ids)))
             else:
                 self.joining.append(s)
         return left
@@ -348,7 +348,7 @@ class Scheduler:
         return event
 
 
-class Prefill:
+class PromptRead:
     """A prompt read ahead, in chunks, before its sequence joins a batch.
 
     The scheduler reads a newcomer's prompt one chunk between two decode steps, so the sequences
@@ -402,7 +402,7 @@ class Batch:
         engine = self.engine
         return engine.writer.new_cache(), engine.llm.new_cache() if engine.routes else None
 
-    def add(self, sequences: list[Sequence], prefill: Prefill | None = None) -> None:
+    def add(self, sequences: list[Sequence], prefill: PromptRead | None = None) -> None:
         """Sequences join the batch: left-padded to its width, read up to where each cache is. A sequence may
         bring its prompt already read (`prefill`: the scheduler's chunked prefill, for one sequence)."""
         now = time.perf_counter()
@@ -410,7 +410,7 @@ class Batch:
             s.started = now
         self._join(sequences, prefill)
 
-    def _join(self, sequences: list[Sequence], prefill: Prefill | None) -> None:
+    def _join(self, sequences: list[Sequence], prefill: PromptRead | None) -> None:
         engine = self.engine
         ids, mask = left_pad([s.prompt_ids for s in sequences], engine.pad_id, engine.writer.device)
         if not self.sequences:

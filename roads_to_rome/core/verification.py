@@ -38,11 +38,12 @@ DEFER_MODES = ("off", "continue", "park")
 DEFAULT_DEFER = "auto"
 
 
-def resolve_defer(mode: str, llm_device) -> str:
-    """A deferral mode, `auto` made concrete for an LLM on this device."""
+def resolve_defer(mode: str, llm) -> str:
+    """A deferral mode, `auto` made concrete for this LLM backend (None: no LLM): grouped where its reads of several
+    rows cost little more than one (`Backend.grouped_reads`), else lockstep."""
     if mode != "auto":
         return mode
-    return "continue" if llm_device is not None and llm_device.type == "cuda" else "off"
+    return "continue" if llm is not None and llm.grouped_reads else "off"
 
 
 @dataclass(frozen=True)

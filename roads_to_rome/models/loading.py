@@ -262,7 +262,7 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
                                         need_llm=kind != "slm" or verify != "off",
                                         dtype=config.dtype, backend=config.backend, llama=config.llama,
                                         llm_retry=config.llm_retry)
-    deferral = dataclasses.replace(rule, mode=resolve_defer(mode, llm_b.device if llm_b is not None else None))
+    deferral = dataclasses.replace(rule, mode=resolve_defer(mode, llm_b))
     return systems.routed(slm_b, llm_b, tokenizer, kind, config.threshold, router_path, config.seed, verify,
                           max_unverified, deferral)
 

@@ -311,12 +311,12 @@ def step_prefill(slm, out: Path, progress=QUIET, llm=None) -> None:
         began = time.perf_counter()
         # Position t predicts token t+1: response token j is predicted at len(prompt) - 1 + j.
         start = len(r["prompt_ids"]) - 1
-        predicted, _ = slm.prefill(ids[:-1], start)
+        predicted, _ = slm.forward_sequence(ids[:-1], start)
         slm_tokens = predicted.argmax(-1)
         row = {"id": r["id"], "slm_tokens": slm_tokens.tolist(), "entropy": entropy(predicted).tolist()}
         llm_tokens = r["response_ids"]
         if llm is not None:
-            logprobs = torch.log_softmax(llm.prefill(ids[:-1], start)[0].float(), -1)
+            logprobs = torch.log_softmax(llm.forward_sequence(ids[:-1], start)[0].float(), -1)
             best = logprobs.max(-1)
             llm_tokens = row["llm_tokens"] = best.indices.tolist()
             row["gap"] = (best.values - logprobs.gather(1, slm_tokens.to(logprobs.device)[:, None])[:, 0]).tolist()

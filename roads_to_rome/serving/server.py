@@ -476,10 +476,10 @@ def server(http: HTTPRequest) -> ServerState:
 
 
 async def llm_health(s: ServerState) -> dict | None:
-    """None while the LLM is up; what `/health` reports of it while a remote one is away (a probe of its server,
-    off the event loop)."""
-    check = getattr(s.engine.llm, "health", None)
-    return None if check is None else await asyncio.get_running_loop().run_in_executor(s.probing, check)
+    """None while the LLM is up (or there is none); what `/health` reports of it while a remote one is away
+    (`Backend.health`: a probe of its server, off the event loop)."""
+    llm = s.engine.llm
+    return None if llm is None else await asyncio.get_running_loop().run_in_executor(s.probing, llm.health)
 
 
 @routes.get("/health")

@@ -131,7 +131,7 @@ def features(dataset: Path, slm, top_k: int = 100, progress=QUIET, cache: Path |
         # The state after reading token t-1 proposes token t: response token j is proposed at
         # len(prompt) - 1 + j, so outputs start there.
         start = len(r["prompt_ids"]) - 1
-        logits, states = slm.prefill(r["prompt_ids"] + r["response_ids"][:-1], start)
+        logits, states = slm.forward_sequence(r["prompt_ids"] + r["response_ids"][:-1], start)
         at = torch.tensor([x["position"] for x in labelled])
         raw = logits[at].float()
         done[rid] = {"hidden": states[at].float(), "tokens": torch.tensor([x["slm_token"] for x in labelled]),

@@ -94,7 +94,7 @@ def test_always_one_model_on_llamacpp_equals_llamacpps_own_greedy_output(llamacp
     for prompt, want, gen in zip(prompts, expected, engine.generate(prompts, params)):
         split = next((i for i, (a, b) in enumerate(zip(gen.token_ids, want)) if a != b), None)
         if split is not None:
-            logits, _ = reference_backend.prefill(prompt + want[:split])
+            logits, _ = reference_backend.forward_sequence(prompt + want[:split])
             margin = (logits[-1, want[split]] - logits[-1, gen.token_ids[split]]).item()
             assert abs(margin) < 0.5, (split, margin)
 
@@ -230,7 +230,7 @@ def test_strict_verification_gives_the_llms_greedy_output(backend, request):
             if backend == "torch":
                 assert split is None, (policy.name, split)
             elif split is not None:
-                logits, _ = llm.prefill(prompt + want[:split])
+                logits, _ = llm.forward_sequence(prompt + want[:split])
                 assert abs((logits[-1, want[split]] - logits[-1, gen.token_ids[split]]).item()) < 0.5
     assert rollbacks > 0  # the LLM did correct the SLM
 

@@ -32,7 +32,7 @@ def test_an_imported_reference_router_routes_as_its_format_says(tmp_path):
 
     def scores(ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The format's score at each position from `start` on, with the token the SLM proposes there (greedy)."""
-        logits, hidden = slm.prefill(ids, start)
+        logits, hidden = slm.forward_sequence(ids, start)
         proposals = logits.float().argmax(-1)
         return format_forward(checkpoint, hidden.float(), embedding[proposals], logits.float()), proposals
 
