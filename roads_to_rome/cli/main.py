@@ -234,13 +234,23 @@ def models_status():
 
 
 
+QUIET = (("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_VERBOSITY", "error"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"))
+
+
 def quiet_transformers():
-    """Our own progress bars and errors only: no per-load bars or advice from transformers or the hub. Through their
-    environment variables (read when they are first imported, so importing them here would slow every command down),
-    and only where the user has not set them."""
-    for name, value in (("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_VERBOSITY", "error"),
-                        ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
+    """Our own progress bars and errors only: no per-load bars or advice from transformers or the hub, unless the user
+    set their environment variables otherwise. Through those variables, which the libraries read when first imported:
+    importing them here would slow every command down (`--help` too). Where they are imported already (the command
+    line called in-process), their own switches."""
+    for name, value in QUIET:
         os.environ.setdefault(name, value)
+    if "transformers" in sys.modules and all(os.environ[name] == value for name, value in QUIET):
+        from huggingface_hub.utils import logging as hub_logging
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+        logging.set_verbosity_error()
+        hub_logging.set_verbosity_error()
 
 
 def main():
