@@ -8,7 +8,7 @@ from rich.text import Text
 from roads_to_rome.cli.options import RouterChoice, console
 
 
-def build_engine(router: RouterChoice | None = None, **options):
+def engine_from_options(router: RouterChoice | None = None, **options):
     """The engine a command's options describe (`models.EngineConfig`; the router choice by its name)."""
     from roads_to_rome.models import EngineConfig, load_engine
 

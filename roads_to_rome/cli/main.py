@@ -14,7 +14,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 
 from roads_to_rome.cli import research, tables
 from roads_to_rome.cli.bench import bench_app
-from roads_to_rome.cli.common import build_engine, sampling
+from roads_to_rome.cli.common import engine_from_options, sampling
 from roads_to_rome.cli.options import (
     AsJson,
     BackendOpt,
@@ -75,9 +75,10 @@ def generate(
         raise R2RError("the prompt is empty: give the text to answer")
     reasoning.check_parser(reasoning_parser)
     params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
-    engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
-                          router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
-                          defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry)
+    engine = engine_from_options(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
+                                 threshold=threshold, router_path=router_path, seed=seed,
+                                 verify=verify, max_unverified=max_unverified,
+                                 defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry)
     parser = None if raw else reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
     generation = engine.generate([prompt_ids], params)[0]
@@ -109,9 +110,10 @@ def chat(
 
     reasoning.check_parser(reasoning_parser)
     params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
-    engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
-                          router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
-                          defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry)
+    engine = engine_from_options(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
+                                 threshold=threshold, router_path=router_path, seed=seed,
+                                 verify=verify, max_unverified=max_unverified,
+                                 defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry)
     parser = reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     messages = []
     while True:
@@ -179,9 +181,10 @@ def serve(
 
     check_parser(reasoning_parser)
     llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}
-    engine = build_engine(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend, threshold=threshold,
-                          router_path=router_path, verify=verify, max_unverified=max_unverified, llama=llama,
-                          defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry)
+    engine = engine_from_options(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
+                                 threshold=threshold, router_path=router_path, verify=verify,
+                                 max_unverified=max_unverified, llama=llama,
+                                 defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry)
     limits = server.Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
                            drain_timeout=drain_timeout)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=server.is_loopback(host),
