@@ -188,8 +188,8 @@ class TorchBackend:
 
     @property
     def grouped_reads(self) -> bool:
-        # Measured: the 7B shape reads 4 rows' columns in about the time of one row's one on AMX tiles in bf16
-        # (docs/results/2026-11-27-grouped-torch-amx.md).
+        # bf16 matrix work on AMX tiles takes several rows' columns in about the time of one row's one
+        # (docs/results/2026-11-27-grouped-torch-amx.md); float32, or a CPU without AMX, does not.
         return self.device.type == "cuda" or (self.dtype == torch.bfloat16 and hardware.has_amx())
 
     @property
