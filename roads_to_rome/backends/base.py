@@ -132,6 +132,21 @@ class Backend(Protocol):
         """The whole token-embedding table [rows, E] (the router checkpoint's identity)."""
 
 
+class LocalBackend:
+    """What every backend whose model runs in this process shares: it always answers, decodes token by token, and
+    reads columns at once (its `forward`, outputs dropped)."""
+
+    def health(self) -> None:
+        return None
+
+    def complete(self, cache: Cache, new_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int
+                 ) -> None:
+        return None
+
+    def read(self, cache: Cache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        self.forward(cache, new_ids, attention_mask)
+
+
 def mask_for(cache: Cache, n_new: int, device) -> torch.Tensor:
     """The attention mask of one unpadded row after reading n_new more tokens."""
     return torch.ones(1, cache.length + n_new, dtype=torch.long, device=device)

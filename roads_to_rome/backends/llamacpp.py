@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from roads_to_rome.backends.base import LocalBackend
 from roads_to_rome.errors import R2RError
 
 try:
@@ -73,7 +74,7 @@ def llama_cpp_available() -> bool:
     return llama_cpp is not None
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(LocalBackend):
     device = torch.device("cpu")  # tensors handed to the engine live on the CPU
     verifies = True
     full_logits = True
@@ -221,15 +222,6 @@ class LlamaCppBackend:
             logits[row] = self._logits(out_index)
             hidden[row] = self._hidden(out_index)
         return logits, hidden
-
-    def read(self, cache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        self.forward(cache, new_ids, attention_mask)
-
-    def complete(self, cache, new_ids, attention_mask, max_new_tokens: int) -> None:
-        return None  # decodes token by token here
-
-    def health(self) -> None:
-        return None  # a local model always answers
 
     def forward_all(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
                     keep_last: int | None = None) -> torch.Tensor:

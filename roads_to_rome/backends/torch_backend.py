@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from roads_to_rome import hardware
+from roads_to_rome.backends.base import LocalBackend
 from roads_to_rome.backends.cuda_graphs import capture, recorded_or_none
 from roads_to_rome.backends.static_cache import (
     BufferPool,
@@ -142,7 +143,7 @@ class StaticTorchCache(TorchCache):
         self.length = min(self.length, length)  # the columns past it are masked, and overwritten by the next read
 
 
-class TorchBackend:
+class TorchBackend(LocalBackend):
     max_rows = None  # only memory limits a batch
     kv_capacity = None  # each row has its own cache columns
     verifies = True
@@ -302,16 +303,6 @@ class TorchBackend:
     def forward(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
         hidden = self._read(cache, new_ids, attention_mask)[:, -1:]  # [B, 1, H]: the shape generate uses
         return self._logits(hidden)[:, 0], hidden[:, 0]
-
-    @torch.inference_mode()
-    def read(self, cache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        self.forward(cache, new_ids, attention_mask)
-
-    def complete(self, cache, new_ids, attention_mask, max_new_tokens: int) -> None:
-        return None  # decodes token by token here
-
-    def health(self) -> None:
-        return None  # a local model always answers
 
     @torch.inference_mode()
     def forward_all(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
