@@ -14,8 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
+from serve_process import start_process
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--backend", default="llamacpp")
@@ -31,18 +33,8 @@ results = {}
 
 
 def start(*extra):
-    process = subprocess.Popen(["r2r", "serve", "--port", str(args.port), "--backend", args.backend, *extra],
-                               stdout=subprocess.DEVNULL)
-    for _ in range(1200):
-        try:
-            if httpx.get(URL + "/health").status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None:
-            raise SystemExit(f"r2r serve exited with {process.returncode}")
-        time.sleep(0.25)
-    raise SystemExit("r2r serve did not start")
+    return start_process(["r2r", "serve", "--port", str(args.port), "--backend", args.backend, *extra],
+                         URL + "/health", Path(args.out).with_suffix(".server.log"), seconds=300)
 
 
 def body(content=QUESTION, **kw):

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 import psutil
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from serve_process import start_process
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--requests", type=int, default=1000)
@@ -64,23 +65,6 @@ BAD = [
     (json.dumps({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}).encode(), "an unknown model"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_p": "x"}).encode(), "top_p a string"),
 ]
-
-
-def start_process(command: list[str], health: str, log: Path, seconds: float = 300) -> subprocess.Popen:
-    """`command` started in a process group of its own, its output appended to `log`, once `health` answers."""
-    with log.open("ab") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(health, timeout=5).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None:
-            raise SystemExit(f"{command[:3]} exited with {process.returncode}")
-        time.sleep(0.25)
-    raise SystemExit(f"{command[:3]} did not start within {seconds:.0f} s")
 
 
 def body(question: str, max_tokens: int, stream: bool) -> dict:

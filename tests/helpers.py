@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.request import Request
+from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.pipeline.labels import Parts
 from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig, slm_identity
 
@@ -74,6 +76,15 @@ def run_with_joins(engine, prompts, join_after, params, prefill_chunk=None):
         assert not [e for e in scheduler.turn() if isinstance(e, Failure)]
         turns += 1
     return sequences
+
+
+def llm_greedy_reference(llm, tokenizer, texts, max_new_tokens):
+    """The LLM alone, greedy, on these chat prompts: what strict verification must reproduce token for token.
+    Returns (the encoded prompts, the sampling params, each prompt's tokens)."""
+    alone = Engine.alone(llm, tokenizer)
+    prompts = [alone.encode_chat(text) for text in texts]
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    return prompts, params, [g.token_ids for g in alone.generate(prompts, params)]
 
 
 def make_checkpoint(slm, threshold=0.5):

@@ -6,7 +6,7 @@ LLM's distribution, and the LLM is called less often. The grouping rule and the 
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import llm_greedy_reference, make_checkpoint
 from tiny import tiny_model, tiny_tokenizer
 
 from roads_to_rome.backends.torch_backend import TorchBackend
@@ -66,10 +66,7 @@ def test_deferred_routing_gives_every_row_the_tokens_of_immediate_routing(kind_p
 
 def test_strict_verification_with_deferral_is_the_llms_greedy_output(kind_pair, tokenizer):
     slm, llm = kind_pair
-    alone = Engine.alone(llm, tokenizer)
-    prompts = [alone.encode_chat(p) for p in PROMPTS]
-    params = SamplingParams(max_new_tokens=N_TOKENS)
-    expected = [g.token_ids for g in alone.generate(prompts, params)]
+    prompts, params, expected = llm_greedy_reference(llm, tokenizer, PROMPTS, N_TOKENS)
     for mode in ("continue", "park"):
         for n in (2, None):
             engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), verify="strict", max_unverified=n,

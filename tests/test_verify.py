@@ -3,7 +3,7 @@ the policy and the catch-up interval; strict under sampling follows the LLM's di
 
 import pytest
 import torch
-from helpers import make_checkpoint, run_with_joins
+from helpers import llm_greedy_reference, make_checkpoint, run_with_joins
 
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.sampling import SamplingParams, parse_verify, sampling_probs
@@ -22,11 +22,8 @@ def policies(slm):
 
 def test_strict_under_greedy_is_the_llms_greedy_output_for_every_policy_and_interval(kind_pair, tokenizer):
     slm, llm = kind_pair
-    alone = Engine.alone(llm, tokenizer)
-    prompts = [alone.encode_chat(p) for p in PROMPTS]
-    params = SamplingParams(max_new_tokens=N_TOKENS)
-    expected = [g.token_ids for g in alone.generate(prompts, params)]
-    assert [alone.generate([p], params)[0].token_ids for p in prompts] == expected
+    prompts, params, expected = llm_greedy_reference(llm, tokenizer, PROMPTS, N_TOKENS)
+    assert [Engine.alone(llm, tokenizer).generate([p], params)[0].token_ids for p in prompts] == expected
     fixes = 0
     for name, policy in policies(slm).items():
         for n in (1, 2, 5, None):
