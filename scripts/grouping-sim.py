@@ -81,7 +81,7 @@ def main() -> None:
                     for steps in numbers(args.steps, int):
                         rule = Deferral(mode, group, steps)
                         tok_s = cost_model.predicted_routing_tok_s(slm_ms, llm_ms, args.share, widths, tokens,
-                                                               args.samples, batch, rule, accept)
+                                                                   args.samples, batch, rule, accept)
                         row["grouped"][f"{mode} accept={accept:g} group={group:g} steps={steps}"] = tok_s
                         cells.append(f"{group:g}/{steps}: {tok_s / alone:.2f}× ({tok_s / lockstep:.2f}× lockstep)")
                 print(f"  {mode}{f' (kept {accept:.0%})' if mode == 'continue' else ''}: " + "  ".join(cells))

@@ -331,7 +331,7 @@ def test_timings_belong_to_each_request_not_to_the_batch(slm, llm, tokenizer):
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
     prompts = encode(engine)
     requests = run_with_joins(engine, prompts, join_after=[6, 10], params=SamplingParams(max_new_tokens=8,
-                                                                                       ignore_eos=True))
+                                                                                         ignore_eos=True))
     for r in requests:
         t = r.generation.timings
         assert t.steps == len(r.generation.token_ids) == 8

@@ -99,8 +99,8 @@ def test_deferred_routing_through_the_remote_llm_gives_lockstep_routings_tokens(
         for mode in ("continue", "park"):
             engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), verify=verify, defer=Deferral(mode, 1.0, 8))
             gens = engine.generate(prompts, params)
-            assert [(g.token_ids, g.sources) for g in gens] == [(g.token_ids, g.sources) for g in lockstep], (verify,
-                                                                                                          mode)
+            expected = [(g.token_ids, g.sources) for g in lockstep]
+            assert [(g.token_ids, g.sources) for g in gens] == expected, (verify, mode)
             deferred += sum(g.deferred for g in gens)
         if verify == "strict":
             assert [g.token_ids for g in lockstep] == [server.own_greedy(p, 24) for p in prompts]
@@ -119,7 +119,7 @@ def test_strict_verification_through_the_remote_llm_gives_the_servers_own_greedy
 
 
 def test_tolerance_verification_through_the_remote_llm_matches_the_same_model_run_locally(server, llm_files, slm,
-                                                                                             tokenizer):
+                                                                                          tokenizer):
     local = same_model_here(server, llm_files, tokenizer)
     outs = {}
     for name, llm in (("remote", remote(server.url, tokenizer, slm)), ("local", local)):

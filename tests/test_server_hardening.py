@@ -202,7 +202,7 @@ def test_4_max_batch_beyond_the_backends_rows_is_refused_at_start(gguf_files, to
 
 # 5. The body-size limit, and an event loop that stays free while big bodies are handled.
 def test_5_bodies_over_the_limit_are_413_and_health_answers_while_bodies_are_tokenised(server, engine, expected,
-                                                                                        monkeypatch):
+                                                                                       monkeypatch):
     big = json.dumps(body("x" * 100_000)).encode()
     response = httpx.post(server + CHAT, content=big, headers={"content-type": "application/json"})
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
@@ -280,7 +280,7 @@ def test_6_an_unexpected_error_is_a_json_500_without_internals(server, engine, e
 
 
 def test_6_an_engine_failure_while_a_prompt_is_read_fails_only_that_request(server, engine, slm, expected,
-                                                                           monkeypatch):
+                                                                            monkeypatch):
     reference = answer(server, "def add(a, b):", max_tokens=60)
     running = Stream(server, body("def add(a, b):", max_tokens=60, r2r_policy="llm"))
     while not running.times:

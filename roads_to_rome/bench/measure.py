@@ -227,7 +227,7 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
             f["entropy"].append(entropy(logits))
             if name in routers:
                 f["router"].append(routers[name].route(logits.to(slm.device), hidden.to(slm.device),
-                                                        argmax.to(slm.device))[1].float().cpu())
+                                                       argmax.to(slm.device))[1].float().cpu())
         progress.advance(task)
     t, lc = ({k: torch.cat(v) if v else None for k, v in found[name].items()} for name in ("torch", "llamacpp"))
     cosine = F.cosine_similarity(t["hidden"], lc["hidden"], dim=-1)

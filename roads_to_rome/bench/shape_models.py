@@ -251,7 +251,7 @@ def torch_shape(shape: LlmShape, device: str, dtype: torch.dtype = torch.bfloat1
     )
 
     config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if shape.arch == "qwen3" else (Qwen2Config,
-                                                                                              Qwen2ForCausalLM)
+                                                                                               Qwen2ForCausalLM)
     extra = {"head_dim": shape.head_dim} if shape.head_dim else {}
     config = config_class(vocab_size=shape.vocab_rows, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
                           num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,

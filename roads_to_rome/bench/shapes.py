@@ -333,7 +333,7 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
             key = system_name(name, batch)
             if key not in measured:
                 measured[key] = run_system(engine, prompts[: plan.prompts_at(batch)], plan.tokens, progress,
-                                          f"{label}: {key}", batch)
+                                           f"{label}: {key}", batch)
                 save(result)
 
     if plan.slm_shape is None:
@@ -421,7 +421,7 @@ def measure_real_pair(plan: Plan, result: dict, slm, slm_engine, router, tokeniz
         if name not in measured:
             engine = systems.routed(slm, the_real_llm(), tokenizer, router, defer=plan.rule("continue"))
             measured[name] = run_system(engine, prompts[: plan.prompts_at(batch)], plan.tokens, progress,
-                                       f"{DEFAULT_LLM.name} (real): {name}", batch)
+                                        f"{DEFAULT_LLM.name} (real): {name}", batch)
             save(result)
     prompts = prompts[: plan.prompts]
     real_runs = [("slm", None, "off", None), ("llm", None, "off", None), ("r2r", router, "off", None)]

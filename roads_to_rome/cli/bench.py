@@ -142,7 +142,7 @@ def bench_serve(
     rounds: int = count(1, "--rounds", help="Times over, the modes taking turns (figures pool the rounds; a "
                         "machine's speed drifts between minutes)."),
     threshold: float | None = typer.Option(None, "--threshold", help="The routing threshold (default: the "
-                                              "policy's own)."),
+                                           "policy's own)."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     out: Out = None,
 ):

@@ -163,12 +163,12 @@ def serve(
     max_queue: int = count(64, "--max-queue", help="Requests waiting for a slot (then 429)."),
     max_tokens: int = count(4096, "--max-tokens", help="The most new tokens a request may ask for."),
     kv_cache_tokens: int | None = typer.Option(None, "--kv-cache-tokens", min=1, help="llama.cpp: the KV-cache "
-                                                  "tokens all requests share, per model (default: --max-batch x "
-                                                  "4096). A request holds prompt + max_tokens of them while it runs."),
+                                               "tokens all requests share, per model (default: --max-batch x "
+                                               "4096). A request holds prompt + max_tokens of them while it runs."),
     prefill_chunk: int = count(64, "--prefill-chunk", help="Prompt tokens read between two decode steps (running "
                                "streams keep going while a long prompt is read)."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="R2R_API_KEY", help="Require 'Authorization: "
-                                          "Bearer KEY' on /v1/ (also from $R2R_API_KEY)."),
+                                       "Bearer KEY' on /v1/ (also from $R2R_API_KEY)."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0, help="On SIGINT/SIGTERM: seconds in-flight "
                                         "requests get to finish before they are cut (a second signal exits at once)."),
     docs: bool = typer.Option(False, "--docs", help="Serve the API docs at /docs and /openapi.json."),

@@ -17,30 +17,30 @@ RouterChoice = Enum("RouterChoice", {name: name for name in POLICIES}, type=str)
 
 # Options that many commands share, declared once.
 Slm = Annotated[str | None, typer.Option("--slm", help="SLM: local dir, .gguf file or hub id (default: the "
-                                            "prepared Qwen2.5-Coder-0.5B)")]
+                                         "prepared Qwen2.5-Coder-0.5B)")]
 Llm = Annotated[str | None, typer.Option("--llm", help="LLM: local dir, .gguf file, hub id, or the address of a "
-                                            "server running it (http://host:port, llama.cpp's server; "
-                                            "?model=NAME picks a served model) (default: the prepared "
-                                            "Qwen2.5-Coder-1.5B)")]
+                                         "server running it (http://host:port, llama.cpp's server; "
+                                         "?model=NAME picks a served model) (default: the prepared "
+                                         "Qwen2.5-Coder-1.5B)")]
 LlmRetry = Annotated[float | None, typer.Option("--llm-retry", min=0.0, help="With --llm http://...: seconds a "
-                                                  "failing call to the LLM's server (unreachable, 5xx, stalled) is "
-                                                  "retried before the requests that need it fail (default 30).",
-                                                  show_default=False)]
+                                                "failing call to the LLM's server (unreachable, 5xx, stalled) is "
+                                                "retried before the requests that need it fail (default 30).",
+                                                show_default=False)]
 Device = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
 Dtype = Annotated[str, typer.Option("--dtype",
                                     help="Weights and compute on torch: auto (bf16 on CUDA and on CPUs with native "
                                     "bf16, AVX512-BF16 or AMX; float32 on other CPUs), bfloat16, float16 or float32.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (llama.cpp on a CPU for GGUF files, the default "
-                                      "pair's included, when it is installed; torch on CUDA and for model "
-                                      "directories), torch (transformers) or llamacpp, for both models or per role: "
-                                      "slm=llamacpp,llm=torch. --dtype and --device apply to torch.")]
+                                         "pair's included, when it is installed; torch on CUDA and for model "
+                                         "directories), torch (transformers) or llamacpp, for both models or per role: "
+                                         "slm=llamacpp,llm=torch. --dtype and --device apply to torch.")]
 RouterOpt = Annotated[RouterChoice | None, typer.Option("--router", show_default=False, help="Routing policy "
-                                                           "(default: the shipped router for the default pair, "
-                                                           "entropy for other pairs).")]
+                                                        "(default: the shipped router for the default pair, "
+                                                        "entropy for other pairs).")]
 Threshold = Annotated[float | None, typer.Option("--threshold", help="router: probability; entropy: nats; "
-                                                    "random: LLM rate")]
+                                                 "random: LLM rate")]
 RouterPath = Annotated[Path | None, typer.Option("--router-path", help="Router checkpoint directory (for "
-                                                    "--router router).")]
+                                                 "--router router).")]
 Out = Annotated[Path | None, typer.Option("--out", help="Also write the figures as JSON here.")]
 Seed = Annotated[int | None, typer.Option("--seed")]
 JudgeKind = Annotated[str, typer.Option("--judge", help="local (the pair's LLM), remote, semantic, facts "
@@ -61,28 +61,28 @@ def count(default: int, name: str, help: str | None = None):
     """A whole-number option that must be at least 1."""
     return typer.Option(default, name, min=1, help=help)
 Verify = Annotated[str | None, typer.Option("--verify", help="Check the SLM's tokens at each LLM catch-up: off, "
-                                               "strict (the LLM's own output: lossless) or a tolerance in nats (keep "
-                                               "a token the LLM finds within that of its own choice). Default: 1 "
-                                               "when routing, off for --router slm or llm.", show_default=False)]
+                                            "strict (the LLM's own output: lossless) or a tolerance in nats (keep "
+                                            "a token the LLM finds within that of its own choice). Default: 1 "
+                                            "when routing, off for --router slm or llm.", show_default=False)]
 Defer = Annotated[str | None, typer.Option("--defer", help="Whether a routed row's LLM token may wait for an LLM "
-                                              "call grouped with other rows' (the server; a batch of prompts): off; "
-                                              "continue (the row keeps the SLM's token and goes on; where the LLM's "
-                                              "token differs, the row goes back to it); park (the row's tokens after "
-                                              "it are thrown away); auto, the default when routing: continue when the "
-                                              "LLM runs on CUDA or on torch in bf16 on a CPU with AMX, else off "
-                                              "(llama.cpp's CPU kernels, where grouping measured slower: "
-                                              "docs/benchmarks.md). Greedy output is the same either way.",
-                                              show_default=False)]
+                                           "call grouped with other rows' (the server; a batch of prompts): off; "
+                                           "continue (the row keeps the SLM's token and goes on; where the LLM's "
+                                           "token differs, the row goes back to it); park (the row's tokens after "
+                                           "it are thrown away); auto, the default when routing: continue when the "
+                                           "LLM runs on CUDA or on torch in bf16 on a CPU with AMX, else off "
+                                           "(llama.cpp's CPU kernels, where grouping measured slower: "
+                                           "docs/benchmarks.md). Greedy output is the same either way.",
+                                           show_default=False)]
 DeferGroup = Annotated[float | None, typer.Option("--defer-group", min=0.0, max=1.0, help="With --defer: the LLM "
-                                                     "runs once this share of the batch's rows wait (default 0.6).",
-                                                     show_default=False)]
+                                                  "runs once this share of the batch's rows wait (default 0.6).",
+                                                  show_default=False)]
 DeferSteps = Annotated[int | None, typer.Option("--defer-steps", min=1, help="With --defer: ... or once a routed "
-                                                   "token has waited this many steps (default 16).",
-                                                   show_default=False)]
+                                                "token has waited this many steps (default 16).",
+                                                show_default=False)]
 ReasoningParserOpt = Annotated[str, typer.Option("--reasoning-parser", help="Reasoning models' thinking "
-                                                  "(<think>...</think>) apart from the answer: deepseek_r1, qwen3, "
-                                                  "none, or auto (a parser when the chat template opens <think>).")]
+                                                 "(<think>...</think>) apart from the answer: deepseek_r1, qwen3, "
+                                                 "none, or auto (a parser when the chat template opens <think>).")]
 MaxUnverified = Annotated[int | None, typer.Option("--max-unverified", help="With --verify: catch up "
-                                                      "and check once this many tokens are unread by the LLM "
-                                                      "(default: no limit). --router slm --verify strict "
-                                                      "--max-unverified k is speculative decoding.")]
+                                                   "and check once this many tokens are unread by the LLM "
+                                                   "(default: no limit). --router slm --verify strict "
+                                                   "--max-unverified k is speculative decoding.")]

@@ -292,10 +292,10 @@ def label_agree(
     out: Path = typer.Argument(..., help="A label output directory whose judgements step has run."),
     judge: str = typer.Option("semantic", "--judge", help="The second judge: local, remote, semantic or facts."),
     against: Path | None = typer.Option(None, "--against", help="Instead of running a second judge, compare with "
-                                           "this label directory's judgements (the same responses branched another "
-                                           "way, e.g. with --rejoin-tokens 0: how often stopping early changed a "
-                                           "label; or a committed dataset's labels.parquet, labelled by another "
-                                           "judge)."),
+                                        "this label directory's judgements (the same responses branched another "
+                                        "way, e.g. with --rejoin-tokens 0: how often stopping early changed a "
+                                        "label; or a committed dataset's labels.parquet, labelled by another "
+                                        "judge)."),
     judge_url: JudgeUrl = None, judge_model: JudgeModel = None,
     llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
@@ -320,7 +320,7 @@ def label_agree(
 @label_app.command("check-judge")
 def label_check_judge(
     cases: Path | None = typer.Argument(None, help="JSONL of hand-labelled cases: context, a, b, label "
-                                           "(neutral|divergent). Default: the hand-labelled cases shipped with r2r."),
+                                        "(neutral|divergent). Default: the hand-labelled cases shipped with r2r."),
     judge: str = typer.Option("local", "--judge", help="local, remote, semantic or facts."),
     judge_url: JudgeUrl = None, judge_model: JudgeModel = None,
     llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",

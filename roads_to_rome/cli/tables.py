@@ -50,7 +50,7 @@ def stats(generation, engine, terminal: bool, reasoned=None) -> Table:
     ]
     if reasoned is not None:
         shares = [f"{rate:.1%}" if rate is not None else "-" for rate in (reasoned.llm_rate_thinking,
-                                                                           reasoned.llm_rate_answer)]
+                                                                          reasoned.llm_rate_answer)]
         rows.insert(4, ("LLM rate thinking / answer", f"{shares[0]} / {shares[1]}  ({reasoned.reasoning_tokens} "
                                                       f"thinking tokens)"))
     if verify != "off":
@@ -186,9 +186,8 @@ def phases(result: dict, modes: tuple[str, str], setting: str) -> list:
         table.add_row(mode.replace("_", " "), str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}",
                       f"{r['llm_rate']:.1%}")
     names = [m.replace("_", " ") for m in modes]
-    return [table,
-            f"{names[1]} / {names[0]} = {result['speedup']:.2f}x  ({setting}, {result['backend']}, {result['dtype']}, "
-                  f"{result['device']})"]
+    where = f"{setting}, {result['backend']}, {result['dtype']}, {result['device']}"
+    return [table, f"{names[1]} / {names[0]} = {result['speedup']:.2f}x  ({where})"]
 
 
 def bench_serve(result: dict) -> Table:
@@ -208,9 +207,8 @@ def bench_serve(result: dict) -> Table:
 
 def bench_steps(result: dict, ks: list[int], backend: str, dtype: str, context: int) -> Table:
     """`r2r bench steps`: milliseconds per forward step."""
-    table = Table("model", *[f"k={k}" for k in ks],
-                  title=f"ms per forward step ({backend}, {dtype}, {result['device']}, "
-                                                          f"{context}-token cache)")
+    title = f"ms per forward step ({backend}, {dtype}, {result['device']}, {context}-token cache)"
+    table = Table("model", *[f"k={k}" for k in ks], title=title)
     for role, row in result["ms"].items():
         table.add_row(role.upper(), *[f"{row[k]:.0f}" for k in ks])
     return table

@@ -63,10 +63,10 @@ class System:
     def engine(self, slm, llm, tokenizer, router_path: Path | None = None) -> Engine:
         """The engine for this system on loaded models (`llm` may be None for the SLM alone)."""
         if self.kind == "slm":
-            return Engine.alone(slm, tokenizer, "slm")
+            return alone(slm, tokenizer, "slm")
         if self.kind == "llm":
             # The LLM alone, as the only model: its speed is the LLM's, not the LLM's plus an idle SLM's.
-            return Engine.alone(llm, tokenizer, "llm")
+            return alone(llm, tokenizer, "llm")
         if self.kind == "spec":
             return routed(slm, llm, tokenizer, "slm", verify="strict", max_unverified=int(self.value))
         if self.kind == "r2r":

@@ -687,7 +687,7 @@ def report(dataset: Path) -> dict:
         for label in ("identical", "neutral", "divergent", "different"):
             # "different": every token where the SLM's argmax is not the LLM's, whatever the verdict.
             values = [r["entropy"] for r in subset if (r["label"] != "identical" if label == "different"
-                                                      else r["label"] == label)]
+                                                       else r["label"] == label)]
             out[f"mean_entropy_{label}"] = sum(values) / len(values) if values else None
         return out
 

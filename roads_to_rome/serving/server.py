@@ -211,8 +211,8 @@ class EngineThread:
     def drain(self, seconds: float) -> None:
         """Stop admitting (503), fail what waits in the queue, give in-flight requests `seconds` to finish."""
         with self.wakeup:
-            self.deadline = time.monotonic() + seconds if self.deadline is None else min(self.deadline,
-                                                                                          time.monotonic() + seconds)
+            until = time.monotonic() + seconds
+            self.deadline = until if self.deadline is None else min(self.deadline, until)
             self._deliver(self.scheduler.drop_waiting(ShuttingDown()))
             self.wakeup.notify()
 
@@ -667,9 +667,9 @@ class Reply:
                                 **({"content": delta} if delta else {}))
             else:
                 d = ChoiceDelta(content=delta) if delta is not None else ChoiceDelta()
+            choice = ChunkChoice(index=0, delta=d, finish_reason=finish_reason)
             out = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
-                                      model=self.model_name, choices=[ChunkChoice(index=0, delta=d,
-                                                                             finish_reason=finish_reason)],
+                                      model=self.model_name, choices=[choice],
                                       **(extra or {})).model_dump(exclude_unset=True)
         else:
             # openai's CompletionChoice has no null finish_reason, which every chunk but the last needs.

@@ -231,9 +231,8 @@ def router_scores(router: Router | ReferenceRouter, data: Features, embed, batch
 
 
 def train(data: Features, embed, config: RouterConfig | ReferenceConfig, objective: str = "divergent",
-          val_fraction: float = VAL_FRACTION,
-          seed: int = 0, epochs: int = 40, patience: int = 5, lr: float = 5e-4, batch_size: int = 512,
-          progress=QUIET) -> tuple[Router | ReferenceRouter, Features, dict]:
+          val_fraction: float = VAL_FRACTION, seed: int = 0, epochs: int = 40, patience: int = 5, lr: float = 5e-4,
+          batch_size: int = 512, progress=QUIET) -> tuple[Router | ReferenceRouter, Features, dict]:
     """Train a router; returns it (best validation AUC), the validation split and the training history."""
     data = data.subset(data.judged())
     train_set, val_set = split_by_prompt(data, val_fraction, seed)
@@ -291,9 +290,9 @@ ABLATION_INPUTS = ("hidden", "hidden,token", "hidden,token,logits")
 
 
 def train_router(datasets: list[Path], slm, out: Path, objective: str = "divergent",
-                 inputs: str = "hidden,token,logits",
-                 dim: int = 128, blocks: int = 2, target_rate: float = 0.12, seed: int = 0, epochs: int = 40,
-                 ablations: bool = False, progress=QUIET, architecture: str = "mlp") -> dict:
+                 inputs: str = "hidden,token,logits", dim: int = 128, blocks: int = 2, target_rate: float = 0.12,
+                 seed: int = 0, epochs: int = 40, ablations: bool = False, progress=QUIET,
+                 architecture: str = "mlp") -> dict:
     """Train the router asked for (and, with `ablations`, every input set x objective on the same split),
     calibrate its threshold to `target_rate` on validation, save it at `out` with `training.json`.
 

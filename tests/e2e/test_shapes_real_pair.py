@@ -11,14 +11,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not is_prepared(DEFAULT_SLM) o
                                                   reason="the default pair is not prepared (`r2r models prepare`)")]
 # The real vocabulary padded to 152,064 rows as the 7B and larger Qwen2.5 models have it; small everywhere else.
 PADDED = shape_models.LlmShape("padded", "test", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512,
-                         vocab_rows=152064, tied=False)
+                               vocab_rows=152064, tied=False)
 
 
 @pytest.fixture(scope="module")
 def padded_file(tmp_path_factory):
     folder = tmp_path_factory.mktemp("padded")
     return shape_models.quantize(shape_models.write_random_gguf(PADDED, gguf_path(DEFAULT_LLM), folder / "f16.gguf"),
-                           folder / "padded.gguf")
+                                 folder / "padded.gguf")
 
 
 def test_the_default_slm_with_another_llm_gets_the_shipped_router_and_verification(padded_file):
