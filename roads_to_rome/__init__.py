@@ -22,7 +22,7 @@ _PUBLIC = {
     "Generation": "roads_to_rome.core.request",
     "Request": "roads_to_rome.core.request",
     "SamplingParams": "roads_to_rome.core.sampling",
-    "Deferral": "roads_to_rome.core.verification",
+    "Deferral": "roads_to_rome.core.llm_calls",
     "load_engine": "roads_to_rome.models",
     "EngineConfig": "roads_to_rome.models",
     "load_pair": "roads_to_rome.models",

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from roads_to_rome.bench import cost_model
-from roads_to_rome.core.verification import Deferral
+from roads_to_rome.core.llm_calls import Deferral
 
 
 def one_row_costs(table: dict, batch: int) -> dict[int, float]:

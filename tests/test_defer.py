@@ -11,9 +11,9 @@ from tiny import tiny_model, tiny_tokenizer
 
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.llm_calls import Deferral
 from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams, sampling_probs
-from roads_to_rome.core.verification import Deferral
 from roads_to_rome.errors import R2RError
 from roads_to_rome.hardware import has_amx
 from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
@@ -171,7 +171,7 @@ def test_a_deferring_server_answers_concurrent_clients_as_a_lockstep_one_does(sl
 def test_auto_groups_where_the_llms_grouped_reads_are_cheap(slm, llm):
     from types import SimpleNamespace
 
-    from roads_to_rome.core.verification import resolve_defer
+    from roads_to_rome.core.llm_calls import resolve_defer
 
     cheap, dear = SimpleNamespace(grouped_reads=True), SimpleNamespace(grouped_reads=False)
     assert resolve_defer("auto", cheap) == "continue"

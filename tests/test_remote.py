@@ -16,9 +16,9 @@ from tiny import save_gguf, tiny_model, tiny_tokenizer
 
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Batch, Engine
+from roads_to_rome.core.llm_calls import Deferral
 from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams
-from roads_to_rome.core.verification import Deferral
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, EntropyPolicy, RandomPolicy
 

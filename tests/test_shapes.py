@@ -181,7 +181,7 @@ def test_step_costs_are_measured_with_the_rows_asked(slm):
 
 def test_the_llm_that_agrees_at_a_rate_keeps_every_deferred_token_at_rate_one_on_torch(slm, llm, tokenizer):
     """What the grouped runs put in place of a real pair's agreement, over torch's logits (inference tensors)."""
-    from roads_to_rome.core.verification import Deferral
+    from roads_to_rome.core.llm_calls import Deferral
 
     engine = Engine(slm, shapes.AgreesAtRate(llm, 1.0), tokenizer, RandomPolicy(0.3, seed=0),
                     defer=Deferral("continue", 1.0, 4))

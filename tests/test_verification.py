@@ -2,19 +2,14 @@
 becomes final, and what a rejection takes back from a row's record. The rules in action, on every backend, are
 in test_verify.py (verification) and test_defer.py (deferred routing)."""
 
+import pytest
 import torch
 
+from roads_to_rome.core.llm_calls import Deferral, llm_due
 from roads_to_rome.core.request import Generation, Request, Sequence
 from roads_to_rome.core.sampling import SamplingParams
-from roads_to_rome.core.verification import (
-    Checks,
-    Deferral,
-    Rejection,
-    check_routed,
-    llm_due,
-    settle,
-    take_back,
-)
+from roads_to_rome.core.verification import Checks, Rejection, RowRead, check_routed, first_rejection, settle, take_back
+from roads_to_rome.errors import R2RError
 
 
 def sequence(tokens: int, routed: list[int] = (), verify="off", max_unverified=None, max_new_tokens=100) -> Sequence:
@@ -57,16 +52,40 @@ def test_the_grouping_rule():
 
 def test_what_becomes_final_and_what_a_rejection_takes_back():
     s = sequence(6, routed=[3, 5])
-    assert [t for t, _, _ in settle(s, llm_ran=False, finished=False)] == [0, 1, 2]  # up to the first waiting
-    assert settle(s, llm_ran=False, finished=False) == []
-    score = take_back(s, 3, Rejection(column=10, token=99, routed=True))  # tokens 3, 4, 5 go
+    assert [t for t, _, _ in settle(s, finished=False)] == [0, 1, 2]  # up to the first waiting
+    assert settle(s, finished=False) == []
+    score = take_back(s, Rejection(index=3, token=99, routed=True))  # tokens 3, 4, 5 go
     assert s.generation.token_ids == [0, 1, 2] and s.checks.routed == [] and score == 0.0
+    assert s.checks.checked == 4  # the LLM's token goes in at 3: everything up to it is checked
     g = s.generation
     assert (g.deferred_replaced, g.deferred_discarded, g.rollbacks, g.discarded) == (1, 4, 0, 0)
-    take_back(s, 1, Rejection(column=10, token=99, routed=False))
+    take_back(s, Rejection(index=2, token=99, routed=False))
     assert (g.rollbacks, g.discarded) == (1, 2)
     v = sequence(4, verify=1.0)
-    assert settle(v, llm_ran=False, finished=False) == [] and len(settle(v, llm_ran=True, finished=False)) == 4
+    assert settle(v, finished=False) == [] and v.checks.pending(v)
+    v.checks.through(1)  # a read that checked outputs 0 and 1 (overlap: a call that answered part of the row)
+    assert [t for t, _, _ in settle(v, finished=False)] == [0, 1] and v.checks.pending(v)
+    v.checks.through(3)
+    assert [t for t, _, _ in settle(v, finished=False)] == [2, 3] and not v.checks.pending(v)
+
+
+def test_a_read_checks_from_the_first_unchecked_token_and_merges_with_a_later_one():
+    v = sequence(5, verify="strict")
+    v.checks.checked = 2
+    logits = torch.full((4, 8), -10.0)
+    for k, token in enumerate([2, 3, 0, 5]):  # predicts outputs 2..5; output 4 is 4, the LLM says 0
+        logits[k, token] = 0.0
+    read = RowRead(logits, first=2, reach=5)
+    assert first_rejection(v, read, last=5, proposal=5, park=False, full_logits=True) == Rejection(4, 0, False)
+    assert first_rejection(v, read, last=3, proposal=5, park=False, full_logits=True) is None  # stops at `last`
+    with pytest.raises(R2RError, match="cannot check output 2"):  # a read that starts too late is a bug, said
+        first_rejection(v, RowRead(logits[1:], first=3, reach=5), last=5, proposal=5, park=False, full_logits=True)
+    early, later = RowRead(logits[:2], 2, 3), RowRead(torch.zeros(3, 8), 3, 5)  # overlapping: the later wins
+    merged = early.merged(later)
+    assert (merged.first, merged.reach) == (2, 5) and torch.equal(merged.at(2), logits[0])
+    assert torch.equal(merged.at(3), torch.zeros(8))
+    with pytest.raises(R2RError, match="leave out"):
+        early.merged(RowRead(torch.zeros(1, 8), 5, 5))
 
 
 def test_a_deferred_routed_token_is_the_llms_choice():

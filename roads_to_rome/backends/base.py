@@ -68,6 +68,10 @@ class Backend(Protocol):
     grouping routed rows into one LLM call pays (`--defer auto`): on CUDA, and torch's bf16 matrix kernels on a CPU
     with AMX; not llama.cpp's CPU kernels, nor a CPU without AMX, whose reads cost about their columns."""
 
+    remote: bool
+    """Whether the model runs elsewhere (a server): its calls wait on a network, not on this machine's cores, so they
+    run beside the SLM's steps by default (`--overlap auto`)."""
+
     @property
     def device(self) -> torch.device:
         """Where the tensors the backend returns live (and where it wants its inputs)."""
@@ -135,6 +139,8 @@ class Backend(Protocol):
 class LocalBackend:
     """What every backend whose model runs in this process shares: it always answers, decodes token by token, and
     reads columns at once (its `forward`, outputs dropped)."""
+
+    remote = False
 
     def health(self) -> None:
         return None

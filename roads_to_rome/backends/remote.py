@@ -233,6 +233,7 @@ class Client:
 
 
 class RemoteBackend:
+    remote = True
     device = torch.device("cpu")
     kv_capacity = None  # the server manages its own memory
     max_rows = None  # rows beyond the server's slots wait there

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from roads_to_rome.core.verification import Deferral
+from roads_to_rome.core.llm_calls import Deferral
 
 
 def cost_at(ms: dict[int, float], k: float) -> float:

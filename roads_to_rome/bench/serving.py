@@ -16,7 +16,7 @@ import openai
 
 from roads_to_rome.bench.measure import kernels
 from roads_to_rome.core.engine import DEFAULT_VERIFY, Counters
-from roads_to_rome.core.verification import Deferral
+from roads_to_rome.core.llm_calls import Deferral
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
 from roads_to_rome.models import load_pair, systems
 from roads_to_rome.models.loading import choose_policy

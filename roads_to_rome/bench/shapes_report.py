@@ -13,7 +13,7 @@ from roads_to_rome.bench.cost_model import (
     tokens_per_round,
 )
 from roads_to_rome.bench.shape_models import SHAPES
-from roads_to_rome.core.verification import Deferral
+from roads_to_rome.core.llm_calls import Deferral
 from roads_to_rome.plots import pyplot
 
 

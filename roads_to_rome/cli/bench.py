@@ -151,7 +151,7 @@ def bench_serve(
     require_extra("serve", "`r2r bench serve`")
     require_extra("eval", "`r2r bench serve`")
     from roads_to_rome.bench.serving import serving
-    from roads_to_rome.core.verification import DEFER_MODES, Deferral
+    from roads_to_rome.core.llm_calls import DEFER_MODES, Deferral
     from roads_to_rome.models.loading import pick_dtype
 
     counts = whole_numbers(clients, "--clients")
@@ -264,8 +264,8 @@ def bench_shapes(
     require_extra("eval", "`r2r bench shapes`")
     from roads_to_rome.bench import shape_models, shapes_report
     from roads_to_rome.bench import shapes as bench_shapes_module
+    from roads_to_rome.core.llm_calls import Deferral
     from roads_to_rome.core.sampling import parse_verify
-    from roads_to_rome.core.verification import Deferral
 
     chosen = shape_models.parse_shapes(llm_shape)
     shares = shape_models.parse_shares(llm_share)

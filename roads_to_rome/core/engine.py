@@ -31,17 +31,17 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import torch
 
 from roads_to_rome.backends.base import Backend
 from roads_to_rome.core import verification
+from roads_to_rome.core.llm_calls import Deferral, LLMCalls, PendingRead, llm_due
 from roads_to_rome.core.request import Generation, Request, Sequence, Step, Timings
 from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify, sample, sampling_probs
-from roads_to_rome.core.verification import Deferral
-from roads_to_rome.errors import R2RError
+from roads_to_rome.errors import LLMUnavailable, R2RError
 from roads_to_rome.routing import rate
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 
@@ -65,10 +65,12 @@ class Engine:
     writes every token itself, for label responses, judges and the single-model baselines."""
 
     def __init__(self, slm: Backend | None, llm: Backend | None, tokenizer, policy: RoutingPolicy | None = None,
-                 verify: str | float = "off", max_unverified: int | None = None, defer: Deferral | str = "off"):
+                 verify: str | float = "off", max_unverified: int | None = None, defer: Deferral | str = "off",
+                 overlap: bool = False, llm_threads: int | None = None):
         """`verify`, `max_unverified`: the defaults of requests that do not set their own (see `Batch._catch_up`).
         `defer`: whether a routed row's LLM token may wait for an LLM call grouped with other rows' (a mode, or a
-        `Deferral` with its grouping rule; core/verification.py)."""
+        `Deferral` with its grouping rule; core/llm_calls.py). `overlap`: whether the LLM's calls run beside the
+        SLM's steps, on a thread of their own (with `llm_threads` torch threads there, on a CPU)."""
         if slm is None and llm is None:
             raise R2RError("an engine needs at least one model")
         self.slm, self.llm, self.tokenizer = slm, llm, tokenizer
@@ -93,14 +95,21 @@ class Engine:
         if self.verify != "off":
             self._check_verifiable(self.verify)
         self.deferral = defer if isinstance(defer, Deferral) else Deferral(defer)
+        self.overlap = bool(overlap) and self.routes
+        if self.overlap:
+            self.deferral = self.deferral.overlapped()
         if self.deferral.on and self.routes and not llm.verifies:
             raise R2RError(f"the LLM {llm.name} cannot return log-probabilities at every caught-up position, which a "
-                           "deferred routed token is checked with: use --defer off with it")
+                           "deferred routed token is checked with: use --defer off and --overlap off with it")
+        # The LLM as the batches drive it: its operations in order, in this thread or (overlap) in one of its own.
+        self.llm_side = LLMCalls(llm, self.overlap, llm_threads) if self.routes else None
         self.counters = Counters()
         # Parameters in billions (SLM, router, LLM) behind each token: a generation's average activated parameters.
         self.params_b = ((slm.num_params if slm else 0) / 1e9, (self.policy.num_params if self.routes else 0) / 1e9,
                          (llm.num_params if llm else 0) / 1e9)
-        self.sync = torch.cuda.synchronize if self.writer.device.type == "cuda" else (lambda: None)
+        # Waits for this thread's stream only: with overlap the LLM's kernels run on a stream of their own.
+        self.sync = (torch.cuda.current_stream(self.writer.device).synchronize if self.writer.device.type == "cuda"
+                     else (lambda: None))
 
     def sequence(self, request: Request, index: int = 0) -> Sequence:
         """The engine's running state for a request, or an error if this engine cannot run it (said before the
@@ -218,6 +227,43 @@ class Cancelled(R2RError):
         super().__init__("the request was cancelled")
 
 
+@dataclass
+class Call:
+    """A catch-up sent to the LLM: its logits once ready, and for which rows (as the batch was when it was sent:
+    rows may leave or join before it answers). Row j's last logits predict its output index `reach[j]`."""
+
+    pending: PendingRead
+    sequences: list[Sequence]
+    reach: list[int]
+    keep: int  # logits per row: the last `keep` columns read
+
+    def done(self) -> bool:
+        return self.pending.done()
+
+
+@dataclass
+class StepRecord:
+    """What the phases of one decode step hand each other (`Batch.step`), row by row."""
+
+    column: int  # where this step's tokens go
+    proposal: torch.Tensor | None = None  # the writer's token per row
+    proposed: list[int] | None = None  # ... as numbers (a pair's: the LLM's checks read them)
+    slm_logits: torch.Tensor | None = None  # None when the SLM did not run (every row forces the LLM)
+    hidden: torch.Tensor | None = None
+    routed: list[bool] = field(default_factory=list)  # the LLM takes this row's token
+    scores: list[float] = field(default_factory=list)  # the policy's score behind each decision
+    deferred: list[bool] = field(default_factory=list)  # routed, and its token may wait for a grouped call
+    held: list[bool] = field(default_factory=list)  # stands still: the LLM has yet to check where its output ends
+    due: bool = False  # the LLM's rule calls it this step (`llm_due`)
+    reads: list[verification.RowRead | None] | None = None  # the LLM's word on each row this step (None: none)
+    full: bool = False  # the reads reach this step's tokens: routed rows take the LLM's
+    chosen: torch.Tensor | None = None  # the token each row writes
+    sources: list[str] = field(default_factory=list)
+    rejected: dict[int, verification.Rejection] = field(default_factory=dict)  # row -> its first rejected token
+    ended: set[int] = field(default_factory=set)  # rows whose end the LLM has now checked: they leave
+    failed: dict[int, Exception] = field(default_factory=dict)  # rows whose LLM call failed
+
+
 class Scheduler:
     """Which sequences decode, which wait, and when a newcomer's prompt is read: the one loop every client drives.
 
@@ -297,7 +343,7 @@ class Scheduler:
             s.cancelled = True
         self.reading.clear()
         self.joining.clear()
-        self.batch.step()  # drops the cancelled rows (and returns no step: every row is cancelled)
+        self.batch.step()  # drops the cancelled rows (every row is cancelled: nothing else runs)
         return [self._leave(s, Failure(s, error)) for s in cut]
 
     def _read_one_chunk(self) -> list[Failure]:
@@ -333,15 +379,12 @@ class Scheduler:
         if not before:
             return events
         try:
-            steps = self.batch.step()
+            stepped = self.batch.step()
         except Exception as e:  # a step runs every row at once: fail the sequences in it, start a fresh batch
             failed, self.batch = self.batch, Batch(self.engine)
             failed.release()
             return events + [self._leave(s, Failure(s, e)) for s in before]
-        events += [self._leave(step.sequence, step) if step.finished else step for step in steps]
-        # Cancelled sequences left the batch at this step without a last Step.
-        stepped = {id(step.sequence) for step in steps}
-        return events + [self._leave(s, Failure(s, Cancelled())) for s in before if id(s) not in stepped]
+        return events + [self._leave(e.sequence, e) if isinstance(e, Failure) or e.finished else e for e in stepped]
 
     def _leave(self, sequence: Sequence, event: Step | Failure) -> Step | Failure:
         self.kv_in_use -= sequence.request.kv_tokens
@@ -358,7 +401,7 @@ class PromptRead:
     the batch."""
 
     def __init__(self, engine: Engine, prompt_ids: tuple[int, ...]):
-        self.models = [engine.writer] + ([engine.llm] if engine.routes else [])  # in `Batch._caches` order
+        self.models = [engine.writer] + ([engine.llm_side] if engine.routes else [])  # in `Batch._caches` order
         self.caches = [m.new_cache() for m in self.models]
         self.ids = torch.tensor([prompt_ids], device=engine.writer.device)
         self.goal = len(prompt_ids) - 1
@@ -396,11 +439,12 @@ class Batch:
         self._ids = self._mask = None
         self._width = 0
         self.writer_cache, self.llm_cache = self._new_caches()
+        self.call: Call | None = None  # (overlap) the LLM's catch-up in flight
 
     def _new_caches(self):
         """The writer's cache, and the LLM's when a pair routes to it (None when a model runs alone)."""
         engine = self.engine
-        return engine.writer.new_cache(), engine.llm.new_cache() if engine.routes else None
+        return engine.writer.new_cache(), engine.llm_side.new_cache() if engine.routes else None
 
     def add(self, sequences: list[Sequence], prefill: PromptRead | None = None) -> None:
         """Sequences join the batch: left-padded to its width, read up to where each cache is. A sequence may
@@ -478,7 +522,7 @@ class Batch:
         """(backend, cache) for each model this batch runs."""
         yield self.engine.writer, self.writer_cache
         if self.llm_cache is not None:
-            yield self.engine.llm, self.llm_cache
+            yield self.engine.llm_side, self.llm_cache
 
     def release(self) -> None:
         """Let go of every row now. A dropped batch gives back what its caches hold (llama.cpp: one of a fixed
@@ -486,7 +530,7 @@ class Batch:
         puts that off until the garbage collector runs: the next requests would find no sequence free."""
         for backend, cache in self._caches():
             backend.select_rows(cache, NO_ROWS)
-        self.sequences = []
+        self.sequences, self.call = [], None
         self._set(None, None)
 
     def _pad_left(self, n: int) -> None:
@@ -494,166 +538,250 @@ class Batch:
         for backend, cache in self._caches():
             backend.pad_left(cache, n)
 
-    def step(self) -> list[Step]:
-        """One decode step for every sequence: what it added to each."""
+    def step(self) -> list[Step | Failure]:
+        """One decode step for every sequence: what it added to each (`Step`), and the sequences that left without
+        a last step (`Failure`: cancelled, or the LLM call their tokens waited for failed)."""
+        cancelled = [s for s in self.sequences if s.cancelled]
         self._keep([i for i, s in enumerate(self.sequences) if not s.cancelled])
+        left = [Failure(s, Cancelled()) for s in cancelled]
         if not self.sequences:
-            return []
-        column = self.ids.shape[1]  # where this step's tokens go
+            return left
+        step = StepRecord(self.ids.shape[1])
         t0 = time.perf_counter()
-        proposal, logits, hidden = self._propose()
+        self._propose(step)
         t1 = time.perf_counter()
-        routed, scores = self._route(logits, hidden, proposal)
+        self._route(step)
         t2 = time.perf_counter()
-        # The proposal as numbers, for the LLM's checks (one model alone checks nothing: no GPU sync for it here).
-        deferred, proposed = self._deferred(routed), proposal.tolist() if self.engine.routes else None
-        llm_logits, read_from = self._catch_up(column, proposed, routed, deferred)
-        chosen, sources, rejected = self._verify(column, proposal, proposed, routed, deferred, logits, llm_logits,
-                                                 read_from)
+        self._catch_up(step)
+        self._verify(step)
         t3 = time.perf_counter()
-        return self._emit(column, chosen, sources, scores, rejected, llm_logits is not None, (t0, t1, t2, t3))
+        events = self._emit(step, (t0, t1, t2, t3))
+        self._send_call(step)
+        return left + events
 
-    def _propose(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def _propose(self, step: StepRecord) -> None:
         """1. The writer (the SLM of a pair) reads the columns it has not read yet and proposes a token per row:
         (proposal, its logits, its last hidden state). When every row forces the LLM, the SLM has nothing to
         propose and does not run (it reads these columns later if a request ever needs it), so "LLM alone"
         through a pair costs the LLM alone."""
         engine, sequences = self.engine, self.sequences
         if engine.routes and all(s.force == "llm" for s in sequences):
-            return self.ids[:, -1].clone(), None, None  # a placeholder: every row takes the LLM's token
+            step.proposal = self.ids[:, -1].clone()  # a placeholder: every row takes the LLM's token
+            return
         logits, hidden = engine.writer.forward(self.writer_cache, self.ids[:, self.writer_cache.length :], self.mask)
-        proposal = sample_rows(logits, sequences)
+        step.proposal, step.slm_logits, step.hidden = sample_rows(logits, sequences), logits, hidden
         for i, s in enumerate(sequences):
             if s.verify == "strict" and s.params.temperature > 0:  # the ratio test needs what the SLM drew from
                 s.checks.draft_probs[len(s.generation.token_ids)] = sampling_probs(logits[i : i + 1], s.params)[0]
         engine.sync()
-        return proposal, logits, hidden
 
-    def _route(self, logits, hidden, proposal) -> tuple[list[bool], list[float]]:
-        """2. The policy decides which rows the LLM takes (a request may force one model): (routed, scores)."""
+    def _route(self, step: StepRecord) -> None:
+        """2. The policy decides which rows the LLM takes (a request may force one model), and which of those may
+        wait for a grouped call (--defer; every routed row with --overlap), not forced onto the LLM (a request that
+        asks for the LLM alone gets it at once)."""
         engine, n = self.engine, len(self.sequences)
-        if logits is None:  # the SLM is idle: every row is the LLM's
-            return [True] * n, [0.0] * n
-        if not engine.routes:  # one model alone writes every token
-            return [False] * n, [0.0] * n
-        to_llm, scores = engine.policy.route(logits, hidden, proposal, self._thresholds())
-        routed = [s.force == "llm" if s.force else bool(x) for s, x in zip(self.sequences, to_llm.tolist())]
-        return routed, scores.tolist()
+        if step.slm_logits is None:  # the SLM is idle: every row is the LLM's
+            step.routed, step.scores = [True] * n, [0.0] * n
+        elif not engine.routes:  # one model alone writes every token
+            step.routed, step.scores = [False] * n, [0.0] * n
+        else:
+            to_llm, scores = engine.policy.route(step.slm_logits, step.hidden, step.proposal, self._thresholds())
+            step.routed = [s.force == "llm" if s.force else bool(x) for s, x in zip(self.sequences, to_llm.tolist())]
+            step.scores = scores.tolist()
+        step.held = [False] * n
+        on = engine.deferral.on
+        step.deferred = [on and r and s.force is None for s, r in zip(self.sequences, step.routed)]
+        # The proposal as numbers, for the LLM's checks (one model alone checks nothing: no GPU sync for it here).
+        step.proposed = step.proposal.tolist() if engine.routes else None
 
-    def _deferred(self, routed: list[bool]) -> list[bool]:
-        """The routed rows whose LLM token may wait for a later, grouped LLM call (--defer): routed by the policy,
-        not forced onto the LLM (a request that asks for the LLM alone gets it at once)."""
-        on = self.engine.deferral.on
-        return [on and r and s.force is None for s, r in zip(self.sequences, routed)]
-
-    def _catch_up(self, column: int, proposed: list[int] | None, routed: list[bool], deferred: list[bool]
-                  ) -> tuple[torch.Tensor | None, int]:
-        """3. The LLM catches up on every column since it last ran, when `verification.llm_due` says so: a row is
-        routed and may not wait, enough rows wait (or one waited long enough), a row must be checked. Returns its
-        logits [rows, n, V] at the last n columns it read (n: as far back as a row's unchecked tokens go; 1 when
-        none), or None when it did not run; and the column it read from."""
+    def _catch_up(self, step: StepRecord) -> None:
+        """3. The LLM's word on the rows: a call sent at an earlier step, once it has answered (overlap: taken at the
+        first step after it is ready, or waited for when a row needs the LLM's token now), and a read of every
+        column since the LLM last read, when it is needed now (`llm_due` without overlap; a request forcing the LLM
+        with it). `step.reads[i]`: the LLM's logits over row i's unchecked tokens (None: nothing for it this step)."""
         engine, sequences = self.engine, self.sequences
         if not engine.routes:
-            return None, 0
-        read_from = self.llm_cache.length
+            return
+        column, read_from = step.column, self.llm_cache.length
         unread = [verification.unread_tokens(s, column, read_from) for s in sequences]
+        step.due = llm_due(sequences, step.routed, step.deferred, unread, lambda i: self._would_end(step, i),
+                           engine.deferral)
+        now = any(r and not d for r, d in zip(step.routed, step.deferred)) or (step.due and not engine.overlap)
+        # A row stands still while the call in flight decides where its output ends, or while it has written
+        # max_unverified tokens beyond what the LLM was asked to read.
+        step.held = [s.checks.ends is not None or (self.call is not None and s.verify != "off" and
+                                                   s.max_unverified is not None and unread[i] > s.max_unverified)
+                     for i, s in enumerate(sequences)]
+        landed = None
+        if self.call is not None and (now or self.call.done() or all(step.held)):
+            call, self.call = self.call, None
+            landed = self._answers(call, step)
+        if now:
+            fresh = self._answers(self._send(column), step)
+            if landed is not None:
+                fresh = [f if old is None or f is None else old.merged(f) for old, f in zip(landed, fresh)]
+            landed, step.full = fresh, True
+        step.reads = landed
 
-        def ends(i: int) -> bool:
-            return self._ends(sequences[i], sequences[i].generation.token_ids, proposed[i]) is not None
+    def _answers(self, call: Call, step: StepRecord) -> list[verification.RowRead | None]:
+        """A call's logits, one `RowRead` per row of the batch now (None for a row that joined after it was sent).
+        If the LLM's server cannot be reached, the rows whose tokens wait for the LLM fail (`step.failed`); the
+        others go on without its word (they need none)."""
+        try:
+            logits = call.pending.result()
+        except LLMUnavailable as e:
+            for i, s in enumerate(self.sequences):
+                if s.checks.pending(s) or s.checks.ends or step.routed[i]:
+                    step.failed.setdefault(i, e)
+            return [None] * len(self.sequences)
+        rows = {id(s): j for j, s in enumerate(call.sequences)}
+        reads = []
+        for s in self.sequences:
+            j = rows.get(id(s))
+            reads.append(None if j is None else verification.RowRead(
+                logits[j], call.reach[j] - call.keep + 1, call.reach[j]))
+        return reads
 
-        if not verification.llm_due(sequences, routed, deferred, unread, ends, engine.deferral):
-            return None, read_from
-        # Logits at the caught-up columns that predict unchecked generated tokens (the prompt's need no check; a row
-        # that does not verify needs them from its first waiting routed position on); the last also serves routing.
-        checked = max(verification.logits_needed(s, n) for s, n in zip(sequences, unread))
-        if checked > 1:
-            llm_logits = engine.llm.forward_all(self.llm_cache, self.ids[:, read_from:], self.mask, checked)
-        else:
-            llm_logits = engine.llm.forward(self.llm_cache, self.ids[:, read_from:], self.mask)[0][:, None]
-        engine.sync()
-        return llm_logits, read_from
-
-    def _verify(self, column: int, proposal: torch.Tensor, proposed: list[int] | None, routed: list[bool],
-                deferred: list[bool], slm_logits: torch.Tensor | None, llm_logits: torch.Tensor | None, read_from: int
-                ) -> tuple[torch.Tensor, list[str], dict[int, verification.Rejection]]:
-        """4. The LLM's word on each row: its unchecked tokens in order (the first rejected one sends the row back
-        there), then the routed rows' tokens. Without an LLM call, deferred rows keep the SLM's token, to be
-        checked at the next. Returns (chosen tokens, their sources, rejected rows: row -> first rejection)."""
+    def _send(self, column: int) -> Call:
+        """Ask the LLM to read every column since it last did, up to `column` (not included): its last logits predict
+        what sits at `column`. Returns at once with overlap (a worker reads), after the read without."""
         engine, sequences = self.engine, self.sequences
-        chosen, sources = proposal.clone(), ["llm" if r else engine.writer_source for r in routed]
-        if llm_logits is None:
-            for i, s in enumerate(sequences):
-                if deferred[i]:
-                    verification.defer(s, len(s.generation.token_ids), slm_logits[i])
-            return chosen, sources, {}
-        park, full = engine.deferral.mode == "park", engine.llm.full_logits
-        logits_from = column - llm_logits.shape[1]
-        rejected = {}
-        engine.counters.llm_calls += 1
-        for i, s in enumerate(sequences):
-            engine.counters.routed_rows += routed[i] or bool(s.checks.routed)
-            if verification.waits(s):
-                found = verification.first_rejection(s, llm_logits[i], logits_from, column, proposed[i], routed[i],
-                                                     read_from, park, full)
-                if found:
-                    rejected[i] = found
-                    continue
-            if routed[i]:
-                chosen[i] = sample_rows(llm_logits[i : i + 1, -1], sequences[i : i + 1])[0]
-        return chosen, sources, rejected
+        read_from, width = self.llm_cache.length, self.ids.shape[1]
+        # Row i's output index at `column`: the furthest token the read can check.
+        reach = [column - width + len(s.generation.token_ids) for s in sequences]
+        keep = min(column - read_from, max(verification.logits_needed(s, r) for s, r in zip(sequences, reach)))
+        pending = engine.llm_side.catch_up(self.llm_cache, self.ids[:, read_from:column], self.mask[:, :column], keep)
+        return Call(pending, list(sequences), reach, keep)
 
-    def _emit(self, column: int, chosen: torch.Tensor, sources: list[str], scores: list[float],
-              rejected: dict[int, verification.Rejection], llm_ran: bool, times: tuple[float, ...]) -> list[Step]:
+    def _send_call(self, step: StepRecord) -> None:
+        """(overlap) After the step, the next call, to run beside the SLM's next steps: when one is due and none is in
+        flight. It reads every column but the newest (the LLM's cache stays short of the batch's width, as a joining
+        row's reads expect), so it checks every token written so far."""
+        if not (self.engine.overlap and step.due and self.call is None and self.sequences):
+            return
+        column = self.ids.shape[1] - 1
+        if column > self.llm_cache.length and any(s.checks.pending(s) or s.checks.ends for s in self.sequences):
+            self.call = self._send(column)
+
+    def _verify(self, step: StepRecord) -> None:
+        """4. The LLM's word on each row it read: its unchecked tokens in order (the first rejected one sends the
+        row back there), then, where the read reaches this step's token, the routed rows' tokens. A row whose
+        output ended on an unchecked token ends once they are checked; until then it stands still. Without the
+        LLM's word deferred rows keep the SLM's token, to be checked at a later call."""
+        engine, sequences = self.engine, self.sequences
+        step.chosen = step.proposal.clone()
+        step.sources = ["llm" if r else engine.writer_source for r in step.routed]
+        reads = step.reads or [None] * len(sequences)
+        park, full_logits = engine.deferral.mode == "park", engine.routes and engine.llm.full_logits
+        if step.reads is not None:
+            engine.counters.llm_calls += 1
+        for i, s in enumerate(sequences):
+            read, routed_now = reads[i], step.routed[i] and step.full and not step.held[i]
+            if i in step.failed:
+                continue
+            count = len(s.generation.token_ids)
+            if read is not None:
+                engine.counters.routed_rows += routed_now or bool(s.checks.routed)
+                # This step's token is checked only where the read reaches it and the row writes one.
+                last = min(read.reach, count - 1 if step.held[i] or routed_now else count)
+                found = verification.first_rejection(s, read, last, step.proposed[i], park, full_logits)
+                if found:
+                    step.rejected[i] = found
+                    step.held[i] = False
+                    continue
+                s.checks.through(count if routed_now else last)  # a token routed now is the LLM's own
+                if s.checks.ends is not None and not s.checks.pending(s):
+                    step.ended.add(i)
+                    continue
+            if step.held[i]:
+                continue
+            if routed_now:
+                step.chosen[i] = sample_rows(read.at(read.reach)[None], sequences[i : i + 1])[0]
+            elif step.deferred[i]:
+                verification.defer(s, count, None if step.slm_logits is None else step.slm_logits[i])
+
+    def _emit(self, step: StepRecord, times: tuple[float, ...]) -> list[Step | Failure]:
         """5. Rows whose check rejected a token go back to it (their later tokens are discarded and the LLM's
-        token goes in its place); then the new column is appended, each row's token recorded, and finished rows
-        leave the batch."""
-        dropped = self._roll_back(rejected, column, chosen, sources, scores) if rejected else {}
-        self._append_column(chosen)
+        token goes in its place); rows that stand still stay where they are; then the new column is appended, each
+        row's token recorded, and finished rows leave the batch. A row whose output ends on a token the LLM has
+        yet to check stays, standing still, until it has."""
+        dropped = self._roll_back(step)
+        self._append_column(step.chosen)
         t0, t1, t2, t3 = times
         now = time.perf_counter()
-        steps, keep = [], []
+        events, keep = [], []
         self.engine.counters.steps += 1
-        for i, (s, token, source, score) in enumerate(zip(self.sequences, chosen.tolist(), sources, scores)):
+        llm_ran = step.reads is not None
+        for i, (s, token, source, score) in enumerate(zip(self.sequences, step.chosen.tolist(), step.sources,
+                                                          step.scores)):
             gen = s.generation
-            self._count_time(gen.timings, t1 - t0, t2 - t1, t3 - t2, now - t0, llm_ran)
+            self._count_time(gen.timings, t1 - t0, t2 - t1, t3 - t2, now - t0, llm_ran and step.reads[i] is not None)
+            if i in step.failed:
+                events.append(Failure(s, step.failed[i]))
+                continue
+            if i in step.ended:
+                gen.finish_reason, s.checks.ends = s.checks.ends, None
+                gen.text = self._final_text(s)
+                events.append(Step(s, gen.token_ids[-1], gen.sources[-1], gen.scores[-1], True, 0,
+                                   verification.settle(s, True)))
+                continue
+            gen.elapsed_s = now - s.started
+            if step.held[i]:
+                keep.append(i)
+                continue
             gen.token_ids.append(token)
             gen.sources.append(source)
             gen.scores.append(float(score))
-            gen.elapsed_s = now - s.started
-            finished = self._finished(s)
-            if finished:
+            reason = self._ends(s, gen.token_ids)
+            if reason and s.checks.pending(s):  # the LLM checks its tokens first: the row waits for that
+                s.checks.ends, reason = reason, None
+            if reason:
+                gen.finish_reason = reason
                 gen.text = self._final_text(s)
             else:
                 keep.append(i)
-            final = verification.settle(s, llm_ran, finished)
-            steps.append(Step(s, token, source, float(score), finished, dropped.get(i, 0), final))
+            events.append(Step(s, token, source, float(score), reason is not None, dropped.get(i, 0),
+                               verification.settle(s, reason is not None)))
         self._keep(keep)
-        return steps
+        return events
 
-    def _roll_back(self, rejected: dict[int, verification.Rejection], column: int, chosen: torch.Tensor,
-                   sources: list, scores: list) -> dict[int, int]:
-        """Put each rejecting row back to its rejected column, the LLM's token there; returns how many earlier
-        tokens each row dropped.
+    def _would_end(self, step: StepRecord, i: int) -> bool:
+        """Whether row i's output ends with this step's token, or ended on a token the LLM still has to check."""
+        s = self.sequences[i]
+        return s.checks.ends is not None or self._ends(s, s.generation.token_ids, step.proposed[i]) is not None
 
-        Rows roll back by different amounts. Each rolled-back row is moved right by the tokens it drops,
-        with as many padding columns on its left, so every row still ends at `column`: the batch stays
-        rectangular and left-padded, which is all the backends and the rest of this loop assume (masking
-        the dropped columns in place would leave holes in the middle of rows that every backend's
-        positions would have to skip). Both caches have read every column before `column`, so they move
-        the same way (`Backend.shift_rows`)."""
-        shifts = [column - rejected[i].column if i in rejected else 0 for i in range(len(self.sequences))]
-        for backend, cache in self._caches():
-            backend.shift_rows(cache, shifts)
-        ids, mask = torch.full_like(self.ids, self.engine.pad_id), torch.zeros_like(self.mask)
-        for i, d in enumerate(shifts):
-            ids[i, d:], mask[i, d:] = self.ids[i, : column - d], self.mask[i, : column - d]
-        self._set(ids, mask)
-        for i, rejection in rejected.items():
-            score = verification.take_back(self.sequences[i], shifts[i], rejection)
+    def _roll_back(self, step: StepRecord) -> dict[int, int]:
+        """Put each rejecting row back to its rejected token, the LLM's token there, and keep each row that stands
+        still where it is (its last token taken back and written again); returns how many earlier tokens each
+        rejecting row dropped.
+
+        Rows move back by different amounts. Each is moved right by the tokens it drops, with as many padding
+        columns on its left, so every row still ends at this step's column: the batch stays rectangular and
+        left-padded, which is all the backends and the rest of this loop assume (masking the dropped columns in
+        place would leave holes in the middle of rows that every backend's positions would have to skip). Both
+        caches move the same way (`Backend.shift_rows`): the SLM's has read every column before this step's, the
+        LLM's up to some column, and what a row's shift pushes out of it is read again at its next catch-up."""
+        column, sequences = step.column, self.sequences
+        shifts = [0] * len(sequences)
+        for i, rejection in step.rejected.items():
+            shifts[i] = len(sequences[i].generation.token_ids) - rejection.index
+        for i, held in enumerate(step.held):
+            if held and i not in step.ended and i not in step.failed:
+                shifts[i] = 1
+                step.chosen[i] = self.ids[i, column - 1]
+        if any(shifts):
+            for backend, cache in self._caches():
+                backend.shift_rows(cache, shifts)
+            ids, mask = torch.full_like(self.ids, self.engine.pad_id), torch.zeros_like(self.mask)
+            for i, d in enumerate(shifts):
+                ids[i, d:], mask[i, d:] = self.ids[i, : column - d], self.mask[i, : column - d]
+            self._set(ids, mask)
+        for i, rejection in step.rejected.items():
+            score = verification.take_back(sequences[i], rejection)
             if score is not None:
-                scores[i] = score  # the policy's score at the rejected position
-            chosen[i], sources[i] = rejection.token, "llm" if rejection.routed else "fix"
-        return {i: shifts[i] for i in rejected}
+                step.scores[i] = score  # the policy's score at the rejected position
+            step.chosen[i], step.sources[i] = rejection.token, "llm" if rejection.routed else "fix"
+        return {i: shifts[i] for i in step.rejected}
 
     def _count_time(self, t: Timings, writer_s: float, router_s: float, llm_s: float, total_s: float,
                     llm_ran: bool) -> None:
@@ -683,7 +811,7 @@ class Batch:
             return
         self.sequences = [self.sequences[i] for i in rows]
         if not rows:  # drop the caches now: on llama.cpp their cells would shift where the next request's go
-            self._set(None, None)
+            self.release()
             self.writer_cache, self.llm_cache = self._new_caches()
             return
         index = torch.tensor(rows, device=self.ids.device)

@@ -6,7 +6,8 @@ Two kinds of token wait for the LLM's word:
   the LLM checks each at its next catch-up (`check_token`: the tolerance rule, or speculative sampling's test);
 - *deferred routed* tokens: with `--defer continue` or `park` a routed row does not force an LLM call in the step
   that routes it. It keeps the SLM's token for now and the position waits in `Checks.routed`; the LLM decides it at
-  its next call, grouped with the other rows' (`llm_due` says when). At a routed position the LLM's own token is
+  its next call, grouped with the other rows' (`llm_calls.llm_due` says when; with --overlap that call runs
+  beside the SLM's next steps, and every routed row goes on this way). At a routed position the LLM's own token is
   what immediate routing would have written, so `check_routed` keeps the SLM's token only where it is that token
   (under sampling: where speculative sampling's test keeps it, so the token still follows the LLM's distribution);
   `park` takes back every waiting position, as if the row had taken no token while it waited.
@@ -15,14 +16,14 @@ Where a check fails the row goes back to that position with the LLM's token in i
 tensors and caches; `take_back` the row's own record). Under greedy decoding either way gives every row exactly
 the tokens immediate routing gives it.
 
-`Batch` (engine.py) holds the tensors and caches and calls into this module: `llm_due` before a step's catch-up,
-`first_rejection` for each row after it, `take_back` for each rejected row, `settle` when the step's token is in.
+Positions are indices in a row's output, not columns of the batch: a row's columns move (roll-backs, a row that
+stands still while the LLM checks its end), its indices do not. `Batch` (engine.py) holds the tensors and caches and
+calls into this module: `first_rejection` for each row a catch-up read (`RowRead`), `take_back` for each rejected
+row, `settle` when the step's token is in.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -31,123 +32,82 @@ import torch
 from roads_to_rome.core.sampling import sample, sampling_probs, speculative_residual, within_tolerance
 from roads_to_rome.errors import R2RError
 
-DEFER_MODES = ("off", "continue", "park")
-# What the commands and the server defer with when routing: continue where the LLM runs on CUDA, whose call costs
-# nearly the same for many rows as for one; off on a CPU, whose call costs grow with the tokens it reads, so that
-# grouping saves little and the tokens a replaced one throws away cost more (docs/benchmarks.md, "Under load").
-DEFAULT_DEFER = "auto"
-
-
-def resolve_defer(mode: str, llm) -> str:
-    """A deferral mode, `auto` made concrete for this LLM backend (None: no LLM): grouped where its reads of several
-    rows cost little more than one (`Backend.grouped_reads`), else lockstep."""
-    if mode != "auto":
-        return mode
-    return "continue" if llm is not None and llm.grouped_reads else "off"
-
-
-@dataclass(frozen=True)
-class Deferral:
-    """When a routed row's LLM token may wait for a grouped LLM call (`mode` off: it never waits).
-
-    The LLM runs at the first step where `group` of the batch's rows wait (rounded up: a batch of one therefore
-    runs it whenever its row is routed, as without deferral), where a waiting position is `steps` steps old, or
-    where a row must be checked (it would finish, or verification's max_unverified is reached). The defaults are
-    the schedule simulator's best on measured GPU step costs, batch 4 to 32 (docs/benchmarks.md)."""
-
-    mode: str = "off"
-    group: float = 0.6
-    steps: int = 16
-
-    def __post_init__(self):
-        if self.mode not in DEFER_MODES:
-            raise R2RError(f"defer takes {', '.join(DEFER_MODES)}, got {self.mode!r}")
-        if not 0 < self.group <= 1:
-            raise R2RError(f"the deferral group is a share of the batch's rows in (0, 1], got {self.group}")
-        if self.steps < 1:
-            raise R2RError(f"a routed token waits at most 1 step or more, got {self.steps}")
-
-    @classmethod
-    def of(cls, mode: str, group: float | None = None, steps: int | None = None) -> Deferral:
-        """A rule with this mode, and the default settings where none is given."""
-        return cls(mode, cls.group if group is None else group, cls.steps if steps is None else steps)
-
-    def rows(self, batch: int) -> int:
-        """How many of a batch's rows must wait before the LLM runs."""
-        return max(1, math.ceil(self.group * batch - 1e-9))
-
-    @property
-    def on(self) -> bool:
-        return self.mode != "off"
-
 
 @dataclass
 class Checks:
     """One row's outstanding checks (indices are positions in the row's output)."""
 
-    final: int = 0  # tokens that can no longer change
+    final: int = 0  # tokens that can no longer change (shown)
+    checked: int = 0  # the LLM has had its word on every token before this one (a row that does not verify: on
+    # every routed position before it)
     routed: list[int] = field(default_factory=list)  # deferred routed positions, oldest first
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # the SLM's distribution a sampled token
     # was drawn from (strict verification and deferred routing under sampling: the ratio test needs it)
+    ends: str | None = None  # why the output ended on a token the LLM has still to check ("stop" or "length"):
+    # the row stands still until it has (overlap: the call that checks it runs beside the other rows' steps)
 
-    def clear(self) -> None:
-        """The LLM has read every token: nothing is outstanding."""
-        self.routed.clear()
-        self.draft_probs.clear()
+    def pending(self, s) -> bool:
+        """Whether any of the row's written tokens still await the LLM's word."""
+        return bool(self.routed) or (s.verify != "off" and self.checked < len(s.generation.token_ids))
+
+    def through(self, index: int) -> None:
+        """The LLM has had its word on every token up to `index`."""
+        self.checked = max(self.checked, index + 1)
+        self.routed = [k for k in self.routed if k > index]
+        for k in [k for k in self.draft_probs if k <= index]:
+            del self.draft_probs[k]
 
 
 class Rejection(NamedTuple):
     """A row's first rejected token."""
 
-    column: int  # where it is
+    index: int  # where it is in the row's output
     token: int  # the LLM's token in its place
     routed: bool  # whether it was a deferred routed position (else an unverified token)
 
 
+class RowRead(NamedTuple):
+    """The LLM's logits over one row's tokens from one catch-up: `logits[k]` predicts output index `first + k`; the
+    last predicts `reach`, the furthest token this read can check."""
+
+    logits: torch.Tensor  # [n, V]
+    first: int
+    reach: int
+
+    def at(self, index: int) -> torch.Tensor:
+        return self.logits[index - self.first]
+
+    def merged(self, later: RowRead) -> RowRead:
+        """This read followed by a later one of the same row (a call that was in flight, and the columns read since
+        it was sent): where both predict a token, the later's logits."""
+        if later.first > self.reach + 1:
+            raise R2RError(f"internal: two LLM reads leave out outputs {self.reach + 1}..{later.first - 1}")
+        head = self.logits[: max(0, later.first - self.first)]
+        return RowRead(torch.cat([head, later.logits]), min(self.first, later.first), later.reach)
+
+
 def waits(s) -> bool:
-    """Whether any of the row's written tokens await the LLM."""
+    """Whether any of the row's written tokens may await the LLM."""
     return s.verify != "off" or bool(s.checks.routed)
 
 
-def llm_due(sequences: list, routed: list[bool], deferred: list[bool], unread: list[int],
-            ends: Callable[[int], bool], deferral: Deferral) -> bool:
-    """Whether the LLM runs this step. `routed`: rows the policy (or a request) gives the LLM now; `deferred`: those
-    of them whose token may wait; `unread[i]`: row i's generated tokens the LLM has not read, this step's
-    included; `ends(i)`: whether row i's output would end with this step's token."""
-    if any(r and not d for r, d in zip(routed, deferred)):
-        return True
-    waiting = [bool(s.checks.routed) or d for s, d in zip(sequences, deferred)]
-    for i, s in enumerate(sequences):
-        if s.verify != "off" and s.max_unverified is not None and unread[i] >= s.max_unverified:
-            return True
-        if (s.verify != "off" or waiting[i]) and ends(i):  # a row is returned only once all of it is checked
-            return True
-    if not any(waiting):
-        return False
-    if sum(waiting) >= deferral.rows(len(sequences)):
-        return True
-    oldest = max((len(s.generation.token_ids) - s.checks.routed[0] for s in sequences if s.checks.routed), default=0)
-    return oldest >= deferral.steps
-
-
-def first_rejection(s, logits: torch.Tensor, logits_from: int, column: int, proposal: int, routed_now: bool,
-                    read_from: int, park: bool, full_logits: bool) -> Rejection | None:
-    """Check a row's tokens the LLM had not read (columns after `read_from`, up to this step's `column`) in order
-    against its logits (`logits[k]`: at column logits_from + k, predicting the next column): verifying rows every
-    such token, other rows their deferred routed positions only. The first rejected one, or None."""
+def first_rejection(s, read: RowRead, last: int, proposal: int, park: bool, full_logits: bool) -> Rejection | None:
+    """Check a row's tokens the LLM has not had its word on yet, up to output index `last` (this step's token,
+    `proposal`, when `last` is its index), in order against `read`: a verifying row every such token, other rows
+    their deferred routed positions only. The first rejected one, or None."""
     gen, routed = s.generation, set(s.checks.routed)
-    first_generated = column - len(gen.token_ids)  # the row's generated tokens fill columns first_generated..
-    last = column - 1 if routed_now else column  # a token routed now is the LLM's own: nothing to check
-    for c in range(max(read_from + 1, first_generated), last + 1):
-        index = c - first_generated  # the token's index in the output
+    start = s.checks.checked
+    if s.verify != "off" and start < read.first and start <= last:
+        raise R2RError(f"internal: an LLM read from output {read.first} cannot check output {start}")
+    for index in range(max(start, read.first), last + 1):
         if index not in routed and s.verify == "off":
             continue
-        token = gen.token_ids[index] if c < column else proposal
-        at = logits[c - 1 - logits_from]
+        token = gen.token_ids[index] if index < len(gen.token_ids) else proposal
+        at = read.at(index)
         replacement = (check_routed(s, token, at, index, park, full_logits) if index in routed
                        else check_token(s, token, at, index))
         if replacement is not None:
-            return Rejection(c, replacement, index in routed)
+            return Rejection(index, replacement, index in routed)
         if index in routed:
             gen.deferred_kept += 1
     return None
@@ -187,17 +147,20 @@ def _speculative(s, token: int, logits: torch.Tensor, index: int) -> int | None:
     return None if residual is None else int(torch.multinomial(residual, 1, generator=s.generator))
 
 
-def take_back(s, dropped: int, rejection: Rejection) -> float | None:
-    """The row's record after a rejection: the `dropped` tokens from the rejected one on leave its output (the
-    LLM's token goes in their place as this step's token). Returns the policy's score at the rejected position
-    (None when the rejected token is this step's own)."""
+def take_back(s, rejection: Rejection) -> float | None:
+    """The row's record after a rejection: its tokens from the rejected one on leave its output (the LLM's token
+    goes in their place as this step's token, and every token before it is checked). Returns the policy's score at
+    the rejected position (None when the rejected token is this step's own)."""
     gen, checks = s.generation, s.checks
-    keep = len(gen.token_ids) - dropped
+    keep = rejection.index
+    dropped = len(gen.token_ids) - keep
     score = gen.scores[keep] if dropped else None
     del gen.token_ids[keep:], gen.sources[keep:], gen.scores[keep:]
     for index in [k for k in checks.draft_probs if k >= keep]:
         del checks.draft_probs[index]
     checks.routed = [k for k in checks.routed if k < keep]
+    checks.through(keep)  # the LLM's own token goes in there
+    checks.ends = None
     if rejection.routed:
         gen.deferred_replaced += 1
         gen.deferred_discarded += dropped + 1  # this step's own token was written too
@@ -215,33 +178,35 @@ def defer(s, index: int, logits: torch.Tensor | None) -> None:
         s.checks.draft_probs[index] = sampling_probs(logits[None], s.params)[0]
 
 
-def settle(s, llm_ran: bool, finished: bool) -> list[tuple[int, str, float]]:
+def settle(s, finished: bool) -> list[tuple[int, str, float]]:
     """After a step's token is in: the (token, source, score) of the row's tokens that became final, in order.
-    Everything is final once the LLM has read it (or the row is done, which the LLM checks first); until then a
-    verifying row's tokens wait, and a row with deferred routed positions shows what precedes the first."""
+    A token is final once the LLM has had its word on it (or the row is done, which the LLM checks first); until
+    then a verifying row's tokens wait, and a row with deferred routed positions shows what precedes the first."""
     gen, checks = s.generation, s.checks
-    if llm_ran or finished:
-        checks.clear()
+    if finished:
         newly_final = len(gen.token_ids)
     elif s.verify != "off":
-        newly_final = checks.final
+        newly_final = min(checks.checked, len(gen.token_ids))
     else:
         newly_final = checks.routed[0] if checks.routed else len(gen.token_ids)
+    newly_final = max(newly_final, checks.final)
     final = list(zip(gen.token_ids[checks.final : newly_final], gen.sources[checks.final : newly_final],
                      gen.scores[checks.final : newly_final]))
     checks.final = newly_final
     return final
 
 
-def logits_needed(s, unread: int) -> int:
-    """How many of the LLM's last logits a catch-up must return to check row s: one per unread token if it
-    verifies, else from its first waiting routed position on; one (the next token's) when nothing waits."""
+def logits_needed(s, reach: int) -> int:
+    """How many of the LLM's last logits a catch-up whose last logits predict output `reach` must return to check
+    row s: one per token from its first unchecked one if it verifies, else from its first waiting routed position
+    on; one (the next token's) when nothing waits."""
     if s.verify != "off":
-        return unread
-    routed = s.checks.routed
-    return len(s.generation.token_ids) - routed[0] + 1 if routed else 1
+        first = s.checks.checked
+    else:
+        first = s.checks.routed[0] if s.checks.routed else reach
+    return max(1, reach - first + 1)
 
 
 def unread_tokens(s, column: int, read_from: int) -> int:
-    """Row s's generated tokens the LLM has not read, this step's (at `column`) included."""
+    """Row s's generated tokens the LLM has not read (or been asked to), this step's (at `column`) included."""
     return min(column - read_from, len(s.generation.token_ids) + 1)

@@ -18,8 +18,8 @@ from roads_to_rome.backends.llamacpp import LlamaCppBackend, llama_cpp_available
 from roads_to_rome.backends.remote import DEFAULT_LLM_RETRY, RemoteBackend, is_remote
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine, default_verify
+from roads_to_rome.core.llm_calls import DEFAULT_DEFER, Deferral, resolve_defer
 from roads_to_rome.core.sampling import check_max_unverified, parse_verify
-from roads_to_rome.core.verification import DEFAULT_DEFER, Deferral, resolve_defer
 from roads_to_rome.errors import R2RError
 from roads_to_rome.models import systems
 from roads_to_rome.models.packaged import (

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from roads_to_rome.core.engine import Engine
-from roads_to_rome.core.verification import Deferral
+from roads_to_rome.core.llm_calls import Deferral
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing import policies
 from roads_to_rome.routing.policies import RoutingPolicy
