@@ -401,7 +401,7 @@ class RemoteBackend:
             cache.length = length
 
     def shift_rows(self, cache: RemoteCache, shifts: list[int]) -> None:
-        cache.rows = [row[: len(row) - s] if s else row for row, s in zip(cache.rows, shifts)]
+        cache.rows = [row[: max(0, len(row) - s)] if s else row for row, s in zip(cache.rows, shifts)]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         raise R2RError("a remote LLM has no embedding table here: the router reads the SLM's")

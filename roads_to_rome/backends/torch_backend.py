@@ -75,6 +75,7 @@ class TorchCache:
         # In place: a static cache's graphs replay over its buffers.
         for t in self.tensors():
             for row, d in enumerate(shifts):
+                d = min(d, self.length)  # a row moved by its whole length keeps nothing
                 if d:
                     t[row, :, d : self.length] = t[row, :, : self.length - d].clone()
                     t[row, :, :d] = 0

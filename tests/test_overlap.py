@@ -1,0 +1,178 @@
+"""The two models at once (--overlap): the LLM's calls run on a thread of their own while the SLM goes on writing.
+
+On every backend, under greedy decoding, every request gets exactly the tokens it gets with the calls in the step
+(lockstep or grouped), however late the LLM answers: batched, alone, with rows joining and leaving while a call is
+in flight; strict verification is still the LLM's own output; a stream shows only tokens that stay. A stalled LLM
+holds only the rows that wait for it, and a failed one fails only those."""
+
+import threading
+import time
+
+import pytest
+from helpers import llm_greedy_reference, make_checkpoint
+
+from roads_to_rome.core.engine import Engine, Failure, Scheduler
+from roads_to_rome.core.llm_calls import Deferral, resolve_overlap
+from roads_to_rome.core.request import Request
+from roads_to_rome.core.sampling import SamplingParams
+from roads_to_rome.errors import LLMUnavailable, R2RError
+from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
+
+PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain.",
+           "Natalia sold clips to 48 of her friends in April."]
+N_TOKENS = 24
+
+
+class SlowLLM:
+    """A backend whose catch-ups take `delay` seconds longer (a server far away), or wait for `gate` to open, or
+    fail with `LLMUnavailable` once `fail` is set: everything else is the wrapped backend's."""
+
+    def __init__(self, backend, delay: float = 0.0):
+        self.backend, self.delay = backend, delay
+        self.gate, self.fail, self.calls = threading.Event(), False, 0
+        self.gate.set()
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def _wait(self):
+        self.calls += 1
+        self.gate.wait()
+        time.sleep(self.delay)
+        if self.fail:
+            raise LLMUnavailable("the LLM server at http://test is unavailable (stopped)", "http://test")
+
+    def forward(self, *args):
+        self._wait()
+        return self.backend.forward(*args)
+
+    def forward_all(self, *args):
+        self._wait()
+        return self.backend.forward_all(*args)
+
+
+def outputs(gens):
+    return [(g.token_ids, g.sources) for g in gens]
+
+
+def test_overlap_gives_every_row_the_tokens_of_the_calls_in_the_step(kind_pair, tokenizer):
+    slm, llm = kind_pair
+    params = SamplingParams(max_new_tokens=N_TOKENS)
+    policies = {"router": NeuralPolicy(make_checkpoint(slm), slm.embed, threshold=0.5),
+                "entropy": EntropyPolicy(3.0)}
+    in_flight_steps = 0
+    for name, policy in policies.items():
+        for verify in ("off", 1.0, "strict"):
+            for mode in ("off", "continue", "park"):
+                rule = Deferral(mode, group=0.75, steps=4)
+                reference = Engine(slm, llm, tokenizer, policy, verify=verify, defer=rule)
+                prompts = [reference.encode_chat(p) for p in PROMPTS]
+                expected = outputs(reference.generate(prompts, params))
+                for delay in (0.0, 0.01):
+                    slow = SlowLLM(llm, delay)
+                    engine = Engine(slm, slow, tokenizer, policy, verify=verify, defer=rule, overlap=True)
+                    assert engine.overlap
+                    gens = engine.generate(prompts, params)
+                    assert outputs(gens) == expected, (name, verify, mode, delay)
+                    assert outputs([engine.generate([p], params)[0] for p in prompts]) == expected
+                    in_flight_steps += engine.counters.steps - engine.counters.llm_calls
+    assert in_flight_steps > 0
+
+
+def test_rows_join_leave_and_stand_still_while_a_call_is_in_flight(kind_pair, tokenizer):
+    """Requests of different lengths arrive one per turn and their prompts are read in chunks while the LLM is slow:
+    each ends with the tokens it gets alone in lockstep."""
+    slm, llm = kind_pair
+    policy = EntropyPolicy(3.0)
+    reference = Engine(slm, llm, tokenizer, policy, verify=1.0)
+    requests = [Request(reference.encode_chat(p + " " * i), SamplingParams(max_new_tokens=8 + 5 * i))
+                for i, p in enumerate(PROMPTS * 2)]
+    expected = [outputs(reference.run([r]))[0] for r in requests]
+    engine = Engine(slm, SlowLLM(llm, 0.02), tokenizer, policy, verify=1.0, overlap=True)
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=7)
+    got, arrivals, held = {}, list(enumerate(requests)), 0
+    while arrivals or not scheduler.idle:
+        if arrivals:
+            i, request = arrivals.pop(0)
+            scheduler.add(engine.sequence(request, i))
+        before = {id(s): len(s.generation.token_ids) for s in scheduler.batch.sequences}
+        for event in scheduler.turn():
+            assert not isinstance(event, Failure), event.error
+            if event.finished:
+                got[event.sequence.index] = (event.sequence.generation.token_ids, event.sequence.generation.sources)
+        held += sum(len(s.generation.token_ids) == before.get(id(s), -1) for s in scheduler.batch.sequences)
+    assert [got[i] for i in range(len(requests))] == expected
+    assert held > 0  # some row waited, standing still, for the LLM to check where it ends
+
+
+def test_strict_verification_with_overlap_is_the_llms_greedy_output(kind_pair, tokenizer):
+    slm, llm = kind_pair
+    prompts, params, expected = llm_greedy_reference(llm, tokenizer, PROMPTS, N_TOKENS)
+    for n in (2, None):
+        engine = Engine(slm, SlowLLM(llm, 0.01), tokenizer, EntropyPolicy(3.0), verify="strict", max_unverified=n,
+                        overlap=True)
+        assert [g.token_ids for g in engine.generate(prompts, params)] == expected, n
+    spec = Engine(slm, SlowLLM(llm, 0.01), tokenizer, EntropyPolicy(1e9), verify="strict", max_unverified=4,
+                  overlap=True)  # the SLM alone drafts: speculative decoding, the next drafts written while it checks
+    assert [g.token_ids for g in spec.generate(prompts, params)] == expected
+
+
+def test_a_stream_with_overlap_shows_only_tokens_that_stay(kind_pair, tokenizer):
+    slm, llm = kind_pair
+    engine = Engine(slm, SlowLLM(llm, 0.01), tokenizer, EntropyPolicy(3.0), overlap=True)
+    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    results, shown = [], {i: [] for i in range(len(prompts))}
+    for steps in engine.stream(prompts, SamplingParams(max_new_tokens=N_TOKENS), results):
+        for step in steps:
+            shown[step.sequence.index] += [token for token, _, _ in step.final]
+    assert sum(g.deferred_replaced for g in results) > 0
+    for i, gen in enumerate(results):
+        assert shown[i] == gen.token_ids
+
+
+def test_a_stalled_llm_holds_only_the_rows_that_wait_for_it_and_a_failed_one_fails_only_them(slm, llm, tokenizer):
+    slow = SlowLLM(llm)
+    engine = Engine(slm, slow, tokenizer, EntropyPolicy(0.5), verify=1.0, overlap=True)
+    alone = Engine.alone(slm, tokenizer, "slm")
+    prompt = engine.encode_chat("What is 48 / 2?")
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    slm_only = alone.generate([prompt], params)[0].token_ids
+    for failing in (False, True):
+        slow.gate.clear()  # the LLM stops answering
+        scheduler = Scheduler(engine)
+        routed = engine.sequence(Request(prompt, params), 0)
+        own = engine.sequence(Request(prompt, params, force="slm"), 1)
+        scheduler.add(routed)
+        scheduler.add(own)
+        events = []
+        while not any(e.sequence is own and e.finished for e in events):
+            events += scheduler.turn()
+        assert own.generation.token_ids == slm_only  # written to the end while the LLM said nothing
+        assert routed in scheduler.batch.sequences and slow.calls >= 1  # ... while the routed row waits
+        slow.fail = failing
+        slow.gate.set()
+        while not scheduler.idle:
+            events += scheduler.turn()
+        failures = [e for e in events if isinstance(e, Failure)]
+        if failing:
+            assert [f.sequence for f in failures] == [routed] and isinstance(failures[0].error, LLMUnavailable)
+        else:
+            assert not failures and routed.generation.finish_reason == "length"
+            lockstep = Engine(slm, llm, tokenizer, EntropyPolicy(0.5), verify=1.0)
+            assert routed.generation.token_ids == lockstep.generate([prompt], params)[0].token_ids
+        slow.fail = False
+
+
+def test_where_overlap_is_on_by_default(slm, llm):
+    from types import SimpleNamespace
+
+    import torch
+
+    here = torch.device("cpu")
+    remote = SimpleNamespace(remote=True, device=here)
+    assert resolve_overlap("auto", slm, remote) and not resolve_overlap("auto", slm, llm)
+    assert resolve_overlap("auto", slm, SimpleNamespace(remote=False, device=torch.device("cuda", 1)))
+    assert resolve_overlap("on", slm, llm) and not resolve_overlap("off", slm, remote)
+    assert not resolve_overlap("on", slm, None)  # one model: nothing to overlap
+    with pytest.raises(R2RError, match="overlap takes off, on, auto"):
+        resolve_overlap("sometimes", slm, llm)
