@@ -127,6 +127,23 @@ def test_shift_rows_moves_a_row_right_as_if_it_had_fewer_tokens(backend, kind, t
     assert close(logits[1], backend.forward_sequence(rows[1] + [7])[0][-1], kind)
 
 
+def test_a_row_shifted_by_its_whole_length_keeps_nothing_and_reads_again(backend, kind, tokenizer):
+    """A row that stands still while the LLM is away is shifted once per step, past what the cache holds: the cache
+    keeps nothing of it, and reading its columns again from the start gives its logits."""
+    rows = token_rows(tokenizer)
+    cache, ids, mask = prefilled(backend, rows, tokenizer)
+    width = ids.shape[1]
+    backend.shift_rows(cache, [width + 5, 0, 0])
+    assert cache.length == width
+    # The batch's row 0 is now all padding up to the cache's length; its tokens come again after it (the other rows
+    # read the same tokens after theirs: only row 0 is checked).
+    more = torch.tensor([rows[0]] * ids.shape[0], device=backend.device)
+    mask0 = torch.cat([mask, torch.ones_like(more)], dim=1)
+    mask0[0, :width] = 0
+    logits = backend.forward_all(cache, more, mask0)
+    assert close(logits[0, -1], backend.forward_sequence(rows[0])[0][-1], kind)
+
+
 def test_forward_sequence_from_a_start_position(backend, kind, tokenizer):
     row = token_rows(tokenizer)[2]
     logits, hidden = backend.forward_sequence(row)

@@ -183,3 +183,88 @@ def test_a_remote_llm_that_dies_stalls_and_comes_back(llm_files, slm, tokenizer)
             assert {p: chat(url, p, stream=False) for p in REMOTE_PROMPTS} == reference
         assert health.slowest < 3.0, f"/health took {health.slowest:.1f} s to answer"
         assert {s["status"] for s in health.statuses} == {"ok", "degraded"}
+
+
+class SlowSLM:
+    """The tiny SLM at the pace of a real one (`delay` seconds a step), never ending an answer by itself, so that a
+    stream runs for seconds."""
+
+    def __init__(self, backend, delay: float, eos_ids: set[int]):
+        self.backend, self.delay, self.never = backend, delay, sorted(eos_ids)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def forward(self, *args):
+        time.sleep(self.delay)
+        logits, hidden = self.backend.forward(*args)
+        logits = logits.clone()  # the backend's is an inference tensor
+        logits[:, self.never] = -1e4
+        return logits, hidden
+
+
+def stream_times(url: str, prompt: str, policy: str | None, max_tokens: int, out: dict) -> None:
+    """A stream's outcome and when each of its chunks came, into `out`."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, **({"r2r_policy": policy} if policy else {})}
+    out["times"], out["error"] = [], None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                out["error"] = chunk.get("error", out["error"])
+                out["times"].append(time.monotonic())
+    out["ended"] = time.monotonic()
+
+
+@NEEDS_LLAMA_SERVER
+def test_with_overlap_a_stalled_llm_holds_only_the_rows_that_wait_for_it(llm_files, slm, tokenizer):
+    """The LLM's server stopped (SIGSTOP) for 20 s while an SLM-only stream and a routed one run (short: it has written
+    all it may by the time the LLM is back, and waits for its word): the SLM-only
+    stream's chunks keep coming (no gap over 3 s), /health says degraded within 10 s, and both finish right after
+    SIGCONT. Killed for good instead: the routed request ends with the LLM-away error, the SLM-only one finishes."""
+    with LlamaServer(llm_files["gguf"], slots=4) as llm_server:
+        llm = remote(llm_server.url, tokenizer, slm, retry=30.0, timeout=TIMEOUT)
+        # about 8% of the tiny SLM's tokens routed
+        never = slm.eos_ids | {tokenizer.eos_token_id}
+        engine = Engine(SlowSLM(slm, 0.08, never), llm, tokenizer, EntropyPolicy(3.7), verify="off", overlap=True)
+        app = create_app(engine, "tiny", Limits(max_batch=4, max_tokens=300, context_length=512))
+        with BackgroundServer(app) as r2r:
+            url = r2r.url
+
+            def run_both():
+                outs = ({}, {})
+                threads = [threading.Thread(target=stream_times, args=(url, LONG[0], policy, tokens, out))
+                           for policy, tokens, out in zip((None, "slm"), (40, 300), outs)]
+                for t in threads:
+                    t.start()
+                while not all(out.get("times") for out in outs):
+                    time.sleep(0.05)
+                return threads, outs
+
+            threads, (routed, own) = run_both()
+            stopped = time.monotonic()
+            signal_group(llm_server, signal.SIGSTOP)
+            degraded_at = None
+            while time.monotonic() - stopped < 20:
+                if degraded_at is None and httpx.get(url + "/health").json()["status"] == "degraded":
+                    degraded_at = time.monotonic()
+                time.sleep(0.2)
+            signal_group(llm_server, signal.SIGCONT)
+            resumed = time.monotonic()
+            for t in threads:
+                t.join(CLIENT_TIMEOUT)
+            during = [t for t in own["times"] if stopped <= t <= min(resumed, own["ended"])]
+            gaps = [b - a for a, b in zip([stopped] + during, during + [min(resumed, own["ended"])])]
+            assert len(during) > 10 and max(gaps) <= 3.0, (f"the SLM-only stream stalled {max(gaps):.1f} s", own, stopped)
+            assert degraded_at is not None and degraded_at - stopped <= 10.0
+            assert routed["error"] is None and own["error"] is None
+            assert routed["ended"] - resumed < 10.0, "the routed stream did not finish right after SIGCONT"
+
+            threads, (routed, own) = run_both()
+            llm_server.stop()  # for good
+            for t in threads:
+                t.join(CLIENT_TIMEOUT)
+            assert routed["error"] is not None and routed["error"]["code"] == "llm_unavailable"
+            assert own["error"] is None and len(own["times"]) > 10

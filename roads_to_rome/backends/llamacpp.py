@@ -101,7 +101,8 @@ class LlamaCppBackend(LocalBackend):
         params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
         params.n_seq_max = max_rows
-        params.n_threads = params.n_threads_batch = n_threads or os.cpu_count() or 1
+        # The cores this process may use (`taskset` pins it to fewer than the machine has).
+        params.n_threads = params.n_threads_batch = n_threads or len(os.sched_getaffinity(0)) or 1
         params.embeddings = True
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
         # One KV pool shared by all rows: any row may grow to n_ctx, as long as the batch fits in it.

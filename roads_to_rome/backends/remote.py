@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
@@ -32,6 +33,12 @@ from roads_to_rome.errors import LLMUnavailable, R2RError, RemoteError
 # is better told at once (503 with Retry-After) than held that long.
 DEFAULT_LLM_RETRY = 30.0
 RETRYABLE_STATUS = (500, 502, 503, 504)  # a server restarting, overloaded or behind a proxy that lost it
+# A call unanswered this long (or calls failing this long) marks the server stalled in /health, well before the retry
+# budget is spent; longer than one catch-up takes on a loaded CPU server.
+STALLED_AFTER_S = 5.0
+# The most tokens one request of a catch-up asks the server to write: where the row's tokens leave the server's way
+# early, the rest of a longer request is thrown away (a row that waited long for the LLM has many unread tokens).
+GREEDY_SPAN = 32
 FLOOR = -1e9  # the logit of tokens outside the server's top log-probabilities: finite, so no NaN downstream
 PROBE = "Roads to Rome: 12 × 7 = 84, naïve café ☕ — ok?\n<|im_end|>"  # digits, accents, an emoji, a special
 
@@ -168,6 +175,18 @@ class Client:
         self.http = httpx.Client(base_url=self.url, timeout=timeout, limits=httpx.Limits(max_connections=64))
         self.down_since: float | None = None
         self.last_probe = 0.0
+        # Calls waiting for an answer (their start times) and since when calls have kept failing: what tells a
+        # stalled or failing server before the retry budget is spent (`waiting_for`).
+        self.waiting: dict[int, float] = {}
+        self.failing_since: float | None = None
+        self.lock = threading.Lock()
+
+    def waiting_for(self) -> float:
+        """Seconds the oldest call still waiting has waited, or calls have kept failing: 0 while answers come."""
+        now = time.monotonic()
+        with self.lock:
+            oldest = min(self.waiting.values(), default=now)
+        return max(now - oldest, now - self.failing_since if self.failing_since is not None else 0.0)
 
     def get(self, path: str) -> dict:
         return self._call("GET", path, None)
@@ -196,8 +215,10 @@ class Client:
         if not self.reachable():  # known to be away: the probe says when it is back, no call waits out the budget
             raise LLMUnavailable(f"the LLM server at {self.url} is unavailable (down for "
                                  f"{time.monotonic() - self.down_since:.0f} s)", self.url)
-        start, attempt = time.monotonic(), 0
+        start, attempt, key = time.monotonic(), 0, object()
         while True:
+            with self.lock:
+                self.waiting[id(key)] = time.monotonic()
             try:
                 response = self.http.request(method, path, json=body)
                 if response.status_code not in RETRYABLE_STATUS:
@@ -207,6 +228,11 @@ class Client:
                 why = f"no answer to {method} {path} within {self.http.timeout.read:.0f} s"
             except httpx.TransportError as e:  # refused, reset, closed mid-answer: whatever the socket says
                 why = f"{type(e).__name__}: {e}"
+            finally:
+                with self.lock:
+                    self.waiting.pop(id(key), None)
+            with self.lock:
+                self.failing_since = self.failing_since or time.monotonic()
             pause = min(0.25 * 2**attempt, 4.0)
             if time.monotonic() - start + pause > self.retry:
                 if self.down_since is None:
@@ -215,7 +241,7 @@ class Client:
                                      f"{time.monotonic() - start:.0f} s (--llm-retry {self.retry:g})", self.url)
             time.sleep(pause)
             attempt += 1
-        self.down_since = None
+        self.down_since = self.failing_since = None
         if response.status_code != 200:
             try:
                 message = response.json()["error"]["message"]
@@ -276,10 +302,17 @@ class RemoteBackend:
         self._check_tokenizer(tokenizer)
 
     def health(self) -> dict | None:
-        """None while the server is up; else what a health check reports of it (the server's `/health`)."""
-        if self.client.reachable():
-            return None
-        return {"url": self.client.url, "down_for_s": round(time.monotonic() - (self.client.down_since or 0), 1)}
+        """None while the server answers; else what a health check reports of it (the server's `/health`):
+        `unavailable` once a call has spent its retry budget (requests that need the LLM are refused until a probe
+        gets through), `stalled` while a call has waited, or calls have kept failing, for `STALLED_AFTER_S`."""
+        client = self.client
+        if not client.reachable():
+            return {"status": "unavailable", "url": client.url,
+                    "down_for_s": round(time.monotonic() - (client.down_since or 0), 1)}
+        waited = client.waiting_for()
+        if waited >= STALLED_AFTER_S:
+            return {"status": "stalled", "url": client.url, "waiting_for_s": round(waited, 1)}
+        return None
 
     def _detect(self) -> str:
         owners = {m.get("owned_by") for m in self.client.get("/v1/models").get("data", [])}
@@ -334,7 +367,7 @@ class RemoteBackend:
             first = len(row) - keep  # the row position of the first kept column (negative: padding)
             position, tops = max(first, 0), []
             while position < len(row):
-                for token, top in self._greedy(row[: position + 1], len(row) - position):
+                for token, top in self._greedy(row[: position + 1], min(len(row) - position, GREEDY_SPAN)):
                     tops.append((position - first, top))
                     position += 1
                     if position == len(row) or token != row[position]:

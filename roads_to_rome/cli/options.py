@@ -86,3 +86,12 @@ MaxUnverified = Annotated[int | None, typer.Option("--max-unverified", help="Wit
                                                    "and check once this many tokens are unread by the LLM "
                                                    "(default: no limit). --router slm --verify strict "
                                                    "--max-unverified k is speculative decoding.")]
+Overlap = Annotated[str | None, typer.Option("--overlap", help="Whether the LLM's calls run beside the SLM's steps "
+                                             "(the SLM keeps writing while the LLM reads; what the LLM then rejects "
+                                             "is rolled back): on, off, or auto, the default: on where the LLM runs "
+                                             "elsewhere (--llm http://..., another device), off where both share "
+                                             "this machine's cores. Greedy output is the same either way.",
+                                             show_default=False)]
+Threads = Annotated[str | None, typer.Option("--threads", help="CPU threads: a number for both models, or per role "
+                                             "like slm=1,llm=1 (each model on its own cores with --overlap on). "
+                                             "Default: the cores this process may use.", show_default=False)]

@@ -607,11 +607,7 @@ class Batch:
         step.due = llm_due(sequences, step.routed, step.deferred, unread, lambda i: self._would_end(step, i),
                            engine.deferral)
         now = any(r and not d for r, d in zip(step.routed, step.deferred)) or (step.due and not engine.overlap)
-        # A row stands still while the call in flight decides where its output ends, or while it has written
-        # max_unverified tokens beyond what the LLM was asked to read.
-        step.held = [s.checks.ends is not None or (self.call is not None and s.verify != "off" and
-                                                   s.max_unverified is not None and unread[i] > s.max_unverified)
-                     for i, s in enumerate(sequences)]
+        step.held = [self._stands_still(s, unread[i]) for i, s in enumerate(sequences)]
         landed = None
         if self.call is not None and (now or self.call.done() or all(step.held)):
             call, self.call = self.call, None
@@ -622,6 +618,19 @@ class Batch:
                 fresh = [f if old is None or f is None else old.merged(f) for old, f in zip(landed, fresh)]
             landed, step.full = fresh, True
         step.reads = landed
+
+    def _stands_still(self, s: Sequence, unread: int) -> bool:
+        """Whether a row waits, writing nothing, for the call in flight: its output ended on a token the LLM has to
+        check; or it has written max_unverified tokens beyond what the LLM was asked to read, or gone on `steps`
+        (the deferral rule's) past a routed token the LLM has to decide: what a roll-back may throw away, and what a
+        stalled LLM's server lets it write, stays bounded."""
+        if s.checks.ends is not None:
+            return True
+        if self.call is None:
+            return False
+        if s.verify != "off" and s.max_unverified is not None and unread > s.max_unverified:
+            return True
+        return bool(s.checks.routed) and len(s.generation.token_ids) - s.checks.routed[0] >= self.engine.deferral.steps
 
     def _answers(self, call: Call, step: StepRecord) -> list[verification.RowRead | None]:
         """A call's logits, one `RowRead` per row of the batch now (None for a row that joined after it was sent).

@@ -106,7 +106,7 @@ class Deferral:
     def overlapped(self) -> Deferral:
         """The rule with the LLM's calls beside the SLM's steps: a routed row always goes on (its token is checked
         when the call returns), and lockstep's rule becomes a call as soon as one row waits."""
-        return self if self.on else Deferral("continue", group=1e-9, steps=1)
+        return self if self.on else Deferral("continue", group=1e-9)
 
 
 def llm_due(sequences: list, routed: list[bool], deferred: list[bool], unread: list[int],

@@ -18,7 +18,7 @@ from roads_to_rome.backends.llamacpp import LlamaCppBackend, llama_cpp_available
 from roads_to_rome.backends.remote import DEFAULT_LLM_RETRY, RemoteBackend, is_remote
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine, default_verify
-from roads_to_rome.core.llm_calls import DEFAULT_DEFER, Deferral, resolve_defer
+from roads_to_rome.core.llm_calls import DEFAULT_DEFER, Deferral, parse_overlap, resolve_defer, resolve_overlap
 from roads_to_rome.core.sampling import check_max_unverified, parse_verify
 from roads_to_rome.errors import R2RError
 from roads_to_rome.models import systems
@@ -163,13 +163,15 @@ ROLES = {"slm": DEFAULT_SLM, "llm": DEFAULT_LLM}
 
 
 def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
-               llama: dict | None = None, vocab_size: int | None = None, compile: bool | None = None):
+               llama: dict | None = None, vocab_size: int | None = None, compile: bool | None = None,
+               threads: int | None = None):
     """One model on its backend: `spec` (None: the default pair's model for `role`, "slm" or "llm").
 
     Returns (backend, tokenizer). The backend returns logits over the tokenizer's ids only (`vocab_size` of them
     when given: another model's, whose tokenizer this one shares but for padding rows). `llama`: sizes for a
     llama.cpp context (`n_ctx`: the KV pool its rows share; `max_rows`). `compile`: on CUDA, whether torch's graphs
-    record the trunk compiled (default: the SLM's do, the LLM's do not)."""
+    record the trunk compiled (default: the SLM's do, the LLM's do not). `threads`: llama.cpp's CPU threads for this
+    model (torch's are the process's, or the LLM worker's: `Engine`)."""
     import torch
 
     dtype = pick_dtype(dtype, device)
@@ -178,7 +180,8 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
         name = auto_backend(spec, device)
     default, label = ROLES[role], role.upper()
     if name == "llamacpp":
-        return _load_llamacpp(spec, default, label, llama or {}, vocab_size)
+        return _load_llamacpp(spec, default, label, {**(llama or {}), **({"n_threads": threads} if threads else {})},
+                              vocab_size)
     model, tokenizer = _load_one(resolve(spec, default), label, pick_device(device), getattr(torch, dtype))
     # On CUDA the SLM's graphs record its trunk compiled: its step is bound by kernel launches, and it compiles in
     # seconds. The LLM's step is bound mostly by its weights, and a large one takes minutes to compile
@@ -188,19 +191,28 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
 
 
 def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True,
-              dtype: str = "auto", backend: str = "auto", llama: dict | None = None, llm_retry: float | None = None):
+              dtype: str = "auto", backend: str = "auto", llama: dict | None = None, llm_retry: float | None = None,
+              threads: dict[str, int] | None = None):
     """Load the SLM and (if `need_llm`) the LLM, each on its backend; refuse pairs whose tokenizers differ.
     `llm_retry`: for an LLM on a server, seconds a failing call is retried (None: `DEFAULT_LLM_RETRY`).
 
+    `threads`: CPU threads per role ("slm", "llm"); the SLM's also set torch's for this process.
+
     Returns (slm_backend, llm_backend or None, tokenizer)."""
-    slm_backend, tokenizer = load_model(slm, "slm", device, dtype, backend, llama)
+    import torch
+
+    threads = threads or {}
+    if threads.get("slm"):
+        torch.set_num_threads(threads["slm"])
+    slm_backend, tokenizer = load_model(slm, "slm", device, dtype, backend, llama, threads=threads.get("slm"))
     if not need_llm:
         return slm_backend, None, tokenizer
     if is_remote(llm):  # an LLM on a serving engine: it must share the SLM's tokenizer (checked on connecting)
         retry = DEFAULT_LLM_RETRY if llm_retry is None else llm_retry
         return slm_backend, RemoteBackend(llm, tokenizer, slm_backend.eos_ids, vocab_size=slm_backend.vocab_size,
                                           retry=retry), tokenizer
-    llm_backend, llm_tokenizer = load_model(llm, "llm", device, dtype, backend, llama, slm_backend.vocab_size)
+    llm_backend, llm_tokenizer = load_model(llm, "llm", device, dtype, backend, llama, slm_backend.vocab_size,
+                                            threads=threads.get("llm"))
     if not same_tokenizer(tokenizer, llm_tokenizer):
         raise R2RError(
             f"the SLM and LLM tokenizers differ ({len(tokenizer)} vs {len(llm_tokenizer)} tokens): "
@@ -230,7 +242,8 @@ def choose_policy(kind: str | None, router_path: Path | None, slm_spec: str | No
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What `load_engine` builds: the pair and where it runs, how it routes, how routed tokens are verified."""
+    """What `load_engine` builds: the pair and where it runs, how it routes, how routed tokens are verified, and how
+    the LLM's calls are grouped and run. `verify`, `defer` and `overlap` are checked and parsed here, once."""
 
     slm: str | None = None  # a model spec (None: the default pair's SLM)
     llm: str | None = None  # a model spec or a server's address (None: the default pair's LLM)
@@ -246,8 +259,34 @@ class EngineConfig:
     defer: str | None = None  # off, continue, park or auto (None: `DEFAULT_DEFER` when routing, off for one model)
     defer_group: float | None = None  # None: the grouping rule's default (`Deferral`)
     defer_steps: int | None = None
+    overlap: str | bool | None = None  # off, on or auto (None: `DEFAULT_OVERLAP`): the LLM's calls beside the SLM
+    threads: str | int | None = None  # CPU threads: a number for both models, or per role: slm=1,llm=1
     llama: dict | None = None  # a llama.cpp context's sizes: n_ctx (the KV pool its rows share), max_rows
     llm_retry: float | None = None  # an LLM on a server: seconds a failing call is retried (None: the default)
+
+    def __post_init__(self):
+        if self.verify is not None:
+            object.__setattr__(self, "verify", parse_verify(self.verify))
+        object.__setattr__(self, "max_unverified", check_max_unverified(self.max_unverified))
+        if self.defer is not None and self.defer != "auto":
+            Deferral(self.defer)  # says which modes there are
+        object.__setattr__(self, "overlap", parse_overlap(self.overlap))
+        object.__setattr__(self, "threads", parse_threads(self.threads))
+
+
+def parse_threads(spec: str | int | dict | None) -> dict[str, int]:
+    """--threads: a number for both models, or per role (`slm=1,llm=1`); {} for each backend's own choice."""
+    if spec is None or isinstance(spec, dict):
+        return dict(spec or {})
+    roles = {}
+    for part in str(spec).split(","):
+        role, _, value = part.strip().rpartition("=")
+        targets = [role] if role else ["slm", "llm"]
+        if not value.isdigit() or int(value) < 1 or any(t not in ("slm", "llm") for t in targets):
+            raise R2RError(f"bad --threads {spec!r}: a number of threads for both models, or per role like "
+                           "slm=1,llm=1")
+        roles.update(dict.fromkeys(targets, int(value)))
+    return roles
 
 
 def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
@@ -256,15 +295,15 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
     config = dataclasses.replace(config or EngineConfig(), **fields)
     kind, router_path = choose_policy(config.policy, config.router_path, config.slm)
     verify = config.verify if config.verify is not None else default_verify(kind not in ("slm", "llm"))
-    verify, max_unverified = parse_verify(verify), check_max_unverified(config.max_unverified)  # before the load
     mode, rule = grouping_rule(config, kind)
     slm_b, llm_b, tokenizer = load_pair(config.slm, config.llm, config.device,
                                         need_llm=kind != "slm" or verify != "off",
                                         dtype=config.dtype, backend=config.backend, llama=config.llama,
-                                        llm_retry=config.llm_retry)
+                                        llm_retry=config.llm_retry, threads=config.threads)
     deferral = dataclasses.replace(rule, mode=resolve_defer(mode, llm_b))
+    overlap = resolve_overlap(config.overlap if kind not in ("slm", "llm") else "off", slm_b, llm_b)
     return systems.routed(slm_b, llm_b, tokenizer, kind, config.threshold, router_path, config.seed, verify,
-                          max_unverified, deferral)
+                          config.max_unverified, deferral, overlap, config.threads.get("llm"))
 
 
 def grouping_rule(config: EngineConfig, kind: str) -> tuple[str, Deferral]:

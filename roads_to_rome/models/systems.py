@@ -84,12 +84,13 @@ class System:
 
 def routed(slm, llm, tokenizer, policy: str | RoutingPolicy, threshold: float | None = None,
            router_path: Path | None = None, seed: int | None = None, verify: str | float = "off",
-           max_unverified: int | None = None, defer: Deferral | str = "off") -> Engine:
+           max_unverified: int | None = None, defer: Deferral | str = "off", overlap: bool = False,
+           llm_threads: int | None = None) -> Engine:
     """The pair with a routing policy: by name (`policies.build`: router, entropy, random, slm, llm, at `threshold`,
     None: its own) or one already made. Without an LLM (the slm policy unverified), the SLM alone."""
     if not isinstance(policy, RoutingPolicy):
         policy = policies.build(policy, slm, threshold, router_path, seed)
-    return Engine(slm, llm, tokenizer, policy, verify, max_unverified, defer)
+    return Engine(slm, llm, tokenizer, policy, verify, max_unverified, defer, overlap, llm_threads)
 
 
 def alone(model, tokenizer, role: str) -> Engine:

@@ -484,11 +484,12 @@ async def llm_health(s: ServerState) -> dict | None:
 
 @routes.get("/health")
 async def health(http: HTTPRequest):
-    """`ok`, or `degraded` while a remote LLM is away (requests that need it get 503; SLM-only ones still run)."""
+    """`ok`, or `degraded` while a remote LLM is away or stalled (requests that need it wait, or get 503 once it is
+    unavailable; SLM-only ones still run)."""
     s = server(http)
     away = await llm_health(s)
     return {"status": "degraded" if away else "ok", "model": s.model_name, **s.engine_thread.load(),
-            **({"llm": {"status": "unavailable", **away}} if away else {})}
+            **({"llm": away} if away else {})}
 
 
 @routes.get("/metrics", include_in_schema=False)
@@ -506,7 +507,7 @@ async def list_models(http: HTTPRequest):
         "r2r": {"slm": engine.slm.name if engine.slm else None, "llm": engine.llm.name if engine.llm else None,
                 "policy": engine.policy.name, "threshold": engine.policy.threshold, "verify": engine.verify,
                 "max_unverified": engine.max_unverified, "defer": engine.deferral.mode,
-                "defer_group": engine.deferral.group, "defer_steps": engine.deferral.steps,
+                "defer_group": engine.deferral.group, "defer_steps": engine.deferral.steps, "overlap": engine.overlap,
                 "max_batch": s.limits.max_batch,
                 "max_tokens": s.limits.max_tokens,
                 "reasoning_parser": s.reasoning.name if s.reasoning else None},
@@ -591,7 +592,7 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], s: ServerState) -> Se
 
 async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompt_ids: list[int], chat: bool):
     sequence = make_sequence(body, prompt_ids, s)
-    if body.r2r_policy != "slm" and await llm_health(s):
+    if body.r2r_policy != "slm" and ((await llm_health(s)) or {}).get("status") == "unavailable":
         s.engine_thread.metrics.refused()
         raise llm_away()
     job = Job(sequence, asyncio.get_running_loop())
