@@ -119,17 +119,22 @@ def test_llm_tokens_are_marked_when_output_is_not_a_terminal(run_cli, pair):
 
 
 def test_serving_benchmark_runs(run_cli, pair, tmp_path):
+    systems = ["r2r", "r2r+defer=continue", "r2r+overlap", "llm", "spec+k=2"]
     code, out, err = run_cli("bench", "serve", "--clients", "1,2", "--requests", "2", "--tokens", "4",
-                             "--defer", "off,continue", "--out", tmp_path / "s.json", *pair)
+                             "--systems", ",".join(systems), "--out", tmp_path / "s.json", *pair)
     assert code == 0, err
     result = json.loads((tmp_path / "s.json").read_text())
-    assert set(result["runs"]) == {"off x1", "off x2", "continue x1", "continue x2"} and result["baseline"] == "off"
+    assert set(result["runs"]) == {f"{s} x{n}" for s in systems for n in (1, 2)} and result["baseline"] == "r2r"
     for run in result["runs"].values():
         assert run["tokens"] > 0 and 0 < run["p50_s"] <= run["p95_s"] and run["llm_calls"] >= 0
-        base = result["runs"][f"off x{run['clients']}"]
+        base = result["runs"][f"r2r x{run['clients']}"]
         assert run["x_throughput"] == pytest.approx(run["tokens_per_s"] / base["tokens_per_s"])
-    code, out, err = run_cli("bench", "serve", "--defer", "off,later", *pair)
-    assert code == 2 and "--defer distinct modes" in err
+    assert result["runs"]["llm x1"]["llm_rate"] == 1.0 and result["runs"]["llm x1"]["llm_calls"] == 0
+    for bad in ("r2r,r2r+defer=later", "r2r+k=2", "vllm", "r2r,r2r"):
+        code, out, err = run_cli("bench", "serve", "--systems", bad, *pair)
+        assert code == 2 and "--systems" in err, bad
+    code, out, err = run_cli("bench", "serve", "--systems", "llm-direct", *pair)  # needs the LLM on a server
+    assert code == 2 and "--llm http://" in err
 
 
 def test_step_cost_benchmark_runs(run_cli, pair, tmp_path):

@@ -206,7 +206,7 @@ class Client:
             self.last_probe = time.monotonic()
             try:
                 if self.http.get("/v1/models", timeout=2.0).status_code == 200:
-                    self.down_since = None
+                    self.down_since = self.failing_since = None
             except httpx.HTTPError:
                 pass
         return self.down_since is None

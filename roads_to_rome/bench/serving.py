@@ -1,22 +1,30 @@
 """The OpenAI-compatible server under load: its own module, so that the other benchmarks need no serving
 dependencies (a GPU box may have torch and transformers and nothing else).
 
-For each deferral mode (lockstep routing first) and each number of clients, that many clients send the same
-GSM8K dev prompts back to back until all are answered: aggregate throughput, each request's latency, and how
-the LLM's calls were grouped. Greedy decoding gives every mode the same tokens, so the modes do the same work."""
+For each system and each number of clients, that many clients send the same GSM8K dev prompts back to back until
+all are answered: aggregate throughput, each request's latency, and how the LLM's calls were grouped. The systems are
+what a serving user would run: R2R with its LLM calls in the step (lockstep, or grouped: +defer=MODE) or beside the
+SLM's steps (+overlap); the LLM alone behind the same server and backends (`llm`), or asked directly on its own
+server (`llm-direct`, with --llm http://...); speculative decoding in this engine (`spec+k=K`: the SLM drafts, the
+LLM checks every K tokens strictly). Greedy decoding gives every R2R system the same tokens, so they do the same
+work."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import numpy as np
 import openai
 
+from roads_to_rome.backends.remote import is_remote
 from roads_to_rome.bench.measure import kernels
-from roads_to_rome.core.engine import DEFAULT_VERIFY, Counters
-from roads_to_rome.core.llm_calls import Deferral
+from roads_to_rome.core.engine import DEFAULT_VERIFY, Counters, Engine
+from roads_to_rome.core.llm_calls import DEFER_MODES, Deferral
+from roads_to_rome.errors import R2RError
 from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
 from roads_to_rome.models import load_pair, systems
 from roads_to_rome.models.loading import choose_policy
@@ -25,63 +33,123 @@ from roads_to_rome.routing import policies
 from roads_to_rome.serving.background import BackgroundServer
 from roads_to_rome.serving.server import Limits, create_app
 
+DEFAULT_SYSTEMS = "r2r,r2r+overlap,llm,spec+k=4"
+
+
+@dataclass(frozen=True)
+class ServedSystem:
+    """One row of `r2r bench serve`, by name: r2r[+overlap][+defer=MODE], llm, llm-direct or spec[+k=K]."""
+
+    name: str
+    kind: str  # r2r, llm, llm-direct, spec
+    overlap: bool = False
+    defer: str = "off"
+    k: int = 4
+
+    @classmethod
+    def parse(cls, name: str) -> ServedSystem:
+        kind, *parts = name.strip().split("+")
+        fields = {}
+        for part in parts:
+            key, _, value = part.partition("=")
+            if kind in ("r2r", "spec") and key == "overlap" and not value:
+                fields["overlap"] = True
+            elif kind == "r2r" and key == "defer" and value in DEFER_MODES:
+                fields["defer"] = value
+            elif kind == "spec" and key == "k" and value.isdigit() and int(value) >= 1:
+                fields["k"] = int(value)
+            else:
+                raise R2RError(f"bad system {name!r} in --systems: use r2r[+overlap][+defer=continue|park], llm, "
+                               "llm-direct or spec[+k=K][+overlap]")
+        if kind not in ("r2r", "llm", "llm-direct", "spec"):
+            raise R2RError(f"unknown system {kind!r} in --systems: use r2r, llm, llm-direct or spec")
+        return cls(name.strip(), kind, **fields)
+
+    @classmethod
+    def check(cls, names: list[str], llm: str | None) -> list[ServedSystem]:
+        """The systems of --systems, checked before anything loads."""
+        chosen = [cls.parse(name) for name in names]
+        if len({s.name for s in chosen}) < len(chosen):
+            raise R2RError(f"--systems names a system twice: {', '.join(names)}")
+        if any(s.kind == "llm-direct" for s in chosen) and not is_remote(llm):
+            raise R2RError("--systems llm-direct asks the LLM's own server: give it with --llm http://...")
+        return chosen
+
+    def engine(self, slm, llm, tokenizer, policy, rule: Deferral) -> Engine | None:
+        """The engine the server runs for this system (None: the LLM's own server answers)."""
+        if self.kind == "llm-direct":
+            return None
+        if self.kind == "llm":
+            return systems.alone(llm, tokenizer, "llm")
+        if self.kind == "spec":
+            return systems.routed(slm, llm, tokenizer, "slm", verify="strict", max_unverified=self.k,
+                                  overlap=self.overlap)
+        return systems.routed(slm, llm, tokenizer, policy, verify=DEFAULT_VERIFY,
+                              defer=dataclasses.replace(rule, mode=self.defer), overlap=self.overlap)
+
 
 def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: list[int], n_tokens: int,
-            requests: int, modes: list[str], rule: Deferral = Deferral(), backend: str = "auto",
-            threshold: float | None = None, rounds: int = 1, progress=QUIET) -> dict:
-    """The server with the pair's default policy (the shipped router for the default pair) and verification: for
-    each of `modes` and each count in `clients`, `requests` GSM8K dev prompts sent by that many clients; `rounds`
-    times over, the modes taking turns (a machine's speed drifts between minutes: alternating spreads the drift
-    over all of them)."""
+            requests: int, names: list[str], rule: Deferral = Deferral(), backend: str = "auto",
+            threshold: float | None = None, rounds: int = 1, progress=QUIET, threads: dict | None = None) -> dict:
+    """The server with the pair's default policy (the shipped router for the default pair) and verification, beside
+    what users would run instead: for each system of `names` (`ServedSystem`) and each count in `clients`,
+    `requests` GSM8K dev prompts sent by that many clients; `rounds` times over, the systems taking turns (a
+    machine's speed drifts between minutes: alternating spreads the drift over all of them)."""
+    chosen = ServedSystem.check(names, llm)
     rows = max(clients)
     slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend,
-                                                    llama={"max_rows": rows, "n_ctx": rows * 4096})
+                                                    llama={"max_rows": rows, "n_ctx": rows * 4096}, threads=threads)
     kind, router_path = choose_policy(None, None, slm)
     policy = policies.build(kind, slm_backend, threshold, router_path)
     prompts = [gsm8k_prompt(item) for item in gsm8k()[:requests]]
-    engines = {mode: systems.routed(slm_backend, llm_backend, tokenizer, policy, verify=DEFAULT_VERIFY,
-                                    defer=dataclasses.replace(rule, mode=mode)) for mode in modes}
-    answered: dict[str, list] = {}  # "mode xN" -> per round: (answers, seconds, what the engine counted)
-    task = progress.add_task("serving", total=rounds * len(modes) * len(clients) * requests)
+    engines = {s.name: s.engine(slm_backend, llm_backend, tokenizer, policy, rule) for s in chosen}
+    answered: dict[str, list] = {}  # "system xN" -> per round: (answers, seconds, what the engine counted)
+    task = progress.add_task("serving", total=rounds * len(chosen) * len(clients) * requests)
     for _ in range(rounds):
-        for mode, engine in engines.items():
-            with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=rows))) as server:
-                client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+        for name, engine in engines.items():
+            with (BackgroundServer(create_app(engine, "r2r", Limits(max_batch=rows))) if engine is not None
+                  else nullcontext(None)) as server:
+                url = server.url if server is not None else llm_backend.client.url
+                model = "r2r" if server is not None else llm_backend.api.model
+                client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
 
                 def ask(prompt):
                     start = time.perf_counter()
-                    out = client.chat.completions.create(model="r2r", temperature=0, max_tokens=n_tokens,
+                    out = client.chat.completions.create(model=model, temperature=0, max_tokens=n_tokens,
                                                          messages=[{"role": "user", "content": prompt}])
                     progress.advance(task)
-                    return out.usage.completion_tokens, out.usage.model_extra["llm_tokens"], \
+                    extra = out.usage.model_extra or {}
+                    return out.usage.completion_tokens, extra.get("llm_tokens", out.usage.completion_tokens), \
                         time.perf_counter() - start
 
                 ask(prompts[0][:50])  # warm-up
                 for count in clients:
-                    before = dataclasses.replace(engine.counters)
+                    before = dataclasses.replace(engine.counters) if engine is not None else Counters()
                     start = time.perf_counter()
                     with concurrent.futures.ThreadPoolExecutor(count) as pool:
                         answers = list(pool.map(ask, prompts))
-                    answered.setdefault(f"{mode} x{count}", []).append(
-                        (answers, time.perf_counter() - start, engine.counters - before))
+                    counted = engine.counters - before if engine is not None else Counters()
+                    answered.setdefault(f"{name} x{count}", []).append(
+                        (answers, time.perf_counter() - start, counted))
     runs = {}
     for key, per_round in answered.items():
-        mode, count = key.split(" x")
+        name, count = key.rsplit(" x", 1)
         counted = sum((r[2] for r in per_round), Counters())
-        runs[key] = {"defer": mode, "clients": int(count),
+        runs[key] = {"system": name, "clients": int(count),
                      **load_figures([a for r in per_round for a in r[0]], sum(r[1] for r in per_round)),
                      "tokens_per_s_rounds": [sum(a[0] for a in r[0]) / r[1] for r in per_round],
                      "llm_calls": counted.llm_calls, "steps": counted.steps,
                      "routed_rows_per_call": counted.routed_rows_per_call}
-    baseline = modes[0]
+    baseline = chosen[0].name
     for run in runs.values():
         base = runs[f"{baseline} x{run['clients']}"]
         run["x_throughput"] = run["tokens_per_s"] / base["tokens_per_s"]
         run["x_p95"] = run["p95_s"] / base["p95_s"]
     return {"clients": clients, "requests": requests, "tokens": n_tokens, "rounds": rounds, "dtype": dtype,
-            "backend": backend, "device": str(slm_backend.device),
+            "backend": backend, "device": str(slm_backend.device), "threads": threads or {},
             "kernels": kernels(slm=slm_backend, llm=llm_backend), "policy": policy.name, "verify": DEFAULT_VERIFY,
-            "defer_group": rule.group, "defer_steps": rule.steps, "baseline": baseline, "runs": runs}
+            "defer_group": rule.group, "defer_steps": rule.steps, "baseline": baseline,
+            "systems": [s.name for s in chosen], "runs": runs}
 
 
 def load_figures(answers: list[tuple[int, int, float]], seconds: float) -> dict:

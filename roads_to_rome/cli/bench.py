@@ -21,6 +21,7 @@ from roads_to_rome.cli.options import (
     MaxUnverified,
     Out,
     Slm,
+    Threads,
     console,
     count,
 )
@@ -136,34 +137,39 @@ def bench_serve(
                                 "each (the server holds as many requests at once as the largest)."),
     requests: int = count(8, "--requests", help="GSM8K dev prompts (items 0..N-1) each run answers."),
     tokens: int = count(128, "--tokens", help="max_tokens per request."),
-    defer: str = typer.Option("off,continue", "--defer", help="Comma-separated deferral modes, one server each, "
-                              "the first the baseline of the ratios (off: lockstep routing)."),
+    systems: str = typer.Option("r2r,r2r+overlap,llm,spec+k=4", "--systems", help="Comma-separated systems, one "
+                                "server each, the first the baseline of the ratios: r2r (the LLM's calls in the step), "
+                                "r2r+overlap (beside the SLM's steps), r2r+defer=continue|park (grouped), llm (the LLM "
+                                "alone behind the same server and backends), llm-direct (the LLM's own server, with "
+                                "--llm http://...), spec+k=K (speculative decoding: the SLM drafts K, the LLM checks; "
+                                "+overlap too)."),
     defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
-    rounds: int = count(1, "--rounds", help="Times over, the modes taking turns (figures pool the rounds; a "
+    rounds: int = count(1, "--rounds", help="Times over, the systems taking turns (figures pool the rounds; a "
                         "machine's speed drifts between minutes)."),
     threshold: float | None = typer.Option(None, "--threshold", help="The routing threshold (default: the "
                                            "policy's own)."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
-    out: Out = None,
+    threads: Threads = None, out: Out = None,
 ):
     """Serving under load through the HTTP server: throughput and per-request latency (p50, p95) at each number of
-    concurrent clients, lockstep routing against deferred (grouped) LLM calls, in one run."""
+    concurrent clients, R2R's ways of calling the LLM beside the LLM alone and speculative decoding, in one run."""
     require_extra("serve", "`r2r bench serve`")
     require_extra("eval", "`r2r bench serve`")
-    from roads_to_rome.bench.serving import serving
-    from roads_to_rome.core.llm_calls import DEFER_MODES, Deferral
-    from roads_to_rome.models.loading import pick_dtype
+    from roads_to_rome.bench.serving import ServedSystem, serving
+    from roads_to_rome.core.llm_calls import Deferral
+    from roads_to_rome.models.loading import parse_threads, pick_dtype
 
     counts = whole_numbers(clients, "--clients")
-    modes = [m.strip() for m in defer.split(",") if m.strip()]
-    if not counts or not modes or set(modes) - set(DEFER_MODES) or len(set(modes)) < len(modes):
-        raise R2RError(f"--clients takes whole numbers and --defer distinct modes of {', '.join(DEFER_MODES)}; got "
-                       f"--clients {clients!r} --defer {defer!r}")
+    names = [m.strip() for m in systems.split(",") if m.strip()]
+    if not counts or not names:
+        raise R2RError(f"--clients takes whole numbers and --systems names; got --clients {clients!r} --systems "
+                       f"{systems!r}")
+    ServedSystem.check(names, llm)
     rule = Deferral.of("off", defer_group, defer_steps)
     dtype = pick_dtype(dtype, device)
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console, transient=True) as progress:
-        result = serving(slm, llm, device, dtype, counts, tokens, requests, modes, rule, backend, threshold, rounds,
-                         progress)
+        result = serving(slm, llm, device, dtype, counts, tokens, requests, names, rule, backend, threshold, rounds,
+                         progress, parse_threads(threads))
     console.print(tables.bench_serve(result))
     save(result, out)
 

@@ -191,15 +191,16 @@ def phases(result: dict, modes: tuple[str, str], setting: str) -> list:
 
 
 def bench_serve(result: dict) -> Table:
-    """`r2r bench serve`: throughput and latency per deferral mode and number of clients, beside the baseline's."""
-    table = Table("defer", "clients", "tokens/s", f"× {result['baseline']}", "p50 s", "p95 s",
+    """`r2r bench serve`: throughput and latency per system and number of clients, beside the baseline's."""
+    table = Table("system", "clients", "tokens/s", f"× {result['baseline']}", "p50 s", "p95 s",
                   f"p95 × {result['baseline']}", "LLM calls", "routed rows / call", "LLM rate",
                   title=f"{result['requests']} requests of up to {result['tokens']} tokens, {result.get('rounds', 1)} "
                         f"round(s) ({result['policy']}, verify "
                         f"{result['verify']}, group {result['defer_group']:g}, steps {result['defer_steps']}; "
                         f"{result['backend']}, {result['dtype']}, {result['device']})", title_justify="left")
-    for run in sorted(result["runs"].values(), key=lambda r: (r["clients"], r["defer"] != result["baseline"])):
-        table.add_row(run["defer"], str(run["clients"]), f"{run['tokens_per_s']:.2f}", f"{run['x_throughput']:.2f}×",
+    order = {name: i for i, name in enumerate(result["systems"])}
+    for run in sorted(result["runs"].values(), key=lambda r: (r["clients"], order[r["system"]])):
+        table.add_row(run["system"], str(run["clients"]), f"{run['tokens_per_s']:.2f}", f"{run['x_throughput']:.2f}×",
                       f"{run['p50_s']:.1f}", f"{run['p95_s']:.1f}", f"{run['x_p95']:.2f}×", str(run["llm_calls"]),
                       f"{run['routed_rows_per_call']:.2f}", f"{run['llm_rate']:.1%}")
     return table
