@@ -10,7 +10,11 @@ Step costs at a batch the run did not measure are extended linearly in rows from
 its reads stay bound by the weights, and an over-estimate of the cost once they are compute-bound. With
 --one-row (a CPU run measured at batch 1 only), b rows × k tokens cost what one row's read of b·k tokens cost:
 t(b, k) = t(1, b·k), close on a compute-bound CPU. The rule's settings are swept (--group, --steps) so that the
-default can be read off; each figure is × the LLM alone at the same batch and × lockstep R2R."""
+default can be read off; each figure is × the LLM alone at the same batch and × lockstep R2R.
+
+With --overlap, also the LLM's calls beside the SLM's steps (`cost_model.overlapped_seconds`), once per --contention:
+0 for the LLM on a second GPU (nothing shared), up to 1 for one GPU whose bandwidth both models' steps would need in
+full (each at half speed while both run). Batch 1 is priced from the run's one-row tables where it has them."""
 
 from __future__ import annotations
 
@@ -52,6 +56,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, help="new tokens per row (default: the run's)")
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--one-row", action="store_true", help="price b rows from the batch-1 step tables")
+    parser.add_argument("--overlap", action="store_true", help="also predict the LLM's calls beside the SLM's steps")
+    parser.add_argument("--contention", default="0,0.3,1", help="with --overlap: how much the two models slow each "
+                        "other while both run (0: a second GPU; 1: each at half speed)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = json.loads(args.results.read_text())
@@ -66,7 +73,7 @@ def main() -> None:
     print(f"{name}, {args.share:.0%} LLM tokens, {tokens} tokens per row, step costs from {args.results} "
           f"({result.get('device_name') or result['processor']}); ×: against the LLM alone at the same batch")
     for batch in numbers(args.batch, int):
-        if args.one_row:
+        if args.one_row or (batch == 1 and "1" not in result.get("slm_batched_steps", {})):
             slm_ms, llm_ms = one_row_costs(slm_one, batch), one_row_costs(entry["steps"], batch)
         else:
             slm_ms, llm_ms = step_costs(result["slm_batched_steps"], batch), step_costs(entry["batched_steps"], batch)
@@ -85,6 +92,16 @@ def main() -> None:
                         row["grouped"][f"{mode} accept={accept:g} group={group:g} steps={steps}"] = tok_s
                         cells.append(f"{group:g}/{steps}: {tok_s / alone:.2f}× ({tok_s / lockstep:.2f}× lockstep)")
                 print(f"  {mode}{f' (kept {accept:.0%})' if mode == 'continue' else ''}: " + "  ".join(cells))
+        if args.overlap:
+            row["overlapped"], cells = {}, []
+            for accept in numbers(args.accept):
+                for contention in numbers(args.contention):
+                    tok_s = cost_model.predicted_overlapped_tok_s(slm_ms, llm_ms, args.share, widths, tokens,
+                                                                  args.samples, batch, accept, contention)
+                    row["overlapped"][f"accept={accept:g} contention={contention:g}"] = tok_s
+                    cells.append(f"kept {accept:.0%}, contention {contention:g}: {tok_s / alone:.2f}× "
+                                 f"({tok_s / lockstep:.2f}× lockstep)")
+            print("  overlapped: " + "  ".join(cells))
         rows.append(row)
     if args.json:
         args.json.write_text(json.dumps({"results": str(args.results), "shape": name, "share": args.share,

@@ -179,3 +179,19 @@ def test_where_overlap_is_on_by_default(slm, llm):
     assert not resolve_overlap("on", slm, None)  # one model: nothing to overlap
     with pytest.raises(R2RError, match="overlap takes off, on, auto"):
         resolve_overlap("sometimes", slm, llm)
+
+
+def test_settings_per_role_are_parsed_once_at_the_engine_config():
+    from roads_to_rome.models.loading import EngineConfig, parse_devices, parse_threads
+
+    assert parse_devices("slm=cuda:0,llm=cuda:1") == {"slm": "cuda:0", "llm": "cuda:1"}
+    assert parse_devices("cpu") == {"slm": "cpu", "llm": "cpu"} and parse_devices("llm=cpu")["slm"] == "auto"
+    assert parse_threads("slm=1,llm=1") == {"slm": 1, "llm": 1} and parse_threads(2) == {"slm": 2, "llm": 2}
+    assert parse_threads(None) == {}
+    config = EngineConfig(verify="1.5", overlap=True, threads="llm=3")
+    assert (config.verify, config.overlap, config.threads) == (1.5, "on", {"llm": 3})
+    for bad, message in ((dict(device="slm=tpu"), "bad --device"), (dict(threads="slm=0"), "bad --threads"),
+                         (dict(threads="gpu=1"), "bad --threads"), (dict(overlap="maybe"), "overlap takes"),
+                         (dict(defer="later"), "defer takes"), (dict(verify="lots"), "verify")):
+        with pytest.raises(R2RError, match=message):
+            EngineConfig(**bad) if "device" not in bad else parse_devices(bad["device"])

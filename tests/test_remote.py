@@ -107,6 +107,26 @@ def test_deferred_routing_through_the_remote_llm_gives_lockstep_routings_tokens(
     assert deferred > 0
 
 
+def test_overlap_through_the_remote_llm_gives_the_tokens_of_its_calls_in_the_step(server, slm, tokenizer):
+    """The LLM's calls beside the SLM's steps, the LLM on a serving engine: every row's tokens are those the calls
+    in the step give it (lockstep and grouped), batched and alone; strict verification is the server's own greedy
+    output."""
+    llm = remote(server.url, tokenizer, slm)
+    prompts = [Engine.alone(slm, tokenizer, "slm").encode_chat(p) for p in REMOTE_PROMPTS]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for verify in ("off", 1.0, "strict"):
+        for mode in ("off", "continue"):
+            rule = Deferral(mode, 1.0, 8)
+            expected = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), verify=verify, defer=rule).generate(prompts,
+                                                                                                          params)
+            engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), verify=verify, defer=rule, overlap=True)
+            gens = engine.generate(prompts, params)
+            assert [(g.token_ids, g.sources) for g in gens] == [(g.token_ids, g.sources) for g in expected]
+            assert engine.generate(prompts[:1], params)[0].token_ids == expected[0].token_ids
+            if verify == "strict":
+                assert [g.token_ids for g in gens] == [server.own_greedy(p, 24) for p in prompts]
+
+
 def test_strict_verification_through_the_remote_llm_gives_the_servers_own_greedy_output(server, slm, tokenizer):
     llm = remote(server.url, tokenizer, slm)
     for n in (None, 4):

@@ -124,6 +124,24 @@ def test_a_cheap_llm_makes_routing_pay_less_than_a_dear_one():
     assert gain["dear"] > 2 * gain["cheap"]
 
 
+def test_the_overlapped_schedule_pays_the_larger_side_where_nothing_is_shared():
+    flat = {1: 10.0, 64: 10.0}  # either model's step: 10 ms, whatever it reads
+    free = {1: 0.0, 64: 0.0}
+    widths, tokens = [20], 200
+    lockstep = cost_model.predicted_routing_tok_s(flat, flat, 0.3, widths, tokens, samples=5)
+    apart = cost_model.predicted_overlapped_tok_s(flat, flat, 0.3, widths, tokens, samples=5, accept=1.0)
+    shared = cost_model.predicted_overlapped_tok_s(flat, flat, 0.3, widths, tokens, samples=5, accept=1.0,
+                                                   contention=1.0)
+    # the SLM's 100 tok/s alone; lockstep pays the LLM's 10 ms at about 30% of its steps
+    assert lockstep == pytest.approx(100 / 1.3, rel=0.1)
+    assert apart > 1.15 * lockstep and apart <= 100.5  # beside the SLM: close to the SLM alone
+    assert shared < 0.9 * apart  # sharing one device takes most of that back
+    assert cost_model.predicted_overlapped_tok_s(flat, free, 0.3, widths, tokens, samples=5, accept=1.0) == \
+        pytest.approx(100, rel=0.02)  # a free LLM that keeps every token: the SLM alone
+    rejecting = cost_model.predicted_overlapped_tok_s(flat, flat, 0.3, widths, tokens, samples=5, accept=0.0)
+    assert rejecting < apart  # what roll-backs discard is paid
+
+
 @pytest.mark.parametrize("args, message", [
     (["--llm-shape", "qwen2.5-coder-70b"], "unknown --llm-shape qwen2.5-coder-70b"),
     (["--llm-share", "0.1,1.5"], "strictly between 0 and 1"),

@@ -38,7 +38,7 @@ RETRYABLE_STATUS = (500, 502, 503, 504)  # a server restarting, overloaded or be
 STALLED_AFTER_S = 5.0
 # The most tokens one request of a catch-up asks the server to write: where the row's tokens leave the server's way
 # early, the rest of a longer request is thrown away (a row that waited long for the LLM has many unread tokens).
-GREEDY_SPAN = 32
+GREEDY_SPAN = 4
 FLOOR = -1e9  # the logit of tokens outside the server's top log-probabilities: finite, so no NaN downstream
 PROBE = "Roads to Rome: 12 × 7 = 84, naïve café ☕ — ok?\n<|im_end|>"  # digits, accents, an emoji, a special
 

@@ -2,10 +2,9 @@
 
     time per output token = SLM steps x t_SLM(1) + LLM catch-ups x t_LLM(tokens read per catch-up)
 
-or, with the LLM's calls beside the SLM's steps (`overlapped_seconds`), about the larger of the two sides plus the
-tokens roll-backs discard.
-
-with t(k) the measured cost of one forward over k new tokens (interpolated between measured k)."""
+with t(k) the measured cost of one forward over k new tokens (interpolated between measured k); with the LLM's calls
+beside the SLM's steps (`overlapped_seconds`), about the larger of the two sides, plus the tokens roll-backs
+discard."""
 
 from __future__ import annotations
 
@@ -121,17 +120,19 @@ def ms_keys(table: dict) -> dict[int, float]:
 
 def overlapped_seconds(prompt: int, tokens: int, share: float, rng: np.random.Generator, slm_ms: dict,
                        llm_ms: dict, rows: int = 1, accept: float = 0.0, contention: float = 0.0,
-                       steps: int = Deferral.steps) -> float:
+                       deferral: Deferral = Deferral()) -> float:
     """Seconds R2R takes with the LLM's calls beside the SLM's steps (--overlap), routing `share` of the tokens at
     random, `rows` rows: the SLM steps on while a call runs; a call is sent as soon as a row waits and none is in
     flight, reading every column since the LLM's last read; it lands at the first step after it is done, where each
     routed position it covers is the SLM's token with probability `accept` (else the row goes back there, losing
-    what it wrote since). A row stands still once its oldest waiting position is `steps` old, or once it is done
-    but not checked. `contention`: how much the two slow each other while both run (0: their own devices, or the
-    LLM on a server; 1: one device they share fully, each at half speed)."""
-    length = np.zeros(rows, dtype=np.int64)
+    what it wrote since). A row stands still once it has written the rule's `tokens_ahead` beyond what the call in
+    flight reads while it has positions waiting, or once it is done but not checked. `contention`: how much the two
+    slow each other while both run (0: their own devices, or the LLM on a server; 1: one device they share fully,
+    each at half speed)."""
+    length, sent = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
     waiting: list[list[int]] = [[] for _ in range(rows)]
     column, read, now = prompt, 0, cost_at(slm_ms, prompt) / 1000
+    ahead = deferral.tokens_ahead(rows)
     call = None  # (LLM work left in seconds at full speed, each row's routed positions it covers)
     while (length < tokens).any() or call is not None or any(waiting):
         if call is not None and call[0] <= 1e-12:  # it has answered: the rows take its word
@@ -145,7 +146,7 @@ def overlapped_seconds(prompt: int, tokens: int, share: float, rng: np.random.Ge
             call = None
         if call is None and any(waiting):
             call = [cost_at(llm_ms, column - read) / 1000, [list(w) for w in waiting]]
-            read = column
+            read, sent = column, length.copy()
         if not (length < tokens).any():  # every row is written: what is left is the LLM's answer
             now += call[0] if call is not None else 0.0
             if call is not None:
@@ -155,7 +156,7 @@ def overlapped_seconds(prompt: int, tokens: int, share: float, rng: np.random.Ge
         now += step
         if call is not None:
             call[0] -= step / (1 + contention)
-        held = [length[i] >= tokens or (call is not None and waiting[i] and length[i] - waiting[i][0] >= steps)
+        held = [length[i] >= tokens or (call is not None and bool(waiting[i]) and length[i] - sent[i] >= ahead)
                 for i in range(rows)]
         for i in range(rows):
             if held[i]:
@@ -168,10 +169,10 @@ def overlapped_seconds(prompt: int, tokens: int, share: float, rng: np.random.Ge
 
 
 def predicted_overlapped_tok_s(slm_ms: dict, llm_ms: dict, share: float, prompts: list[int], tokens: int,
-                               samples: int = 100, rows: int = 1, accept: float = 0.0,
-                               contention: float = 0.0) -> float:
+                               samples: int = 100, rows: int = 1, accept: float = 0.0, contention: float = 0.0,
+                               deferral: Deferral = Deferral()) -> float:
     """The cost model's tokens/s with overlap (`overlapped_seconds`), averaged over prompts and random draws."""
     rng = np.random.default_rng(0)
-    seconds = sum(overlapped_seconds(prompt, tokens, share, rng, slm_ms, llm_ms, rows, accept, contention)
+    seconds = sum(overlapped_seconds(prompt, tokens, share, rng, slm_ms, llm_ms, rows, accept, contention, deferral)
                   for prompt in prompts for _ in range(samples)) / samples
     return tokens * rows * len(prompts) / seconds

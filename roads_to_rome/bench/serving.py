@@ -148,7 +148,7 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: 
     return {"clients": clients, "requests": requests, "tokens": n_tokens, "rounds": rounds, "dtype": dtype,
             "backend": backend, "device": str(slm_backend.device), "threads": threads or {},
             "kernels": kernels(slm=slm_backend, llm=llm_backend), "policy": policy.name, "verify": DEFAULT_VERIFY,
-            "defer_group": rule.group, "defer_steps": rule.steps, "baseline": baseline,
+            "defer_group": rule.group, "defer_steps": rule.steps, "overlap_ahead": rule.ahead, "baseline": baseline,
             "systems": [s.name for s in chosen], "runs": runs}
 
 

@@ -20,6 +20,7 @@ from roads_to_rome.cli.options import (
     Llm,
     MaxUnverified,
     Out,
+    OverlapAhead,
     Slm,
     Threads,
     console,
@@ -143,7 +144,7 @@ def bench_serve(
                                 "alone behind the same server and backends), llm-direct (the LLM's own server, with "
                                 "--llm http://...), spec+k=K (speculative decoding: the SLM drafts K, the LLM checks; "
                                 "+overlap too)."),
-    defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
+    defer_group: DeferGroup = None, defer_steps: DeferSteps = None, overlap_ahead: OverlapAhead = None,
     rounds: int = count(1, "--rounds", help="Times over, the systems taking turns (figures pool the rounds; a "
                         "machine's speed drifts between minutes)."),
     threshold: float | None = typer.Option(None, "--threshold", help="The routing threshold (default: the "
@@ -165,7 +166,7 @@ def bench_serve(
         raise R2RError(f"--clients takes whole numbers and --systems names; got --clients {clients!r} --systems "
                        f"{systems!r}")
     ServedSystem.check(names, llm)
-    rule = Deferral.of("off", defer_group, defer_steps)
+    rule = Deferral.of("off", defer_group, defer_steps, overlap_ahead)
     dtype = pick_dtype(dtype, device)
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console, transient=True) as progress:
         result = serving(slm, llm, device, dtype, counts, tokens, requests, names, rule, backend, threshold, rounds,

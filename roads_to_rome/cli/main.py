@@ -28,6 +28,7 @@ from roads_to_rome.cli.options import (
     MaxNewTokens,
     MaxUnverified,
     Overlap,
+    OverlapAhead,
     ReasoningParserOpt,
     RouterOpt,
     RouterPath,
@@ -64,7 +65,7 @@ def generate(
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
     verify: Verify = None, max_unverified: MaxUnverified = None,
     defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
-    overlap: Overlap = None, threads: Threads = None,
+    overlap: Overlap = None, overlap_ahead: OverlapAhead = None, threads: Threads = None,
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     seed: Seed = None, as_json: AsJson = False, reasoning_parser: ReasoningParserOpt = "auto",
@@ -82,7 +83,7 @@ def generate(
                                  threshold=threshold, router_path=router_path, seed=seed,
                                  verify=verify, max_unverified=max_unverified,
                                  defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry,
-                                 overlap=overlap, threads=threads)
+                                 overlap=overlap, overlap_ahead=overlap_ahead, threads=threads)
     parser = None if raw else reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
     generation = engine.generate([prompt_ids], params)[0]
@@ -102,7 +103,7 @@ def chat(
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
     verify: Verify = None, max_unverified: MaxUnverified = None,
     defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
-    overlap: Overlap = None, threads: Threads = None,
+    overlap: Overlap = None, overlap_ahead: OverlapAhead = None, threads: Threads = None,
     max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = None, reasoning_parser: ReasoningParserOpt = "auto",
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
@@ -119,7 +120,7 @@ def chat(
                                  threshold=threshold, router_path=router_path, seed=seed,
                                  verify=verify, max_unverified=max_unverified,
                                  defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry,
-                                 overlap=overlap, threads=threads)
+                                 overlap=overlap, overlap_ahead=overlap_ahead, threads=threads)
     parser = reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     messages = []
     while True:
@@ -162,7 +163,7 @@ def serve(
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
     verify: Verify = None, max_unverified: MaxUnverified = None,
     defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
-    overlap: Overlap = None, threads: Threads = None,
+    overlap: Overlap = None, overlap_ahead: OverlapAhead = None, threads: Threads = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     llm_retry: LlmRetry = None,
     model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
@@ -192,7 +193,7 @@ def serve(
                                  threshold=threshold, router_path=router_path, verify=verify,
                                  max_unverified=max_unverified, llama=llama,
                                  defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry,
-                                 overlap=overlap, threads=threads)
+                                 overlap=overlap, overlap_ahead=overlap_ahead, threads=threads)
     limits = server.Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
                            drain_timeout=drain_timeout)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=server.is_loopback(host),

@@ -26,7 +26,8 @@ LlmRetry = Annotated[float | None, typer.Option("--llm-retry", min=0.0, help="Wi
                                                 "failing call to the LLM's server (unreachable, 5xx, stalled) is "
                                                 "retried before the requests that need it fail (default 30).",
                                                 show_default=False)]
-Device = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
+Device = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N, for both "
+                                     "models or per role: slm=cuda:0,llm=cuda:1.")]
 Dtype = Annotated[str, typer.Option("--dtype",
                                     help="Weights and compute on torch: auto (bf16 on CUDA and on CPUs with native "
                                     "bf16, AVX512-BF16 or AMX; float32 on other CPUs), bfloat16, float16 or float32.")]
@@ -95,3 +96,7 @@ Overlap = Annotated[str | None, typer.Option("--overlap", help="Whether the LLM'
 Threads = Annotated[str | None, typer.Option("--threads", help="CPU threads: a number for both models, or per role "
                                              "like slm=1,llm=1 (each model on its own cores with --overlap on). "
                                              "Default: the cores this process may use.", show_default=False)]
+OverlapAhead = Annotated[int | None, typer.Option("--overlap-ahead", min=1, help="With --overlap: tokens the batch's "
+                                                  "rows may write, each, beyond what the LLM's call in flight reads "
+                                                  "(a budget they share, at least 1 each; default 2).",
+                                                  show_default=False)]

@@ -607,11 +607,13 @@ class Batch:
         step.due = llm_due(sequences, step.routed, step.deferred, unread, lambda i: self._would_end(step, i),
                            engine.deferral)
         now = any(r and not d for r, d in zip(step.routed, step.deferred)) or (step.due and not engine.overlap)
-        step.held = [self._stands_still(s, unread[i]) for i, s in enumerate(sequences)]
+        held = [self._stands_still(s, unread[i]) for i, s in enumerate(sequences)]
         landed = None
-        if self.call is not None and (now or self.call.done() or all(step.held)):
+        if self.call is not None and (now or self.call.done() or all(held)):  # (no row could write: wait for it)
             call, self.call = self.call, None
             landed = self._answers(call, step)
+        # A row the answer frees goes on at once; one whose end it has not checked stands still.
+        step.held = [self._stands_still(s, unread[i]) for i, s in enumerate(sequences)]
         if now:
             fresh = self._answers(self._send(column), step)
             if landed is not None:
@@ -621,16 +623,16 @@ class Batch:
 
     def _stands_still(self, s: Sequence, unread: int) -> bool:
         """Whether a row waits, writing nothing, for the call in flight: its output ended on a token the LLM has to
-        check; or it has written max_unverified tokens beyond what the LLM was asked to read, or gone on `steps`
-        (the deferral rule's) past a routed token the LLM has to decide: what a roll-back may throw away, and what a
+        check; or, while tokens of it wait for the LLM's word, it has written max_unverified tokens, or the deferral
+        rule's `tokens_ahead`, beyond what the LLM was asked to read: what a roll-back may throw away, and what a
         stalled LLM's server lets it write, stays bounded."""
         if s.checks.ends is not None:
             return True
-        if self.call is None:
+        if self.call is None or not s.checks.pending(s):
             return False
         if s.verify != "off" and s.max_unverified is not None and unread > s.max_unverified:
             return True
-        return bool(s.checks.routed) and len(s.generation.token_ids) - s.checks.routed[0] >= self.engine.deferral.steps
+        return unread > self.engine.deferral.tokens_ahead(len(self.sequences))
 
     def _answers(self, call: Call, step: StepRecord) -> list[verification.RowRead | None]:
         """A call's logits, one `RowRead` per row of the batch now (None for a row that joined after it was sent).

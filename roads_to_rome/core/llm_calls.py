@@ -81,6 +81,9 @@ class Deferral:
     mode: str = "off"
     group: float = 0.6
     steps: int = 16
+    ahead: int = 2  # (overlap) tokens the batch's rows may write, each, beyond what the call in flight reads: the
+    # budget shared by the rows, at least one each (`tokens_ahead`); what a roll-back throws away stays small where
+    # the LLM's calls are the bottleneck (docs/results/2026-11-27-overlap-disaggregated.md)
 
     def __post_init__(self):
         if self.mode not in DEFER_MODES:
@@ -89,11 +92,21 @@ class Deferral:
             raise R2RError(f"the deferral group is a share of the batch's rows in (0, 1], got {self.group}")
         if self.steps < 1:
             raise R2RError(f"a routed token waits at most 1 step or more, got {self.steps}")
+        if self.ahead < 1:
+            raise R2RError(f"rows write at least 1 token ahead of the LLM's call, got {self.ahead}")
 
     @classmethod
-    def of(cls, mode: str, group: float | None = None, steps: int | None = None) -> Deferral:
+    def of(cls, mode: str, group: float | None = None, steps: int | None = None, ahead: int | None = None
+           ) -> Deferral:
         """A rule with this mode, and the default settings where none is given."""
-        return cls(mode, cls.group if group is None else group, cls.steps if steps is None else steps)
+        return cls(mode, cls.group if group is None else group, cls.steps if steps is None else steps,
+                   cls.ahead if ahead is None else ahead)
+
+    def tokens_ahead(self, batch: int) -> int:
+        """(overlap) How many tokens each row of a batch may write beyond what the call in flight reads, while some
+        of its tokens wait for the LLM's word: a longer lead keeps one row's SLM busy, but in a batch the LLM's
+        calls are the bottleneck, and every token a call reads past a rejected one is lost work."""
+        return max(1, self.ahead // max(batch, 1))
 
     def rows(self, batch: int) -> int:
         """How many of a batch's rows must wait before the LLM runs."""
@@ -106,7 +119,7 @@ class Deferral:
     def overlapped(self) -> Deferral:
         """The rule with the LLM's calls beside the SLM's steps: a routed row always goes on (its token is checked
         when the call returns), and lockstep's rule becomes a call as soon as one row waits."""
-        return self if self.on else Deferral("continue", group=1e-9)
+        return self if self.on else Deferral("continue", group=1e-9, steps=self.steps, ahead=self.ahead)
 
 
 def llm_due(sequences: list, routed: list[bool], deferred: list[bool], unread: list[int],
@@ -163,6 +176,7 @@ class Worker:
             if job is None:  # its engine is gone
                 return
             future, fn, args, event = job
+            result = None
             try:
                 if stream is None:
                     result = fn(*args)
@@ -175,7 +189,7 @@ class Worker:
                 future.set_exception(e)
             else:
                 future.set_result(result)
-            del job, future, fn, args, event  # nothing of a finished job stays alive while the next is awaited
+            del job, future, fn, args, event, result  # nothing of a finished job stays alive while the next waits
 
     def close(self) -> None:
         self.jobs.put(None)

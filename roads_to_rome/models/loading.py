@@ -108,21 +108,33 @@ def pick_dtype(dtype: str, device: str) -> str:
         raise R2RError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     if dtype != "auto":
         return dtype
-    return "bfloat16" if pick_device(device) != "cpu" or hardware.has_native_bf16() else "float32"
+    on_gpu = any(pick_device(d) != "cpu" for d in parse_devices(device).values())
+    return "bfloat16" if on_gpu or hardware.has_native_bf16() else "float32"
+
+
+def per_role(spec: str, option: str, valid, usage: str, default: str) -> dict[str, str]:
+    """An option's value for both roles, or per role (`slm=X,llm=Y`; a role left out gets `default`)."""
+    roles = {"slm": default, "llm": default}
+    for part in (p.strip() for p in spec.split(",")):
+        role, _, name = part.rpartition("=")
+        targets = [role] if role else list(roles)
+        if not valid(name) or any(t not in roles for t in targets):
+            raise R2RError(f"bad {option} {spec!r}: use {usage}")
+        for t in targets:
+            roles[t] = name
+    return roles
 
 
 def parse_backends(spec: str) -> dict[str, str]:
     """`auto`, `torch`, `llamacpp`, or per role: `slm=llamacpp,llm=torch` (a role left out stays torch)."""
-    roles = {"slm": "torch", "llm": "torch"}
-    for part in (p.strip() for p in spec.split(",")):
-        role, _, name = part.rpartition("=")
-        targets = [role] if role else list(roles)
-        if name not in (*BACKENDS, AUTO) or any(t not in roles for t in targets):
-            raise R2RError(f"bad --backend {spec!r}: use auto, torch, llamacpp, or per role like "
-                           "slm=llamacpp,llm=torch")
-        for t in targets:
-            roles[t] = name
-    return roles
+    return per_role(spec, "--backend", lambda name: name in (*BACKENDS, AUTO),
+                    "auto, torch, llamacpp, or per role like slm=llamacpp,llm=torch", "torch")
+
+
+def parse_devices(spec: str) -> dict[str, str]:
+    """`auto`, `cpu`, `cuda`, `cuda:N`, or per role: `slm=cuda:0,llm=cuda:1` (a role left out: auto)."""
+    return per_role(spec, "--device", lambda name: name in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", name),
+                    "auto, cpu, cuda, cuda:N, or per role like slm=cuda:0,llm=cuda:1", "auto")
 
 
 def auto_backend(spec: str | None, device: str) -> str:
@@ -174,6 +186,7 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
     model (torch's are the process's, or the LLM worker's: `Engine`)."""
     import torch
 
+    device = parse_devices(device)[role]
     dtype = pick_dtype(dtype, device)
     name = parse_backends(backend)[role]
     if name == AUTO:
@@ -260,6 +273,7 @@ class EngineConfig:
     defer_group: float | None = None  # None: the grouping rule's default (`Deferral`)
     defer_steps: int | None = None
     overlap: str | bool | None = None  # off, on or auto (None: `DEFAULT_OVERLAP`): the LLM's calls beside the SLM
+    overlap_ahead: int | None = None  # None: the rule's default (`Deferral.ahead`)
     threads: str | int | None = None  # CPU threads: a number for both models, or per role: slm=1,llm=1
     llama: dict | None = None  # a llama.cpp context's sizes: n_ctx (the KV pool its rows share), max_rows
     llm_retry: float | None = None  # an LLM on a server: seconds a failing call is retried (None: the default)
@@ -310,4 +324,5 @@ def grouping_rule(config: EngineConfig, kind: str) -> tuple[str, Deferral]:
     """The config's deferral mode (`auto` resolves once the LLM is loaded) and its rule, checked before anything
     loads: the default rule's settings where the config gives none."""
     mode = config.defer if config.defer is not None else "off" if kind in ("slm", "llm") else DEFAULT_DEFER
-    return mode, Deferral.of("off" if mode == "auto" else mode, config.defer_group, config.defer_steps)
+    return mode, Deferral.of("off" if mode == "auto" else mode, config.defer_group, config.defer_steps,
+                             config.overlap_ahead)
