@@ -12,13 +12,15 @@ its reads stay bound by the weights, and an over-estimate of the cost once they 
 t(b, k) = t(1, b·k), close on a compute-bound CPU. The rule's settings are swept (--group, --steps) so that the
 default can be read off; each figure is × the LLM alone at the same batch and × lockstep R2R.
 
-With --overlap, also the LLM's calls beside the SLM's steps (`cost_model.overlapped_seconds`), once per --contention:
+With --overlap, also the LLM's calls beside the SLM's steps (`cost_model.overlapped_seconds`), sent as soon as a row
+waits or by the grouping rule (the first --group and --steps), for each lead budget (--ahead), once per --contention:
 0 for the LLM on a second GPU (nothing shared), up to 1 for one GPU whose bandwidth both models' steps would need in
 full (each at half speed while both run). Batch 1 is priced from the run's one-row tables where it has them."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -59,6 +61,7 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="also predict the LLM's calls beside the SLM's steps")
     parser.add_argument("--contention", default="0,0.3,1", help="with --overlap: how much the two models slow each "
                         "other while both run (0: a second GPU; 1: each at half speed)")
+    parser.add_argument("--ahead", default="2", help="with --overlap: the rows' lead budgets (`Deferral.ahead`)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = json.loads(args.results.read_text())
@@ -93,15 +96,21 @@ def main() -> None:
                         cells.append(f"{group:g}/{steps}: {tok_s / alone:.2f}× ({tok_s / lockstep:.2f}× lockstep)")
                 print(f"  {mode}{f' (kept {accept:.0%})' if mode == 'continue' else ''}: " + "  ".join(cells))
         if args.overlap:
-            row["overlapped"], cells = {}, []
-            for accept in numbers(args.accept):
-                for contention in numbers(args.contention):
-                    tok_s = cost_model.predicted_overlapped_tok_s(slm_ms, llm_ms, args.share, widths, tokens,
-                                                                  args.samples, batch, accept, contention)
-                    row["overlapped"][f"accept={accept:g} contention={contention:g}"] = tok_s
-                    cells.append(f"kept {accept:.0%}, contention {contention:g}: {tok_s / alone:.2f}× "
-                                 f"({tok_s / lockstep:.2f}× lockstep)")
-            print("  overlapped: " + "  ".join(cells))
+            row["overlapped"] = {}
+            grouped = Deferral("continue", numbers(args.group)[0], numbers(args.steps, int)[0])
+            for rule_name, base in (("at once", Deferral()), (f"grouped {grouped.group:g}/{grouped.steps}", grouped)):
+                for ahead in numbers(args.ahead, int):
+                    rule, cells = dataclasses.replace(base, ahead=ahead), []
+                    for accept in numbers(args.accept):
+                        for contention in numbers(args.contention):
+                            tok_s = cost_model.predicted_overlapped_tok_s(slm_ms, llm_ms, args.share, widths, tokens,
+                                                                          args.samples, batch, accept, contention,
+                                                                          rule)
+                            key = f"{rule_name} ahead={ahead} accept={accept:g} contention={contention:g}"
+                            row["overlapped"][key] = tok_s
+                            cells.append(f"kept {accept:.0%}, contention {contention:g}: {tok_s / alone:.2f}× "
+                                         f"({tok_s / lockstep:.2f}× lockstep)")
+                    print(f"  overlapped, calls {rule_name}, ahead {ahead}: " + "  ".join(cells))
         rows.append(row)
     if args.json:
         args.json.write_text(json.dumps({"results": str(args.results), "shape": name, "share": args.share,

@@ -122,13 +122,15 @@ def overlapped_seconds(prompt: int, tokens: int, share: float, rng: np.random.Ge
                        llm_ms: dict, rows: int = 1, accept: float = 0.0, contention: float = 0.0,
                        deferral: Deferral = Deferral()) -> float:
     """Seconds R2R takes with the LLM's calls beside the SLM's steps (--overlap), routing `share` of the tokens at
-    random, `rows` rows: the SLM steps on while a call runs; a call is sent as soon as a row waits and none is in
-    flight, reading every column since the LLM's last read; it lands at the first step after it is done, where each
+    random, `rows` rows: the SLM steps on while a call runs; a call is sent when none is in flight and the rule's
+    grouping calls for one (`Deferral.overlapped()` of lockstep's: as soon as a row waits), reading every column
+    since the LLM's last read; it lands at the first step after it is done, where each
     routed position it covers is the SLM's token with probability `accept` (else the row goes back there, losing
     what it wrote since). A row stands still once it has written the rule's `tokens_ahead` beyond what the call in
     flight reads while it has positions waiting, or once it is done but not checked. `contention`: how much the two
     slow each other while both run (0: their own devices, or the LLM on a server; 1: one device they share fully,
     each at half speed)."""
+    deferral = deferral.overlapped()
     length, sent = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
     waiting: list[list[int]] = [[] for _ in range(rows)]
     column, read, now = prompt, 0, cost_at(slm_ms, prompt) / 1000
@@ -144,7 +146,12 @@ def overlapped_seconds(prompt: int, tokens: int, share: float, rng: np.random.Ge
                 else:
                     waiting[i] = [p for p in waiting[i] if p not in covered]
             call = None
-        if call is None and any(waiting):
+        waits = [bool(w) for w in waiting]
+        oldest = max((length[i] - w[0] for i, w in enumerate(waiting) if w), default=0)
+        done_waiting = any(w and length[i] >= tokens for i, w in enumerate(waits))
+        due = any(waits) and (sum(waits) >= deferral.rows(int((length < tokens).sum()) or rows)
+                              or oldest >= deferral.steps or done_waiting)
+        if call is None and due:
             call = [cost_at(llm_ms, column - read) / 1000, [list(w) for w in waiting]]
             read, sent = column, length.copy()
         if not (length < tokens).any():  # every row is written: what is left is the LLM's answer
