@@ -101,9 +101,11 @@ class Backend(Protocol):
         (`greedy` does)."""
 
     def forward_all(self, cache: Cache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    keep_last: int | None = None) -> torch.Tensor:
+                    keep_last: int | None = None, row_keep: list[int] | None = None) -> torch.Tensor:
         """As `forward`, but the logits at every new column [B, n, V], or at the last `keep_last` of them
-        (what a verifier needs: each position's next-token distribution). Padding columns give zeros."""
+        (what a verifier needs: each position's next-token distribution). Padding columns give zeros.
+        `row_keep[i]`: how many of those last columns row i needs (none: 0); a backend may leave the others zero
+        (a server: so that a row whose tokens nobody checks costs it nothing)."""
 
     def forward_sequence(self, ids: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence, no cache kept: logits [T - start, V] and hidden states [T - start, H] at

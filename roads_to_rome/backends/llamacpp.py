@@ -225,7 +225,7 @@ class LlamaCppBackend(LocalBackend):
         return logits, hidden
 
     def forward_all(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    keep_last: int | None = None) -> torch.Tensor:
+                    keep_last: int | None = None, row_keep: list[int] | None = None) -> torch.Tensor:
         skip = 0 if keep_last is None else new_ids.shape[1] - keep_last  # new columns whose logits nobody wants
         logits = torch.zeros(new_ids.shape[0], new_ids.shape[1] - skip, self.vocab_size)
         for out_index, row, column in self._feed(cache, new_ids, attention_mask, every_from=skip):

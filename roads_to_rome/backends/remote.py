@@ -354,18 +354,22 @@ class RemoteBackend:
         return logits, torch.zeros(len(cache.rows), self.hidden_size)
 
     def forward_all(self, cache: RemoteCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    keep_last: int | None = None) -> torch.Tensor:
+                    keep_last: int | None = None, row_keep: list[int] | None = None) -> torch.Tensor:
         """The logits at the last `keep_last` columns of each row, by letting the server continue greedily from
         the first of them: while its tokens are the row's, one request gives every position's top
         log-probabilities (reading its prefix cache, which prompt log-probabilities would bypass); where it
-        chose otherwise, the next positions come from a request that continues after the row's own token."""
+        chose otherwise, the next positions come from a request that continues after the row's own token. A row
+        that needs none of them (`row_keep`) is not sent."""
         self.read(cache, new_ids, attention_mask)
         keep = new_ids.shape[1] if keep_last is None else keep_last
+        wanted = row_keep or [keep] * len(cache.rows)
 
         def row_tops(i: int) -> list[tuple[int, dict[int, float]]]:
             row = cache.rows[i]
+            if not wanted[i]:
+                return []
             first = len(row) - keep  # the row position of the first kept column (negative: padding)
-            position, tops = max(first, 0), []
+            position, tops = max(first, len(row) - wanted[i], 0), []
             while position < len(row):
                 for token, top in self._greedy(row[: position + 1], min(len(row) - position, GREEDY_SPAN)):
                     tops.append((position - first, top))

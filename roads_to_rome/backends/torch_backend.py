@@ -307,7 +307,7 @@ class TorchBackend(LocalBackend):
 
     @torch.inference_mode()
     def forward_all(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    keep_last: int | None = None) -> torch.Tensor:
+                    keep_last: int | None = None, row_keep: list[int] | None = None) -> torch.Tensor:
         keep = new_ids.shape[1] if keep_last is None else keep_last
         hidden = self._read(cache, new_ids, attention_mask)[:, new_ids.shape[1] - keep :]  # the head only where asked
         padding = attention_mask[:, cache.length - keep : cache.length] == 0

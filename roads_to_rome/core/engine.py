@@ -615,7 +615,7 @@ class Batch:
         # A row the answer frees goes on at once; one whose end it has not checked stands still.
         step.held = [self._stands_still(s, unread[i]) for i, s in enumerate(sequences)]
         if now:
-            fresh = self._answers(self._send(column), step)
+            fresh = self._answers(self._send(column, now=True), step)
             if landed is not None:
                 fresh = [f if old is None or f is None else old.merged(f) for old, f in zip(landed, fresh)]
             landed, step.full = fresh, True
@@ -653,16 +653,20 @@ class Batch:
                 logits[j], call.reach[j] - call.keep + 1, call.reach[j]))
         return reads
 
-    def _send(self, column: int) -> Call:
+    def _send(self, column: int, now: bool = False) -> Call:
         """Ask the LLM to read every column since it last did, up to `column` (not included): its last logits predict
-        what sits at `column`. Returns at once with overlap (a worker reads), after the read without."""
+        what sits at `column`. Returns at once with overlap (a worker reads), after the read without. Logits come
+        back for the rows that need them: a row with tokens waiting for the LLM's word, from its first; each row's
+        last, for this step's routed rows, when the read is needed `now`."""
         engine, sequences = self.engine, self.sequences
         read_from, width = self.llm_cache.length, self.ids.shape[1]
         # Row i's output index at `column`: the furthest token the read can check.
         reach = [column - width + len(s.generation.token_ids) for s in sequences]
-        keep = min(column - read_from, max(verification.logits_needed(s, r) for s, r in zip(sequences, reach)))
-        pending = engine.llm_side.catch_up(self.llm_cache, self.ids[:, read_from:column], self.mask[:, :column], keep)
-        return Call(pending, list(sequences), reach, keep)
+        row_keep = [min(column - read_from, verification.logits_needed(s, r))
+                    if now or s.checks.pending(s) or s.checks.ends else 0 for s, r in zip(sequences, reach)]
+        pending = engine.llm_side.catch_up(self.llm_cache, self.ids[:, read_from:column], self.mask[:, :column],
+                                           row_keep)
+        return Call(pending, list(sequences), reach, max(row_keep))
 
     def _send_call(self, step: StepRecord) -> None:
         """(overlap) After the step, the next call, to run beside the SLM's next steps: when one is due and none is in

@@ -260,14 +260,15 @@ class LLMCalls:
         cache.length += new_ids.shape[1]
         self._settle(self._queue(cache, self.backend.read, *self._inputs(new_ids, attention_mask)))
 
-    def catch_up(self, cache: QueuedCache, new_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int):
-        """The LLM's logits at the last `keep` of the new columns [rows, keep, V] (on the batch's device), later:
-        a `PendingRead`."""
+    def catch_up(self, cache: QueuedCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 row_keep: list[int]):
+        """The LLM's logits at the last `max(row_keep)` of the new columns [rows, keep, V] (on the batch's device),
+        later: a `PendingRead`. Row i needs its last `row_keep[i]` (`Backend.forward_all`)."""
         cache.length += new_ids.shape[1]
-        device = new_ids.device
+        device, keep = new_ids.device, max(row_keep)
         ids, mask = self._inputs(new_ids, attention_mask)
-        if keep > 1:
-            future = self._queue(cache, self.backend.forward_all, ids, mask, keep)
+        if keep > 1 or min(row_keep) < keep:
+            future = self._queue(cache, self.backend.forward_all, ids, mask, keep, list(row_keep))
         else:
             future = self._queue(cache, lambda inner, i, m: self.backend.forward(inner, i, m)[0][:, None], ids, mask)
         return PendingRead(future, device)
