@@ -87,6 +87,20 @@ def llm_greedy_reference(llm, tokenizer, texts, max_new_tokens):
     return prompts, params, [g.token_ids for g in alone.generate(prompts, params)]
 
 
+def assert_stream_shows_only_tokens_that_stay(engine, prompts, max_new_tokens):
+    """A stream of these prompts shows each row exactly its final tokens (nothing a later check took back); the
+    generations, for more checks."""
+    from roads_to_rome.core.sampling import SamplingParams
+
+    results, shown = [], {i: [] for i in range(len(prompts))}
+    for steps in engine.stream(prompts, SamplingParams(max_new_tokens=max_new_tokens), results):
+        for step in steps:
+            shown[step.sequence.index] += [token for token, _, _ in step.final]
+    for i, gen in enumerate(results):
+        assert shown[i] == gen.token_ids
+    return results
+
+
 def make_checkpoint(slm, threshold=0.5):
     embedding = slm.embedding_table()
     config = RouterConfig(hidden_size=slm.hidden_size, embed_size=embedding.shape[1], top_k=16, dim=32, n_blocks=2)

@@ -6,7 +6,7 @@ LLM's distribution, and the LLM is called less often. The grouping rule and the 
 
 import pytest
 import torch
-from helpers import llm_greedy_reference, make_checkpoint
+from helpers import assert_stream_shows_only_tokens_that_stay, llm_greedy_reference, make_checkpoint
 from tiny import tiny_model, tiny_tokenizer
 
 from roads_to_rome.backends.torch_backend import TorchBackend
@@ -79,14 +79,8 @@ def test_strict_verification_with_deferral_is_the_llms_greedy_output(kind_pair, 
 def test_a_stream_with_deferral_shows_only_tokens_that_stay(kind_pair, tokenizer):
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), defer=Deferral("continue", group=1.0, steps=8))
-    prompts = [engine.encode_chat(p) for p in PROMPTS]
-    results, shown = [], {i: [] for i in range(len(prompts))}
-    for steps in engine.stream(prompts, SamplingParams(max_new_tokens=N_TOKENS), results):
-        for step in steps:
-            shown[step.sequence.index] += [token for token, _, _ in step.final]
+    results = assert_stream_shows_only_tokens_that_stay(engine, [engine.encode_chat(p) for p in PROMPTS], N_TOKENS)
     assert sum(g.deferred_replaced for g in results) > 0
-    for i, gen in enumerate(results):
-        assert shown[i] == gen.token_ids
 
 
 @pytest.mark.parametrize("mode", ["continue", "park"])

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from helpers import llm_greedy_reference, make_checkpoint
+from helpers import assert_stream_shows_only_tokens_that_stay, llm_greedy_reference, make_checkpoint
 
 from roads_to_rome.core.engine import Engine, Failure, Scheduler
 from roads_to_rome.core.llm_calls import Deferral, resolve_overlap
@@ -123,14 +123,8 @@ def test_strict_verification_with_overlap_is_the_llms_greedy_output(kind_pair, t
 def test_a_stream_with_overlap_shows_only_tokens_that_stay(kind_pair, tokenizer):
     slm, llm = kind_pair
     engine = Engine(slm, SlowLLM(llm, 0.01), tokenizer, EntropyPolicy(3.0), overlap=True)
-    prompts = [engine.encode_chat(p) for p in PROMPTS]
-    results, shown = [], {i: [] for i in range(len(prompts))}
-    for steps in engine.stream(prompts, SamplingParams(max_new_tokens=N_TOKENS), results):
-        for step in steps:
-            shown[step.sequence.index] += [token for token, _, _ in step.final]
+    results = assert_stream_shows_only_tokens_that_stay(engine, [engine.encode_chat(p) for p in PROMPTS], N_TOKENS)
     assert sum(g.deferred_replaced for g in results) > 0
-    for i, gen in enumerate(results):
-        assert shown[i] == gen.token_ids
 
 
 def test_a_stalled_llm_holds_only_the_rows_that_wait_for_it_and_a_failed_one_fails_only_them(slm, llm, tokenizer):

@@ -3,7 +3,7 @@ the policy and the catch-up interval; strict under sampling follows the LLM's di
 
 import pytest
 import torch
-from helpers import llm_greedy_reference, make_checkpoint, run_with_joins
+from helpers import assert_stream_shows_only_tokens_that_stay, llm_greedy_reference, make_checkpoint, run_with_joins
 
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.sampling import SamplingParams, parse_verify, sampling_probs
@@ -85,13 +85,7 @@ def test_requests_joining_a_verifying_batch_get_the_llms_output(kind_pair, token
 def test_stream_shows_only_final_tokens_and_ends_with_all_of_them(kind_pair, tokenizer):
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, AlwaysSLM(), verify="strict", max_unverified=4)
-    prompts = [engine.encode_chat(p) for p in PROMPTS]
-    results, shown = [], {i: [] for i in range(len(prompts))}
-    for steps in engine.stream(prompts, SamplingParams(max_new_tokens=N_TOKENS), results):
-        for step in steps:
-            shown[step.sequence.index] += [token for token, _, _ in step.final]
-    for i, gen in enumerate(results):
-        assert shown[i] == gen.token_ids
+    assert_stream_shows_only_tokens_that_stay(engine, [engine.encode_chat(p) for p in PROMPTS], N_TOKENS)
 
 
 def test_strict_under_sampling_follows_the_llms_distribution(kind_pair, tokenizer):

@@ -7,11 +7,14 @@ and each keeps its own KV cache. Per step:
   2. the routing policy looks at the SLM's logits, last hidden state and proposal;
   3. if a row is routed, the LLM catches up on every column it has not read yet, in one
      forward over them (with --defer, a routed row may instead keep the SLM's token and wait,
-     so that one LLM call serves several rows' routed tokens);
+     so that one LLM call serves several rows' routed tokens; with --overlap the call runs on
+     a thread of its own while the next steps go on, and its answer is taken at the first step
+     after it is ready: llm_calls.py);
   4. the LLM checks what waited for it (verification's unread tokens, deferred routed tokens:
      verification.py), a row whose token it rejects goes back there, and its token replaces the
      SLM's in the rows routed now;
-  5. the chosen tokens become a new column; finished rows leave the batch.
+  5. the chosen tokens become a new column; finished rows leave the batch (a row waiting for the
+     LLM's word on where it ends, or too far ahead of the call in flight, stands still).
 
 The LLM reads lazily: nothing until the first routed token, then everything since its last read.
 Because every row gains exactly one token per step, both caches stay rectangular: the SLM's
@@ -22,9 +25,10 @@ client drives: `Engine.run` and `Engine.stream` to the end, the server a turn at
 arrive. One model alone (`Engine.alone`) runs the same loop with nothing to route: it writes every
 token itself.
 
-Top to bottom: `Engine` (what clients call), `Scheduler`, `PromptRead`, `Batch` (the four phases of a
-step), then the helpers. What a client asks for and what the engine keeps for it are in request.py;
-sampling and verification's acceptance rules in sampling.py.
+Top to bottom: `Engine` (what clients call), `Call` and `StepRecord` (what a step's phases hand each
+other), `Scheduler`, `PromptRead`, `Batch` (the five phases of a step), then the helpers. What a client
+asks for and what the engine keeps for it are in request.py; sampling and verification's acceptance rules in
+sampling.py.
 """
 
 from __future__ import annotations
@@ -253,7 +257,7 @@ class StepRecord:
     routed: list[bool] = field(default_factory=list)  # the LLM takes this row's token
     scores: list[float] = field(default_factory=list)  # the policy's score behind each decision
     deferred: list[bool] = field(default_factory=list)  # routed, and its token may wait for a grouped call
-    held: list[bool] = field(default_factory=list)  # stands still: the LLM has yet to check where its output ends
+    held: list[bool] = field(default_factory=list)  # stands still: waits for the call in flight (`_stands_still`)
     due: bool = False  # the LLM's rule calls it this step (`llm_due`)
     reads: list[verification.RowRead | None] | None = None  # the LLM's word on each row this step (None: none)
     full: bool = False  # the reads reach this step's tokens: routed rows take the LLM's
