@@ -160,6 +160,18 @@ def continue_one(backend, cache, ids, mask, token):
     return backend.forward(cache, ids[:, cache.length :], mask)[0], ids, mask
 
 
+def test_rows_can_leave_a_cache_before_its_first_read(backend, kind, tokenizer):
+    """With overlap, rows may finish before the LLM's first call has read anything: their cache holds nothing yet,
+    and the rows left read as if alone."""
+    rows = token_rows(tokenizer)
+    cache = backend.new_cache()
+    backend.select_rows(cache, torch.tensor([2, 0]))
+    ids, mask = left_pad([rows[2], rows[0]], tokenizer.pad_token_id, backend.device)
+    logits = backend.forward_all(cache, ids, mask)
+    assert close(logits[0, -1], backend.forward_sequence(rows[2])[0][-1], kind)
+    assert close(logits[1, -1], backend.forward_sequence(rows[0])[0][-1], kind)
+
+
 def test_select_append_and_pad_rows_keep_each_row_as_if_alone(backend, kind, tokenizer):
     rows = token_rows(tokenizer)
     alone = [continue_one(backend, *prefilled(backend, [r], tokenizer), token=7)[0][0] for r in rows]

@@ -83,14 +83,16 @@ def test_a_stream_with_deferral_shows_only_tokens_that_stay(kind_pair, tokenizer
     assert sum(g.deferred_replaced for g in results) > 0
 
 
-@pytest.mark.parametrize("mode", ["continue", "park"])
-def test_a_deferred_routed_token_under_sampling_follows_the_llms_distribution(kind_pair, tokenizer, mode):
+@pytest.mark.parametrize("mode, overlap", [("continue", False), ("park", False), ("continue", True)])
+def test_a_deferred_routed_token_under_sampling_follows_the_llms_distribution(kind_pair, tokenizer, mode, overlap):
     """Half the rows are routed at every step (their request's threshold 0: entropy is never below it) and wait,
     as fewer than the grouping rule's rows are waiting, until their second token ends them: the LLM then decides
-    the first one, which must be drawn from its distribution, not the SLM's. The other half are never routed."""
+    the first one, which must be drawn from its distribution, not the SLM's. The other half are never routed. With
+    overlap, the LLM's call runs beside the SLM's next step, and the rows wait for it standing still."""
     slm, llm = kind_pair
     rows = min(llm.max_rows or 400, 400)
-    engine = Engine(slm, llm, tokenizer, EntropyPolicy(1e9), defer=Deferral(mode, group=1.0, steps=100))
+    engine = Engine(slm, llm, tokenizer, EntropyPolicy(1e9), defer=Deferral(mode, group=1.0, steps=100),
+                    overlap=overlap)
     prompt = engine.encode_chat("What is 48 / 2?")
     base = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=20, ignore_eos=True)
     target = sampling_probs(llm.forward_sequence(prompt)[0][-1:], base)[0]
@@ -104,7 +106,8 @@ def test_a_deferred_routed_token_under_sampling_follows_the_llms_distribution(ki
                 counts[gen.token_ids[0]] += 1
                 deferred += gen.deferred
                 assert gen.sources == ["llm", "llm"]
-    assert deferred == runs  # every tested row's first token waited
+    # every tested row's first token waited (with overlap its second too, and a token put back after a roll-back)
+    assert deferred >= runs if overlap else deferred == runs
     empirical = counts / runs
     distance = lambda p, q: 0.5 * (p - q).abs().sum().item()  # noqa: E731
     assert distance(target, draft) > 0.3  # the two models really differ here

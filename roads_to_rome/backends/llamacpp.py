@@ -148,6 +148,8 @@ class LlamaCppBackend(LocalBackend):
             cache.pads.append(0)
 
     def select_rows(self, cache: LlamaCache, rows: torch.Tensor) -> None:
+        if not cache.seqs:  # nothing read yet: its rows come with its first read
+            return
         keep = rows.tolist()
         kept = set(keep)
         dropped = [s for i, s in enumerate(cache.seqs) if i not in kept]

@@ -419,7 +419,8 @@ class RemoteBackend:
         raise R2RError("a remote LLM gives no hidden states: this step needs a local model")
 
     def select_rows(self, cache: RemoteCache, rows: torch.Tensor) -> None:
-        cache.rows = [cache.rows[i] for i in rows.tolist()]
+        if cache.rows:  # (nothing read yet: its rows come with its first read)
+            cache.rows = [cache.rows[i] for i in rows.tolist()]
 
     def copy_rows(self, cache: RemoteCache, rows: list[int]) -> RemoteCache:
         return RemoteCache([list(cache.rows[row]) for row in rows], cache.length)
