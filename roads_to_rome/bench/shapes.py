@@ -67,9 +67,9 @@ class Recorded:
         self.calls.append(new_ids.shape[1])
         return self.inner.forward(cache, new_ids, attention_mask)
 
-    def forward_all(self, cache, new_ids, attention_mask, n):
+    def forward_all(self, cache, new_ids, attention_mask, n, row_keep=None):
         self.calls.append(new_ids.shape[1])
-        return self.inner.forward_all(cache, new_ids, attention_mask, n)
+        return self.inner.forward_all(cache, new_ids, attention_mask, n, row_keep)
 
     def read(self, cache, new_ids, attention_mask):
         self.calls.append(new_ids.shape[1])
@@ -87,8 +87,8 @@ class AgreesAtRate:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def forward_all(self, cache, new_ids, attention_mask, n):
-        logits = self.inner.forward_all(cache, new_ids, attention_mask, n)
+    def forward_all(self, cache, new_ids, attention_mask, n, row_keep=None):
+        logits = self.inner.forward_all(cache, new_ids, attention_mask, n, row_keep)
         rows, width = new_ids.shape
         with torch.inference_mode():  # torch's logits are inference tensors: written in place only in this mode
             for k in range(logits.shape[1] - 1):  # the last column's next token is not written yet
