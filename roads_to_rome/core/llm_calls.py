@@ -46,11 +46,10 @@ def resolve_defer(mode: str, llm) -> str:
 
 def resolve_overlap(mode: str, slm, llm) -> bool:
     """Whether the LLM's calls run beside the SLM's steps, `auto` made concrete for this pair: where the two do not
-    share a processor (the LLM on a server, or on another device than the SLM), or where each model is given threads
-    of its own on a CPU (`threads`, both set). Where they share cores or one GPU's bandwidth, a call beside the SLM's
-    step slows it about as much as it saves (docs/overlap.md)."""
-    if mode not in OVERLAP_MODES:
-        raise R2RError(f"overlap takes {', '.join(OVERLAP_MODES)}, got {mode!r}")
+    share a processor (the LLM on a server, or on another device than the SLM). Where they share one GPU's bandwidth
+    or a CPU's cores, a call beside the SLM's step is predicted to slow it about as much as it saves
+    (docs/results/2026-11-27-overlap-disaggregated.md)."""
+    mode = parse_overlap(mode)
     if mode != "auto" or llm is None or slm is None:
         return mode == "on" and llm is not None and slm is not None
     if llm.remote:
