@@ -16,7 +16,8 @@ whole distribution, is refused (`full_logits`)."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import multiprocessing.pool
+import os
 import re
 import threading
 import time
@@ -39,12 +40,19 @@ STALLED_AFTER_S = 5.0
 # The most tokens one request of a catch-up asks the server to write: where the row's tokens leave the server's way
 # early, the rest of a longer request is thrown away (a row that waited long for the LLM has many unread tokens).
 GREEDY_SPAN = 4
+API_KEY_VARIABLE = "R2R_LLM_API_KEY"
 FLOOR = -1e9  # the logit of tokens outside the server's top log-probabilities: finite, so no NaN downstream
 PROBE = "Roads to Rome: 12 × 7 = 84, naïve café ☕ — ok?\n<|im_end|>"  # digits, accents, an emoji, a special
 
 
 def is_remote(spec: str | None) -> bool:
     return spec is not None and spec.startswith(("http://", "https://"))
+
+
+def without_credentials(address: str) -> str:
+    """An address as it may be shown: any user:password@ left out."""
+    parts = urllib.parse.urlsplit(address)
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 @dataclass
@@ -165,14 +173,25 @@ def pick_model(models: list[dict], asked: str | None, url: str) -> str:
 
 
 class Client:
-    """JSON over HTTP with a timeout per call, and retries with backoff for `retry` seconds while the server
+    """JSON over HTTP with a timeout per call, the server's key (a Bearer token, or credentials in the URL: sent, never
+    shown: `url` is the address without them), and retries with backoff for `retry` seconds while the server
     cannot be reached, drops the connection, times out or answers 5xx: every call the backend makes is a read of
     token ids with prefix caching, so repeating one changes nothing. Past the budget: `LLMUnavailable`, and the
     server counts as down (`down_since`) until a call or a probe (`reachable`) gets through."""
 
-    def __init__(self, url: str, timeout: float, retry: float):
-        self.url, self.retry = url.rstrip("/"), retry
-        self.http = httpx.Client(base_url=self.url, timeout=timeout, limits=httpx.Limits(max_connections=64))
+    def __init__(self, url: str, timeout: float, retry: float, api_key: str | None = None):
+        parts = urllib.parse.urlsplit(url.rstrip("/"))
+        auth, headers = None, {}
+        if parts.username is not None or parts.password is not None:
+            if api_key is not None:
+                raise R2RError("the --llm address holds credentials and an LLM API key was given too: give one")
+            auth = httpx.BasicAuth(urllib.parse.unquote(parts.username or ""),
+                                   urllib.parse.unquote(parts.password or ""))
+        if api_key is not None:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self.url, self.retry = without_credentials(url.rstrip("/")), retry
+        self.http = httpx.Client(base_url=self.url, timeout=timeout, limits=httpx.Limits(max_connections=64),
+                                 auth=auth, headers=headers)
         self.down_since: float | None = None
         self.last_probe = 0.0
         # Calls waiting for an answer (their start times) and since when calls have kept failing: what tells a
@@ -242,6 +261,12 @@ class Client:
             time.sleep(pause)
             attempt += 1
         self.down_since = self.failing_since = None
+        if response.status_code in (401, 403):
+            raise RemoteError(f"the LLM server at {self.url} refused the key (it answered {response.status_code}): "
+                              "give the key it was started with (--api-key there) as --llm-api-key or "
+                              "$R2R_LLM_API_KEY" if "Authorization" in self.http.headers or self.http.auth else
+                              f"the LLM server at {self.url} needs an API key (it answered {response.status_code}): "
+                              "give it as --llm-api-key or $R2R_LLM_API_KEY")
         if response.status_code != 200:
             try:
                 message = response.json()["error"]["message"]
@@ -269,26 +294,32 @@ class RemoteBackend:
     hidden_size = 1  # the LLM's hidden state is never used (the router reads the SLM's)
 
     def __init__(self, address: str, tokenizer, eos_ids: set[int], timeout: float = 120.0,
-                 retry: float = DEFAULT_LLM_RETRY, top_logprobs: int = 20, vocab_size: int | None = None):
+                 retry: float = DEFAULT_LLM_RETRY, top_logprobs: int = 20, vocab_size: int | None = None,
+                 api_key: str | None = None):
         """`address`: the server's URL, optionally with ?model=NAME, ?engine=llamacpp|vllm and ?params=N (the
         LLM's parameter count, for the average-parameters figure, where the server does not report it).
         `tokenizer`: the SLM's, which the server's model must share (checked here). `timeout`: seconds one call
-        may take; `retry`: seconds a failing call is retried (`Client`)."""
+        may take; `retry`: seconds a failing call is retried (`Client`). `api_key`: the server's key, sent as a Bearer
+        token (None: $R2R_LLM_API_KEY, if set)."""
         if retry < 0:
             raise R2RError(f"--llm-retry is a number of seconds, at least 0, not {retry:g}")
-        parts = urllib.parse.urlsplit(address)
+        parts, shown = urllib.parse.urlsplit(address), without_credentials(address)
         query = dict(urllib.parse.parse_qsl(parts.query))
         unknown = set(query) - {"model", "engine", "params"}
         if unknown:
-            raise R2RError(f"--llm {address}: unknown setting(s) {', '.join(sorted(unknown))} (use model=, engine=, "
+            raise R2RError(f"--llm {shown}: unknown setting(s) {', '.join(sorted(unknown))} (use model=, engine=, "
                            "params=)")
         url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
-        self.client = Client(url, timeout, retry)
+        api_key = os.environ.get(API_KEY_VARIABLE) if api_key is None else api_key
+        if api_key is not None and not api_key.strip():
+            raise R2RError(f"the LLM API key is empty (--llm-api-key / ${API_KEY_VARIABLE}): give the key, or none")
+        self.client = Client(url, timeout, retry, api_key)
+        url = self.client.url  # without credentials, for every message from here on
         engine = query.get("engine") or self._detect()
         if engine not in ENGINES:
-            raise R2RError(f"--llm {address}: engine {engine!r} is not supported (use {', '.join(ENGINES)})")
+            raise R2RError(f"--llm {shown}: engine {engine!r} is not supported (use {', '.join(ENGINES)})")
         self.api = ENGINES[engine](self.client, query.get("model"))
-        self.name = f"{self.api.model} @ {url}"
+        self.name = self.api.model
         self.kernels = f"{engine} server at {url} (prefix cache: {self.api.prefix_cache})"
         self.top_logprobs = top_logprobs
         self.vocab_size = vocab_size or len(tokenizer)
@@ -297,8 +328,9 @@ class RemoteBackend:
         try:
             self.num_params = int(float(query.get("params", self.api.num_params)))
         except ValueError:
-            raise R2RError(f"--llm {address}: params= takes a number of parameters, e.g. params=1.5e9") from None
-        self.pool = concurrent.futures.ThreadPoolExecutor(max(8, self.api.slots), thread_name_prefix="r2r-remote")
+            raise R2RError(f"--llm {shown}: params= takes a number of parameters, e.g. params=1.5e9") from None
+        # Daemon threads: a call waiting on a server that stopped answering must not keep the process from exiting.
+        self.pool = multiprocessing.pool.ThreadPool(max(8, self.api.slots))
         self._check_tokenizer(tokenizer)
 
     def health(self) -> dict | None:

@@ -24,6 +24,7 @@ from roads_to_rome.cli.options import (
     Device,
     Dtype,
     Llm,
+    LlmApiKey,
     LlmRetry,
     MaxNewTokens,
     MaxUnverified,
@@ -70,7 +71,7 @@ def generate(
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     seed: Seed = None, as_json: AsJson = False, reasoning_parser: ReasoningParserOpt = "auto",
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
-    llm_retry: LlmRetry = None,
+    llm_retry: LlmRetry = None, llm_api_key: LlmApiKey = None,
 ):
     """Answer one prompt with R2R routing; the LLM's tokens are highlighted, a reasoning model's thinking dimmed."""
     from roads_to_rome import reasoning
@@ -83,6 +84,7 @@ def generate(
                                  threshold=threshold, router_path=router_path, seed=seed,
                                  verify=verify, max_unverified=max_unverified,
                                  defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry,
+                                 llm_api_key=llm_api_key,
                                  overlap=overlap, overlap_ahead=overlap_ahead, threads=threads)
     parser = None if raw else reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
@@ -107,7 +109,7 @@ def chat(
     max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = None, reasoning_parser: ReasoningParserOpt = "auto",
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
-    llm_retry: LlmRetry = None,
+    llm_retry: LlmRetry = None, llm_api_key: LlmApiKey = None,
 ):
     """Chat interactively; answers stream in with the LLM's tokens highlighted, a reasoning model's thinking dimmed.
     Empty line or Ctrl-D quits."""
@@ -120,6 +122,7 @@ def chat(
                                  threshold=threshold, router_path=router_path, seed=seed,
                                  verify=verify, max_unverified=max_unverified,
                                  defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry,
+                                 llm_api_key=llm_api_key,
                                  overlap=overlap, overlap_ahead=overlap_ahead, threads=threads)
     parser = reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     messages = []
@@ -165,7 +168,7 @@ def serve(
     defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
     overlap: Overlap = None, overlap_ahead: OverlapAhead = None, threads: Threads = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
-    llm_retry: LlmRetry = None,
+    llm_retry: LlmRetry = None, llm_api_key: LlmApiKey = None,
     model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
     max_batch: int = count(8, "--max-batch", help="Requests decoding (or having their prompt read) at once."),
     max_queue: int = count(64, "--max-queue", help="Requests waiting for a slot (then 429)."),
@@ -175,8 +178,22 @@ def serve(
                                                "4096). A request holds prompt + max_tokens of them while it runs."),
     prefill_chunk: int = count(64, "--prefill-chunk", help="Prompt tokens read between two decode steps (running "
                                "streams keep going while a long prompt is read)."),
+    max_stop_strings: int = count(4, "--max-stop-strings", help="Stop strings one request may give (400 beyond)."),
+    max_stop_chars: int = count(256, "--max-stop-chars", help="The longest stop string, in characters."),
+    max_tokenizing: int = count(4, "--max-tokenizing", help="Long prompts (over 16k characters) tokenized or "
+                                "waiting to be at once (then 429); short ones have a lane of their own."),
+    max_body_bytes: int = count(1 << 20, "--max-body-bytes", help="A request body's size limit (then 413)."),
+    max_body_seconds: float = typer.Option(30.0, "--max-body-seconds", min=0.1, help="Seconds a request body may "
+                                           "take to arrive (then 408: a trickling client is cut off)."),
+    max_connections: int = count(256, "--max-connections", help="Requests in the server at once, streaming ones "
+                                 "included (then 429)."),
+    max_request_seconds: float = typer.Option(600.0, "--max-request-seconds", min=0.1, help="A whole (not "
+                                              "streamed) answer's deadline (then 408)."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="R2R_API_KEY", help="Require 'Authorization: "
-                                       "Bearer KEY' on /v1/ (also from $R2R_API_KEY)."),
+                                       "Bearer KEY' on /v1/ and /metrics (also from $R2R_API_KEY)."),
+    allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated", help="Serve on a non-loopback "
+                                               "--host without --api-key (refused otherwise): anyone who reaches "
+                                               "the port can use the models."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0, help="On SIGINT/SIGTERM: seconds in-flight "
                                         "requests get to finish before they are cut (a second signal exits at once)."),
     docs: bool = typer.Option(False, "--docs", help="Serve the API docs at /docs and /openapi.json."),
@@ -188,18 +205,40 @@ def serve(
     from roads_to_rome.serving import server
 
     check_parser(reasoning_parser)
+    check_exposure(host, api_key, allow_unauthenticated)
     llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}
     engine = engine_from_options(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
                                  threshold=threshold, router_path=router_path, verify=verify,
                                  max_unverified=max_unverified, llama=llama,
                                  defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry,
+                                 llm_api_key=llm_api_key,
                                  overlap=overlap, overlap_ahead=overlap_ahead, threads=threads)
     limits = server.Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
-                           drain_timeout=drain_timeout)
+                           max_body_bytes=max_body_bytes, max_stop_strings=max_stop_strings,
+                           max_stop_chars=max_stop_chars, max_tokenizing=max_tokenizing,
+                           max_body_seconds=max_body_seconds, max_connections=max_connections,
+                           max_request_seconds=max_request_seconds, drain_timeout=drain_timeout)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=server.is_loopback(host),
                             docs=docs, reasoning_parser=reasoning_parser)
     console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
-    server.run(app, host, port)
+    status = server.run(app, host, port)
+    if status:
+        console.print("[red]the engine failed (the log above has why): exiting for a supervisor to restart r2r[/]")
+        raise typer.Exit(status)
+
+
+def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    """An empty key is a mistake; so is a server other machines can reach with no key, unless the user says so."""
+    from roads_to_rome.serving.guard import is_loopback
+
+    if api_key is not None and not api_key.strip():
+        raise R2RError("--api-key (or $R2R_API_KEY) is empty: give a key, or leave it out on a loopback --host")
+    if api_key is None and not is_loopback(host):
+        if not allow_unauthenticated:
+            raise R2RError(f"--host {host} lets other machines reach this server, and it has no --api-key: give one "
+                           "(or $R2R_API_KEY), or pass --allow-unauthenticated to serve anyone who reaches the port")
+        console.print(f"[yellow]warning: serving on {host} with no API key: anyone who reaches the port can use the "
+                      "models (--allow-unauthenticated)[/]")
 
 
 

@@ -26,6 +26,10 @@ LlmRetry = Annotated[float | None, typer.Option("--llm-retry", min=0.0, help="Wi
                                                 "failing call to the LLM's server (unreachable, 5xx, stalled) is "
                                                 "retried before the requests that need it fail (default 30).",
                                                 show_default=False)]
+LlmApiKey = Annotated[str | None, typer.Option("--llm-api-key", envvar="R2R_LLM_API_KEY", help="With --llm "
+                                               "http://...: the key its server was started with (--api-key there), "
+                                               "sent as a Bearer token (also from $R2R_LLM_API_KEY).",
+                                               show_default=False)]
 Device = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N, for both "
                                      "models or per role: slm=cuda:0,llm=cuda:1.")]
 Dtype = Annotated[str, typer.Option("--dtype",

@@ -43,7 +43,7 @@ import torch
 from roads_to_rome.backends.base import Backend
 from roads_to_rome.core import verification
 from roads_to_rome.core.llm_calls import Deferral, LLMCalls, PendingRead, llm_due
-from roads_to_rome.core.request import Generation, Request, Sequence, Step, Timings
+from roads_to_rome.core.request import Generation, Request, Sequence, Step, Timings, TokenLogprob
 from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify, sample, sampling_probs
 from roads_to_rome.errors import LLMUnavailable, R2RError
 from roads_to_rome.routing import rate
@@ -133,7 +133,8 @@ class Engine:
         seed = request.params.seed
         generator = None if seed is None else torch.Generator(self.writer.device).manual_seed(seed)
         return Sequence(request, verify=verify, max_unverified=max_unverified, index=index, generator=generator,
-                        generation=Generation(list(request.prompt_ids), params_b=self.params_b))
+                        generation=Generation(list(request.prompt_ids), params_b=self.params_b,
+                                              logprobs=None if request.params.logprobs is None else []))
 
     def _check_verifiable(self, verify: str | float, params: SamplingParams | None = None) -> None:
         if not self.routes:
@@ -266,6 +267,7 @@ class StepRecord:
     rejected: dict[int, verification.Rejection] = field(default_factory=dict)  # row -> its first rejected token
     ended: set[int] = field(default_factory=set)  # rows whose end the LLM has now checked: they leave
     failed: dict[int, Exception] = field(default_factory=dict)  # rows whose LLM call failed
+    llm_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> the LLM's logits its token came from
 
 
 class Scheduler:
@@ -715,7 +717,8 @@ class Batch:
             if step.held[i]:
                 continue
             if routed_now:
-                step.chosen[i] = sample_rows(read.at(read.reach)[None], sequences[i : i + 1])[0]
+                step.llm_logits[i] = read.at(read.reach)
+                step.chosen[i] = sample_rows(step.llm_logits[i][None], sequences[i : i + 1])[0]
             elif step.deferred[i]:
                 verification.defer(s, count, None if step.slm_logits is None else step.slm_logits[i])
 
@@ -751,6 +754,9 @@ class Batch:
             gen.token_ids.append(token)
             gen.sources.append(source)
             gen.scores.append(float(score))
+            if gen.logprobs is not None:
+                gen.logprobs.append(token_logprob(step.llm_logits.get(i, step.slm_logits[i] if step.slm_logits
+                                                                      is not None else None), token, s.params.logprobs))
             reason = self._ends(s, gen.token_ids)
             if reason and s.checks.pending(s):  # the LLM checks its tokens first: the row waits for that
                 s.checks.ends, reason = reason, None
@@ -800,6 +806,7 @@ class Batch:
             if score is not None:
                 step.scores[i] = score  # the policy's score at the rejected position
             step.chosen[i], step.sources[i] = rejection.token, "llm" if rejection.routed else "fix"
+            step.llm_logits[i] = rejection.logits
         return {i: shifts[i] for i in step.rejected}
 
     def _count_time(self, t: Timings, writer_s: float, router_s: float, llm_s: float, total_s: float,
@@ -865,6 +872,13 @@ class Batch:
         text = self.engine.tokenizer.decode(s.generation.token_ids, skip_special_tokens=True)
         cuts = [text.find(stop) for stop in s.params.stop if stop in text]
         return text[: min(cuts)] if cuts else text
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """A token's log-probability in the distribution these logits give, and the `top` most likely tokens'."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0])
+    return TokenLogprob(float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
 
 
 def sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:

@@ -5,6 +5,7 @@ in its `Generation`; each decode step reports what it added as a `Step`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -57,6 +58,29 @@ class Timings:
     llm_calls: int = 0  # LLM catch-ups this request's row took part in
 
 
+class TokenLogprob(NamedTuple):
+    """A token's log-probability under the model that wrote it (the SLM, the LLM, or the LLM's fix), and that
+    model's most likely tokens there: the distribution the model gave, before temperature and top-p/top-k."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+# The per-request counters, named once: `r2r generate --json`, the server's `usage` and "r2r" fields and its
+# /metrics all read them from here (`Generation.counters`), so a counter added here shows in each.
+COUNTERS = {
+    "llm_tokens": "tokens the LLM produced: routed ones and verification's fixes",
+    "fix_tokens": "tokens verification put in place of a rejected one",
+    "rollbacks": "times verification rejected a token and the row went back to it",
+    "discarded_tokens": "tokens written and then thrown away by those rollbacks",
+    "llm_calls": "LLM catch-ups the request's row took part in",
+    "deferred_tokens": "routed tokens that waited for a later, grouped LLM call",
+    "deferred_kept": "deferred routed tokens where the LLM's token was the SLM's",
+    "deferred_replaced": "deferred routed tokens the LLM replaced",
+    "deferred_discarded_tokens": "tokens written and then thrown away by those replacements",
+}
+
+
 @dataclass
 class Generation:
     prompt_ids: list[int]
@@ -74,6 +98,15 @@ class Generation:
     deferred_kept: int = 0  # of them, where the LLM's token was the SLM's
     deferred_replaced: int = 0  # ... where it was not (or the row was parked)
     deferred_discarded: int = 0  # tokens written and then thrown away by those replacements
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asks for them
+
+    def counters(self) -> dict[str, int]:
+        """Every counter of `COUNTERS`, by its name."""
+        values = {"llm_tokens": self.llm_tokens, "fix_tokens": self.sources.count("fix"),
+                  "rollbacks": self.rollbacks, "discarded_tokens": self.discarded, "llm_calls": self.timings.llm_calls,
+                  "deferred_tokens": self.deferred, "deferred_kept": self.deferred_kept,
+                  "deferred_replaced": self.deferred_replaced, "deferred_discarded_tokens": self.deferred_discarded}
+        return values
 
     @property
     def llm_tokens(self) -> int:
@@ -102,15 +135,7 @@ class Generation:
             "scores": [round(s, 6) for s in self.scores],
             "finish_reason": self.finish_reason,
             "tokens": len(self.token_ids),
-            "llm_tokens": self.llm_tokens,
-            "fix_tokens": self.sources.count("fix"),
-            "rollbacks": self.rollbacks,
-            "discarded_tokens": self.discarded,
-            "llm_calls": self.timings.llm_calls,
-            "deferred_tokens": self.deferred,
-            "deferred_kept": self.deferred_kept,
-            "deferred_replaced": self.deferred_replaced,
-            "deferred_discarded_tokens": self.deferred_discarded,
+            **self.counters(),
             "llm_rate": self.llm_rate,
             "avg_params_b": self.avg_params_b,
             "tokens_per_s": self.tokens_per_s,

@@ -12,6 +12,7 @@ import torch
 from roads_to_rome.errors import R2RError
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
+MAX_LOGPROBS = 20  # the most alternatives a token's log-probability comes with (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # for benchmarks: always produce max_new_tokens
+    logprobs: int | None = None  # each token's log-probability with this many alternatives (None: none)
 
     def __post_init__(self):
         # A temperature this small is greedy decoding, as in vLLM: dividing logits by it overflows to inf (NaN
@@ -39,6 +41,8 @@ class SamplingParams:
             raise R2RError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise R2RError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise R2RError(f"logprobs takes 0 to {MAX_LOGPROBS} alternatives per token, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise R2RError("stop strings must not be empty")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:

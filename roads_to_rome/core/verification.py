@@ -64,6 +64,7 @@ class Rejection(NamedTuple):
     index: int  # where it is in the row's output
     token: int  # the LLM's token in its place
     routed: bool  # whether it was a deferred routed position (else an unverified token)
+    logits: torch.Tensor | None = None  # the LLM's logits there, that `token` came from
 
 
 class RowRead(NamedTuple):
@@ -107,7 +108,7 @@ def first_rejection(s, read: RowRead, last: int, proposal: int, park: bool, full
         replacement = (check_routed(s, token, at, index, park, full_logits) if index in routed
                        else check_token(s, token, at, index))
         if replacement is not None:
-            return Rejection(index, replacement, index in routed)
+            return Rejection(index, replacement, index in routed, at)
         if index in routed:
             gen.deferred_kept += 1
     return None
@@ -156,6 +157,8 @@ def take_back(s, rejection: Rejection) -> float | None:
     dropped = len(gen.token_ids) - keep
     score = gen.scores[keep] if dropped else None
     del gen.token_ids[keep:], gen.sources[keep:], gen.scores[keep:]
+    if gen.logprobs is not None:
+        del gen.logprobs[keep:]
     for index in [k for k in checks.draft_probs if k >= keep]:
         del checks.draft_probs[index]
     checks.routed = [k for k in checks.routed if k < keep]

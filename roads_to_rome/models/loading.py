@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from roads_to_rome import hardware
@@ -205,9 +205,10 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
 
 def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True,
               dtype: str = "auto", backend: str = "auto", llama: dict | None = None, llm_retry: float | None = None,
-              threads: dict[str, int] | None = None):
+              threads: dict[str, int] | None = None, llm_api_key: str | None = None):
     """Load the SLM and (if `need_llm`) the LLM, each on its backend; refuse pairs whose tokenizers differ.
-    `llm_retry`: for an LLM on a server, seconds a failing call is retried (None: `DEFAULT_LLM_RETRY`).
+    `llm_retry`: for an LLM on a server, seconds a failing call is retried (None: `DEFAULT_LLM_RETRY`);
+    `llm_api_key`: its server's key (None: $R2R_LLM_API_KEY, if set).
 
     `threads`: CPU threads per role ("slm", "llm"); the SLM's also set torch's for this process.
 
@@ -223,7 +224,7 @@ def load_pair(slm: str | None = None, llm: str | None = None, device: str = "aut
     if is_remote(llm):  # an LLM on a serving engine: it must share the SLM's tokenizer (checked on connecting)
         retry = DEFAULT_LLM_RETRY if llm_retry is None else llm_retry
         return slm_backend, RemoteBackend(llm, tokenizer, slm_backend.eos_ids, vocab_size=slm_backend.vocab_size,
-                                          retry=retry), tokenizer
+                                          retry=retry, api_key=llm_api_key), tokenizer
     llm_backend, llm_tokenizer = load_model(llm, "llm", device, dtype, backend, llama, slm_backend.vocab_size,
                                             threads=threads.get("llm"))
     if not same_tokenizer(tokenizer, llm_tokenizer):
@@ -277,6 +278,7 @@ class EngineConfig:
     threads: str | int | None = None  # CPU threads: a number for both models, or per role: slm=1,llm=1
     llama: dict | None = None  # a llama.cpp context's sizes: n_ctx (the KV pool its rows share), max_rows
     llm_retry: float | None = None  # an LLM on a server: seconds a failing call is retried (None: the default)
+    llm_api_key: str | None = field(default=None, repr=False)  # ... and its key (None: $R2R_LLM_API_KEY)
 
     def __post_init__(self):
         if self.verify is not None:
@@ -313,7 +315,8 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
     slm_b, llm_b, tokenizer = load_pair(config.slm, config.llm, config.device,
                                         need_llm=kind != "slm" or verify != "off",
                                         dtype=config.dtype, backend=config.backend, llama=config.llama,
-                                        llm_retry=config.llm_retry, threads=config.threads)
+                                        llm_retry=config.llm_retry, threads=config.threads,
+                                        llm_api_key=config.llm_api_key)
     deferral = dataclasses.replace(rule, mode=resolve_defer(mode, llm_b))
     overlap = resolve_overlap(config.overlap if kind not in ("slm", "llm") else "off", slm_b, llm_b)
     return systems.routed(slm_b, llm_b, tokenizer, kind, config.threshold, router_path, config.seed, verify,

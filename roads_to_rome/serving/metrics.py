@@ -14,9 +14,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from roads_to_rome.core.engine import Engine
-from roads_to_rome.core.request import Sequence, Step
+from roads_to_rome.core.request import COUNTERS, Sequence, Step
 
 SOURCES = ("slm", "llm", "fix")
+# A request's `llm_calls`, summed, counts rows served by calls: the engine's own `r2r:llm_calls` counts the calls.
+METRIC_NAMES = {"llm_calls": "llm_call_rows"}
 # Seconds; a CPU's tokens are slower than a GPU's, so the buckets reach further than vLLM's.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -62,12 +64,9 @@ class Metrics:
         share = Gauge("r2r:llm_token_share", "The LLM's share of the generated tokens so far (llm + fix over all).",
                       registry=registry)
         share.set_function(self.llm_share)
-        self.rollbacks = Counter("r2r:rollbacks", "Times verification rejected a token and its row went back.",
-                                 registry=registry)
-        self.discarded = Counter("r2r:discarded_tokens", "Tokens written, then taken back by rollbacks or by "
-                                 "deferred routed tokens the LLM replaced.", registry=registry)
-        self.deferred = Counter("r2r:deferred_tokens", "Routed tokens that waited for a later, grouped LLM call.",
-                                registry=registry)
+        # Each request's counters (`COUNTERS`), summed as requests end.
+        self.counters = {name: Counter(f"r2r:{METRIC_NAMES.get(name, name)}", f"Summed over requests: {meaning}.",
+                                       registry=registry) for name, meaning in COUNTERS.items()}
         self.ttft = Histogram("r2r:time_to_first_token_seconds", "From a request's arrival to its first final "
                               "token.", buckets=LATENCY_BUCKETS, registry=registry)
         self.tpot = Histogram("r2r:time_per_output_token_seconds", "A finished request's time per token after its "
@@ -108,10 +107,8 @@ class Metrics:
         self.ended(sequence)
 
     def ended(self, sequence: Sequence) -> None:
-        gen = sequence.generation
-        self.rollbacks.inc(gen.rollbacks)
-        self.discarded.inc(gen.discarded + gen.deferred_discarded)
-        self.deferred.inc(gen.deferred)
+        for name, value in sequence.generation.counters().items():
+            self.counters[name].inc(value)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,167 @@
+"""What never reaches a handler, and what a request may cost before it queues: too many requests at once, a
+missing API key, foreign Host/Origin on a loopback server, non-JSON posts, bodies too large or too slow to arrive,
+and too many long prompts to tokenize at once. Each refusal is an OpenAI-style error."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hmac
+import ipaddress
+import time
+import urllib.parse
+
+from fastapi.responses import JSONResponse, Response
+
+from roads_to_rome.serving.schemas import APIError, Limits, error_response
+
+UNCAPPED = ("/health",)  # answered under any load: a supervisor's probe must not read a full server as dead
+KEYED = ("/v1/", "/metrics")
+SHORT_PROMPT_CHARS = 16384  # a prompt this short tokenizes in milliseconds: a lane of its own, never refused
+
+
+def is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class Guard:
+    """ASGI middleware: the cap on requests in the server, API key, loopback-only Host/Origin, JSON-only posts, and
+    the body's size and time limits. Whether a request carried the key is left in `request.state.key_ok` (`/health`
+    says more to those that do).
+
+    A web page the user visits can send a "simple" cross-origin POST (text/plain, no preflight) to a
+    server on localhost, or reach it through DNS rebinding under a foreign Host name: refusing foreign
+    Host and Origin headers and non-JSON bodies closes both."""
+
+    def __init__(self, app, api_key: str | None, loopback_only: bool, limits: Limits):
+        self.app, self.api_key, self.loopback_only, self.limits = app, api_key, loopback_only, limits
+        self.in_flight = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        capped = scope["path"] not in UNCAPPED
+        if capped and self.in_flight >= self.limits.max_connections:
+            refusal = error_response(429, f"the server is handling {self.in_flight} requests, its limit "
+                                          "(--max-connections); retry later", code="too_many_connections",
+                                     kind="rate_limit_error")
+            return await refusal(scope, receive, send)
+        self.in_flight += capped
+        try:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            scope.setdefault("state", {})["key_ok"] = self.key_ok(headers)
+            refusal = self.refusal(scope, headers)
+            if refusal is None and scope["method"] == "POST":
+                body, refusal = await self.read_body(receive, headers)
+                if refusal is None:
+                    receive = replay(body, receive)
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= capped
+
+    def key_ok(self, headers: dict) -> bool:
+        if self.api_key is None:
+            return True
+        sent = headers.get("authorization", "")
+        return hmac.compare_digest(sent.encode(), f"Bearer {self.api_key}".encode())
+
+    def refusal(self, scope, headers: dict) -> JSONResponse | None:
+        if self.loopback_only:
+            host = urllib.parse.urlsplit("//" + headers.get("host", "")).hostname
+            if not is_loopback(host):
+                return error_response(403, f"this server answers only requests addressed to localhost, not to "
+                                           f"{headers.get('host')!r} (start it with --host to serve other names)",
+                                      code="forbidden_host")
+            origin = headers.get("origin")
+            if origin is not None and not is_loopback(urllib.parse.urlsplit(origin).hostname):
+                return error_response(403, f"requests from web pages at {origin} are refused: this server answers "
+                                           "only its own playground on localhost", code="forbidden_origin")
+        if scope["path"].startswith(KEYED) and not scope["state"]["key_ok"]:
+            return error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' "
+                                       "with the key the server was started with (--api-key)",
+                                  code="invalid_api_key")
+        if scope["method"] == "POST":
+            kind = headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                return error_response(415, f"the request body must be JSON sent with content-type: "
+                                           f"application/json, not {kind or 'no content type'!r}",
+                                      code="unsupported_media_type")
+        return None
+
+    async def read_body(self, receive, headers: dict) -> tuple[bytes, Response | None]:
+        limit = self.limits.max_body_bytes
+        too_large = error_response(413, f"the request body is over this server's limit of {limit} bytes",
+                                   code="request_too_large")
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return b"", too_large
+        chunks, size = [], 0
+        deadline = time.monotonic() + self.limits.max_body_seconds
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return b"", error_response(408, f"the request body did not arrive within "
+                                                f"{self.limits.max_body_seconds:g} s (--max-body-seconds)",
+                                           code="request_timeout", headers={"Connection": "close"})
+            if message["type"] == "http.disconnect":
+                return b"", Response(status_code=499)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return b"", too_large
+            if not message.get("more_body"):
+                return b"".join(chunks), None
+
+
+def replay(body: bytes, receive):
+    """A receive channel that gives the body already read, then whatever the client sends next (a disconnect)."""
+    sent = False
+
+    async def receive_again():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return receive_again
+
+
+
+
+class Tokenizing:
+    """Prompts are tokenized off the event loop, short ones and long ones in lanes of their own; at most
+    `max_tokenizing` long ones wait or run at once, and the next gets 429 before anything else is spent on it."""
+
+    def __init__(self, limit: int):
+        self.limit, self.long_ones = limit, 0
+        # One thread per lane: a tokenizer is not safe to reconfigure from several threads at once.
+        self.short = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-tokenize")
+        self.long = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-tokenize-long")
+
+    async def __call__(self, chars: int, encode, *args) -> list[int]:
+        loop = asyncio.get_running_loop()
+        if chars <= SHORT_PROMPT_CHARS:
+            return await loop.run_in_executor(self.short, encode, *args)
+        if self.long_ones >= self.limit:
+            raise APIError(429, f"the server is tokenizing {self.long_ones} long prompts, its limit "
+                                "(--max-tokenizing); retry later", code="tokenizer_busy", kind="rate_limit_error")
+        self.long_ones += 1
+        try:
+            return await loop.run_in_executor(self.long, encode, *args)
+        finally:
+            self.long_ones -= 1
+
+    def shutdown(self) -> None:
+        self.short.shutdown(wait=False, cancel_futures=True)
+        self.long.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,207 @@
+"""A request's answer as OpenAI shapes it: a whole reply, or a stream of chunks, each with R2R's provenance (which
+model wrote each token) and, when asked, each token's log-probability from the model that wrote it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse, Response
+from openai.types import Completion, CompletionChoice, CompletionUsage
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage, ChatCompletionTokenLogprob
+from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion import ChoiceLogprobs
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
+from openai.types.completion_choice import Logprobs
+from openai.types.completion_usage import CompletionTokensDetails
+from pydantic import BaseModel
+
+from roads_to_rome.core.request import Generation, TokenLogprob
+from roads_to_rome.reasoning import ReasoningParser, prompt_start, reason
+from roads_to_rome.serving.engine_thread import ErrorReply, Job
+from roads_to_rome.serving.schemas import APIError, llm_away
+from roads_to_rome.text import Detokenizer
+
+
+@dataclass
+class Reply:
+    """The response bodies of one request, as the openai package's types (plus the "r2r" provenance)."""
+
+    id: str
+    created: int
+    model_name: str
+    chat: bool
+    parser: ReasoningParser | None = None  # chat replies only: thinking apart from the answer
+    tokenizer: object = None
+
+    def reasoned(self, gen):
+        return reason(self.parser, self.tokenizer, gen) if self.parser else None
+
+    def whole(self, gen: Generation) -> dict:
+        r2r = {"token_ids": gen.token_ids, "sources": gen.sources, "scores": gen.scores, **gen.counters()}
+        logprobs = self.logprobs(gen, 0, len(gen.token_ids))
+        if self.chat:
+            reasoned = self.reasoned(gen)
+            if reasoned is None:
+                message = ChatCompletionMessage(role="assistant", content=gen.text)
+            else:  # both names: vLLM's `reasoning`, and SGLang's and llama.cpp's `reasoning_content`
+                message = ChatCompletionMessage(role="assistant", content=reasoned.content,
+                                                reasoning=reasoned.reasoning, reasoning_content=reasoned.reasoning)
+            choice = ChatChoice(index=0, message=message, finish_reason=gen.finish_reason, logprobs=logprobs)
+            out = ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model_name,
+                                 choices=[choice], usage=usage(gen, reasoned), r2r=r2r)
+        else:
+            choice = CompletionChoice(index=0, text=gen.text, logprobs=logprobs, finish_reason=gen.finish_reason)
+            out = Completion(id=self.id, object="text_completion", created=self.created, model=self.model_name,
+                             choices=[choice], usage=usage(gen), r2r=r2r)
+        return out.model_dump(exclude_unset=True)
+
+    def logprobs(self, gen: Generation, start: int, end: int) -> ChoiceLogprobs | Logprobs | None:
+        """The log-probabilities of tokens start..end-1 in OpenAI's shape (chat: `content`; completions: parallel
+        lists), or None when the request asked for none."""
+        if gen.logprobs is None:
+            return None
+        tokens = gen.token_ids[start:end]
+        entries = [(self._text(token), entry) for token, entry in zip(tokens, gen.logprobs[start:end])]
+        if self.chat:
+            return ChoiceLogprobs(content=[ChatCompletionTokenLogprob(
+                token=text, bytes=list(text.encode()), logprob=entry.logprob,
+                top_logprobs=[TopLogprob(token=t, bytes=list(t.encode()), logprob=lp)
+                              for t, lp in self._tops(entry)]) for text, entry in entries])
+        offset, offsets = sum(len(self._text(t)) for t in gen.token_ids[:start]), []
+        for text, _ in entries:
+            offsets.append(offset)
+            offset += len(text)
+        return Logprobs(tokens=[text for text, _ in entries], token_logprobs=[entry.logprob for _, entry in entries],
+                        top_logprobs=[dict(self._tops(entry)) for _, entry in entries], text_offset=offsets)
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _tops(self, entry: TokenLogprob) -> list[tuple[str, float]]:
+        return [(self._text(t), lp) for t, lp in entry.top]
+
+    def chunk(self, delta: str | None, finish_reason=None, extra: dict | None = None, role: bool = False,
+              reasoning: str | None = None, logprobs=None) -> str:
+        if self.chat:
+            if role:
+                d = ChoiceDelta(role="assistant", content="")
+            elif reasoning:
+                d = ChoiceDelta(reasoning=reasoning, reasoning_content=reasoning,
+                                **({"content": delta} if delta else {}))
+            else:
+                d = ChoiceDelta(content=delta) if delta is not None else ChoiceDelta()
+            choice = ChunkChoice(index=0, delta=d, finish_reason=finish_reason,
+                                 **({"logprobs": logprobs} if logprobs is not None else {}))
+            out = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
+                                      model=self.model_name, choices=[choice],
+                                      **(extra or {})).model_dump(exclude_unset=True)
+        else:
+            # openai's CompletionChoice has no null finish_reason, which every chunk but the last needs.
+            shown = logprobs.model_dump(exclude_unset=True) if logprobs is not None else None
+            out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_name,
+                   "choices": [{"index": 0, "text": delta or "", "logprobs": shown, "finish_reason": finish_reason}],
+                   **{k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
+                      for k, v in (extra or {}).items()}}
+        return f"data: {json.dumps(out)}\n\n"
+
+    def usage_chunk(self, gen, reasoned=None) -> str:
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model_name, "choices": [],
+               "usage": usage(gen, reasoned).model_dump(exclude_unset=True)}
+        return f"data: {json.dumps(out)}\n\n"
+
+
+async def whole_answer(http, job: Job, reply: Reply, seconds: float):
+    """Wait for the last step (or the client leaving, or the deadline), then answer in one body."""
+    sequence, deadline = job.sequence, time.monotonic() + seconds
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    sequence.cancelled = True
+                    return Response(status_code=499)
+                if time.monotonic() >= deadline:
+                    sequence.cancelled = True
+                    raise APIError(408, f"the answer took longer than this server's limit of "
+                                        f"{seconds:g} s (--max-request-seconds): ask for fewer "
+                                        "tokens, or stream", code="request_timeout", kind="server_error") from None
+                continue
+            if isinstance(event, ErrorReply):
+                if event.code == "llm_unavailable":
+                    raise llm_away()
+                raise APIError(event.status, event.message, kind="server_error", code=event.code)
+            if event.finished:
+                break
+    except asyncio.CancelledError:
+        sequence.cancelled = True
+        raise
+    return JSONResponse(reply.whole(sequence.generation))
+
+
+async def stream_events(job: Job, reply: Reply, include_usage: bool):
+    """One chunk per token once it is final (at once without verification; with it, once the LLM has
+    checked it), with its provenance; the last chunk carries the usage."""
+    sequence = job.sequence
+    gen, tokenizer = sequence.generation, reply.tokenizer
+    detok = Detokenizer(tokenizer)
+    hold = max((len(s) for s in sequence.params.stop), default=1) - 1  # a stop string may be forming
+    text, sent, finished = "", 0, False
+    parser, reasoned = reply.parser, None
+    start = prompt_start(parser, tokenizer, sequence.prompt_ids) if parser else None
+    sent_thinking, sent_answer, streamed = 0, 0, 0
+    try:
+        if reply.chat:
+            yield reply.chunk(None, role=True)
+        while not finished:
+            event = await job.events.get()
+            if isinstance(event, ErrorReply):  # with what the client has been sent so far, to resume from
+                error = {"error": {"message": event.message, "type": "server_error", "param": None,
+                                   "code": event.code, "r2r": {"token_ids": gen.token_ids[:streamed],
+                                                               "text": text[:sent]}}}
+                yield f"data: {json.dumps(error)}\n\n"
+                break
+            for n, (token, source, score) in enumerate(event.final, 1):
+                finished = event.finished and n == len(event.final)
+                streamed += 1
+                text += detok.push(token, final=finished)
+                if finished:  # the final text has any stop string cut off
+                    delta, sent = gen.text[sent:], len(gen.text)
+                else:
+                    safe = len(text) - hold
+                    delta, sent = (text[sent:safe], safe) if safe > sent else ("", sent)
+                thinking = None
+                if parser:  # what is shown so far, split; a tag being written is held back
+                    split = parser.split(text[:sent] if not finished else gen.text, start, finished)
+                    thinking, delta = (split.reasoning or "")[sent_thinking:], split.content[sent_answer:]
+                    sent_thinking, sent_answer = sent_thinking + len(thinking), sent_answer + len(delta)
+                extra = {"r2r": {"token_id": token, "source": source, "score": score}}
+                if finished:
+                    reasoned = reply.reasoned(gen)
+                    extra["usage"] = usage(gen, reasoned)
+                yield reply.chunk(delta, gen.finish_reason if finished else None, extra, reasoning=thinking,
+                                  logprobs=reply.logprobs(gen, streamed - 1, streamed))
+        if finished and include_usage:
+            yield reply.usage_chunk(gen, reasoned)
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:
+            sequence.cancelled = True  # the client went away (or an error): free the slot
+
+
+def usage(gen: Generation, reasoned=None) -> CompletionUsage:
+    """OpenAI's usage, plus R2R's figures (`Generation.counters`); with a reasoning parser, the thinking's tokens and
+    the LLM's share of the thinking and of the answer apart."""
+    n = len(gen.token_ids)
+    thinking = {} if reasoned is None else {
+        "completion_tokens_details": CompletionTokensDetails(reasoning_tokens=reasoned.reasoning_tokens),
+        "llm_rate_thinking": reasoned.llm_rate_thinking, "llm_rate_answer": reasoned.llm_rate_answer}
+    return CompletionUsage(prompt_tokens=len(gen.prompt_ids), completion_tokens=n,
+                           total_tokens=len(gen.prompt_ids) + n, llm_rate=gen.llm_rate,
+                           avg_activated_params_b=gen.avg_params_b, **gen.counters(), **thinking)

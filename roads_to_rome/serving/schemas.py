@@ -1,0 +1,206 @@
+"""What a client may send: the server's limits, the request bodies, and how a body becomes a `Sequence` or an
+OpenAI-style error naming what to fix. Everything a body's types cannot say is checked here, before the request
+queues, so nothing a client sends can fail the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.request import Request, Sequence
+from roads_to_rome.core.sampling import MAX_LOGPROBS, SamplingParams, parse_verify
+from roads_to_rome.errors import R2RError
+
+
+@dataclass
+class Limits:
+    """Every limit one client's request meets. The defaults follow OpenAI's API and vLLM where they have one."""
+
+    max_batch: int = 8  # requests decoding (or having their prompt read) at once
+    max_queue: int = 64  # requests waiting for a slot; beyond that: 429
+    max_tokens: int = 4096  # the most new tokens one request may ask for
+    context_length: int = 32768  # prompt + new tokens of one request
+    # Prompt tokens read per model between two decode steps: large enough to read a prompt near the best rate,
+    # small enough that running streams keep getting tokens while it is read (README, "Serving").
+    prefill_chunk: int = 64
+    max_body_bytes: int = 1 << 20  # a request body's limit (413 beyond): 8x what the longest context holds
+    # OpenAI's limit. Every row decodes its tail and searches it for each stop string every step, on the engine
+    # thread, and a stream holds back the longest one's length: both stay small.
+    max_stop_strings: int = 4
+    max_stop_chars: int = 256
+    # Long prompts waiting to be tokenized (or being tokenized) at once; beyond that: 429 before anything queues.
+    # Short prompts have a lane of their own, so a flood of long ones cannot hold them up.
+    max_tokenizing: int = 4
+    max_body_seconds: float = 30.0  # a body must arrive within this (408): a trickling client is cut off
+    max_connections: int = 256  # requests in the server at once, queued and streaming included (429 beyond)
+    max_request_seconds: float = 600.0  # a whole (non-streamed) answer's deadline (408)
+    drain_timeout: float = 30.0  # seconds in-flight requests get to finish after a shutdown signal
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.code, self.kind, self.headers)
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+LLM_RETRY_AFTER_S = 5  # what a request refused while the LLM is away is told (Retry-After): the probe's pace
+LLM_AWAY = "the LLM is unavailable at the moment; retry later (requests with r2r_policy 'slm' still run)"
+
+
+def llm_away() -> APIError:
+    """A request that needs a remote LLM which is away: 503, and when to try again."""
+    return APIError(503, LLM_AWAY, code="llm_unavailable", kind="server_error",
+                    headers={"Retry-After": str(LLM_RETRY_AFTER_S)})
+
+
+# ---- request bodies (unknown fields are ignored, as OpenAI clients send many) -----------------
+
+def utf8_text(text: str) -> str:
+    """JSON can carry lone UTF-16 surrogates (\\ud800) that no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"is not valid Unicode text: it holds a lone surrogate ({text[e.start]!r}) at {e.start}") \
+            from None
+    return text
+
+
+def verify_setting(value):
+    try:
+        return parse_verify(value)
+    except R2RError as e:
+        raise ValueError(str(e)) from None
+
+
+Text = Annotated[str, AfterValidator(utf8_text)]
+Number = Annotated[float, Field(allow_inf_nan=False)]
+VerifySetting = Annotated[Number | str, AfterValidator(verify_setting)]
+
+# Fields of OpenAI's API (and vLLM's extras) that would change the answer and that this server does not do, with
+# the value that changes nothing: a request that sets one otherwise is refused, naming it, rather than answered as if
+# it had not been sent.
+UNSUPPORTED = {"n": 1, "best_of": 1, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+               "response_format": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
+               "repetition_penalty": 1, "min_p": 0, "min_tokens": 0, "echo": False, "suffix": None,
+               "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None}
+NEUTRAL = {"tools": ([],), "logit_bias": ({},), "response_format": ({"type": "text"},), "tool_choice": ("none",),
+           "suffix": ("",)}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class CommonBody(BaseModel):
+    model_config = ConfigDict(extra="allow")  # kept, to refuse the unsupported ones by name (`check_body`)
+    requested: str | None = Field(None, alias="model")  # the model id the client asks for
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: Number = Field(1.0, ge=0, le=2)  # OpenAI's range
+    top_p: Number = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a 64-bit generator takes
+    stop: Text | list[Text] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # R2R routing knobs (extra body fields)
+    r2r_threshold: Number | None = None
+    r2r_llm_rate: Number | None = Field(None, ge=0, le=1)
+    r2r_policy: Literal["slm", "llm"] | None = None
+    r2r_verify: VerifySetting | None = None  # off, strict or a tolerance in nats (default: the server's)
+    r2r_max_unverified: int | None = Field(None, ge=1)
+
+    def top_count(self) -> int | None:
+        """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
+        raise NotImplementedError
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: Text
+
+
+class ChatBody(CommonBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def top_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionBody(CommonBody):
+    prompt: Text | list[Text]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def top_count(self) -> int | None:
+        return self.logprobs
+
+
+def check_body(body: CommonBody, model_name: str, limits: Limits) -> None:
+    """What a body's types cannot say: the model it names, the options this server supports and the stop strings'
+    limits (before its prompt is tokenized)."""
+    if body.requested is not None and body.requested != model_name:
+        raise APIError(404, f"the model {body.requested!r} does not exist; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    for name, value in (body.model_extra or {}).items():
+        if name in UNSUPPORTED and value is not None and value != UNSUPPORTED[name] \
+                and value not in NEUTRAL.get(name, ()):
+            raise APIError(400, f"{name}={value!r} is not supported by this server (it would change the answer); "
+                                f"leave it out", param=name, code="unsupported_parameter")
+    stop_strings(body, limits)
+    body.top_count()
+
+
+def stop_strings(body: CommonBody, limits: Limits) -> tuple[str, ...]:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > limits.max_stop_strings:
+        raise APIError(400, f"stop holds {len(stop)} strings; this server takes at most {limits.max_stop_strings}",
+                       param="stop")
+    if any(len(s) > limits.max_stop_chars for s in stop):
+        raise APIError(400, f"a stop string is at most {limits.max_stop_chars} characters on this server",
+                       param="stop")
+    return tuple(stop)
+
+
+def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits) -> Sequence:
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        raise APIError(400, f"max_tokens is at most {limits.max_tokens} on this server", param="max_tokens")
+    context = limits.context_length
+    room = context - len(prompt_ids)
+    if room <= 0 or (max_tokens is not None and max_tokens > room):
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but this "
+                            f"server holds at most {context} tokens per request", param="messages",
+                       code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(limits.max_tokens, room)
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                            top_k=body.top_k, stop=stop_strings(body, limits), seed=body.seed,
+                            logprobs=body.top_count())
+    try:
+        request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
+                          target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
+                          max_unverified=body.r2r_max_unverified)
+        return engine.sequence(request)  # here, not in the engine thread, where it would fail the whole batch
+    except R2RError as e:
+        raise APIError(400, str(e)) from None
