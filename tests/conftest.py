@@ -156,15 +156,18 @@ class LlamaServer:
 
     SCRIPT = Path(__file__).parents[1] / "scripts" / "llama-server.py"
 
-    def __init__(self, gguf: Path, slots: int = 4, ctx_per_slot: int = 512, threads: int = 1):
+    def __init__(self, gguf: Path, slots: int = 4, ctx_per_slot: int = 512, threads: int = 1,
+                 api_key: str | None = None):
         self.gguf, self.slots, self.ctx, self.threads, self.port = gguf, slots, ctx_per_slot, threads, free_port()
+        self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = None
 
     def start(self) -> "LlamaServer":
         self.process = subprocess.Popen([sys.executable, str(self.SCRIPT), str(self.gguf), "--port", str(self.port),
                                          "--slots", str(self.slots), "--ctx-per-slot", str(self.ctx),
-                                         "--threads", str(self.threads)],
+                                         "--threads", str(self.threads),
+                                         *(["--api-key", self.api_key] if self.api_key else [])],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         return self.wait("/health", 60)
 

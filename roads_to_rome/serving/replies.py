@@ -96,7 +96,7 @@ class Reply:
             else:
                 d = ChoiceDelta(content=delta) if delta is not None else ChoiceDelta()
             choice = ChunkChoice(index=0, delta=d, finish_reason=finish_reason,
-                                 **({"logprobs": logprobs} if logprobs is not None else {}))
+                                 **({"logprobs": logprobs.model_dump()} if logprobs is not None else {}))
             out = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                       model=self.model_name, choices=[choice],
                                       **(extra or {})).model_dump(exclude_unset=True)
@@ -119,26 +119,29 @@ class Reply:
 async def whole_answer(http, job: Job, reply: Reply, seconds: float):
     """Wait for the last step (or the client leaving, or the deadline), then answer in one body."""
     sequence, deadline = job.sequence, time.monotonic() + seconds
+    looked = time.monotonic()  # when the client's connection was last looked at
     try:
         while True:
             try:
                 event = await asyncio.wait_for(job.events.get(), timeout=0.5)
             except asyncio.TimeoutError:
+                event = None
+            if event is None or time.monotonic() - looked >= 0.5:
+                looked = time.monotonic()
                 if await http.is_disconnected():
                     sequence.cancelled = True
                     return Response(status_code=499)
-                if time.monotonic() >= deadline:
-                    sequence.cancelled = True
-                    raise APIError(408, f"the answer took longer than this server's limit of "
-                                        f"{seconds:g} s (--max-request-seconds): ask for fewer "
-                                        "tokens, or stream", code="request_timeout", kind="server_error") from None
-                continue
             if isinstance(event, ErrorReply):
                 if event.code == "llm_unavailable":
                     raise llm_away()
                 raise APIError(event.status, event.message, kind="server_error", code=event.code)
-            if event.finished:
+            if event is not None and event.finished:
                 break
+            if time.monotonic() >= deadline:
+                sequence.cancelled = True
+                raise APIError(408, f"the answer took longer than this server's limit of {seconds:g} s "
+                                    "(--max-request-seconds): ask for fewer tokens, or stream",
+                               code="request_timeout", kind="server_error")
     except asyncio.CancelledError:
         sequence.cancelled = True
         raise

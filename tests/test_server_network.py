@@ -1,0 +1,298 @@
+"""A server you can put on a network: no request can stall the rest (stop lists, tokenizing, slow bodies, connections,
+whole answers' deadline), a supervised engine thread, what /health says without the key, fields that would change the
+answer refused by name, logprobs from the model that wrote each token, and one table of per-request counters."""
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from helpers import until
+
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.request import COUNTERS
+from roads_to_rome.errors import R2RError
+from roads_to_rome.routing.policies import RandomPolicy
+from roads_to_rome.serving.background import BackgroundServer
+from roads_to_rome.serving.server import Limits, create_app, run
+
+CHAT = "/v1/chat/completions"
+KEY = "sesame"
+
+
+@pytest.fixture(scope="module")
+def engine(slm, llm, tokenizer):
+    return Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=0))
+
+
+def limits(**kw) -> Limits:
+    return Limits(**{"max_batch": 4, "max_tokens": 400, "context_length": 512, **kw})
+
+
+def body(content="What is 48 / 2?", **kw):
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0, **kw}
+
+
+def post(url, payload, **kw):
+    return httpx.post(url + CHAT, json=payload, timeout=60, **kw)
+
+
+def normal_request_answers(url, within: float = 10.0, **kw) -> None:
+    start = time.monotonic()
+    response = post(url, body(max_tokens=10), **kw)
+    assert response.status_code == 200, response.text
+    assert time.monotonic() - start < within
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    app = create_app(engine, "tiny-r2r", limits(max_tokenizing=1, max_body_seconds=1.5, max_request_seconds=2,
+                                                max_connections=12))
+    with BackgroundServer(app) as srv:
+        yield srv.url
+
+
+@pytest.mark.parametrize("stop,why", [(["a", "b", "c", "d", "e"], "at most 4"), (["x" * 257], "at most 256")])
+def test_stop_lists_past_the_limits_are_400s_before_any_tokenizing(server, engine, monkeypatch, stop, why):
+    tokenized = []
+    monkeypatch.setattr(engine, "encode_messages", lambda m: tokenized.append(m) or [1])
+    response = post(server, body(stop=stop))
+    assert response.status_code == 400 and why in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "stop" and not tokenized
+
+
+def test_a_flood_of_stop_lists_beside_a_normal_request(server):
+    def flood_one():
+        for _ in range(5):
+            assert post(server, body(stop=["y" * 256] * 200)).status_code == 400
+
+    flood = [threading.Thread(target=flood_one) for _ in range(8)]  # below the connection cap (12)
+    for t in flood:
+        t.start()
+    normal_request_answers(server)
+    for t in flood:
+        t.join()
+
+
+def test_a_tokenizer_flood_gets_429_before_it_queues_and_a_short_prompt_still_answers(server, engine, monkeypatch):
+    encode = engine.encode_messages
+
+    def slow(messages):  # a long prompt that takes a while to tokenize
+        if len(messages[0]["content"]) > 16384:
+            time.sleep(1.0)
+        return encode(messages)
+
+    monkeypatch.setattr(engine, "encode_messages", slow)
+    results = []
+    flood = [threading.Thread(target=lambda: results.append(post(server, body("48 / 2 " * 4000))))
+             for _ in range(6)]
+    for t in flood:
+        t.start()
+    time.sleep(0.2)
+    normal_request_answers(server, within=3.0)
+    for t in flood:
+        t.join()
+    codes = sorted(r.status_code for r in results)
+    busy = [r for r in results if r.status_code == 429]
+    assert busy and all(r.json()["error"]["code"] == "tokenizer_busy" for r in busy), codes
+    assert set(codes) <= {400, 429}  # the ones tokenized are too long for the context: refused, never queued
+
+
+def trickle(url: str, seconds: float) -> tuple[float, bytes]:
+    """Send headers and a body one byte at a time, a byte every 0.2 s: when the server answers, and what."""
+    host, port = url.removeprefix("http://").split(":")
+    start = time.monotonic()
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  "Content-Length: 1000\r\n\r\n".encode())
+        s.settimeout(0.2)
+        answer = b""
+        while time.monotonic() - start < seconds:
+            try:
+                s.sendall(b" ")
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+                if b"\r\n\r\n" in answer:
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+    return time.monotonic() - start, answer
+
+
+def test_a_client_trickling_its_body_is_cut_off_and_others_answer_meanwhile(server):
+    outcome = []
+    t = threading.Thread(target=lambda: outcome.append(trickle(server, 30)))
+    t.start()
+    normal_request_answers(server)
+    t.join()
+    took, answer = outcome[0]
+    assert took < 5 and b" 408 " in answer.split(b"\r\n")[0], (took, answer[:200])
+
+
+def test_requests_past_the_connection_cap_get_429_and_health_still_answers(engine):
+    app = create_app(engine, "tiny-r2r", limits(max_connections=2, max_body_seconds=5))
+    with BackgroundServer(app) as srv:
+        holders = [threading.Thread(target=trickle, args=(srv.url, 3)) for _ in range(2)]
+        for t in holders:
+            t.start()
+        until(lambda: post(srv.url, body()).status_code == 429, "the third request is refused")
+        refused = post(srv.url, body())
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_connections"
+        assert httpx.get(srv.url + "/health").status_code == 200
+        for t in holders:
+            t.join()
+        normal_request_answers(srv.url)
+
+
+def test_a_whole_answer_past_its_deadline_is_408_and_frees_its_slot(server, engine, monkeypatch):
+    slow = engine.slm.forward
+    monkeypatch.setattr(engine.slm, "forward", lambda *a: (time.sleep(0.05), slow(*a))[1])
+    response = post(server, body(max_tokens=400, r2r_policy="slm"))
+    assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout"
+    monkeypatch.undo()
+    until(lambda: httpx.get(server + "/health").json()["running"] == 0, "the cut request leaves the batch")
+
+
+@pytest.mark.parametrize("field,value", [("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}),
+                                         ("presence_penalty", 0.5), ("frequency_penalty", -1), ("min_p", 0.1)])
+def test_fields_that_would_change_the_answer_are_400s_naming_them(server, field, value):
+    response = post(server, body(**{field: value}))
+    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+
+
+@pytest.mark.parametrize("field,value", [("n", 1), ("tools", []), ("presence_penalty", 0), ("logit_bias", {}),
+                                         ("response_format", {"type": "text"}), ("user", "me")])
+def test_neutral_values_of_those_fields_are_accepted(server, field, value):
+    assert post(server, body(**{field: value})).status_code == 200
+
+
+def test_health_says_only_the_status_without_the_key(engine):
+    app = create_app(engine, "tiny-r2r", limits(), api_key=KEY)
+    with BackgroundServer(app) as srv:
+        assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+        full = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()
+        assert full["status"] == "ok" and full["model"] == "tiny-r2r" and "running" in full
+    with pytest.raises(R2RError, match="empty"):
+        create_app(engine, "tiny-r2r", limits(), api_key=" ")
+
+
+def test_an_engine_thread_that_dies_fails_requests_in_flight_and_health_says_failed(engine, monkeypatch):
+    app = create_app(engine, "tiny-r2r", limits())
+    thread = app.state.r2r.engine_thread
+    served = threading.Thread(target=lambda: result.append(run(app, "127.0.0.1", port)), daemon=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url, result = f"http://127.0.0.1:{port}", []
+    calls = {"n": 0}
+    advance = thread.scheduler.advance
+
+    def fails_on_the_third_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("a bug outside the scheduler's own error handling")
+        return advance()
+
+    monkeypatch.setattr(thread.scheduler, "advance", fails_on_the_third_step)
+    served.start()
+    until(lambda: _up(url), "the server starts")
+    response = post(url, body(max_tokens=50))
+    assert response.status_code == 500 and response.json()["error"]["code"] == "engine_failed", response.text
+    assert "RuntimeError" not in response.text and "bug" not in response.text
+    served.join(10)
+    assert result == [1], "run() returns 1 once the engine's thread has failed, for a supervisor to restart"
+
+
+def _up(url) -> bool:
+    try:
+        return httpx.get(url + "/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_health_is_503_failed_and_new_requests_503_once_the_engine_failed(engine, monkeypatch):
+    app = create_app(engine, "tiny-r2r", limits())
+    thread = app.state.r2r.engine_thread
+    monkeypatch.setattr(thread.scheduler, "advance", lambda: 1 / 0)
+    with BackgroundServer(app) as srv:
+        failed = post(srv.url, body())
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_failed"
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503 and health.json() == {"status": "failed"}
+        again = post(srv.url, body())
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_failed"
+
+
+# Log-probabilities, and the counters.
+
+def expected_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+
+
+def test_each_tokens_logprob_comes_from_the_model_that_wrote_it(engine, slm, llm):
+    app = create_app(engine, "tiny-r2r", limits())
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+        reply = client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": "48 / 2?"}],
+                                               max_tokens=24, temperature=0, logprobs=True, top_logprobs=3)
+    r2r = reply.model_extra["r2r"]
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == len(r2r["token_ids"]) == reply.usage.completion_tokens
+    assert {"slm", "llm"} <= set(r2r["sources"]) | {"llm"} and "slm" in r2r["sources"]
+    prompt = engine.encode_messages([{"role": "user", "content": "48 / 2?"}])
+    for k, (token, source, entry) in enumerate(zip(r2r["token_ids"], r2r["sources"], entries)):
+        model = slm.model if source == "slm" else llm.model
+        want = expected_logprobs(model, prompt + r2r["token_ids"][:k])
+        assert entry.logprob == pytest.approx(float(want[token]), abs=1e-3), (k, source)
+        assert len(entry.top_logprobs) == 3
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(want.topk(3).values.tolist(), abs=1e-3)
+
+
+def test_logprobs_streamed_and_on_completions_through_the_openai_client(engine):
+    app = create_app(engine, "tiny-r2r", limits())
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+        same = {"r2r_policy": "llm"}  # the random policy's draws differ from one request to the next
+        whole = client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": "Paris?"}],
+                                               max_tokens=16, temperature=0, logprobs=True, top_logprobs=2,
+                                               extra_body=same)
+        streamed = []
+        for chunk in client.chat.completions.create(model="tiny-r2r", stream=True, max_tokens=16, temperature=0,
+                                                    messages=[{"role": "user", "content": "Paris?"}],
+                                                    logprobs=True, top_logprobs=2, extra_body=same):
+            if chunk.choices and chunk.choices[0].logprobs:
+                streamed += chunk.choices[0].logprobs.content
+        assert [(e.token, e.logprob) for e in streamed] == \
+            [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+        assert all(len(e.top_logprobs) == 2 for e in streamed)
+        completion = client.completions.create(model="tiny-r2r", prompt="def add(a, b):", max_tokens=12,
+                                               temperature=0, logprobs=4)
+        lp = completion.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == completion.usage.completion_tokens
+        assert all(1 <= len(top) <= 4 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+        plain = client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": "Paris?"}],
+                                               max_tokens=4)
+        assert plain.choices[0].logprobs is None
+        bad = httpx.post(srv.url + CHAT, json=body(top_logprobs=2))
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
+        assert httpx.post(srv.url + CHAT, json=body(logprobs=True, top_logprobs=21)).status_code == 400
+
+
+def test_every_counter_shows_in_the_reply_the_usage_and_the_metrics(engine):
+    app = create_app(engine, "tiny-r2r", limits())
+    with BackgroundServer(app) as srv:
+        reply = post(srv.url, body(max_tokens=24)).json()
+        metrics = httpx.get(srv.url + "/metrics").text
+    for name in COUNTERS:
+        assert name in reply["r2r"] and name in reply["usage"], name
+    assert reply["r2r"]["deferred_kept"] == reply["usage"]["deferred_kept"]
+    assert "r2r:deferred_kept_total" in metrics and "r2r:llm_call_rows_total" in metrics
