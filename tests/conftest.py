@@ -214,8 +214,9 @@ class VllmServer(LlamaServer):
     PYTHON = Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python"
 
     def __init__(self, model_dir: Path, name: str = "tiny", max_len: int = 512, threads: int = 1,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", api_key: str | None = None):
         self.model_dir, self.name, self.max_len, self.threads = model_dir, name, max_len, threads
+        self.api_key = api_key
         self.port = free_port()
         self.dtype = dtype
         self.url = f"http://127.0.0.1:{self.port}"
@@ -226,10 +227,11 @@ class VllmServer(LlamaServer):
         self.process = subprocess.Popen([str(self.PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
                                          str(self.model_dir), "--served-model-name", self.name, "--dtype", self.dtype,
                                          "--max-model-len", str(self.max_len), "--port", str(self.port),
-                                         "--enforce-eager", "--block-size", "32"],
+                                         "--enforce-eager", "--block-size", "32",
+                                         *(["--api-key", self.api_key] if self.api_key else [])],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                         start_new_session=True)
-        return self.wait("/v1/models", 300)  # eager mode compiles nothing, but its imports take a while
+        return self.wait("/health", 300)  # eager mode compiles nothing, but its imports take a while
 
     def own_greedy(self, ids: list[int], n: int) -> list[int]:
         out = httpx.post(self.url + "/v1/completions", json={

@@ -79,16 +79,20 @@ class HealthWatch:
 
     def __init__(self, url: str):
         self.url, self.slowest, self.statuses, self.stop = url, 0.0, [], threading.Event()
+        self.error: BaseException | None = None  # what ended the watch early: raised in the test's thread on exit
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self):
-        while not self.stop.is_set():
-            start = time.monotonic()
-            reply = httpx.get(self.url + "/health", timeout=10)
-            self.slowest = max(self.slowest, time.monotonic() - start)
-            assert reply.status_code == 200
-            self.statuses.append(reply.json())
-            time.sleep(0.1)
+        try:
+            while not self.stop.is_set():
+                start = time.monotonic()
+                reply = httpx.get(self.url + "/health", timeout=10)
+                self.slowest = max(self.slowest, time.monotonic() - start)
+                assert reply.status_code == 200, reply.text
+                self.statuses.append(reply.json())
+                time.sleep(0.1)
+        except BaseException as e:  # noqa: BLE001 - an assertion in a thread would vanish: `__exit__` raises it
+            self.error = e
 
     def __enter__(self):
         self.thread.start()
@@ -97,6 +101,9 @@ class HealthWatch:
     def __exit__(self, *exc):
         self.stop.set()
         self.thread.join()
+        if self.error is not None:
+            raise AssertionError(f"/health failed while watched: {self.error!r}") from self.error
+        assert self.statuses, "the health watch saw no answer"
 
 
 def signal_group(server: LlamaServer, sig: int) -> None:
@@ -268,3 +275,69 @@ def test_with_overlap_a_stalled_llm_holds_only_the_rows_that_wait_for_it(llm_fil
                 t.join(CLIENT_TIMEOUT)
             assert routed["error"] is not None and routed["error"]["code"] == "llm_unavailable"
             assert own["error"] is None and len(own["times"]) > 10
+
+
+SERVE_WITH_REMOTE_LLM = """
+import sys
+sys.path.insert(0, {tests!r})
+from tiny import tiny_model, tiny_tokenizer
+from roads_to_rome.backends.remote import RemoteBackend
+from roads_to_rome.backends.torch_backend import TorchBackend
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.routing.policies import RandomPolicy
+from roads_to_rome.serving.server import Limits, create_app, run
+tok = tiny_tokenizer()
+slm = TorchBackend(tiny_model(tok, hidden=32, seed=0))
+llm = RemoteBackend({llm!r}, tok, slm.eos_ids, vocab_size=len(tok))  # 120 s per call, 30 s of retries
+engine = Engine(slm, llm, tok, RandomPolicy(0.5, seed=0))
+sys.exit(run(create_app(engine, "tiny", Limits(max_tokens=300, context_length=512)), "127.0.0.1", {port}))
+"""
+
+
+@NEEDS_LLAMA_SERVER
+def test_sigterm_exits_within_seconds_while_the_llms_server_has_stopped_answering(llm_files):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import free_port
+
+    with LlamaServer(llm_files["gguf"], slots=2) as llm_server:
+        port = free_port()
+        code = SERVE_WITH_REMOTE_LLM.format(tests=str(Path(__file__).parent), llm=llm_server.url, port=port)
+        process = subprocess.Popen([sys.executable, "-c", code])
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(url + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+            started, lines = threading.Event(), []
+
+            def read_stream():
+                body = {"messages": [{"role": "user", "content": LONG[0]}], "max_tokens": 300, "temperature": 0,
+                        "stream": True, "r2r_policy": "llm"}
+                with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT) as reply:
+                    for line in reply.iter_lines():
+                        lines.append(line)
+                        started.set()
+
+            stream = threading.Thread(target=read_stream, daemon=True)
+            stream.start()
+            assert started.wait(30)
+            signal_group(llm_server, signal.SIGSTOP)  # the LLM's server stops answering mid-stream
+            time.sleep(1.0)
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            process.wait(20)
+            took = time.monotonic() - signalled
+            stream.join(10)
+            assert took < 12, f"r2r serve took {took:.1f} s to exit after SIGTERM"
+            errors = [json.loads(line[6:])["error"] for line in lines if line.startswith('data: {"error"')]
+            assert errors and "shutting down" in errors[0]["message"], lines[-3:]  # cut with an error, not hanging
+        finally:
+            signal_group(llm_server, signal.SIGCONT)
+            process.kill()

@@ -4,6 +4,7 @@ the xllamacpp wheel; vLLM, from its own virtualenv): the same tokens as the serv
 match the same model run locally, and the faults a user meets (no server, a server that dies mid-generation,
 a wrong model name, another tokenizer)."""
 
+import json
 import threading
 
 import httpx
@@ -19,7 +20,7 @@ from roads_to_rome.core.engine import Batch, Engine, Failure
 from roads_to_rome.core.llm_calls import Deferral
 from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams
-from roads_to_rome.errors import R2RError
+from roads_to_rome.errors import LLMUnavailable, R2RError, RemoteError
 from roads_to_rome.routing.policies import AlwaysLLM, EntropyPolicy, RandomPolicy
 
 ENGINES = [
@@ -289,3 +290,104 @@ def test_what_the_server_writes_itself_equals_the_engines_token_by_token_greedy(
     branches = llm_branches(llm, base, len(prompts[1]), [3, 1], [response[3], 42], [6, 4], engine.eos_ids, None)
     assert branches == [written([prompts[1] + response[:3] + [response[3]]], 6)[0],
                         written([prompts[1] + response[:1] + [42]], 4)[0]]
+
+
+# A server run the way servers are run on a network: with a key, and its answers when things go wrong.
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def keyed_server(request, llm_files):
+    kind = LlamaServer(llm_files["gguf"], api_key=KEY) if request.param == "llamacpp" else \
+        VllmServer(llm_files["dir"], api_key=KEY)
+    with kind as srv:
+        yield srv
+
+
+def test_a_server_started_with_a_key_needs_it_and_r2r_sends_it(keyed_server, slm, tokenizer, monkeypatch):
+    monkeypatch.delenv("R2R_LLM_API_KEY", raising=False)
+    with pytest.raises(R2RError, match="needs an API key.*--llm-api-key"):
+        remote(keyed_server.url, tokenizer, slm)
+    with pytest.raises(R2RError, match="refused the key"):
+        remote(keyed_server.url, tokenizer, slm, api_key="wrong")
+    with pytest.raises(R2RError, match="empty"):
+        remote(keyed_server.url, tokenizer, slm, api_key="")
+    llm = remote(keyed_server.url, tokenizer, slm, api_key=KEY)
+    engine = Engine(slm, llm, tokenizer, AlwaysLLM())
+    prompt = engine.encode_chat(REMOTE_PROMPTS[0])
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6 and out.llm_tokens == 6
+    monkeypatch.setenv("R2R_LLM_API_KEY", KEY)  # from the environment, as `r2r serve` reads it
+    assert remote(keyed_server.url, tokenizer, slm).api.model
+
+
+@NEEDS_LLAMA_SERVER
+def test_r2r_serve_with_llm_api_key_against_a_keyed_llama_server(llm_files, slm, tokenizer, tmp_path, run_cli):
+    slm_dir = tmp_path / "slm"
+    slm.model.save_pretrained(slm_dir)
+    tokenizer.save_pretrained(slm_dir)
+    with LlamaServer(llm_files["gguf"], api_key=KEY) as srv:
+        common = ["generate", "hi", "--slm", slm_dir, "--llm", srv.url, "--max-new-tokens", "4", "--device", "cpu",
+                  "--router", "llm", "--json"]
+        code, out, err = run_cli(*common)
+        assert code != 0 and "needs an API key" in err + out
+        code, out, err = run_cli(*common, "--llm-api-key", KEY)
+        assert code == 0, err
+        assert json.loads(out)["llm_tokens"] > 0
+
+
+def mock_client(handler, retry: float = 1.0, url: str = "http://127.0.0.1:9"):
+    from roads_to_rome.backends.remote import Client
+
+    client = Client(url, timeout=5, retry=retry)
+    client.http = httpx.Client(base_url=client.url, transport=httpx.MockTransport(handler), auth=client.http.auth,
+                               headers=client.http.headers)
+    return client
+
+
+@pytest.mark.parametrize("status", [500, 502, 503, 504])
+def test_5xx_answers_are_retried_then_the_llm_counts_as_unavailable(status):
+    calls = []
+
+    def flaky(request):
+        calls.append(request)
+        return httpx.Response(status, text="busy") if len(calls) <= 2 else httpx.Response(200, json={"ok": 1})
+
+    assert mock_client(flaky, retry=5).get("/v1/models") == {"ok": 1} and len(calls) == 3
+    with pytest.raises(LLMUnavailable, match=f"answered {status}"):
+        mock_client(lambda r: httpx.Response(status), retry=0.5).get("/v1/models")
+
+
+def test_a_connection_cut_mid_answer_is_retried_and_garbled_answers_are_clear_errors():
+    calls = []
+
+    def cut_once(request):
+        calls.append(request)
+        if len(calls) == 1:
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+        return httpx.Response(200, json={"ok": 1})
+
+    assert mock_client(cut_once).get("/x") == {"ok": 1} and len(calls) == 2
+    for text in ("<html>502 Bad Gateway</html>", '{"choices": [{"logprobs": {"tok'):
+        with pytest.raises(RemoteError, match="something other than JSON"):
+            mock_client(lambda r, text=text: httpx.Response(200, text=text)).get("/x")
+
+
+def test_credentials_in_the_llm_address_are_sent_but_never_shown():
+    seen = []
+
+    def needs_basic(request):
+        seen.append(request.headers.get("authorization"))
+        return httpx.Response(503)
+
+    client = mock_client(needs_basic, retry=0, url="http://alice:hunter2@127.0.0.1:9/")
+    assert "hunter2" not in client.url and "alice" not in client.url
+    with pytest.raises(LLMUnavailable) as failed:
+        client.get("/v1/models")
+    assert "hunter2" not in str(failed.value) and seen[0].startswith("Basic ")
+    from roads_to_rome.backends.remote import RemoteBackend, without_credentials
+
+    assert without_credentials("http://alice:hunter2@h:1/v1?model=m") == "http://h:1/v1?model=m"
+    with pytest.raises(R2RError) as bad:
+        RemoteBackend("http://alice:hunter2@127.0.0.1:9?modle=x", None, set())
+    assert "hunter2" not in str(bad.value)

@@ -78,10 +78,12 @@ class EngineThread:
         self.thread.start()
 
     def stop(self):
+        """Stop after the turn under way. Every request has its answer by now, so a turn stuck on an LLM server that
+        does not answer is not waited for long (the thread is a daemon: it does not hold the process)."""
         with self.wakeup:
             self.stopping = True
             self.wakeup.notify()
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=2)
 
     def drain(self, seconds: float, llm_stalled: Callable[[], bool] = lambda: False) -> None:
         """Stop admitting (503), fail what waits in the queue, give in-flight requests `seconds` to finish. A watcher

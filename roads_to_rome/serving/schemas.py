@@ -147,7 +147,9 @@ class ChatBody(CommonBody):
 
 
 class CompletionBody(CommonBody):
-    prompt: Text | list[Text]
+    # One prompt per request (as text, or a list of one: what OpenAI's clients send).
+    prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[Annotated[Text, Field(min_length=1)]],
+                                                             Field(min_length=1, max_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def top_count(self) -> int | None:

@@ -200,13 +200,7 @@ async def chat_completions(body: ChatBody, http: HTTPRequest):
 async def completions(body: CompletionBody, http: HTTPRequest):
     s = server(http)
     check_body(body, s.model_name, s.limits)
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise APIError(400, "only one prompt per request is supported", param="prompt")
-        prompt = prompt[0]
-    if not prompt:
-        raise APIError(400, "prompt is empty", param="prompt")
+    prompt = body.prompt[0] if isinstance(body.prompt, list) else body.prompt
     return await respond(http, s, body, await tokenize(s, len(prompt), s.engine.encode_raw, prompt), chat=False)
 
 
