@@ -583,7 +583,7 @@ def test_label_cli(run_cli, tmp_path):
                              "--judge", "margin", "--margin", "0.5", *pair)
     assert code == 0, err
     assert {r["judge"] for r in labels.Parts(tmp_path / "m", "judgements").rows()} <= {"margin"}
-    assert json.loads((tmp_path / "m" / "responses.json").read_text()) == {"writer": "slm"}
+    assert json.loads((tmp_path / "m" / "responses.json").read_text()) ["writer"] == "slm"
     for bad, says in ((["--margin", "-1"], "must be above 0"), (["--writer", "slm"], "needs --judge margin")):
         code, out, err = run_cli("label", prompts, "--out", tmp_path / "n", "--judge", "margin" if bad[0] ==
                                  "--margin" else "facts", *bad, *pair)
@@ -679,3 +679,30 @@ def test_the_committed_datasets_match_their_reports():
     prompts = [json.loads(line)["id"] for line in (root / "onpolicy" / "prompts.jsonl").read_text().splitlines()]
     labelled = {r["id"] for r in labels.Parts(root / "onpolicy", "responses").rows()}
     assert set(prompts[: len(labelled)]) == labelled  # the prompt set's first prompts, in order
+
+
+def test_a_resume_with_other_settings_is_refused_naming_the_setting(tmp_path, slm, llm, tokenizer):
+    out = tmp_path / "run"
+    run_pipeline(out, slm, llm, tokenizer)
+    llm_engine = Engine.alone(llm, tokenizer)
+    with pytest.raises(R2RError, match="max_new_tokens = 24, not 48"):  # responses of two lengths would mix
+        labels.step_responses(PROMPTS, llm_engine, out, max_new_tokens=48, batch_size=2)
+    with pytest.raises(R2RError, match='judge = "stub", not "answer"'):  # verdicts of two judges would mix
+        labels.step_judgements(judges.AnswerJudge(), out, batch_size=4)
+    labels.step_responses(PROMPTS, llm_engine, out, max_new_tokens=24, batch_size=2)  # the same settings resume
+
+
+def test_a_margin_step_cut_short_leaves_the_old_verdicts_whole(tmp_path, slm, llm, tokenizer, monkeypatch):
+    out = tmp_path / "margin"
+    run_margin(out, slm, llm, tokenizer, margin=1.0)
+    before = sorted(map(str, labels.Parts(out, "judgements").rows()))
+    assert before
+
+    def dies(self, rows):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(labels.Parts, "write", dies)
+    with pytest.raises(KeyboardInterrupt):
+        labels.step_margin_judgements(judges.MarginJudge(3.0), out)
+    monkeypatch.undo()
+    assert sorted(map(str, labels.Parts(out, "judgements").rows())) == before

@@ -1,6 +1,6 @@
 """The package's architecture as a rule: sub-packages form layers, and imports only point down.
 
-Read the layers bottom to top: shared basics (errors, text, hardware, progress, plots); reasoning models' thinking told
+Read the layers bottom to top: shared basics (errors, files, text, hardware, progress, plots); reasoning models' thinking told
 from their answer (text); the backends that run a model;
 routing (policies and the router); the core decode loop; loading models into an engine; then the clients of an engine
 (evaluation; serving and the label pipeline; router training; benchmarks); the command line on top.
@@ -18,7 +18,7 @@ import pytest
 PACKAGE = "roads_to_rome"
 ROOT = Path(__file__).parents[1] / PACKAGE
 LAYERS = [
-    {"errors", "text", "hardware", "progress", "plots"},
+    {"errors", "files", "text", "hardware", "progress", "plots"},
     {"reasoning"},
     {"backends"},
     {"routing"},

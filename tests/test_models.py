@@ -138,3 +138,23 @@ def test_prepare_makes_only_what_llamacpp_needs_and_torch_converts_on_first_use(
     ids = torch.tensor([[1, 5, 9, 20]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits.float(), model(ids).logits, atol=0.1, rtol=0.05)  # bf16 copy
+
+
+def test_an_assembled_file_is_trusted_by_its_hash_not_its_size(tmp_path, monkeypatch):
+    import hashlib
+
+    monkeypatch.setenv("R2R_CACHE", str(tmp_path / "cache"))
+    part = tmp_path / "part.bin"
+    part.write_bytes(b"published weights" * 10)
+    monkeypatch.setattr(packaged, "_part_paths", lambda model: [part])
+    data = part.read_bytes()
+    fake = models.PackagedModel("fake", "x/y", "fake-part", "1.0", 1, len(data), hashlib.sha256(data).hexdigest())
+    target = models.assemble_gguf(fake)
+    assert target.read_bytes() == data and packaged.is_verified(fake)
+    target.write_bytes(b"X" * len(data))  # damaged in place, same size
+    assert not packaged.is_verified(fake)
+    assert models.assemble_gguf(fake).read_bytes() == data  # checked by its hash, and made again
+    packaged.verified_stamp(fake).unlink()  # a file assembled before stamps: its hash is checked, then stamped
+    assert not packaged.is_verified(fake)
+    models.assemble_gguf(fake)
+    assert packaged.is_verified(fake)

@@ -79,6 +79,8 @@ class Payload:
     ("position", "position embeddings"),
     ("a list", "holds a list"),
     ("code", "loads safely"),
+    ("huge", "more than a router's limit"),
+    ("wrong shape", "has the wrong shape"),
 ])
 def test_refusals(slm, tmp_path, run_cli, change, message):
     checkpoint = reference_checkpoint(slm.hidden_size, slm.embedding_table().shape[1])
@@ -88,6 +90,10 @@ def test_refusals(slm, tmp_path, run_cli, change, message):
         del checkpoint["state_dict"]["backbone.input_projection.bias"]
     elif change == "position":
         checkpoint["init_args"]["use_position_embedding"] = True
+    elif change == "huge":  # a crafted file whose sizes alone would take terabytes to build
+        checkpoint["init_args"]["hidden_dims"] = [1_000_000] * 3
+    elif change == "wrong shape":
+        checkpoint["state_dict"]["backbone.input_projection.bias"] = torch.zeros(3)
     elif change == "a list":
         checkpoint = [checkpoint]
     elif change == "code":
@@ -139,3 +145,26 @@ def test_the_cli_imports_trains_and_exports(run_cli, slm, tokenizer, tmp_path):
     assert code == 2 and "every input" in err
     code, _, err = run_cli("router", "export", tmp_path / "imported-not-ref", "--out", tmp_path / "x.pt")
     assert code == 2
+
+
+def test_an_interrupted_import_leaves_the_router_that_was_there(slm, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    from roads_to_rome.routing import router as router_module
+
+    checkpoint = reference_checkpoint(slm.hidden_size, slm.embedding_table().shape[1], threshold=0.25)
+    torch.save(checkpoint, tmp_path / "router.pt")
+    import_reference(tmp_path / "router.pt", slm, tmp_path / "imported")
+    before = {f.name: f.read_bytes() for f in (tmp_path / "imported").iterdir()}
+
+    def dies_half_way(tensors, filename):
+        safetensors.torch.save_file(dict(list(tensors.items())[:1]), filename)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(router_module, "save_file", dies_half_way)
+    checkpoint["common_args"]["threshold"] = 0.75
+    torch.save(checkpoint, tmp_path / "other.pt")
+    with pytest.raises(KeyboardInterrupt):
+        import_reference(tmp_path / "other.pt", slm, tmp_path / "imported")
+    assert {f.name: f.read_bytes() for f in (tmp_path / "imported").iterdir()} == before  # no temporary left either
+    assert load_router(tmp_path / "imported").threshold == 0.25

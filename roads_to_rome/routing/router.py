@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from roads_to_rome import files
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.reference import ReferenceConfig, ReferenceRouter, read_reference, write_reference
 
@@ -114,12 +115,13 @@ def save_router(path: str | Path, ckpt: RouterCheckpoint) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in ckpt.router.state_dict().items()}
-    save_file(tensors, str(path / "router.safetensors"))
+    # Each file whole or not at all: an interrupted save leaves the router that was there.
+    files.write_atomically(path / "router.safetensors", lambda tmp: save_file(tensors, str(tmp)))
     config = {k: v for k, v in asdict(ckpt.router.config).items()
               if k != "inputs" or isinstance(ckpt.router, Router)}  # the reference's inputs are fixed
     meta = {"model": architecture(ckpt.router), "architecture": config, "threshold": ckpt.threshold,
             "slm": ckpt.slm, **ckpt.extra}
-    (path / "router.json").write_text(json.dumps(meta, indent=2))
+    files.write_text(path / "router.json", json.dumps(meta, indent=2))
 
 
 def slm_identity(slm) -> dict:

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from roads_to_rome import files
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval.stats import roc_auc
 from roads_to_rome.pipeline.labels import Parts, prefill_rows
@@ -350,7 +351,7 @@ def train_router(datasets: list[Path], slm, out: Path, objective: str = "diverge
                        "entropy_baseline": entropy_baseline, "dataset": ", ".join(map(str, datasets)),
                        "prompts": len(data.ids), "seed": seed}
             save_router(out, checkpoint(router, results[-1]["threshold"], slm, {"training": metrics}))
-    (out / "training.json").write_text(json.dumps({"runs": results, "entropy": entropy_baseline}, indent=2))
+    files.write_text(out / "training.json", json.dumps({"runs": results, "entropy": entropy_baseline}, indent=2))
     return {"runs": results, "entropy": entropy_baseline, "metrics": metrics, "skipped": skipped}
 
 
