@@ -161,3 +161,24 @@ def test_generate_with_verification_reports_fixes(run_cli, pair):
                              "12", *pair)
     assert code == 0, err
     assert "verification" in out and "rollbacks" in out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--host", "0.0.0.0"], "has no --api-key"),  # other machines could use the models
+    (["--host", "192.168.1.20"], "--allow-unauthenticated"),
+    (["--api-key", ""], "is empty"),
+    (["--api-key", "  "], "is empty"),
+])
+def test_serve_refuses_an_open_network_bind_and_an_empty_key_before_loading_anything(run_cli, args, says):
+    code, out, err = run_cli("serve", *args, "--slm", "/nowhere", "--llm", "/nowhere")  # refused before loading
+    assert code != 0 and says in err + out, err + out
+
+
+def test_serving_anyone_on_a_network_is_said_out_loud(capsys):
+    from roads_to_rome.cli.main import check_exposure
+
+    check_exposure("0.0.0.0", None, allow_unauthenticated=True)
+    check_exposure("127.0.0.1", None, allow_unauthenticated=False)
+    check_exposure("0.0.0.0", "a-key", allow_unauthenticated=False)
+    out = capsys.readouterr()
+    assert (out.out + out.err).count("anyone who reaches the port") == 1

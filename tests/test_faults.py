@@ -19,7 +19,8 @@ from helpers import NEEDS_LLAMA_SERVER, REMOTE_PROMPTS, remote
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import EntropyPolicy
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.server import Limits, create_app
+from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.server import create_app
 
 RETRY, TIMEOUT = 8.0, 3.0  # the remote backend's budget and per-call timeout in this test
 CLIENT_TIMEOUT = 60.0  # a request that takes longer than this has hung
@@ -285,7 +286,8 @@ from roads_to_rome.backends.remote import RemoteBackend
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import RandomPolicy
-from roads_to_rome.serving.server import Limits, create_app, run
+from roads_to_rome.serving.server import create_app, run
+from roads_to_rome.serving.schemas import Limits
 tok = tiny_tokenizer()
 slm = TorchBackend(tiny_model(tok, hidden=32, seed=0))
 llm = RemoteBackend({llm!r}, tok, slm.eos_ids, vocab_size=len(tok))  # 120 s per call, 30 s of retries

@@ -1,7 +1,7 @@
 """The package's architecture as a rule: sub-packages form layers, and imports only point down.
 
-Read the layers bottom to top: shared basics (errors, files, text, hardware, progress, plots); reasoning models' thinking told
-from their answer (text); the backends that run a model;
+Read the layers bottom to top: shared basics (errors, files, text, hardware, progress, plots); reasoning models'
+thinking told from their answer (text); the backends that run a model;
 routing (policies and the router); the core decode loop; loading models into an engine; then the clients of an engine
 (evaluation; serving and the label pipeline; router training; benchmarks); the command line on top.
 A module may import from its own sub-package and from lower layers, never from a layer above or a

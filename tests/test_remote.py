@@ -244,7 +244,8 @@ def test_a_server_that_dies_mid_generation_fails_that_request_and_the_next_one_w
 @NEEDS_LLAMA_SERVER
 def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_files, slm, tokenizer):
     from roads_to_rome.serving.background import BackgroundServer
-    from roads_to_rome.serving.server import Limits, create_app
+    from roads_to_rome.serving.schemas import Limits
+    from roads_to_rome.serving.server import create_app
 
     with LlamaServer(llm_files["gguf"], slots=2) as srv:
         engine = Engine(slm, remote(srv.url, tokenizer, slm, retry=0, timeout=10), tokenizer, RandomPolicy(0.5, seed=0))
@@ -253,6 +254,8 @@ def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_files, 
             body = {"messages": [{"role": "user", "content": REMOTE_PROMPTS[0]}], "max_tokens": 16, "temperature": 0}
             first = httpx.post(chat, json={**body, "r2r_policy": "llm"}, timeout=60)
             assert first.status_code == 200
+            models = httpx.get(r2r.url + "/v1/models").text
+            assert srv.url not in models and str(srv.port) not in models  # the LLM's model, not its address
             srv.stop()
             failed = httpx.post(chat, json={**body, "r2r_policy": "llm"}, timeout=60)
             assert failed.status_code == 503 and failed.headers["retry-after"], failed.text

@@ -14,7 +14,8 @@ from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.routing.rate import CATCH_UP_TOKENS
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.server import Limits, create_app
+from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.server import create_app
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,8 @@ from roads_to_rome.models.loading import choose_policy
 from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.server import Limits, create_app
+from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.server import create_app
 
 DEFAULT_SYSTEMS = "r2r,r2r+overlap,llm,spec+k=4"
 

@@ -203,6 +203,8 @@ def serve(
     require_extra("serve", "`r2r serve`")
     from roads_to_rome.reasoning import check_parser
     from roads_to_rome.serving import server
+    from roads_to_rome.serving.guard import is_loopback
+    from roads_to_rome.serving.schemas import Limits
 
     check_parser(reasoning_parser)
     check_exposure(host, api_key, allow_unauthenticated)
@@ -213,12 +215,12 @@ def serve(
                                  defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry,
                                  llm_api_key=llm_api_key,
                                  overlap=overlap, overlap_ahead=overlap_ahead, threads=threads)
-    limits = server.Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
+    limits = Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
                            max_body_bytes=max_body_bytes, max_stop_strings=max_stop_strings,
                            max_stop_chars=max_stop_chars, max_tokenizing=max_tokenizing,
                            max_body_seconds=max_body_seconds, max_connections=max_connections,
                            max_request_seconds=max_request_seconds, drain_timeout=drain_timeout)
-    app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=server.is_loopback(host),
+    app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=is_loopback(host),
                             docs=docs, reasoning_parser=reasoning_parser)
     console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
     status = server.run(app, host, port)

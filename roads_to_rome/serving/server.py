@@ -31,7 +31,7 @@ from roads_to_rome.core.engine import Engine
 from roads_to_rome.errors import R2RError
 from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser
 from roads_to_rome.serving.engine_thread import EngineThread, Job
-from roads_to_rome.serving.guard import Guard, Tokenizing, is_loopback  # noqa: F401 - `is_loopback`: the CLI's
+from roads_to_rome.serving.guard import Guard, Tokenizing
 from roads_to_rome.serving.replies import Reply, stream_events, whole_answer
 from roads_to_rome.serving.schemas import (
     APIError,
