@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -206,3 +208,17 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
         return engine.sequence(request)  # here, not in the engine thread, where it would fail the whole batch
     except R2RError as e:
         raise APIError(400, str(e)) from None
+
+
+async def validation_error(http: HTTPRequest, e: RequestValidationError) -> JSONResponse:
+    """FastAPI's body validation, as an OpenAI-style 400 naming the first bad field."""
+    first = e.errors()[0]
+    loc = [str(x) for x in first["loc"] if x != "body"]
+    param = ".".join(loc) if loc and first["type"] != "json_invalid" else None
+    if first["type"] == "json_invalid":
+        message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+    elif not loc:
+        message = "the request body must be a JSON object (sent with content-type: application/json)"
+    else:
+        message = f"{param}: {first['msg']}"
+    return APIError(400, message, param=param).response()

@@ -43,6 +43,7 @@ from roads_to_rome.serving.schemas import (
     error_response,
     llm_away,
     make_sequence,
+    validation_error,
 )
 
 log = logging.getLogger(__name__)
@@ -109,20 +110,6 @@ async def http_error(_: HTTPRequest, e: HTTPException) -> JSONResponse:
 async def internal_error(http: HTTPRequest, e: Exception) -> JSONResponse:
     log.error("internal error on %s", http.url.path, exc_info=e)
     return error_response(500, "internal error (the server's log has the details)", kind="server_error")
-
-
-async def validation_error(http: HTTPRequest, e: RequestValidationError) -> JSONResponse:
-    """FastAPI's body validation, as an OpenAI-style 400 naming the first bad field."""
-    first = e.errors()[0]
-    loc = [str(x) for x in first["loc"] if x != "body"]
-    param = ".".join(loc) if loc and first["type"] != "json_invalid" else None
-    if first["type"] == "json_invalid":
-        message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-    elif not loc:
-        message = "the request body must be a JSON object (sent with content-type: application/json)"
-    else:
-        message = f"{param}: {first['msg']}"
-    return APIError(400, message, param=param).response()
 
 
 routes = APIRouter()
