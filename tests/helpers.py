@@ -63,7 +63,8 @@ def run_with_joins(engine, prompts, join_after, params, prefill_chunk=None):
     """Start with prompts[0]; add each later prompt to the scheduler after `join_after[i]` turns. With
     `prefill_chunk`, a newcomer's prompt is read that many tokens per turn between decode steps (as the server
     does), and it joins once read. Returns the sequences."""
-    from roads_to_rome.core.engine import Failure, Scheduler
+    from roads_to_rome.core.request import Failure
+    from roads_to_rome.core.scheduler import Scheduler
 
     scheduler = Scheduler(engine, prefill_chunk=prefill_chunk)
     sequences = [engine.sequence(Request(p, params), i) for i, p in enumerate(prompts)]

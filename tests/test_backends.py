@@ -8,7 +8,8 @@ from tiny import tiny_model
 
 from roads_to_rome.backends.base import Backend, mask_for
 from roads_to_rome.backends.torch_backend import TorchBackend
-from roads_to_rome.core.engine import Engine, left_pad, pad_columns_left
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.layout import left_pad, pad_columns_left
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, RandomPolicy

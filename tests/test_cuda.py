@@ -8,7 +8,8 @@ from helpers import PROMPTS, encode
 from tiny import tiny_model
 
 from roads_to_rome.backends.torch_backend import TorchBackend
-from roads_to_rome.core.engine import Engine, left_pad
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.layout import left_pad
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
 from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig

@@ -6,7 +6,8 @@ import pytest
 import torch
 from helpers import encode, run_with_joins
 
-from roads_to_rome.core.engine import Engine, left_pad
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.layout import left_pad
 from roads_to_rome.core.sampling import SamplingParams, sample
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RandomPolicy
@@ -192,7 +193,7 @@ def test_requests_joining_a_running_batch_decode_as_if_alone(slm, llm, tokenizer
 
 
 def test_cancelled_request_leaves_and_others_continue(slm, llm, tokenizer):
-    from roads_to_rome.core.engine import Batch
+    from roads_to_rome.core.batch import Batch
     from roads_to_rome.core.request import Request
 
     engine = Engine(slm, llm, tokenizer, AlwaysLLM())
@@ -239,7 +240,7 @@ def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
 
 def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, monkeypatch):
     """"LLM alone" through a pair costs the LLM alone; the SLM reads what it skipped once a row needs it."""
-    from roads_to_rome.core.engine import Batch
+    from roads_to_rome.core.batch import Batch
     from roads_to_rome.core.request import Request
     from roads_to_rome.routing.policies import EntropyPolicy
 

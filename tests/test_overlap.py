@@ -11,10 +11,11 @@ import time
 import pytest
 from helpers import assert_stream_shows_only_tokens_that_stay, llm_greedy_reference, make_checkpoint
 
-from roads_to_rome.core.engine import Engine, Failure, Scheduler
+from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.llm_calls import Deferral, resolve_overlap
-from roads_to_rome.core.request import Request
+from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import SamplingParams
+from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.errors import LLMUnavailable, R2RError
 from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
 

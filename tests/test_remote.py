@@ -16,9 +16,10 @@ from helpers import NEEDS_LLAMA_SERVER, REMOTE_PROMPTS, remote
 from tiny import save_gguf, tiny_model, tiny_tokenizer
 
 from roads_to_rome.backends.torch_backend import TorchBackend
-from roads_to_rome.core.engine import Batch, Engine, Failure
+from roads_to_rome.core.batch import Batch
+from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.llm_calls import Deferral
-from roads_to_rome.core.request import Request
+from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import LLMUnavailable, R2RError, RemoteError
 from roads_to_rome.routing.policies import AlwaysLLM, EntropyPolicy, RandomPolicy
@@ -271,7 +272,7 @@ def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_files, 
 def test_what_the_server_writes_itself_equals_the_engines_token_by_token_greedy(server, slm, tokenizer):
     """The label pipeline's LLM-alone steps (responses, continuations) run as server-side generations."""
     from roads_to_rome.backends.base import greedy
-    from roads_to_rome.core.engine import left_pad
+    from roads_to_rome.core.layout import left_pad
 
     llm = remote(server.url, tokenizer, slm)
     engine = Engine.alone(llm, tokenizer)

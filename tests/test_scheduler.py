@@ -7,9 +7,10 @@ import pytest
 from conftest import HAS_LLAMA
 from tiny import save_gguf, tiny_model
 
-from roads_to_rome.core.engine import Cancelled, Engine, Failure, Scheduler
-from roads_to_rome.core.request import Request, Step
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.request import Cancelled, Failure, Request, Step
 from roads_to_rome.core.sampling import SamplingParams
+from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, RandomPolicy
 

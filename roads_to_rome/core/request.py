@@ -209,3 +209,15 @@ class Step:
     discarded: int = 0  # tokens before this one that verification took back
     final: list[tuple[int, str, float]] = field(default_factory=list)  # (token, source, score) of the tokens
     # that became final with this step, in order: what a stream may show (without verification: this token)
+
+
+class Failure(NamedTuple):
+    """A sequence that could not go on: an error while it was in flight, cut off, or cancelled."""
+
+    sequence: Sequence
+    error: Exception
+
+
+class Cancelled(R2RError):
+    def __init__(self):
+        super().__init__("the request was cancelled")

@@ -36,7 +36,7 @@ import torch
 
 from roads_to_rome import files
 from roads_to_rome.backends.base import greedy, mask_for
-from roads_to_rome.core.engine import left_pad
+from roads_to_rome.core.layout import left_pad
 from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError

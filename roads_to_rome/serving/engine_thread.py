@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from roads_to_rome.core.engine import Cancelled, Engine, Failure, Scheduler
-from roads_to_rome.core.request import Sequence, Step
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step
+from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.errors import LLMUnavailable, R2RError, RemoteError
 from roads_to_rome.serving.metrics import Metrics
 from roads_to_rome.serving.schemas import LLM_AWAY, APIError, Limits

@@ -1,0 +1,462 @@
+"""The R2R decode loop: one step of a batch of sequences. Read this file top to bottom.
+
+Both models read the same token streams (one row per prompt, left-padded to a common length: layout.py) and each
+keeps its own KV cache. Per step (`Batch.step`):
+
+  1. the SLM reads the newest column (the whole prompt on the first step) and proposes a token;
+  2. the routing policy looks at the SLM's logits, last hidden state and proposal;
+  3. if a row is routed, the LLM catches up on every column it has not read yet, in one
+     forward over them (with --defer, a routed row may instead keep the SLM's token and wait,
+     so that one LLM call serves several rows' routed tokens; with --overlap the call runs on
+     a thread of its own while the next steps go on, and its answer is taken at the first step
+     after it is ready: llm_calls.py);
+  4. the LLM checks what waited for it (verification's unread tokens, deferred routed tokens:
+     verification.py), a row whose token it rejects goes back there, and its token replaces the
+     SLM's in the rows routed now;
+  5. the chosen tokens become a new column; finished rows leave the batch (a row waiting for the
+     LLM's word on where it ends, or too far ahead of the call in flight, stands still).
+
+The LLM reads lazily: nothing until the first routed token, then everything since its last read.
+Because every row gains exactly one token per step, both caches stay rectangular: the SLM's
+always covers all columns but the newest, the LLM's whatever it has caught up on so far.
+
+Top to bottom: `Call` and `StepRecord` (what a step's phases hand each other), `Batch` (the five phases), then
+the helpers: when an output ends, time accounting, log-probabilities, sampling rows. The `Scheduler`
+(scheduler.py) decides which sequences are in the batch; `Engine` (engine.py) is what clients call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from roads_to_rome.core import verification
+from roads_to_rome.core.layout import Layout
+from roads_to_rome.core.llm_calls import PendingRead, llm_due
+from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step, Timings, TokenLogprob
+from roads_to_rome.core.sampling import sample, sampling_probs
+from roads_to_rome.errors import LLMUnavailable
+from roads_to_rome.routing import rate
+
+if TYPE_CHECKING:
+    from roads_to_rome.core.engine import Engine
+    from roads_to_rome.core.scheduler import PromptRead
+
+
+@dataclass
+class Call:
+    """A catch-up sent to the LLM: its logits once ready, and for which rows (as the batch was when it was sent:
+    rows may leave or join before it answers). Row j's last logits predict its output index `reach[j]`."""
+
+    pending: PendingRead
+    sequences: list[Sequence]
+    reach: list[int]
+    keep: int  # logits per row: the last `keep` columns read
+
+    def done(self) -> bool:
+        return self.pending.done()
+
+
+@dataclass
+class StepRecord:
+    """What the phases of one decode step hand each other (`Batch.step`), row by row."""
+
+    column: int  # where this step's tokens go
+    proposal: torch.Tensor | None = None  # the writer's token per row
+    proposed: list[int] | None = None  # ... as numbers (a pair's: the LLM's checks read them)
+    slm_logits: torch.Tensor | None = None  # None when the SLM did not run (every row forces the LLM)
+    hidden: torch.Tensor | None = None
+    routed: list[bool] = field(default_factory=list)  # the LLM takes this row's token
+    scores: list[float] = field(default_factory=list)  # the policy's score behind each decision
+    deferred: list[bool] = field(default_factory=list)  # routed, and its token may wait for a grouped call
+    held: list[bool] = field(default_factory=list)  # stands still: waits for the call in flight (`_stands_still`)
+    due: bool = False  # the LLM's rule calls it this step (`llm_due`)
+    reads: list[verification.RowRead | None] | None = None  # the LLM's word on each row this step (None: none)
+    full: bool = False  # the reads reach this step's tokens: routed rows take the LLM's
+    chosen: torch.Tensor | None = None  # the token each row writes
+    sources: list[str] = field(default_factory=list)
+    rejected: dict[int, verification.Rejection] = field(default_factory=dict)  # row -> its first rejected token
+    ended: set[int] = field(default_factory=set)  # rows whose end the LLM has now checked: they leave
+    failed: dict[int, Exception] = field(default_factory=dict)  # rows whose LLM call failed
+    llm_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> the LLM's logits its token came from
+
+
+class Batch:
+    """Sequences decoding in lockstep: one row each in both models' caches.
+
+    Sequences can join between steps (continuous batching): a newcomer is left-padded to the
+    batch's width (or the batch to the newcomer's) and prefilled up to where each model's cache
+    already is, then its cache rows are appended. Finished and cancelled sequences leave.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.sequences: list[Sequence] = []
+        self.layout = Layout(engine)  # the token streams and both caches
+        self.call: Call | None = None  # (overlap) the LLM's catch-up in flight
+
+    def add(self, sequences: list[Sequence], prefill: PromptRead | None = None) -> None:
+        """Sequences join the batch: left-padded to its width, read up to where each cache is. A sequence may
+        bring its prompt already read (`prefill`: the scheduler's chunked prefill, for one sequence)."""
+        now = time.perf_counter()
+        for s in sequences:
+            s.started = now
+        self._join(sequences, prefill)
+
+    def _join(self, sequences: list[Sequence], prefill: PromptRead | None) -> None:
+        self.layout.join([s.prompt_ids for s in sequences], prefill.caches if prefill else None)
+        self.sequences += sequences
+
+    @property
+    def ids(self) -> torch.Tensor | None:
+        return self.layout.ids
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        return self.layout.mask
+
+    @property
+    def llm_cache(self):
+        return self.layout.llm_cache
+
+    def release(self) -> None:
+        """Let go of every row now (`Layout.release`)."""
+        self.layout.release()
+        self.sequences, self.call = [], None
+
+    def step(self) -> list[Step | Failure]:
+        """One decode step for every sequence: what it added to each (`Step`), and the sequences that left without
+        a last step (`Failure`: cancelled, or the LLM call their tokens waited for failed)."""
+        cancelled = [s for s in self.sequences if s.cancelled]
+        self._keep([i for i, s in enumerate(self.sequences) if not s.cancelled])
+        left = [Failure(s, Cancelled()) for s in cancelled]
+        if not self.sequences:
+            return left
+        step = StepRecord(self.ids.shape[1])
+        t0 = time.perf_counter()
+        self._propose(step)
+        t1 = time.perf_counter()
+        self._route(step)
+        t2 = time.perf_counter()
+        self._catch_up(step)
+        self._verify(step)
+        t3 = time.perf_counter()
+        events = self._emit(step, (t0, t1, t2, t3))
+        self._send_call(step)
+        return left + events
+
+    def _propose(self, step: StepRecord) -> None:
+        """1. The writer (the SLM of a pair) reads the columns it has not read yet and proposes a token per row:
+        (proposal, its logits, its last hidden state). When every row forces the LLM, the SLM has nothing to
+        propose and does not run (it reads these columns later if a request ever needs it), so "LLM alone"
+        through a pair costs the LLM alone."""
+        engine, sequences = self.engine, self.sequences
+        if engine.routes and all(s.force == "llm" for s in sequences):
+            step.proposal = self.ids[:, -1].clone()  # a placeholder: every row takes the LLM's token
+            return
+        cache = self.layout.writer_cache
+        logits, hidden = engine.writer.forward(cache, self.ids[:, cache.length :], self.mask)
+        step.proposal, step.slm_logits, step.hidden = sample_rows(logits, sequences), logits, hidden
+        for i, s in enumerate(sequences):
+            if s.verify == "strict" and s.params.temperature > 0:  # the ratio test needs what the SLM drew from
+                s.checks.draft_probs[len(s.generation.token_ids)] = sampling_probs(logits[i : i + 1], s.params)[0]
+        engine.sync()
+
+    def _route(self, step: StepRecord) -> None:
+        """2. The policy decides which rows the LLM takes (a request may force one model), and which of those may
+        wait for a grouped call (--defer; every routed row with --overlap), not forced onto the LLM (a request that
+        asks for the LLM alone gets it at once)."""
+        engine, n = self.engine, len(self.sequences)
+        if step.slm_logits is None:  # the SLM is idle: every row is the LLM's
+            step.routed, step.scores = [True] * n, [0.0] * n
+        elif not engine.routes:  # one model alone writes every token
+            step.routed, step.scores = [False] * n, [0.0] * n
+        else:
+            to_llm, scores = engine.policy.route(step.slm_logits, step.hidden, step.proposal, self._thresholds())
+            step.routed = [s.force == "llm" if s.force else bool(x) for s, x in zip(self.sequences, to_llm.tolist())]
+            step.scores = scores.tolist()
+        step.held = [False] * n
+        on = engine.deferral.on
+        step.deferred = [on and r and s.force is None for s, r in zip(self.sequences, step.routed)]
+        # The proposal as numbers, for the LLM's checks (one model alone checks nothing: no GPU sync for it here).
+        step.proposed = step.proposal.tolist() if engine.routes else None
+
+    def _catch_up(self, step: StepRecord) -> None:
+        """3. The LLM's word on the rows: a call sent at an earlier step, once it has answered (overlap: taken at the
+        first step after it is ready, or waited for when a row needs the LLM's token now), and a read of every
+        column since the LLM last read, when it is needed now (`llm_due` without overlap; a request forcing the LLM
+        with it). `step.reads[i]`: the LLM's logits over row i's unchecked tokens (None: nothing for it this step)."""
+        engine, sequences = self.engine, self.sequences
+        if not engine.routes:
+            return
+        column, read_from = step.column, self.llm_cache.length
+        unread = [verification.unread_tokens(s, column, read_from) for s in sequences]
+        step.due = llm_due(sequences, step.routed, step.deferred, unread, lambda i: self._would_end(step, i),
+                           engine.deferral)
+        now = any(r and not d for r, d in zip(step.routed, step.deferred)) or (step.due and not engine.overlap)
+        held = [self._stands_still(s, unread[i]) for i, s in enumerate(sequences)]
+        landed = None
+        if self.call is not None and (now or self.call.done() or all(held)):  # (no row could write: wait for it)
+            call, self.call = self.call, None
+            landed = self._answers(call, step)
+        # A row the answer frees goes on at once; one whose end it has not checked stands still.
+        step.held = [self._stands_still(s, unread[i]) for i, s in enumerate(sequences)]
+        if now:
+            fresh = self._answers(self._send(column, now=True), step)
+            if landed is not None:
+                fresh = [f if old is None or f is None else old.merged(f) for old, f in zip(landed, fresh)]
+            landed, step.full = fresh, True
+        step.reads = landed
+
+    def _stands_still(self, s: Sequence, unread: int) -> bool:
+        """Whether a row waits, writing nothing, for the call in flight: its output ended on a token the LLM has to
+        check; or, while tokens of it wait for the LLM's word, it has written max_unverified tokens, or the deferral
+        rule's `tokens_ahead`, beyond what the LLM was asked to read: what a roll-back may throw away, and what a
+        stalled LLM's server lets it write, stays bounded."""
+        if s.checks.ends is not None:
+            return True
+        if self.call is None or not s.checks.pending(s):
+            return False
+        if s.verify != "off" and s.max_unverified is not None and unread > s.max_unverified:
+            return True
+        return unread > self.engine.deferral.tokens_ahead(len(self.sequences))
+
+    def _answers(self, call: Call, step: StepRecord) -> list[verification.RowRead | None]:
+        """A call's logits, one `RowRead` per row of the batch now (None for a row that joined after it was sent).
+        If the LLM's server cannot be reached, the rows whose tokens wait for the LLM fail (`step.failed`); the
+        others go on without its word (they need none)."""
+        try:
+            logits = call.pending.result()
+        except LLMUnavailable as e:
+            for i, s in enumerate(self.sequences):
+                if s.checks.pending(s) or s.checks.ends or step.routed[i]:
+                    step.failed.setdefault(i, e)
+            return [None] * len(self.sequences)
+        rows = {id(s): j for j, s in enumerate(call.sequences)}
+        reads = []
+        for s in self.sequences:
+            j = rows.get(id(s))
+            reads.append(None if j is None else verification.RowRead(
+                logits[j], call.reach[j] - call.keep + 1, call.reach[j]))
+        return reads
+
+    def _send(self, column: int, now: bool = False) -> Call:
+        """Ask the LLM to read every column since it last did, up to `column` (not included): its last logits predict
+        what sits at `column`. Returns at once with overlap (a worker reads), after the read without. Logits come
+        back for the rows that need them: a row with tokens waiting for the LLM's word, from its first; each row's
+        last, for this step's routed rows, when the read is needed `now`."""
+        engine, sequences = self.engine, self.sequences
+        read_from, width = self.llm_cache.length, self.ids.shape[1]
+        # Row i's output index at `column`: the furthest token the read can check.
+        reach = [column - width + len(s.generation.token_ids) for s in sequences]
+        row_keep = [min(column - read_from, verification.logits_needed(s, r))
+                    if now or s.checks.pending(s) or s.checks.ends else 0 for s, r in zip(sequences, reach)]
+        pending = engine.llm_side.catch_up(self.llm_cache, self.ids[:, read_from:column], self.mask[:, :column],
+                                           row_keep)
+        return Call(pending, list(sequences), reach, max(row_keep))
+
+    def _send_call(self, step: StepRecord) -> None:
+        """(overlap) After the step, the next call, to run beside the SLM's next steps: when one is due and none is in
+        flight. It reads every column but the newest (the LLM's cache stays short of the batch's width, as a joining
+        row's reads expect), so it checks every token written so far."""
+        if not (self.engine.overlap and step.due and self.call is None and self.sequences):
+            return
+        column = self.ids.shape[1] - 1
+        if column > self.llm_cache.length and any(s.checks.pending(s) or s.checks.ends for s in self.sequences):
+            self.call = self._send(column)
+
+    def _verify(self, step: StepRecord) -> None:
+        """4. The LLM's word on each row it read: its unchecked tokens in order (the first rejected one sends the
+        row back there), then, where the read reaches this step's token, the routed rows' tokens. A row whose
+        output ended on an unchecked token ends once they are checked; until then it stands still. Without the
+        LLM's word deferred rows keep the SLM's token, to be checked at a later call."""
+        engine, sequences = self.engine, self.sequences
+        step.chosen = step.proposal.clone()
+        step.sources = ["llm" if r else engine.writer_source for r in step.routed]
+        reads = step.reads or [None] * len(sequences)
+        park, full_logits = engine.deferral.mode == "park", engine.routes and engine.llm.full_logits
+        if step.reads is not None:
+            engine.counters.llm_calls += 1
+        for i, s in enumerate(sequences):
+            read, routed_now = reads[i], step.routed[i] and step.full and not step.held[i]
+            if i in step.failed:
+                continue
+            count = len(s.generation.token_ids)
+            if read is not None:
+                engine.counters.routed_rows += routed_now or bool(s.checks.routed)
+                # This step's token is checked only where the read reaches it and the row writes one.
+                last = min(read.reach, count - 1 if step.held[i] or routed_now else count)
+                found = verification.first_rejection(s, read, last, step.proposed[i], park, full_logits)
+                if found:
+                    step.rejected[i] = found
+                    step.held[i] = False
+                    continue
+                s.checks.through(count if routed_now else last)  # a token routed now is the LLM's own
+                if s.checks.ends is not None and not s.checks.pending(s):
+                    step.ended.add(i)
+                    continue
+            if step.held[i]:
+                continue
+            if routed_now:
+                step.llm_logits[i] = read.at(read.reach)
+                step.chosen[i] = sample_rows(step.llm_logits[i][None], sequences[i : i + 1])[0]
+            elif step.deferred[i]:
+                verification.defer(s, count, None if step.slm_logits is None else step.slm_logits[i])
+
+    def _emit(self, step: StepRecord, times: tuple[float, ...]) -> list[Step | Failure]:
+        """5. Rows whose check rejected a token go back to it (their later tokens are discarded and the LLM's
+        token goes in its place); rows that stand still stay where they are; then the new column is appended, each
+        row's token recorded, and finished rows leave the batch. A row whose output ends on a token the LLM has
+        yet to check stays, standing still, until it has."""
+        dropped = self._roll_back(step)
+        self.layout.append_column(step.chosen)
+        t0, t1, t2, t3 = times
+        now = time.perf_counter()
+        events, keep = [], []
+        self.engine.counters.steps += 1
+        llm_ran = step.reads is not None
+        for i, (s, token, source, score) in enumerate(zip(self.sequences, step.chosen.tolist(), step.sources,
+                                                          step.scores)):
+            gen = s.generation
+            count_time(gen.timings, self.engine.writer_source, t1 - t0, t2 - t1, t3 - t2, now - t0,
+                       llm_ran and step.reads[i] is not None)
+            if i in step.failed:
+                events.append(Failure(s, step.failed[i]))
+                continue
+            if i in step.ended:
+                gen.finish_reason, s.checks.ends = s.checks.ends, None
+                gen.text = final_text(self.engine.tokenizer, s)
+                events.append(Step(s, gen.token_ids[-1], gen.sources[-1], gen.scores[-1], True, 0,
+                                   verification.settle(s, True)))
+                continue
+            gen.elapsed_s = now - s.started
+            if step.held[i]:
+                keep.append(i)
+                continue
+            gen.token_ids.append(token)
+            gen.sources.append(source)
+            gen.scores.append(float(score))
+            if gen.logprobs is not None:
+                gen.logprobs.append(token_logprob(step.llm_logits.get(i, step.slm_logits[i] if step.slm_logits
+                                                                      is not None else None), token, s.params.logprobs))
+            reason = ends(self.engine, s, gen.token_ids)
+            if reason and s.checks.pending(s):  # the LLM checks its tokens first: the row waits for that
+                s.checks.ends, reason = reason, None
+            if reason:
+                gen.finish_reason = reason
+                gen.text = final_text(self.engine.tokenizer, s)
+            else:
+                keep.append(i)
+            events.append(Step(s, token, source, float(score), reason is not None, dropped.get(i, 0),
+                               verification.settle(s, reason is not None)))
+        self._keep(keep)
+        return events
+
+    def _would_end(self, step: StepRecord, i: int) -> bool:
+        """Whether row i's output ends with this step's token, or ended on a token the LLM still has to check."""
+        s = self.sequences[i]
+        return s.checks.ends is not None or ends(self.engine, s, s.generation.token_ids, step.proposed[i]) is not None
+
+    def _roll_back(self, step: StepRecord) -> dict[int, int]:
+        """Put each rejecting row back to its rejected token, the LLM's token there, and keep each row that stands
+        still where it is (its last token taken back and written again); returns how many earlier tokens each
+        rejecting row dropped.
+
+        Rows move back by different amounts. Each is moved right by the tokens it drops, with as many padding
+        columns on its left, so every row still ends at this step's column: the batch stays rectangular and
+        left-padded, which is all the backends and the rest of this loop assume (masking the dropped columns in
+        place would leave holes in the middle of rows that every backend's positions would have to skip). Both
+        caches move the same way (`Backend.shift_rows`): the SLM's has read every column before this step's, the
+        LLM's up to some column, and what a row's shift pushes out of it is read again at its next catch-up."""
+        column, sequences = step.column, self.sequences
+        shifts = [0] * len(sequences)
+        for i, rejection in step.rejected.items():
+            shifts[i] = len(sequences[i].generation.token_ids) - rejection.index
+        for i, held in enumerate(step.held):
+            if held and i not in step.ended and i not in step.failed:
+                shifts[i] = 1
+                step.chosen[i] = self.ids[i, column - 1]
+        if any(shifts):
+            self.layout.shift(shifts)
+        for i, rejection in step.rejected.items():
+            score = verification.take_back(sequences[i], rejection)
+            if score is not None:
+                step.scores[i] = score  # the policy's score at the rejected position
+            step.chosen[i], step.sources[i] = rejection.token, "llm" if rejection.routed else "fix"
+            step.llm_logits[i] = rejection.logits
+        return {i: shifts[i] for i in step.rejected}
+
+    def _thresholds(self) -> torch.Tensor | None:
+        """Per-row thresholds (a request's own, or the one its target LLM rate gives: routing/rate.py), or None
+        when every row uses the policy's own."""
+        requests = [s.request for s in self.sequences]
+        if all(r.threshold is None and r.target_rate is None for r in requests):
+            return None
+        policy = self.engine.policy
+        return torch.tensor([rate.row_threshold(policy, s.request.threshold, s.request.target_rate,
+                                                len(s.generation.token_ids), s.generation.llm_tokens,
+                                                s.generation.scores) for s in self.sequences], device=self.ids.device)
+
+    def _keep(self, rows: list[int]) -> None:
+        if len(rows) == len(self.sequences):
+            return
+        self.sequences = [self.sequences[i] for i in rows]
+        self.layout.keep(rows)
+        if not rows:
+            self.call = None
+
+
+def ends(engine: Engine, s: Sequence, tokens: list[int], then: int | None = None) -> str | None:
+    """Why an output of these tokens (followed by `then`, if given) is complete ("stop" or "length"), or None."""
+    params = s.params
+    last, length = (tokens[-1], len(tokens)) if then is None else (then, len(tokens) + 1)
+    if last in engine.eos_ids and not params.ignore_eos:
+        return "stop"
+    if params.stop:
+        # Decode only the tail: enough tokens to hold the longest stop string.
+        longest = max(len(stop) for stop in params.stop)
+        tail = tokens[-(longest + 2) :] if then is None else tokens[-(longest + 1) :] + [then]
+        text = engine.tokenizer.decode(tail, skip_special_tokens=True)
+        if any(stop in text for stop in params.stop):
+            return "stop"
+    if length >= params.max_new_tokens:
+        return "length"
+    return None
+
+def final_text(tokenizer, s: Sequence) -> str:
+    text = tokenizer.decode(s.generation.token_ids, skip_special_tokens=True)
+    cuts = [text.find(stop) for stop in s.params.stop if stop in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def count_time(t: Timings, writer_source: str, writer_s: float, router_s: float, llm_s: float, total_s: float,
+               llm_ran: bool) -> None:
+    """A step's seconds, added to one row's timings (a batched step counts for each of its rows)."""
+    if writer_source == "slm":
+        t.slm_s += writer_s
+    else:
+        t.llm_s += writer_s
+    t.router_s += router_s
+    t.llm_s += llm_s
+    t.total_s += total_s
+    t.steps += 1
+    t.llm_calls += llm_ran
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """A token's log-probability in the distribution these logits give, and the `top` most likely tokens'."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0])
+    return TokenLogprob(float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
+
+
+def sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+    """One token per row, each with its request's sampling settings (greedy rows in one argmax)."""
+    tokens = logits.argmax(-1)
+    for i, s in enumerate(sequences):
+        if s.params.temperature > 0:
+            tokens[i] = sample(logits[i : i + 1], s.params, s.generator)[0]
+    return tokens

@@ -1,0 +1,161 @@
+"""A batch's tensors and caches, apart from its logic: the token streams (one row per sequence, left-padded to a
+common width) and their padding mask, and each model's KV cache. Rows join (padded to the batch's width, or the
+batch to theirs, and read up to where each cache is), leave, move right (a roll-back, a row that stands still) and
+gain a column per step; both caches follow every move. `Batch` (batch.py) decides the moves; this does them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from roads_to_rome.core.engine import Engine
+
+NO_ROWS = torch.empty(0, dtype=torch.long)  # the `select_rows` index that keeps none: a cache lets go of every row
+
+
+class Layout:
+    """The token streams, [rows, columns], in buffers with room for the columns to come (a step writes its column in
+    place: `ids` and `mask` are the columns so far), and the writer's and the LLM's caches (None for one model
+    alone). The writer's cache covers every column but the newest; the LLM's whatever it has caught up on."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._ids = self._mask = None
+        self._width = 0
+        self.writer_cache, self.llm_cache = self.new_caches()
+
+    def new_caches(self):
+        engine = self.engine
+        return engine.writer.new_cache(), engine.llm_side.new_cache() if engine.routes else None
+
+    @property
+    def ids(self) -> torch.Tensor | None:
+        return None if self._ids is None else self._ids[:, : self._width]
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        return None if self._mask is None else self._mask[:, : self._width]
+
+    @property
+    def width(self) -> int:
+        return self._width
+
+    def caches(self):
+        """(backend, cache) for each model the batch runs."""
+        yield self.engine.writer, self.writer_cache
+        if self.llm_cache is not None:
+            yield self.engine.llm_side, self.llm_cache
+
+    def set(self, ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        self._ids, self._mask = ids, mask
+        self._width = 0 if ids is None else ids.shape[1]
+
+    def join(self, prompts: list[tuple[int, ...]], prefill_caches: list | None) -> None:
+        """New rows: their prompts, read up to where each cache is (`prefill_caches`: one prompt's caches, read
+        alone by the scheduler's chunked prefill). Into an empty layout they come as they are."""
+        engine = self.engine
+        ids, mask = left_pad(prompts, engine.pad_id, engine.writer.device)
+        if self._ids is None:  # the next step reads what their caches have not
+            self.set(ids, mask)
+            self.writer_cache, self.llm_cache = (prefill_caches + [None])[:2] if prefill_caches else self.new_caches()
+            return
+        width = self._width
+        if ids.shape[1] > width:
+            self.pad_left(ids.shape[1] - width)
+        elif ids.shape[1] < width:
+            ids, mask = pad_columns_left(ids, mask, width - ids.shape[1], engine.pad_id)
+        pad = self._width - len(prompts[0]) if prefill_caches else 0  # the prefilled row's padding
+        joining = self._catch_up_newcomers(ids, mask, prefill_caches, pad)
+        for backend, cache, fresh in joining:
+            backend.append_rows(cache, fresh)
+        self.set(torch.cat([self.ids, ids]), torch.cat([self.mask, mask]))
+
+    def _catch_up_newcomers(self, ids, mask, prefill_caches, pad: int) -> list:
+        """The newcomers' caches brought up to where each of the batch's is: (backend, cache, theirs) to append
+        once every forward has run (a failure leaves the batch as it was). A prefilled cache has read the prompt
+        alone: cut it to what the batch's cache covers and pad it to the batch's columns (positions count real
+        tokens only, so padding it afterwards changes nothing)."""
+        joining = []
+        try:
+            for k, (backend, cache) in enumerate(self.caches()):
+                if not cache.length:
+                    continue
+                fresh = prefill_caches[k] if prefill_caches else backend.new_cache()
+                joining.append((backend, cache, fresh))
+                keep = max(0, min(fresh.length, cache.length - pad))
+                backend.truncate(fresh, keep)  # (to 0: reused as new, holding no more rows than the request needs)
+                if keep:
+                    backend.pad_left(fresh, pad)
+                if fresh.length < cache.length:
+                    backend.read(fresh, ids[:, fresh.length : cache.length], mask[:, : cache.length])
+        except BaseException:
+            for backend, _, fresh in joining:  # now: the error's traceback keeps them (see `release`)
+                backend.select_rows(fresh, NO_ROWS)
+            raise
+        return joining
+
+    def append_column(self, tokens: torch.Tensor) -> None:
+        """Write a column of tokens after the last one, growing the buffers (doubling them) when full."""
+        rows, room = self._ids.shape
+        if self._width == room:
+            grow = max(room, 64)
+            self._ids = torch.cat([self._ids, self._ids.new_full((rows, grow), self.engine.pad_id)], dim=1)
+            self._mask = torch.cat([self._mask, self._mask.new_zeros((rows, grow))], dim=1)
+        self._ids[:, self._width] = tokens
+        self._mask[:, self._width] = 1
+        self._width += 1
+
+    def pad_left(self, n: int) -> None:
+        self.set(*pad_columns_left(self.ids, self.mask, n, self.engine.pad_id))
+        for backend, cache in self.caches():
+            backend.pad_left(cache, n)
+
+    def keep(self, rows: list[int]) -> None:
+        """Only these rows stay, in this order. With none left the caches are let go at once: on llama.cpp their
+        cells would shift where the next request's go."""
+        if not rows:
+            self.release()
+            self.writer_cache, self.llm_cache = self.new_caches()
+            return
+        index = torch.tensor(rows, device=self._ids.device)
+        self.set(self.ids[index], self.mask[index])
+        for backend, cache in self.caches():
+            backend.select_rows(cache, index)
+
+    def shift(self, shifts: list[int]) -> None:
+        """Move each row right by its shift, with as many padding columns on its left, so that every row still ends
+        at the last column: the batch stays rectangular and left-padded, which is all the backends assume. Both
+        caches move the same way (`Backend.shift_rows`); what a row's shift pushes out of the LLM's is read again at
+        its next catch-up."""
+        for backend, cache in self.caches():
+            backend.shift_rows(cache, shifts)
+        width = self._width
+        ids, mask = torch.full_like(self.ids, self.engine.pad_id), torch.zeros_like(self.mask)
+        for i, d in enumerate(shifts):
+            ids[i, d:], mask[i, d:] = self.ids[i, : width - d], self.mask[i, : width - d]
+        self.set(ids, mask)
+
+    def release(self) -> None:
+        """Let go of every row now. A dropped batch gives back what its caches hold (llama.cpp: one of a fixed
+        number of sequences per row) when it is collected, and a failed step's traceback, which refers to it,
+        puts that off until the garbage collector runs: the next requests would find no sequence free."""
+        for backend, cache in self.caches():
+            backend.select_rows(cache, NO_ROWS)
+        self.set(None, None)
+
+
+def pad_columns_left(ids: torch.Tensor, mask: torch.Tensor, n: int, pad_id: int):
+    return (torch.cat([ids.new_full((ids.shape[0], n), pad_id), ids], dim=1),
+            torch.cat([mask.new_zeros((mask.shape[0], n)), mask], dim=1))
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)

@@ -1,0 +1,178 @@
+"""Which sequences decode, which wait, and when a newcomer's prompt is read: the one loop every client drives
+(`Scheduler`), and a newcomer's prompt read in chunks before it joins (`PromptRead`)."""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+
+import torch
+
+from roads_to_rome.core.batch import Batch
+from roads_to_rome.core.layout import NO_ROWS
+from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step
+from roads_to_rome.errors import R2RError
+
+if TYPE_CHECKING:
+    from roads_to_rome.core.engine import Engine
+
+
+class Scheduler:
+    """Which sequences decode, which wait, and when a newcomer's prompt is read: the one loop every client drives.
+
+    Each turn admits waiting sequences, first come first served, while a slot is free and their KV tokens fit;
+    reads one chunk of one admitted prompt (chunked prefill, round robin); and runs one decode step of the batch.
+    The server drives it from its engine thread, a turn at a time between arrivals; `Engine.run` and
+    `Engine.stream` (generate, chat, eval, the label pipeline) to the end. A sequence leaves reporting it once:
+    its last `Step` (finished) or a `Failure`."""
+
+    def __init__(self, engine: Engine, max_batch: int | None = None, prefill_chunk: int | None = None):
+        """`max_batch`: sequences decoding or having their prompt read at once (None: no limit).
+        `prefill_chunk`: prompt tokens each model reads per turn, a newcomer's prompt alone, between decode steps
+        (None: newcomers join the batch at once and its next decode step reads their prompts together)."""
+        self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
+        self.batch = Batch(engine)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.reading: collections.deque[tuple[Sequence, PromptRead]] = collections.deque()  # admitted, prompt in chunks
+        self.joining: list[Sequence] = []  # admitted, to join the batch at the next decode step
+        self.kv_in_use = 0  # KV tokens held by admitted sequences (each its prompt and max new tokens)
+
+    def add(self, sequence: Sequence) -> None:
+        self.waiting.append(sequence)
+
+    @property
+    def admitted(self) -> int:
+        return len(self.batch.sequences) + len(self.reading) + len(self.joining)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.admitted)
+
+    def load(self) -> dict:
+        return {"running": self.admitted, "prefilling": len(self.reading),
+                "waiting": sum(not s.cancelled for s in self.waiting)}
+
+    def turn(self) -> list[Step | Failure]:
+        return self.admit() + self.advance()
+
+    def admit(self) -> list[Failure]:
+        """Waiting sequences take a slot while one is free and their KV tokens fit; the cancelled ones leave."""
+        left, capacity = [], self.engine.kv_capacity
+        while self.waiting:
+            s = self.waiting[0]
+            need = s.request.kv_tokens
+            if s.cancelled or (capacity is not None and need > capacity):
+                self.waiting.popleft()
+                left.append(Failure(s, Cancelled() if s.cancelled else R2RError(
+                    f"this request needs {need} KV-cache tokens (prompt and max new tokens), more than the "
+                    f"{capacity} the cache holds: ask for fewer new tokens")))
+                continue
+            if self.max_batch is not None and self.admitted >= self.max_batch:
+                break
+            if capacity is not None and self.kv_in_use + need > capacity:
+                break  # the head waits for room
+            self.waiting.popleft()
+            self.kv_in_use += need
+            if self.prefill_chunk:
+                self.reading.append((s, PromptRead(self.engine, s.prompt_ids)))
+            else:
+                self.joining.append(s)
+        return left
+
+    def advance(self) -> list[Step | Failure]:
+        """One chunk of one admitted prompt, then one decode step of the batch."""
+        return self._read_one_chunk() + self._decode_step()
+
+    def drop_waiting(self, error: Exception) -> list[Failure]:
+        """Every waiting sequence leaves with this error (a server that stops admitting)."""
+        left = [Failure(s, error) for s in self.waiting]
+        self.waiting.clear()
+        return left
+
+    def cut(self, error: Exception) -> list[Failure]:
+        """Every admitted sequence leaves with this error (a server's drain deadline)."""
+        cut = [s for s, _ in self.reading] + self.joining + self.batch.sequences
+        for s in cut:
+            s.cancelled = True
+        for _, read in self.reading:
+            read.release()
+        self.reading.clear()
+        self.joining.clear()
+        self.batch.release()
+        return [self._leave(s, Failure(s, error)) for s in cut]
+
+    def _read_one_chunk(self) -> list[Failure]:
+        left = []
+        while self.reading and self.reading[0][0].cancelled:
+            s, _ = self.reading.popleft()
+            left.append(self._leave(s, Failure(s, Cancelled())))
+        if not self.reading:
+            return left
+        s, prefill = self.reading[0]
+        try:
+            prefill.advance(self.prefill_chunk)
+            if not prefill.done:
+                self.reading.rotate(-1)  # the next prompt gets the next chunk
+                return left
+            self.reading.popleft()
+            self.batch.add([s], prefill)  # leaves the batch as it was if it fails
+        except Exception as e:  # only this sequence was being read: only it fails
+            if self.reading and self.reading[0][0] is s:
+                self.reading.popleft()
+            prefill.release()
+            left.append(self._leave(s, Failure(s, e)))
+        return left
+
+    def _decode_step(self) -> list[Step | Failure]:
+        events, joining, self.joining = [], self.joining, []
+        if joining:
+            try:
+                self.batch.add(joining)  # leaves the batch as it was if it fails
+            except Exception as e:
+                events = [self._leave(s, Failure(s, e)) for s in joining]
+        before = list(self.batch.sequences)
+        if not before:
+            return events
+        try:
+            stepped = self.batch.step()
+        except Exception as e:  # a step runs every row at once: fail the sequences in it, start a fresh batch
+            failed, self.batch = self.batch, Batch(self.engine)
+            failed.release()
+            return events + [self._leave(s, Failure(s, e)) for s in before]
+        return events + [self._leave(e.sequence, e) if isinstance(e, Failure) or e.finished else e for e in stepped]
+
+    def _leave(self, sequence: Sequence, event: Step | Failure) -> Step | Failure:
+        self.kv_in_use -= sequence.request.kv_tokens
+        return event
+
+
+class PromptRead:
+    """A prompt read ahead, in chunks, before its sequence joins a batch.
+
+    The scheduler reads a newcomer's prompt one chunk between two decode steps, so the sequences
+    already decoding keep producing tokens while a long prompt is read. Each model reads the prompt
+    alone, into a cache of its own, up to all but the prompt's last token (the sequence's first
+    decode step reads that one and proposes the first new token); `Batch.add` fits that cache into
+    the batch."""
+
+    def __init__(self, engine: Engine, prompt_ids: tuple[int, ...]):
+        self.models = [engine.writer] + ([engine.llm_side] if engine.routes else [])  # in `Batch._caches` order
+        self.caches = [m.new_cache() for m in self.models]
+        self.ids = torch.tensor([prompt_ids], device=engine.writer.device)
+        self.goal = len(prompt_ids) - 1
+
+    @property
+    def done(self) -> bool:
+        return all(c.length >= self.goal for c in self.caches)
+
+    def advance(self, chunk: int) -> None:
+        """Read up to `chunk` more prompt tokens with each model."""
+        for model, cache in zip(self.models, self.caches):
+            end = min(cache.length + chunk, self.goal)
+            if end > cache.length:
+                model.read(cache, self.ids[:, cache.length : end], torch.ones_like(self.ids[:, :end]))
+
+    def release(self) -> None:
+        """Give back what the caches hold now (see `Batch.release`)."""
+        for model, cache in zip(self.models, self.caches):
+            model.select_rows(cache, NO_ROWS)
