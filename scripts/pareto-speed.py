@@ -4,7 +4,7 @@ view with speculative decoding in it.
 The eval's own tokens/s come from items decoded one after another over hours, beside whatever else the
 machine did; the bench measures every system side by side in one run, so its tokens/s are the ones to
 compare. Speculative decoding is lossless (strict verification under greedy writes the LLM's own tokens,
-tests/test_verify.py), so its accuracy is the LLM's on the same items.
+tests/test_verification_in_the_loop.py), so its accuracy is the LLM's on the same items.
 
     python scripts/pareto-speed.py runs/eval-verify/gsm8k runs/bench-verify.json docs/verify-pareto.png
 

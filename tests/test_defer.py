@@ -2,7 +2,7 @@
 ends with exactly the tokens immediate routing gives it (greedy: with and without verification, batched and
 alone), strict verification still gives the LLM's own output, a deferred routed token under sampling follows the
 LLM's distribution, and the LLM is called less often. The grouping rule and the per-row bookkeeping
-(core/verification.py) are tested on their own in test_verification.py."""
+(core/verification.py) are tested on their own in test_verification_rules.py."""
 
 import pytest
 import torch

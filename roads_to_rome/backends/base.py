@@ -56,9 +56,6 @@ class Backend(Protocol):
     """What runs the model's arithmetic here, for speed figures: a build's CPU kernels (llama.cpp: AVX512 REPACK
     ...), torch's CPU capability or the GPU, or the server a remote model runs on."""
 
-    verifies: bool
-    """Whether `forward_all` works: the logits at every new column, which verification needs."""
-
     full_logits: bool
     """Whether the logits cover the whole vocabulary; False when only the top log-probabilities are known (a
     remote server's; the rest sit at a floor far below): exact for greedy, not for speculative sampling."""

@@ -76,7 +76,6 @@ def llama_cpp_available() -> bool:
 
 class LlamaCppBackend(LocalBackend):
     device = torch.device("cpu")  # tensors handed to the engine live on the CPU
-    verifies = True
     full_logits = True
     grouped_reads = False  # its CPU kernels read k columns in about k times one column's time
 

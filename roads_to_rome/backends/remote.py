@@ -288,7 +288,6 @@ class RemoteBackend:
     device = torch.device("cpu")
     kv_capacity = None  # the server manages its own memory
     max_rows = None  # rows beyond the server's slots wait there
-    verifies = True
     full_logits = False  # only the server's top log-probabilities: no exact speculative sampling test
     grouped_reads = False  # unknown from here: grouping is asked for with --defer continue
     hidden_size = 1  # the LLM's hidden state is never used (the router reads the SLM's)

@@ -147,7 +147,6 @@ class StaticTorchCache(TorchCache):
 class TorchBackend(LocalBackend):
     max_rows = None  # only memory limits a batch
     kv_capacity = None  # each row has its own cache columns
-    verifies = True
     full_logits = True
 
     def __init__(self, model: torch.nn.Module, name: str = "model", vocab_size: int | None = None,
@@ -190,8 +189,8 @@ class TorchBackend(LocalBackend):
 
     @property
     def grouped_reads(self) -> bool:
-        # bf16 matrix work on AMX tiles takes several rows' columns in about the time of one row's one
-        # (docs/results/2026-11-27-grouped-torch-amx.md); float32, or a CPU without AMX, does not.
+        # bf16 matrix work on AMX tiles takes several rows' columns in about the time of one row's one; float32, or
+        # a CPU without AMX, does not (docs/benchmarks.md).
         return self.device.type == "cuda" or (self.dtype == torch.bfloat16 and hardware.has_amx())
 
     @property

@@ -5,6 +5,7 @@ shipped router's architecture with random weights for an SLM shape without a tra
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,7 +189,6 @@ def write_random_gguf(shape: LlmShape, template: Path, out: Path, progress=QUIET
 
 def quantize(source: Path, out: Path, ftype: int = Q4_K_M, progress=QUIET, label: str = "") -> Path:
     """llama.cpp's own quantizer (as `llama-quantize` runs it) over a GGUF file; shows the output growing."""
-    import threading
 
     import llama_cpp
 

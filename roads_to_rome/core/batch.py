@@ -118,10 +118,6 @@ class Batch:
     def mask(self) -> torch.Tensor | None:
         return self.layout.mask
 
-    @property
-    def llm_cache(self):
-        return self.layout.llm_cache
-
     def release(self) -> None:
         """Let go of every row now (`Layout.release`)."""
         self.layout.release()
@@ -175,7 +171,8 @@ class Batch:
         elif not engine.routes:  # one model alone writes every token
             step.routed, step.scores = [False] * n, [0.0] * n
         else:
-            to_llm, scores = engine.policy.route(step.slm_logits, step.hidden, step.proposal, self._thresholds())
+            thresholds = row_thresholds(engine.policy, self.sequences, self.ids.device)
+            to_llm, scores = engine.policy.route(step.slm_logits, step.hidden, step.proposal, thresholds)
             step.routed = [s.force == "llm" if s.force else bool(x) for s, x in zip(self.sequences, to_llm.tolist())]
             step.scores = scores.tolist()
         step.held = [False] * n
@@ -192,7 +189,7 @@ class Batch:
         engine, sequences = self.engine, self.sequences
         if not engine.routes:
             return
-        column, read_from = step.column, self.llm_cache.length
+        column, read_from = step.column, self.layout.llm_cache.length
         unread = [verification.unread_tokens(s, column, read_from) for s in sequences]
         step.due = llm_due(sequences, step.routed, step.deferred, unread, lambda i: self._would_end(step, i),
                            engine.deferral)
@@ -249,12 +246,12 @@ class Batch:
         back for the rows that need them: a row with tokens waiting for the LLM's word, from its first; each row's
         last, for this step's routed rows, when the read is needed `now`."""
         engine, sequences = self.engine, self.sequences
-        read_from, width = self.llm_cache.length, self.ids.shape[1]
+        read_from, width = self.layout.llm_cache.length, self.ids.shape[1]
         # Row i's output index at `column`: the furthest token the read can check.
         reach = [column - width + len(s.generation.token_ids) for s in sequences]
         row_keep = [min(column - read_from, verification.logits_needed(s, r))
                     if now or s.checks.pending(s) or s.checks.ends else 0 for s, r in zip(sequences, reach)]
-        pending = engine.llm_side.catch_up(self.llm_cache, self.ids[:, read_from:column], self.mask[:, :column],
+        pending = engine.llm_side.catch_up(self.layout.llm_cache, self.ids[:, read_from:column], self.mask[:, :column],
                                            row_keep)
         return Call(pending, list(sequences), reach, max(row_keep))
 
@@ -265,7 +262,7 @@ class Batch:
         if not (self.engine.overlap and step.due and self.call is None and self.sequences):
             return
         column = self.ids.shape[1] - 1
-        if column > self.llm_cache.length and any(s.checks.pending(s) or s.checks.ends for s in self.sequences):
+        if column > self.layout.llm_cache.length and any(s.checks.pending(s) or s.checks.ends for s in self.sequences):
             self.call = self._send(column)
 
     def _verify(self, step: StepRecord) -> None:
@@ -336,12 +333,8 @@ class Batch:
             if step.held[i]:
                 keep.append(i)
                 continue
-            gen.token_ids.append(token)
-            gen.sources.append(source)
-            gen.scores.append(float(score))
-            if gen.logprobs is not None:
-                gen.logprobs.append(token_logprob(step.llm_logits.get(i, step.slm_logits[i] if step.slm_logits
-                                                                      is not None else None), token, s.params.logprobs))
+            writer_logits = step.slm_logits[i] if step.slm_logits is not None else None
+            record(s, token, source, score, step.llm_logits.get(i, writer_logits))
             reason = ends(self.engine, s, gen.token_ids)
             if reason and s.checks.pending(s):  # the LLM checks its tokens first: the row waits for that
                 s.checks.ends, reason = reason, None
@@ -363,14 +356,8 @@ class Batch:
     def _roll_back(self, step: StepRecord) -> dict[int, int]:
         """Put each rejecting row back to its rejected token, the LLM's token there, and keep each row that stands
         still where it is (its last token taken back and written again); returns how many earlier tokens each
-        rejecting row dropped.
-
-        Rows move back by different amounts. Each is moved right by the tokens it drops, with as many padding
-        columns on its left, so every row still ends at this step's column: the batch stays rectangular and
-        left-padded, which is all the backends and the rest of this loop assume (masking the dropped columns in
-        place would leave holes in the middle of rows that every backend's positions would have to skip). Both
-        caches move the same way (`Backend.shift_rows`): the SLM's has read every column before this step's, the
-        LLM's up to some column, and what a row's shift pushes out of it is read again at its next catch-up."""
+        rejecting row dropped. Each row moves right by what it drops (`Layout.shift`: masking the dropped columns in
+        place would leave holes in the middle of rows that every backend's positions would have to skip)."""
         column, sequences = step.column, self.sequences
         shifts = [0] * len(sequences)
         for i, rejection in step.rejected.items():
@@ -389,17 +376,6 @@ class Batch:
             step.llm_logits[i] = rejection.logits
         return {i: shifts[i] for i in step.rejected}
 
-    def _thresholds(self) -> torch.Tensor | None:
-        """Per-row thresholds (a request's own, or the one its target LLM rate gives: routing/rate.py), or None
-        when every row uses the policy's own."""
-        requests = [s.request for s in self.sequences]
-        if all(r.threshold is None and r.target_rate is None for r in requests):
-            return None
-        policy = self.engine.policy
-        return torch.tensor([rate.row_threshold(policy, s.request.threshold, s.request.target_rate,
-                                                len(s.generation.token_ids), s.generation.llm_tokens,
-                                                s.generation.scores) for s in self.sequences], device=self.ids.device)
-
     def _keep(self, rows: list[int]) -> None:
         if len(rows) == len(self.sequences):
             return
@@ -407,6 +383,27 @@ class Batch:
         self.layout.keep(rows)
         if not rows:
             self.call = None
+
+
+def row_thresholds(policy, sequences: list[Sequence], device) -> torch.Tensor | None:
+    """Per-row thresholds (a request's own, or the one its target LLM rate gives: routing/rate.py), or None when
+    every row uses the policy's own."""
+    if all(s.request.threshold is None and s.request.target_rate is None for s in sequences):
+        return None
+    return torch.tensor([rate.row_threshold(policy, s.request.threshold, s.request.target_rate,
+                                            len(s.generation.token_ids), s.generation.llm_tokens, s.generation.scores)
+                         for s in sequences], device=device)
+
+
+def record(s: Sequence, token: int, source: str, score: float, logits: torch.Tensor | None) -> None:
+    """A token into the row's output, with who wrote it, the policy's score and (when asked) its log-probability
+    under the logits of the model that wrote it."""
+    gen = s.generation
+    gen.token_ids.append(token)
+    gen.sources.append(source)
+    gen.scores.append(float(score))
+    if gen.logprobs is not None:
+        gen.logprobs.append(token_logprob(logits, token, s.params.logprobs))
 
 
 def ends(engine: Engine, s: Sequence, tokens: list[int], then: int | None = None) -> str | None:

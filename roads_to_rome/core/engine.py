@@ -71,9 +71,6 @@ class Engine:
         self.overlap = bool(overlap) and self.routes
         if self.overlap:
             self.deferral = self.deferral.overlapped()
-        if self.deferral.on and self.routes and not llm.verifies:
-            raise R2RError(f"the LLM {llm.name} cannot return log-probabilities at every caught-up position, which a "
-                           "deferred routed token is checked with: use --defer off and --overlap off with it")
         # The LLM as the batches drive it: its operations in order, in this thread or (overlap) in one of its own.
         self.llm_side = LLMCalls(llm, self.overlap, llm_threads) if self.routes else None
         self.counters = Counters()
@@ -108,9 +105,6 @@ class Engine:
     def _check_verifiable(self, verify: str | float, params: SamplingParams | None = None) -> None:
         if not self.routes:
             raise R2RError("verification needs both models: the LLM checks the SLM's tokens")
-        if not self.llm.verifies:
-            raise R2RError(f"the LLM {self.llm.name} cannot return log-probabilities at every caught-up position, "
-                           "which verification needs: use --verify off with it")
         if verify == "strict" and params is not None and params.temperature > 0 and not self.llm.full_logits:
             raise R2RError(f"strict verification while sampling needs the LLM's whole distribution; {self.llm.name} "
                            "gives its top tokens only: sample with temperature 0, or verify with a tolerance")

@@ -47,8 +47,8 @@ def resolve_defer(mode: str, llm) -> str:
 def resolve_overlap(mode: str, slm, llm) -> bool:
     """Whether the LLM's calls run beside the SLM's steps, `auto` made concrete for this pair: where the two do not
     share a processor (the LLM on a server, or on another device than the SLM). Where they share one GPU's bandwidth
-    or a CPU's cores, a call beside the SLM's step is predicted to slow it about as much as it saves
-    (docs/results/2026-11-27-overlap-disaggregated.md)."""
+    or a CPU's cores, a call beside the SLM's step is predicted to slow it about as much as it saves (docs/serving.md,
+    "The two models at once")."""
     mode = parse_overlap(mode)
     if mode != "auto" or llm is None or slm is None:
         return mode == "on" and llm is not None and slm is not None
@@ -82,7 +82,7 @@ class Deferral:
     steps: int = 16
     ahead: int = 2  # (overlap) tokens the batch's rows may write, each, beyond what the call in flight reads: the
     # budget shared by the rows, at least one each (`tokens_ahead`); what a roll-back throws away stays small where
-    # the LLM's calls are the bottleneck (docs/results/2026-11-27-overlap-disaggregated.md)
+    # the LLM's calls are the bottleneck
 
     def __post_init__(self):
         if self.mode not in DEFER_MODES:
@@ -218,7 +218,7 @@ class QueuedCache:
 class LLMCalls:
     """The LLM as a batch drives it: every operation on its caches goes through one `Worker` (overlap) or runs at
     once (`Inline`), in order. The operations whose results nobody waits for return at once; a catch-up returns a
-    future (`catch_up`). Anything else is the backend's own (`name`, `verifies`...)."""
+    future (`catch_up`). Anything else is the backend's own (`name`, `full_logits`...)."""
 
     def __init__(self, backend, overlap: bool, threads: int | None = None):
         self.backend, self.overlap = backend, overlap

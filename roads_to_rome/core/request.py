@@ -23,7 +23,7 @@ class Request:
     params: SamplingParams = SamplingParams()
     force: str | None = None  # "slm" or "llm": this request bypasses the policy
     threshold: float | None = None  # this request's own routing threshold (None: the policy's)
-    target_rate: float | None = None  # aim for this LLM rate instead of a fixed threshold (`Batch._threshold`)
+    target_rate: float | None = None  # aim for this LLM rate instead of a fixed threshold (`batch.row_thresholds`)
     verify: str | float | None = None  # "off", "strict" or a tolerance in nats (None: the engine's)
     max_unverified: int | None = None  # verify once this many tokens are unread by the LLM (None: the engine's)
 

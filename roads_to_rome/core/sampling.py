@@ -1,7 +1,8 @@
-"""What a client asks for, and the rules that turn logits into tokens: sampling, and verification's acceptance.
+"""How a request samples (`SamplingParams`, and the one parser of a verification setting), and the rules that turn
+logits into tokens: sampling, and verification's acceptance.
 
-The acceptance rules are pure functions of tensors, so they are tested on their own; `Batch` in
-engine.py applies them to the tokens an LLM catch-up checks."""
+The acceptance rules are pure functions of tensors, so they are tested on their own; verification.py applies them
+to the tokens an LLM catch-up checks, for `Batch` (batch.py)."""
 
 from __future__ import annotations
 

@@ -156,7 +156,7 @@ class PromptRead:
     the batch."""
 
     def __init__(self, engine: Engine, prompt_ids: tuple[int, ...]):
-        self.models = [engine.writer] + ([engine.llm_side] if engine.routes else [])  # in `Batch._caches` order
+        self.models = [engine.writer] + ([engine.llm_side] if engine.routes else [])  # in `Layout.caches` order
         self.caches = [m.new_cache() for m in self.models]
         self.ids = torch.tensor([prompt_ids], device=engine.writer.device)
         self.goal = len(prompt_ids) - 1

@@ -17,20 +17,23 @@ tensors and caches; `take_back` the row's own record). Under greedy decoding eit
 the tokens immediate routing gives it.
 
 Positions are indices in a row's output, not columns of the batch: a row's columns move (roll-backs, a row that
-stands still while the LLM checks its end), its indices do not. `Batch` (engine.py) holds the tensors and caches and
-calls into this module: `first_rejection` for each row a catch-up read (`RowRead`), `take_back` for each rejected
-row, `settle` when the step's token is in.
+stands still while the LLM checks its end), its indices do not. `Batch` (batch.py; its tensors and caches:
+layout.py) calls into this module: `first_rejection` for each row a catch-up read (`RowRead`), `take_back` for each
+rejected row, `settle` when the step's token is in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from roads_to_rome.core.sampling import sample, sampling_probs, speculative_residual, within_tolerance
 from roads_to_rome.errors import R2RError
+
+if TYPE_CHECKING:
+    from roads_to_rome.core.request import Sequence
 
 
 @dataclass
@@ -46,7 +49,7 @@ class Checks:
     ends: str | None = None  # why the output ended on a token the LLM has still to check ("stop" or "length"):
     # the row stands still until it has (overlap: the call that checks it runs beside the other rows' steps)
 
-    def pending(self, s) -> bool:
+    def pending(self, s: Sequence) -> bool:
         """Whether any of the row's written tokens still await the LLM's word."""
         return bool(self.routed) or (s.verify != "off" and self.checked < len(s.generation.token_ids))
 
@@ -87,12 +90,13 @@ class RowRead(NamedTuple):
         return RowRead(torch.cat([head, later.logits]), min(self.first, later.first), later.reach)
 
 
-def waits(s) -> bool:
+def waits(s: Sequence) -> bool:
     """Whether any of the row's written tokens may await the LLM."""
     return s.verify != "off" or bool(s.checks.routed)
 
 
-def first_rejection(s, read: RowRead, last: int, proposal: int, park: bool, full_logits: bool) -> Rejection | None:
+def first_rejection(s: Sequence, read: RowRead, last: int, proposal: int, park: bool,
+                    full_logits: bool) -> Rejection | None:
     """Check a row's tokens the LLM has not had its word on yet, up to output index `last` (this step's token,
     `proposal`, when `last` is its index), in order against `read`: a verifying row every such token, other rows
     their deferred routed positions only. The first rejected one, or None."""
@@ -114,7 +118,7 @@ def first_rejection(s, read: RowRead, last: int, proposal: int, park: bool, full
     return None
 
 
-def check_token(s, token: int, logits: torch.Tensor, index: int) -> int | None:
+def check_token(s: Sequence, token: int, logits: torch.Tensor, index: int) -> int | None:
     """Verification's rule for one token against the LLM's next-token logits: None when it is kept, else the
     LLM's token in its place."""
     params = s.params
@@ -127,7 +131,8 @@ def check_token(s, token: int, logits: torch.Tensor, index: int) -> int | None:
     return best if params.temperature == 0 else int(sample(logits[None], s.params, s.generator)[0])
 
 
-def check_routed(s, token: int, logits: torch.Tensor, index: int, park: bool, full_logits: bool) -> int | None:
+def check_routed(s: Sequence, token: int, logits: torch.Tensor, index: int, park: bool,
+                 full_logits: bool) -> int | None:
     """A deferred routed position: the token the LLM writes there, or None when the SLM's token is that token.
     Parking keeps nothing. Under sampling, speculative sampling's test where the LLM's whole distribution is known,
     else the LLM draws and the SLM's token stays only where the draw is the same; both follow the LLM."""
@@ -141,14 +146,14 @@ def check_routed(s, token: int, logits: torch.Tensor, index: int, park: bool, fu
     return drawn if park or drawn != token else None
 
 
-def _speculative(s, token: int, logits: torch.Tensor, index: int) -> int | None:
+def _speculative(s: Sequence, token: int, logits: torch.Tensor, index: int) -> int | None:
     target = sampling_probs(logits[None], s.params)[0]
     draw = torch.rand((), generator=s.generator, device=target.device)
     residual = speculative_residual(target, s.checks.draft_probs[index], token, draw)
     return None if residual is None else int(torch.multinomial(residual, 1, generator=s.generator))
 
 
-def take_back(s, rejection: Rejection) -> float | None:
+def take_back(s: Sequence, rejection: Rejection) -> float | None:
     """The row's record after a rejection: its tokens from the rejected one on leave its output (the LLM's token
     goes in their place as this step's token, and every token before it is checked). Returns the policy's score at
     the rejected position (None when the rejected token is this step's own)."""
@@ -173,7 +178,7 @@ def take_back(s, rejection: Rejection) -> float | None:
     return score
 
 
-def defer(s, index: int, logits: torch.Tensor | None) -> None:
+def defer(s: Sequence, index: int, logits: torch.Tensor | None) -> None:
     """Row s's token at `index` was routed and waits for the LLM's next call (it keeps the SLM's token for now)."""
     s.checks.routed.append(index)
     s.generation.deferred += 1
@@ -181,7 +186,7 @@ def defer(s, index: int, logits: torch.Tensor | None) -> None:
         s.checks.draft_probs[index] = sampling_probs(logits[None], s.params)[0]
 
 
-def settle(s, finished: bool) -> list[tuple[int, str, float]]:
+def settle(s: Sequence, finished: bool) -> list[tuple[int, str, float]]:
     """After a step's token is in: the (token, source, score) of the row's tokens that became final, in order.
     A token is final once the LLM has had its word on it (or the row is done, which the LLM checks first); until
     then a verifying row's tokens wait, and a row with deferred routed positions shows what precedes the first."""
@@ -199,7 +204,7 @@ def settle(s, finished: bool) -> list[tuple[int, str, float]]:
     return final
 
 
-def logits_needed(s, reach: int) -> int:
+def logits_needed(s: Sequence, reach: int) -> int:
     """How many of the LLM's last logits a catch-up whose last logits predict output `reach` must return to check
     row s: one per token from its first unchecked one if it verifies, else from its first waiting routed position
     on; one (the next token's) when nothing waits."""
@@ -210,6 +215,6 @@ def logits_needed(s, reach: int) -> int:
     return max(1, reach - first + 1)
 
 
-def unread_tokens(s, column: int, read_from: int) -> int:
+def unread_tokens(s: Sequence, column: int, read_from: int) -> int:
     """Row s's generated tokens the LLM has not read (or been asked to), this step's (at `column`) included."""
     return min(column - read_from, len(s.generation.token_ids) + 1)

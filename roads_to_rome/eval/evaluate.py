@@ -6,7 +6,9 @@ so a killed run resumes where it stopped. Summaries are always recomputed from t
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import html
 import json
 import time
 from dataclasses import dataclass
@@ -210,9 +212,6 @@ def plot_routing(profiles: dict[str, list[float]], colors: dict[str, str], out_d
 
 def html_report(benchmark: str, table: dict[str, dict], images: list[Path], examples: list[tuple[str, dict]],
                 tokenizer, out_dir: Path) -> Path:
-    import base64
-    import html
-
     def image(path: Path) -> str:
         data = base64.b64encode(path.read_bytes()).decode()
         return f'<img src="data:image/png;base64,{data}" alt="{path.stem}">'
@@ -247,8 +246,6 @@ put it in.</p>{''.join(answers)}</body></html>"""
 
 def highlight(row: dict, tokenizer) -> str:
     """The answer with its LLM-produced tokens marked: routed ones (L) and verification's fixes (F)."""
-    import html
-
     pieces = token_pieces(tokenizer, row["token_ids"])
     classes = {"L": "llm", "F": "fix"}
     return "".join(f'<span class="{classes[s]}">{html.escape(p)}</span>' if s in classes else html.escape(p)

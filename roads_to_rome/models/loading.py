@@ -197,8 +197,7 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
                               vocab_size)
     model, tokenizer = _load_one(resolve(spec, default), label, pick_device(device), getattr(torch, dtype))
     # On CUDA the SLM's graphs record its trunk compiled: its step is bound by kernel launches, and it compiles in
-    # seconds. The LLM's step is bound mostly by its weights, and a large one takes minutes to compile
-    # (docs/results/2026-11-26-gpu-h100.md).
+    # seconds. The LLM's step is bound mostly by its weights, and a large one takes minutes to compile.
     return TorchBackend(model, name=spec or default.name, vocab_size=vocab_size or len(tokenizer),
                         compile=role == "slm" if compile is None else compile), tokenizer
 

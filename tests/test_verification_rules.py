@@ -1,6 +1,6 @@
 """core/verification.py on its own: when the LLM runs (the grouping rule and verification's reasons), what
 becomes final, and what a rejection takes back from a row's record. The rules in action, on every backend, are
-in test_verify.py (verification) and test_defer.py (deferred routing)."""
+in test_verification_in_the_loop.py (verification in the decode loop) and test_defer.py (deferred routing)."""
 
 import pytest
 import torch
