@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from roads_to_rome.eval.stats import sign_test
+from roads_to_rome.data.stats import sign_test
 
 
 def load(results_dir: Path, system: str) -> dict[str, dict]:

@@ -25,7 +25,7 @@ else:  # the layout in sub-packages
     import roads_to_rome as package
     from roads_to_rome.core.engine import Engine
     from roads_to_rome.core.sampling import SamplingParams
-    from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
+    from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
     from roads_to_rome.models import load_pair, router_path_for
     from roads_to_rome.routing import policies
 

@@ -5,8 +5,8 @@ import json
 import pytest
 from tiny import save_pair
 
+from roads_to_rome.data.stats import wilson
 from roads_to_rome.eval.evaluate import markdown_table, read_results, routing_profile, summaries, summarize
-from roads_to_rome.eval.stats import wilson
 
 
 @pytest.fixture(scope="module")

@@ -525,7 +525,7 @@ def test_prompt_sets(tmp_path):
 def test_math_prompt_set_is_deterministic_and_checkable():
     from collections import Counter
 
-    from roads_to_rome.eval.tasks import MATH_INSTRUCTION
+    from roads_to_rome.data.benchmarks import MATH_INSTRUCTION
 
     prompts = labels.math_prompt_set(22, seed=0)
     assert prompts == labels.math_prompt_set(22, seed=0) and prompts != labels.math_prompt_set(22, seed=1)
@@ -537,7 +537,7 @@ def test_math_prompt_set_is_deterministic_and_checkable():
 
 
 def test_written_problems_that_copy_a_gsm8k_question_are_dropped():
-    from roads_to_rome.eval.tasks import gsm8k
+    from roads_to_rome.data.benchmarks import gsm8k
 
     questions = [q["question"] for q in gsm8k()[:50]]
     grams = set().union(*(labels.word_ngrams(q, labels.OVERLAP_WORDS) for q in questions))

@@ -2,7 +2,8 @@
 
 Read the layers bottom to top: shared basics (errors, files, text, hardware, progress, plots); reasoning models'
 thinking told from their answer (text); the backends that run a model;
-routing (policies and the router); the core decode loop; loading models into an engine; then the clients of an engine
+routing (policies and the router); the core decode loop; loading models into an engine; datasets, answers and
+statistics (data); then the clients of an engine
 (evaluation; serving and the label pipeline; router training; benchmarks); the command line on top.
 A module may import from its own sub-package and from lower layers, never from a layer above or a
 sibling at its own layer. Only the command line imports its own package inside functions: that keeps
@@ -24,6 +25,7 @@ LAYERS = [
     {"routing"},
     {"core"},
     {"models"},
+    {"data"},
     {"eval"},
     {"serving", "pipeline"},
     {"training"},

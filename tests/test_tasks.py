@@ -1,7 +1,9 @@
 import pytest
 
+from roads_to_rome.data import answers
+from roads_to_rome.data import benchmarks as b
 from roads_to_rome.errors import R2RError
-from roads_to_rome.eval import tasks as b
+from roads_to_rome.eval import grading
 
 
 @pytest.mark.parametrize("output, reference, correct", [
@@ -17,11 +19,11 @@ from roads_to_rome.eval import tasks as b
 ])
 def test_math_grading(output, reference, correct):
     item = b.Item("0", "q", reference)
-    assert b.grade("gsm8k", item, output)[1] is correct
+    assert grading.grade("gsm8k", item, output)[1] is correct
 
 
 def test_nested_boxed_extraction():
-    assert b.last_boxed("x \\boxed{\\frac{a}{b+\\sqrt{2}}} y") == "\\frac{a}{b+\\sqrt{2}}"
+    assert answers.last_boxed("x \\boxed{\\frac{a}{b+\\sqrt{2}}} y") == "\\frac{a}{b+\\sqrt{2}}"
 
 
 @pytest.mark.parametrize("output, letter", [
@@ -32,7 +34,7 @@ def test_nested_boxed_extraction():
     ("no idea", None),
 ])
 def test_choice_extraction(output, letter):
-    assert b.extract_choice(output) == letter
+    assert grading.extract_choice(output) == letter
 
 
 def test_gpqa_options_are_shuffled_reproducibly_with_the_right_letter():
@@ -65,11 +67,11 @@ def has_close_elements(numbers: List[float], threshold: float) -> bool:
 def test_humaneval_right_wrong_and_looping_solutions():
     item = b.select(b.load("humaneval"), "0")[0]
     assert item.reference == "HumanEval/0"
-    assert b.grade("humaneval", item, "Here it is:\n" + HUMANEVAL_0_RIGHT)[1] is True
+    assert grading.grade("humaneval", item, "Here it is:\n" + HUMANEVAL_0_RIGHT)[1] is True
     wrong = HUMANEVAL_0_RIGHT.replace("return True", "return False")
-    assert b.grade("humaneval", item, wrong)[1] is False
+    assert grading.grade("humaneval", item, wrong)[1] is False
     looping = "```python\ndef has_close_elements(numbers, threshold):\n    while True:\n        pass\n```"
-    passed, result = b.run_humaneval(item.extra["problem"], b.extract_code(looping), timeout=2.0)
+    passed, result = grading.run_humaneval(item.extra["problem"], grading.extract_code(looping), timeout=2.0)
     assert passed is False and result == "timed out"
 
 
@@ -80,7 +82,7 @@ def test_humaneval_answers_end_with_their_first_code_block():
     # Decoding stops where a stop string starts and leaves it out, as the engine does.
     (stop,) = b.STOP["humaneval"]
     cut = answer[: answer.find(stop)]
-    assert "Example" not in cut and b.grade("humaneval", item, cut)[1] is True
+    assert "Example" not in cut and grading.grade("humaneval", item, cut)[1] is True
 
 
 def test_item_selection():
@@ -115,8 +117,10 @@ def test_model_written_code_runs_apart_from_the_user(tmp_path, monkeypatch):
         peeks.append("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=2)\nsocket.getaddrinfo("
                      "'localhost', 80)\nimport urllib.request\nurllib.request.urlopen('http://1.1.1.1', timeout=2)")
     for peek in peeks:
-        passed, result = b.run_humaneval(item.extra["problem"], b.extract_code(code_answer(peek)), timeout=10)
+        code = grading.extract_code(code_answer(peek))
+        passed, result = grading.run_humaneval(item.extra["problem"], code, timeout=10)
         assert passed is False and result.startswith("failed"), (peek, result)
-    passed, _ = b.run_humaneval(item.extra["problem"], b.extract_code(code_answer("import os\nos.listdir('.')")))
+    code = grading.extract_code(code_answer("import os\nos.listdir('.')"))
+    passed, _ = grading.run_humaneval(item.extra["problem"], code)
     assert passed  # what the scratch directory allows still runs
     assert sandbox.isolation()["network"].startswith("off" if sandbox.no_network_prefix() else "ON")

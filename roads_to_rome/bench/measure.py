@@ -12,7 +12,7 @@ from roads_to_rome import models
 from roads_to_rome.backends.remote import RemoteBackend
 from roads_to_rome.core.request import Totals
 from roads_to_rome.core.sampling import SamplingParams
-from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
+from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
 from roads_to_rome.hardware import describe_cpu
 from roads_to_rome.models import load_model, load_pair, systems
 from roads_to_rome.progress import QUIET

@@ -24,8 +24,8 @@ from roads_to_rome.backends.remote import is_remote
 from roads_to_rome.bench.measure import kernels
 from roads_to_rome.core.engine import DEFAULT_VERIFY, Counters, Engine
 from roads_to_rome.core.llm_calls import DEFER_MODES, Deferral
+from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
 from roads_to_rome.errors import R2RError
-from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
 from roads_to_rome.models import load_pair, systems
 from roads_to_rome.models.loading import choose_policy
 from roads_to_rome.progress import QUIET

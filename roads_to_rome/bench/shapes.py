@@ -40,8 +40,8 @@ from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.llm_calls import Deferral
 from roads_to_rome.core.request import Totals
 from roads_to_rome.core.sampling import SamplingParams
+from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
 from roads_to_rome.errors import R2RError
-from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
 from roads_to_rome.models import (
     DEFAULT_LLM,
     gguf_path,

@@ -18,9 +18,10 @@ from roads_to_rome import models
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify
+from roads_to_rome.data import benchmarks
+from roads_to_rome.data.stats import wilson
 from roads_to_rome.errors import R2RError
-from roads_to_rome.eval import tasks
-from roads_to_rome.eval.stats import wilson
+from roads_to_rome.eval import grading
 from roads_to_rome.models import load_pair
 from roads_to_rome.models.systems import ROUTED, SYSTEMS, System
 from roads_to_rome.plots import pyplot
@@ -42,7 +43,7 @@ def read_results(path: Path) -> list[dict]:
     return rows
 
 
-def run_system(benchmark: str, items: list[tasks.Item], spec: System, engine: Engine, params: SamplingParams,
+def run_system(benchmark: str, items: list[benchmarks.Item], spec: System, engine: Engine, params: SamplingParams,
                out_dir: Path, batch_size: int, progress=QUIET):
     path = out_dir / f"{spec.name}.jsonl"
     config_path = out_dir / f"{spec.name}.config.json"
@@ -76,7 +77,7 @@ def run_system(benchmark: str, items: list[tasks.Item], spec: System, engine: En
                         for item in chunk]
             began = time.perf_counter()
             for item, gen in zip(chunk, engine.run(requests)):
-                extracted, correct = tasks.grade(benchmark, item, gen.text)
+                extracted, correct = grading.grade(benchmark, item, gen.text)
                 sources = "".join({"llm": "L", "fix": "F"}.get(s, "S") for s in gen.sources)
                 row = {"id": item.id, "output": gen.text, "extracted": extracted, "correct": correct,
                        "tokens": len(gen.token_ids), "llm_tokens": gen.llm_tokens, "avg_params_b": gen.avg_params_b,
@@ -299,7 +300,7 @@ def evaluate(config: EvalConfig, console) -> dict:
     )
 
     c, benchmark = config, config.benchmark
-    items = tasks.select(tasks.load(benchmark), c.ids)
+    items = benchmarks.select(benchmarks.load(benchmark), c.ids)
     out_dir = c.out / benchmark
     out_dir.mkdir(parents=True, exist_ok=True)
     system_names = list(c.systems)
@@ -308,7 +309,7 @@ def evaluate(config: EvalConfig, console) -> dict:
     router_path = models.router_path_for(c.router_path, c.slm)
     if router_path is not None:
         policies.build("router", slm_b, c.threshold, router_path)  # refuse a router of another SLM before any run
-    params = SamplingParams(max_new_tokens=c.max_new_tokens, stop=tasks.STOP.get(benchmark, ()))
+    params = SamplingParams(max_new_tokens=c.max_new_tokens, stop=benchmarks.STOP.get(benchmark, ()))
     item_ids = {item.id for item in items}
 
     # R2R first: the baselines are matched to the LLM rate it reaches on these items.

@@ -18,9 +18,9 @@ from collections import Counter
 from pathlib import Path
 
 from roads_to_rome.backends.base import greedy
+from roads_to_rome.data.answers import NUMBER, boxed_or_said, math_equal
+from roads_to_rome.data.stats import cohen_kappa
 from roads_to_rome.errors import R2RError
-from roads_to_rome.eval.stats import cohen_kappa
-from roads_to_rome.eval.tasks import NUMBER, boxed_or_said, math_equal
 
 VERDICTS = ("neutral", "divergent", "unparseable")
 # The question comes first and the text so far next, so that consecutive judgements on one response
@@ -211,7 +211,7 @@ class FactsJudge:
 
 
 def final_answer(text: str) -> str | None:
-    """The answer a text states (`tasks.boxed_or_said`): a number that opens what follows "answer is", else those
+    """The answer a text states (`answers.boxed_or_said`): a number that opens what follows "answer is", else those
     words. None when it states none: unlike grading, a number said in passing is not taken for an answer."""
     boxed, said = boxed_or_said(text)
     if boxed is not None or said is None:

@@ -39,9 +39,9 @@ from roads_to_rome.backends.base import greedy, mask_for
 from roads_to_rome.core.layout import left_pad
 from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams
+from roads_to_rome.data.benchmarks import MATH_INSTRUCTION, gsm8k
+from roads_to_rome.data.stats import roc_auc
 from roads_to_rome.errors import R2RError
-from roads_to_rome.eval.stats import roc_auc
-from roads_to_rome.eval.tasks import MATH_INSTRUCTION, gsm8k
 from roads_to_rome.models import systems
 from roads_to_rome.pipeline import judges
 from roads_to_rome.progress import QUIET

@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from roads_to_rome import files
+from roads_to_rome.data.stats import roc_auc
 from roads_to_rome.errors import R2RError
-from roads_to_rome.eval.stats import roc_auc
 from roads_to_rome.pipeline.labels import Parts, prefill_rows
 from roads_to_rome.plots import pyplot
 from roads_to_rome.progress import QUIET

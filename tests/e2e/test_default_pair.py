@@ -11,7 +11,7 @@ from roads_to_rome import models
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.layout import left_pad
 from roads_to_rome.core.sampling import SamplingParams
-from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
+from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM
 
 pytestmark = pytest.mark.e2e

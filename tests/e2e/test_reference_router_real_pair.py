@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import format_forward, reference_checkpoint
 
-from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
+from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ from conftest import LlamaServer, VllmServer
 from roads_to_rome.backends.remote import RemoteBackend
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.sampling import SamplingParams
-from roads_to_rome.eval.tasks import gsm8k, gsm8k_prompt
+from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
 from roads_to_rome.models import DEFAULT_LLM, converted_dir, gguf_path
 from roads_to_rome.routing.policies import AlwaysLLM
 from roads_to_rome.serving.background import BackgroundServer

