@@ -1,10 +1,11 @@
 """The backend contract (roads_to_rome/backends/base.py), one suite run against every backend: the torch backend on a
-tiny model and llama.cpp on a GGUF file holding the same weights."""
+tiny model and llama.cpp on a GGUF file holding the same weights, for each architecture family (Qwen2, Qwen3,
+Llama)."""
 
 import pytest
 import torch
 from conftest import make_backend
-from tiny import tiny_model
+from tiny import FAMILIES, tiny_model
 
 from roads_to_rome.backends.base import Backend, mask_for
 from roads_to_rome.backends.torch_backend import TorchBackend
@@ -19,9 +20,29 @@ PROMPTS = ["What is 48 / 2?", "def add(a, b):\n    return", "Bonjour! Paris is t
 TOLERANCE = {"torch": 1e-4, "torch-static": 1e-4, "llamacpp": 2e-2}
 
 
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    """Each architecture users bring (tests/tiny.py: Qwen2, Qwen3, Llama), on each backend."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def backend(kind, slm, tokenizer, tmp_path_factory):
-    return make_backend(kind, slm.model, tokenizer, tmp_path_factory.mktemp("gguf"), "tiny-slm")
+def model(family, slm, tokenizer):
+    return slm.model if family == "qwen2" else tiny_model(tokenizer, hidden=32, seed=0, family=family)
+
+
+@pytest.fixture(scope="module")
+def backend(kind, model, tokenizer, tmp_path_factory):
+    return make_backend(kind, model, tokenizer, tmp_path_factory.mktemp("gguf"), "tiny-slm")
+
+
+def test_its_logits_are_the_models_own(backend, kind, model, tokenizer):
+    """The same weights give the same logits as transformers runs them (llama.cpp: through the GGUF writer)."""
+    for row in token_rows(tokenizer):
+        logits, _ = backend.forward_sequence(row)
+        with torch.no_grad():
+            expected = model(torch.tensor([row])).logits[0]
+        assert close(logits, expected, kind)
 
 
 def token_rows(tokenizer):

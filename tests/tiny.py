@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 CORPUS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
@@ -33,11 +41,19 @@ def tiny_tokenizer(vocab_size: int = 300, extra_words: tuple[str, ...] = ()) -> 
     return fast
 
 
+# The architectures users bring: Qwen2 (the default pair, R1-Distill's Qwen models), Qwen3 (q and k normed per head,
+# no attention biases: five of the reference's six routers are for Qwen3 pairs) and Llama (R1-Distill's Llama models).
+FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+            "llama": (LlamaConfig, LlamaForCausalLM)}
+
+
 def tiny_model(tokenizer, hidden: int = 32, layers: int = 2, seed: int = 0, dtype=torch.float32,
-               vocab_rows: int | None = None) -> Qwen2ForCausalLM:
+               vocab_rows: int | None = None, family: str = "qwen2"):
     """`vocab_rows`: embedding and output-head rows, more than the tokenizer's to pad (as real pairs do)."""
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    config_class, model_class = FAMILIES[family]
+    extra = {"head_dim": hidden // 4} if family == "qwen3" else {}
+    config = config_class(**extra,
         vocab_size=vocab_rows or len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -49,7 +65,7 @@ def tiny_model(tokenizer, hidden: int = 32, layers: int = 2, seed: int = 0, dtyp
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = Qwen2ForCausalLM(config).to(dtype).eval()
+    model = model_class(config).to(dtype).eval()
     # Larger output weights than the default init, so that logits are far apart and argmax is stable.
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.5)
@@ -71,14 +87,17 @@ def save_pair(tmp_path, tokenizer=None, llm_tokenizer=None):
     return dirs
 
 
-def save_gguf(model: Qwen2ForCausalLM, tokenizer, path) -> None:
-    """Write a tiny Qwen2 model as an F32 GGUF file that llama.cpp runs (same weights, same vocabulary)."""
+def save_gguf(model, tokenizer, path) -> None:
+    """Write a tiny model of one of `FAMILIES` as an F32 GGUF file that llama.cpp runs (same weights, same
+    vocabulary)."""
     import json
 
     import gguf
 
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen2")
+    arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3, "llama": gguf.MODEL_ARCH.LLAMA}[
+        config.model_type]
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -87,6 +106,10 @@ def save_gguf(model: Qwen2ForCausalLM, tokenizer, path) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     vocab = tokenizer.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -104,11 +127,22 @@ def save_gguf(model: Qwen2ForCausalLM, tokenizer, path) -> None:
     writer.add_pad_token_id(tokenizer.pad_token_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
+            # llama.cpp rotates a Llama model's q and k as pairs of adjacent dimensions, transformers as halves.
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            tensor = rope_pairs(tensor, heads)
         writer.add_tensor(gguf_name, tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def rope_pairs(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a q or k projection from transformers' rotary layout (each head's two halves) to llama.cpp's Llama
+    layout (adjacent pairs), as llama.cpp's own converter writes them."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)

@@ -277,10 +277,10 @@ class TorchBackend(LocalBackend):
 
     def _trunk(self, kv: StaticKV, ids, positions, mask, write_at, trunk=None) -> torch.Tensor:
         """The trunk over a static cache: it writes the new columns' keys and values at `write_at`; `mask` is
-        additive, over the cache's whole capacity (given as transformers' mask mapping, so no mask code runs)."""
+        additive, over the cache's whole capacity (4-D: every family's mask code takes it as it is)."""
         kv.write_at = write_at
         trunk = self.trunk if trunk is None else trunk
-        return trunk(ids, {"full_attention": mask}, positions, kv, use_cache=True).last_hidden_state
+        return trunk(ids, mask, positions, kv, use_cache=True).last_hidden_state
 
     def _capture(self, kv: StaticKV, ids, positions, mask, write_at) -> GraphedStep | None:
         # (the warm-up writes this read's own columns: the same numbers the replay writes)
