@@ -1,18 +1,11 @@
-"""What several commands share: loading an engine from their options, checked sampling settings, progress bars."""
+"""What several commands share: checked sampling settings, progress bars, one model alone as an engine."""
 
 from __future__ import annotations
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from roads_to_rome.cli.options import RouterChoice, console
-
-
-def engine_from_options(router: RouterChoice | None = None, **options):
-    """The engine a command's options describe (`models.EngineConfig`; the router choice by its name)."""
-    from roads_to_rome.models import EngineConfig, load_engine
-
-    return load_engine(EngineConfig(policy=router.value if router else None, **options))
+from roads_to_rome.cli.options import console
 
 
 def progress_bar(*columns: ProgressColumn) -> Progress:

@@ -14,22 +14,41 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 
 from roads_to_rome.cli import research, tables
 from roads_to_rome.cli.bench import bench_app
-from roads_to_rome.cli.common import engine_from_options, sampling
+from roads_to_rome.cli.common import sampling
 from roads_to_rome.cli.options import (
+    AllowUnauthenticated,
+    ApiKey,
     AsJson,
     BackendOpt,
     Defer,
     DeferGroup,
     DeferSteps,
     Device,
+    Docs,
+    DrainTimeout,
     Dtype,
+    Host,
+    KvCacheTokens,
     Llm,
     LlmApiKey,
     LlmRetry,
+    MaxBatch,
+    MaxBodyBytes,
+    MaxBodySeconds,
+    MaxConnections,
     MaxNewTokens,
+    MaxQueue,
+    MaxRequestSeconds,
+    MaxStopChars,
+    MaxStopStrings,
+    MaxTokenizing,
+    MaxTokens,
     MaxUnverified,
+    ModelName,
     Overlap,
     OverlapAhead,
+    Port,
+    PrefillChunk,
     ReasoningParserOpt,
     RouterOpt,
     RouterPath,
@@ -42,7 +61,6 @@ from roads_to_rome.cli.options import (
     TopP,
     Verify,
     console,
-    count,
 )
 from roads_to_rome.errors import R2RError, require_extra
 
@@ -75,17 +93,18 @@ def generate(
 ):
     """Answer one prompt with R2R routing; the LLM's tokens are highlighted, a reasoning model's thinking dimmed."""
     from roads_to_rome import reasoning
+    from roads_to_rome.models import EngineConfig, load_engine
 
     if not prompt.strip():
         raise R2RError("the prompt is empty: give the text to answer")
     reasoning.check_parser(reasoning_parser)
     params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
-    engine = engine_from_options(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
-                                 threshold=threshold, router_path=router_path, seed=seed,
-                                 verify=verify, max_unverified=max_unverified,
-                                 defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry,
-                                 llm_api_key=llm_api_key,
-                                 overlap=overlap, overlap_ahead=overlap_ahead, threads=threads)
+    engine = load_engine(EngineConfig(slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
+                                      policy=router.value if router else None, threshold=threshold,
+                                      router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
+                                      defer=defer, defer_group=defer_group, defer_steps=defer_steps, overlap=overlap,
+                                      overlap_ahead=overlap_ahead, threads=threads, llm_retry=llm_retry,
+                                      llm_api_key=llm_api_key))
     parser = None if raw else reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
     generation = engine.generate([prompt_ids], params)[0]
@@ -114,16 +133,17 @@ def chat(
     """Chat interactively; answers stream in with the LLM's tokens highlighted, a reasoning model's thinking dimmed.
     Empty line or Ctrl-D quits."""
     from roads_to_rome import reasoning
+    from roads_to_rome.models import EngineConfig, load_engine
     from roads_to_rome.text import Detokenizer
 
     reasoning.check_parser(reasoning_parser)
     params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed)
-    engine = engine_from_options(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
-                                 threshold=threshold, router_path=router_path, seed=seed,
-                                 verify=verify, max_unverified=max_unverified,
-                                 defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry,
-                                 llm_api_key=llm_api_key,
-                                 overlap=overlap, overlap_ahead=overlap_ahead, threads=threads)
+    engine = load_engine(EngineConfig(slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
+                                      policy=router.value if router else None, threshold=threshold,
+                                      router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
+                                      defer=defer, defer_group=defer_group, defer_steps=defer_steps, overlap=overlap,
+                                      overlap_ahead=overlap_ahead, threads=threads, llm_retry=llm_retry,
+                                      llm_api_key=llm_api_key))
     parser = reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     messages = []
     while True:
@@ -160,47 +180,24 @@ def chat(
 
 @app.command()
 def serve(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. On a loopback address (the "
-                             "default) requests must name localhost in Host and Origin."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    host: Host = "127.0.0.1", port: Port = 8000, model_name: ModelName = "r2r",
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
     verify: Verify = None, max_unverified: MaxUnverified = None,
     defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
     overlap: Overlap = None, overlap_ahead: OverlapAhead = None, threads: Threads = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     llm_retry: LlmRetry = None, llm_api_key: LlmApiKey = None,
-    model_name: str = typer.Option("r2r", "--model-name", help="The model id clients ask for."),
-    max_batch: int = count(8, "--max-batch", help="Requests decoding (or having their prompt read) at once."),
-    max_queue: int = count(64, "--max-queue", help="Requests waiting for a slot (then 429)."),
-    max_tokens: int = count(4096, "--max-tokens", help="The most new tokens a request may ask for."),
-    kv_cache_tokens: int | None = typer.Option(None, "--kv-cache-tokens", min=1, help="llama.cpp: the KV-cache "
-                                               "tokens all requests share, per model (default: --max-batch x "
-                                               "4096). A request holds prompt + max_tokens of them while it runs."),
-    prefill_chunk: int = count(64, "--prefill-chunk", help="Prompt tokens read between two decode steps (running "
-                               "streams keep going while a long prompt is read)."),
-    max_stop_strings: int = count(4, "--max-stop-strings", help="Stop strings one request may give (400 beyond)."),
-    max_stop_chars: int = count(256, "--max-stop-chars", help="The longest stop string, in characters."),
-    max_tokenizing: int = count(4, "--max-tokenizing", help="Long prompts (over 16k characters) tokenized or "
-                                "waiting to be at once (then 429); short ones have a lane of their own."),
-    max_body_bytes: int = count(1 << 20, "--max-body-bytes", help="A request body's size limit (then 413)."),
-    max_body_seconds: float = typer.Option(30.0, "--max-body-seconds", min=0.1, help="Seconds a request body may "
-                                           "take to arrive (then 408: a trickling client is cut off)."),
-    max_connections: int = count(256, "--max-connections", help="Requests in the server at once, streaming ones "
-                                 "included (then 429)."),
-    max_request_seconds: float = typer.Option(600.0, "--max-request-seconds", min=0.1, help="A whole (not "
-                                              "streamed) answer's deadline (then 408)."),
-    api_key: str | None = typer.Option(None, "--api-key", envvar="R2R_API_KEY", help="Require 'Authorization: "
-                                       "Bearer KEY' on /v1/ and /metrics (also from $R2R_API_KEY)."),
-    allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated", help="Serve on a non-loopback "
-                                               "--host without --api-key (refused otherwise): anyone who reaches "
-                                               "the port can use the models."),
-    drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0, help="On SIGINT/SIGTERM: seconds in-flight "
-                                        "requests get to finish before they are cut (a second signal exits at once)."),
-    docs: bool = typer.Option(False, "--docs", help="Serve the API docs at /docs and /openapi.json."),
-    reasoning_parser: ReasoningParserOpt = "auto",
+    max_batch: MaxBatch = 8, max_queue: MaxQueue = 64, max_tokens: MaxTokens = 4096,
+    kv_cache_tokens: KvCacheTokens = None, prefill_chunk: PrefillChunk = 64,
+    max_stop_strings: MaxStopStrings = 4, max_stop_chars: MaxStopChars = 256, max_tokenizing: MaxTokenizing = 4,
+    max_body_bytes: MaxBodyBytes = 1 << 20, max_body_seconds: MaxBodySeconds = 30.0,
+    max_connections: MaxConnections = 256, max_request_seconds: MaxRequestSeconds = 600.0,
+    api_key: ApiKey = None, allow_unauthenticated: AllowUnauthenticated = False, drain_timeout: DrainTimeout = 30.0,
+    docs: Docs = False, reasoning_parser: ReasoningParserOpt = "auto",
 ):
     """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) and a playground at /."""
     require_extra("serve", "`r2r serve`")
+    from roads_to_rome.models import EngineConfig, load_engine
     from roads_to_rome.reasoning import check_parser
     from roads_to_rome.serving import server
     from roads_to_rome.serving.guard import is_loopback
@@ -209,17 +206,17 @@ def serve(
     check_parser(reasoning_parser)
     check_exposure(host, api_key, allow_unauthenticated)
     llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}
-    engine = engine_from_options(router, slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
-                                 threshold=threshold, router_path=router_path, verify=verify,
-                                 max_unverified=max_unverified, llama=llama,
-                                 defer=defer, defer_group=defer_group, defer_steps=defer_steps, llm_retry=llm_retry,
-                                 llm_api_key=llm_api_key,
-                                 overlap=overlap, overlap_ahead=overlap_ahead, threads=threads)
+    engine = load_engine(EngineConfig(slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
+                                      policy=router.value if router else None, threshold=threshold,
+                                      router_path=router_path, verify=verify, max_unverified=max_unverified,
+                                      defer=defer, defer_group=defer_group, defer_steps=defer_steps, overlap=overlap,
+                                      overlap_ahead=overlap_ahead, threads=threads, llm_retry=llm_retry,
+                                      llm_api_key=llm_api_key, llama=llama))
     limits = Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
-                           max_body_bytes=max_body_bytes, max_stop_strings=max_stop_strings,
-                           max_stop_chars=max_stop_chars, max_tokenizing=max_tokenizing,
-                           max_body_seconds=max_body_seconds, max_connections=max_connections,
-                           max_request_seconds=max_request_seconds, drain_timeout=drain_timeout)
+                    max_body_bytes=max_body_bytes, max_stop_strings=max_stop_strings, max_stop_chars=max_stop_chars,
+                    max_tokenizing=max_tokenizing, max_body_seconds=max_body_seconds,
+                    max_connections=max_connections, max_request_seconds=max_request_seconds,
+                    drain_timeout=drain_timeout)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=is_loopback(host),
                             docs=docs, reasoning_parser=reasoning_parser)
     console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")

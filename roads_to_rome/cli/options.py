@@ -104,3 +104,42 @@ OverlapAhead = Annotated[int | None, typer.Option("--overlap-ahead", min=1, help
                                                   "rows may write, each, beyond what the LLM's call in flight reads "
                                                   "(a budget they share, at least 1 each; default 2).",
                                                   show_default=False)]
+
+
+# `r2r serve`: where it listens, who may use it, and the limits each request meets (serving/schemas.py's `Limits`).
+Host = Annotated[str, typer.Option("--host", help="Address to listen on. On a loopback address (the default) requests "
+                                   "must name localhost in Host and Origin; any other needs --api-key.")]
+Port = Annotated[int, typer.Option("--port", min=1, max=65535)]
+ModelName = Annotated[str, typer.Option("--model-name", help="The model id clients ask for.")]
+ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="R2R_API_KEY", help="Require 'Authorization: Bearer "
+                                            "KEY' on /v1/ and /metrics (also from $R2R_API_KEY).", show_default=False)]
+AllowUnauthenticated = Annotated[bool, typer.Option("--allow-unauthenticated", help="Serve on a non-loopback --host "
+                                                    "without --api-key (refused otherwise): anyone who reaches the "
+                                                    "port can use the models.")]
+Docs = Annotated[bool, typer.Option("--docs", help="Serve the API docs at /docs and /openapi.json.")]
+DrainTimeout = Annotated[float, typer.Option("--drain-timeout", min=0, help="On SIGINT/SIGTERM: seconds in-flight "
+                                             "requests get to finish before they are cut (a second signal exits at "
+                                             "once).")]
+KvCacheTokens = Annotated[int | None, typer.Option("--kv-cache-tokens", min=1, help="llama.cpp: the KV-cache tokens "
+                                                   "all requests share, per model (default: --max-batch x 4096). A "
+                                                   "request holds prompt + max_tokens of them while it runs.",
+                                                   show_default=False)]
+MaxBatch = Annotated[int, typer.Option("--max-batch", min=1, help="Requests decoding (or having their prompt read) "
+                                       "at once.")]
+MaxQueue = Annotated[int, typer.Option("--max-queue", min=1, help="Requests waiting for a slot (then 429).")]
+MaxTokens = Annotated[int, typer.Option("--max-tokens", min=1, help="The most new tokens a request may ask for.")]
+PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", min=1, help="Prompt tokens read between two decode "
+                                           "steps (running streams keep going while a long prompt is read).")]
+MaxStopStrings = Annotated[int, typer.Option("--max-stop-strings", min=1, help="Stop strings one request may give "
+                                             "(then 400).")]
+MaxStopChars = Annotated[int, typer.Option("--max-stop-chars", min=1, help="The longest stop string, in characters.")]
+MaxTokenizing = Annotated[int, typer.Option("--max-tokenizing", min=1, help="Long prompts (over 16k characters) "
+                                            "tokenized or waiting to be at once (then 429); short ones have a lane "
+                                            "of their own.")]
+MaxBodyBytes = Annotated[int, typer.Option("--max-body-bytes", min=1, help="A request body's size limit (then 413).")]
+MaxBodySeconds = Annotated[float, typer.Option("--max-body-seconds", min=0.1, help="Seconds a request body may take "
+                                               "to arrive (then 408: a trickling client is cut off).")]
+MaxConnections = Annotated[int, typer.Option("--max-connections", min=1, help="Requests in the server at once, "
+                                             "streaming ones included (then 429).")]
+MaxRequestSeconds = Annotated[float, typer.Option("--max-request-seconds", min=0.1, help="A whole (not streamed) "
+                                                  "answer's deadline (then 408).")]
