@@ -23,6 +23,7 @@ from roads_to_rome.cli.options import (
     OverlapAhead,
     Slm,
     Threads,
+    VerifyList,
     console,
     count,
 )
@@ -44,8 +45,7 @@ def bench_compare(
     threshold: float | None = typer.Option(None, "--threshold", help="R2R's threshold (default: the router's own)."),
     spec_k: str = typer.Option("4", "--spec-k", help="Comma-separated draft tokens per check, one speculative "
                                "system each (this engine: --router slm --verify strict --max-unverified k)."),
-    verify: str = typer.Option("1", "--verify", help="Comma-separated verification settings, one R2R system each "
-                               "besides plain R2R (strict, or tolerances in nats; empty: none)."),
+    verify: VerifyList = "1",  # verified R2R systems besides plain R2R
     max_unverified: MaxUnverified = None,
     backends: str = typer.Option("torch,llamacpp", "--backends", help="Which backends to run, comma-separated."),
     dtype: Dtype = "auto",
@@ -57,7 +57,7 @@ def bench_compare(
         return
     require_extra("eval", "`r2r bench`")
     from roads_to_rome.bench.measure import compare
-    from roads_to_rome.core.sampling import parse_verify
+    from roads_to_rome.core.sampling import parse_verify_list
     from roads_to_rome.models.loading import pick_dtype
 
     dtype = pick_dtype(dtype, "cpu")
@@ -65,7 +65,7 @@ def bench_compare(
     names = [b.strip() for b in backends.split(",") if b.strip()]
     if not names or set(names) - set(BACKENDS):
         raise R2RError(f"--backends takes torch, llamacpp or both, got {backends!r}")
-    settings = [parse_verify(v.strip()) for v in verify.split(",") if v.strip()]
+    settings = list(parse_verify_list(verify))
     with Progress(console=console, transient=True) as progress:
         result = compare(prompts, tokens, dtype, router_path, threshold, ks, DEFAULT_ENTROPY_THRESHOLD, progress,
                          settings, max_unverified, tuple(names))
@@ -242,8 +242,7 @@ def bench_shapes(
     tokens: int = count(256, "--tokens", help="New tokens per prompt (EOS ignored)."),
     context: int = count(300, "--context", help="Tokens in the KV cache for the per-step costs."),
     new_tokens: str = typer.Option("1,2,4,8,16,32,64", "--new-tokens", help="Catch-up sizes k whose cost is measured."),
-    verify: str = typer.Option("1", "--verify", help="Verification settings whose acceptance the real pair measures "
-                               "(comma-separated; empty: none)."),
+    verify: VerifyList = "1",  # whose acceptance the real pair measures
     spec_k: str = typer.Option("4", "--spec-k", help="Speculative decoding's draft lengths, measured on the real pair "
                                "(comma-separated; empty: none)."),
     batch: str = typer.Option("1", "--batch", help="Comma-separated batch sizes (prompts decoded together); batch b "
@@ -272,7 +271,7 @@ def bench_shapes(
     from roads_to_rome.bench import shape_models, shapes_report
     from roads_to_rome.bench import shapes as bench_shapes_module
     from roads_to_rome.core.llm_calls import Deferral
-    from roads_to_rome.core.sampling import parse_verify
+    from roads_to_rome.core.sampling import parse_verify_list
 
     chosen = shape_models.parse_shapes(llm_shape)
     shares = shape_models.parse_shares(llm_share)
@@ -280,7 +279,7 @@ def bench_shapes(
     if backend not in ("llamacpp", "torch"):
         raise R2RError(f"--backend for shapes is llamacpp (a built GGUF) or torch (from the configuration), "
                        f"got {backend!r}")
-    settings = [parse_verify(v.strip()) for v in verify.split(",") if v.strip()]
+    settings = list(parse_verify_list(verify))
     compiled = tuple(r.strip() for r in compile.split(",") if r.strip() and r.strip() != "none")
     if set(compiled) - {"slm", "llm"}:
         raise R2RError(f"--compile takes slm, llm, slm,llm or none, got {compile!r}")

@@ -69,6 +69,8 @@ Verify = Annotated[str | None, typer.Option("--verify", help="Check the SLM's to
                                             "strict (the LLM's own output: lossless) or a tolerance in nats (keep "
                                             "a token the LLM finds within that of its own choice). Default: 1 "
                                             "when routing, off for --router slm or llm.", show_default=False)]
+VerifyList = Annotated[str, typer.Option("--verify", help="Comma-separated verification settings (off, strict or "
+                                         "tolerances in nats), one system each (empty: none).")]
 Defer = Annotated[str | None, typer.Option("--defer", help="Whether a routed row's LLM token may wait for an LLM "
                                            "call grouped with other rows' (the server; a batch of prompts): off; "
                                            "continue (the row keeps the SLM's token and goes on; where the LLM's "

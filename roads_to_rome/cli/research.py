@@ -23,6 +23,7 @@ from roads_to_rome.cli.options import (
     MaxUnverified,
     RouterPath,
     Slm,
+    VerifyList,
     console,
     count,
 )
@@ -93,14 +94,14 @@ def eval_command(
     sweep: str | None = typer.Option(None, "--sweep",
                                      help="Comma-separated r2r thresholds (or entropy LLM rates without a router)."),
     batch_size: int = count(1, "--batch-size", help="Items decoded together."),
-    verify: str = typer.Option("off", "--verify", help="Comma-separated verification settings for r2r, entropy and "
-                               "random (off, strict, tolerances in nats): one system each, e.g. r2r+verify=1."),
+    verify: VerifyList = "off",  # for r2r, entropy and random: one system each, e.g. r2r+verify=1
     max_unverified: MaxUnverified = None,
     spec_k: int = count(4, "--spec-k", help="Draft tokens per check for the spec system."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Evaluate systems on a benchmark: accuracy with 95% CI, LLM rate, avg. params, speed; JSON, table, plots, HTML."""
     require_extra("eval", "`r2r eval`")
+    from roads_to_rome.core.sampling import parse_verify_list
     from roads_to_rome.eval.evaluate import EvalConfig, evaluate, markdown_table
 
     try:
@@ -110,7 +111,7 @@ def eval_command(
     config = EvalConfig(benchmark=benchmark, systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
                         out=out, ids=ids, max_new_tokens=max_new_tokens, batch_size=batch_size, slm=slm, llm=llm,
                         device=device, dtype=dtype, backend=backend, router_path=router_path, threshold=threshold,
-                        llm_rate=llm_rate, sweep=sweep_values, verify=tuple(verify.split(",")),
+                        llm_rate=llm_rate, sweep=sweep_values, verify=parse_verify_list(verify),
                         max_unverified=max_unverified, spec_k=spec_k)
     table = evaluate(config, console)
     console.print(markdown_table(table), markup=False, highlight=False)

@@ -50,6 +50,12 @@ class SamplingParams:
             raise R2RError(f"the seed must fit in 64 bits (-2^63 to 2^64 - 1), got {self.seed}")
 
 
+def parse_verify_list(text: str) -> tuple[str | float, ...]:
+    """Several verification settings, comma-separated: one system each, wherever a command compares systems (empty:
+    none)."""
+    return tuple(parse_verify(v.strip()) for v in str(text).split(",") if v.strip())
+
+
 def parse_verify(value) -> str | float:
     """The one parser of a verification setting: `off`, `strict`, or a tolerance in nats >= 0 (a number or its
     text)."""
