@@ -132,6 +132,18 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: 
                     counted = engine.counters - before if engine is not None else Counters()
                     answered.setdefault(f"{name} x{count}", []).append(
                         (answers, time.perf_counter() - start, counted))
+    baseline = chosen[0].name
+    runs = summarise(answered, baseline)
+    return {"clients": clients, "requests": requests, "tokens": n_tokens, "rounds": rounds, "dtype": dtype,
+            "backend": backend, "device": str(slm_backend.device), "threads": threads or {},
+            "kernels": kernels(slm=slm_backend, llm=llm_backend), "policy": policy.name, "verify": DEFAULT_VERIFY,
+            "defer_group": rule.group, "defer_steps": rule.steps, "overlap_ahead": rule.ahead, "baseline": baseline,
+            "systems": [s.name for s in chosen], "runs": runs}
+
+
+def summarise(answered: dict[str, list], baseline: str) -> dict:
+    """Each "system xN" run's figures over its rounds, and its throughput and p95 latency against the baseline
+    system's at the same number of clients."""
     runs = {}
     for key, per_round in answered.items():
         name, count = key.rsplit(" x", 1)
@@ -141,16 +153,11 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: 
                      "tokens_per_s_rounds": [sum(a[0] for a in r[0]) / r[1] for r in per_round],
                      "llm_calls": counted.llm_calls, "steps": counted.steps,
                      "routed_rows_per_call": counted.routed_rows_per_call}
-    baseline = chosen[0].name
     for run in runs.values():
         base = runs[f"{baseline} x{run['clients']}"]
         run["x_throughput"] = run["tokens_per_s"] / base["tokens_per_s"]
         run["x_p95"] = run["p95_s"] / base["p95_s"]
-    return {"clients": clients, "requests": requests, "tokens": n_tokens, "rounds": rounds, "dtype": dtype,
-            "backend": backend, "device": str(slm_backend.device), "threads": threads or {},
-            "kernels": kernels(slm=slm_backend, llm=llm_backend), "policy": policy.name, "verify": DEFAULT_VERIFY,
-            "defer_group": rule.group, "defer_steps": rule.steps, "overlap_ahead": rule.ahead, "baseline": baseline,
-            "systems": [s.name for s in chosen], "runs": runs}
+    return runs
 
 
 def load_figures(answers: list[tuple[int, int, float]], seconds: float) -> dict:

@@ -379,9 +379,9 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=QUIE
     per response id); the others get rows without branches (`sampled` false), which the judgements step leaves
     unjudged (`unparseable`) and training skips: rollouts cost hundreds of tokens each.
     """
-    llm, tokenizer = llm_engine.llm, llm_engine.tokenizer  # `Engine.alone(llm, tokenizer)`
-    # On-policy (the SLM wrote the responses): the LLM's own branch is not the response but a second rollout, from
-    # the LLM's token at the same position (the prefill step's `llm_tokens`, read with the LLM).
+    # `llm_engine`: `Engine.alone(llm, tokenizer)`. On-policy (the SLM wrote the responses): the LLM's own branch is
+    # not the response but a second rollout, from the LLM's token at the same position (the prefill step's
+    # `llm_tokens`, read with the LLM).
     on_policy = rollout and writer_of(out) == "slm"
     prefill = Parts(out, "prefill").rows()
     # Refused before the step's mode is recorded, so that the same --out takes the right setting afterwards.
@@ -407,36 +407,50 @@ def step_continuations(llm_engine, out: Path, max_new_tokens: int, progress=QUIE
         sum(p["different"]) for p in todo))
     for p in todo:
         r = responses[p["id"]]
-        response = r["response_ids"]
-        differing = [pos for pos, diff in enumerate(p["different"]) if diff]
-        positions = differing if not 0 < positions_per_response < len(differing) else \
-            sorted(random.Random(p["id"]).sample(differing, positions_per_response))
-        began, generated = time.perf_counter(), 0
-        rows = [{"id": r["id"], "position": pos, "slm_token": p["slm_tokens"][pos], "llm_token": (p.get("llm_tokens") or
-                 response)[pos], "context": "", "slm_branch": "", "llm_branch": "", "sampled": False}
-                for pos in sorted(set(differing) - set(positions))]
-        unanswered = bool(positions) and rollout and not on_policy and answered is not None and not answered(
-            tokenizer.decode(response, skip_special_tokens=True))  # its branches stay at the SLM's token
-        branching = Branching(llm, tokenizer, llm_engine.eos_ids, None, r, p, bool(positions_per_response))
-        if positions and not unanswered:
-            branching.base = base = llm.new_cache()
-            ids = r["prompt_ids"] + response[: positions[-1]]
-            llm.read(base, torch.tensor([ids], device=llm.device), mask_for(base, len(ids), llm.device))
-        last_first = positions[::-1]  # the base cache is only ever cut back
-        for k in range(0, len(last_first), batch_size):
-            chunk = last_first[k : k + batch_size]
-            if on_policy:
-                written = on_policy_rollouts(branching, chunk, budget)
-            elif rollout:
-                written = rollouts(branching, chunk, rejoin_tokens, unanswered)
-            else:
-                written = sentence_continuations(branching, chunk, max_new_tokens)
-            rows += written.rows
-            generated += written.tokens
+        began = time.perf_counter()
+        rows, positions, generated = continue_response(
+            llm_engine, r, p, positions_per_response=positions_per_response, rollout=rollout, on_policy=on_policy,
+            answered=answered, batch_size=batch_size, budget=budget, rejoin_tokens=rejoin_tokens,
+            max_new_tokens=max_new_tokens)
         # One part per response, so a response's positions are all there or none are.
         parts.write(sorted(rows, key=lambda row: row["position"]) or [{"id": r["id"], "position": -1}])
         log_throughput(out, "continuations", len(positions), generated, time.perf_counter() - began)
-        progress.advance(task, len(differing))
+        progress.advance(task, sum(p["different"]))
+
+
+def continue_response(llm_engine, r: dict, p: dict, *, positions_per_response: int, rollout: bool, on_policy: bool,
+                      answered, batch_size: int, budget: int, rejoin_tokens: int,
+                      max_new_tokens: int) -> tuple[list[dict], list[int], int]:
+    """One response's continuation rows (`step_continuations`), the positions branched from, and the tokens the
+    LLM wrote for them."""
+    llm, tokenizer = llm_engine.llm, llm_engine.tokenizer
+    response = r["response_ids"]
+    differing = [pos for pos, diff in enumerate(p["different"]) if diff]
+    positions = differing if not 0 < positions_per_response < len(differing) else \
+        sorted(random.Random(p["id"]).sample(differing, positions_per_response))
+    generated = 0
+    rows = [{"id": r["id"], "position": pos, "slm_token": p["slm_tokens"][pos], "llm_token": (p.get("llm_tokens") or
+             response)[pos], "context": "", "slm_branch": "", "llm_branch": "", "sampled": False}
+            for pos in sorted(set(differing) - set(positions))]
+    unanswered = bool(positions) and rollout and not on_policy and answered is not None and not answered(
+        tokenizer.decode(response, skip_special_tokens=True))  # its branches stay at the SLM's token
+    branching = Branching(llm, tokenizer, llm_engine.eos_ids, None, r, p, bool(positions_per_response))
+    if positions and not unanswered:
+        branching.base = base = llm.new_cache()
+        ids = r["prompt_ids"] + response[: positions[-1]]
+        llm.read(base, torch.tensor([ids], device=llm.device), mask_for(base, len(ids), llm.device))
+    last_first = positions[::-1]  # the base cache is only ever cut back
+    for k in range(0, len(last_first), batch_size):
+        chunk = last_first[k : k + batch_size]
+        if on_policy:
+            written = on_policy_rollouts(branching, chunk, budget)
+        elif rollout:
+            written = rollouts(branching, chunk, rejoin_tokens, unanswered)
+        else:
+            written = sentence_continuations(branching, chunk, max_new_tokens)
+        rows += written.rows
+        generated += written.tokens
+    return rows, positions, generated
 
 
 @dataclass

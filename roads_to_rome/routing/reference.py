@@ -114,6 +114,24 @@ def read_reference(path: Path, hidden_size: int, embed_size: int) -> tuple[Refer
     """A reference checkpoint as a router for an SLM of these sizes: (router, threshold, the file's init_args).
     Refuses, in one line each, a file that is not one, an architecture it is not, another SLM's sizes, and sizes
     past what any router needs (checked before anything is allocated from them)."""
+    saved = _load_checkpoint(path)
+    init, common = saved["init_args"], saved["common_args"]
+    state = {k: v for k, v in saved["state_dict"].items() if k != "token_embeddings.weight"}
+    _check_inputs(path, init, common, state, hidden_size, embed_size)
+    config = _checked_config(path, init, state, hidden_size, embed_size)
+    router = ReferenceRouter(config)
+    try:
+        router.load_state_dict({k: v.float() for k, v in state.items()})
+    except RuntimeError as e:
+        raise R2RError(f"{path}'s weights do not match its init_args: {str(e).splitlines()[-1].strip()}") from None
+    threshold = float(common.get("threshold", 0.5))
+    if not 0 <= threshold <= 1:
+        raise R2RError(f"{path}'s threshold {threshold} is not a probability")
+    return router.eval(), threshold, dict(init)
+
+
+def _load_checkpoint(path: Path) -> dict:
+    """The file's dict, loaded safely (tensors and plain values only), with the reference's keys and model type."""
     if path.exists() and path.stat().st_size > MAX_FILE_BYTES:
         raise R2RError(f"{path} has {path.stat().st_size:,} bytes, more than a router's limit of {MAX_FILE_BYTES:,}: "
                        "it is not a router checkpoint")
@@ -133,7 +151,11 @@ def read_reference(path: Path, hidden_size: int, embed_size: int) -> tuple[Refer
     if saved["model_type"] != MODEL_TYPE:
         raise R2RError(f"{path} holds a {saved['model_type']!r} router; only {MODEL_TYPE} (the reference's published "
                        f"routers) can be imported")
-    init, common = saved["init_args"], saved["common_args"]
+    return saved
+
+
+def _check_inputs(path: Path, init: dict, common: dict, state: dict, hidden_size: int, embed_size: int) -> None:
+    """What the router reads, against what this project's router reads and this SLM's sizes."""
     if sorted(common.get("input_type") or []) != sorted(INPUT_TYPE):
         raise R2RError(f"{path} reads {common.get('input_type')}; a {MODEL_TYPE} reads {INPUT_TYPE}")
     if init.get("use_position_embedding"):
@@ -141,18 +163,22 @@ def read_reference(path: Path, hidden_size: int, embed_size: int) -> tuple[Refer
     if init.get("hidden_states_size", 1536) != hidden_size:
         raise R2RError(f"{path} was trained for an SLM of hidden size {init.get('hidden_states_size', 1536)}, but this "
                        f"SLM's is {hidden_size}: import it with the SLM it was trained on (--slm)")
-    state = {k: v for k, v in saved["state_dict"].items() if k != "token_embeddings.weight"}
     combined = state.get("combined_projection.weight")
     if combined is not None and combined.shape[1] != 2 * hidden_size + embed_size:
         raise R2RError(f"{path} was trained for token embeddings of size {combined.shape[1] - 2 * hidden_size}, but "
                        f"this SLM's are {embed_size}: import it with the SLM it was trained on (--slm)")
+
+
+def _checked_config(path: Path, init: dict, state: dict, hidden_size: int, embed_size: int) -> ReferenceConfig:
+    """The architecture the file's init_args describe, sized on the meta device (nothing allocated), within the
+    limits, with every weight of the file in its shape."""
     try:
         config = ReferenceConfig(hidden_size, embed_size, top_k=int(init.get("logits_size", 100)),
                                  hidden_dims=tuple(int(d) for d in init.get("hidden_dims", (256, 512, 256))),
                                  expansion=int(init.get("expansion_factor", 4)),
                                  dropout=float(init.get("dropout_rate", 0.3)),
                                  normalize_input=bool(init.get("normalize_input", False)))
-        with torch.device("meta"):  # its sizes, from the file's own numbers, without allocating them
+        with torch.device("meta"):
             shapes = {k: v.shape for k, v in ReferenceRouter(config).state_dict().items()}
     except (RuntimeError, ValueError, TypeError) as e:
         raise R2RError(f"{path}'s init_args describe no router: {str(e).splitlines()[0]}") from None
@@ -168,15 +194,7 @@ def read_reference(path: Path, hidden_size: int, embed_size: int) -> tuple[Refer
     wrong = [k for k, shape in shapes.items() if not isinstance(state[k], torch.Tensor) or state[k].shape != shape]
     if wrong:
         raise R2RError(f"{path}'s weights do not match its init_args: {wrong[0]} has the wrong shape")
-    router = ReferenceRouter(config)
-    try:
-        router.load_state_dict({k: v.float() for k, v in state.items()})
-    except RuntimeError as e:
-        raise R2RError(f"{path}'s weights do not match its init_args: {str(e).splitlines()[-1].strip()}") from None
-    threshold = float(common.get("threshold", 0.5))
-    if not 0 <= threshold <= 1:
-        raise R2RError(f"{path}'s threshold {threshold} is not a probability")
-    return router.eval(), threshold, dict(init)
+    return config
 
 
 def write_reference(router: ReferenceRouter, threshold: float, path: Path, slm_name: str) -> None:

@@ -302,11 +302,7 @@ def train_router(datasets: list[Path], slm, out: Path, objective: str = "diverge
 
     Returns {"runs": [...], "entropy": {...}, "metrics": {...}, "skipped": [...]}; the first run is the
     saved router's."""
-    if architecture not in ARCHITECTURES:
-        raise R2RError(f"--architecture is one of {', '.join(ARCHITECTURES)}, not {architecture!r}")
-    if architecture == "reference" and (ablations or set(inputs.split(",")) != {"hidden", "token", "logits"}):
-        raise R2RError("the reference architecture reads every input (hidden,token,logits): drop --inputs and "
-                       "--ablations, or train --architecture mlp")
+    check_architecture(architecture, inputs, ablations)
     embed = slm.embedding_table().float().cpu()
 
     def lookup(tokens):
@@ -334,14 +330,7 @@ def train_router(datasets: list[Path], slm, out: Path, objective: str = "diverge
                 raise
             skipped.append({"inputs": run_inputs, "objective": run_objective, "reason": str(e)})
             continue
-        # Rates count every token of the validation prompts, unjudged ones too (the router sees them all when it
-        # routes); AUC compares judged tokens only.
-        scores = router_scores(router, held_out, lookup)
-        results.append({"inputs": run_inputs, "objective": run_objective,
-                        "params": sum(p.numel() for p in router.parameters()),
-                        "val_auc": judged_auc(scores, held_out, measured),
-                        "recall": recall_at_rates(scores, held_out.target(measured), RATES),
-                        **info, "threshold": threshold_at_rate(scores, target_rate)})
+        results.append(run_result(router, held_out, lookup, measured, run_inputs, run_objective, info, target_rate))
         if (run_inputs, run_objective) == (inputs, objective):
             entropy_baseline = {"val_auc": judged_auc(held_out.entropy, held_out, measured),
                                 "recall": recall_at_rates(held_out.entropy, held_out.target(measured), RATES)}
@@ -353,6 +342,25 @@ def train_router(datasets: list[Path], slm, out: Path, objective: str = "diverge
             save_router(out, checkpoint(router, results[-1]["threshold"], slm, {"training": metrics}))
     files.write_text(out / "training.json", json.dumps({"runs": results, "entropy": entropy_baseline}, indent=2))
     return {"runs": results, "entropy": entropy_baseline, "metrics": metrics, "skipped": skipped}
+
+
+def check_architecture(architecture: str, inputs: str, ablations: bool) -> None:
+    if architecture not in ARCHITECTURES:
+        raise R2RError(f"--architecture is one of {', '.join(ARCHITECTURES)}, not {architecture!r}")
+    if architecture == "reference" and (ablations or set(inputs.split(",")) != {"hidden", "token", "logits"}):
+        raise R2RError("the reference architecture reads every input (hidden,token,logits): drop --inputs and "
+                       "--ablations, or train --architecture mlp")
+
+
+def run_result(router, held_out, lookup, measured: str, inputs: str, objective: str, info: dict,
+               target_rate: float) -> dict:
+    """One trained router's figures on the held-out prompts. Rates count every token of the validation prompts,
+    unjudged ones too (the router sees them all when it routes); AUC compares judged tokens only."""
+    scores = router_scores(router, held_out, lookup)
+    return {"inputs": inputs, "objective": objective, "params": sum(p.numel() for p in router.parameters()),
+            "val_auc": judged_auc(scores, held_out, measured),
+            "recall": recall_at_rates(scores, held_out.target(measured), RATES),
+            **info, "threshold": threshold_at_rate(scores, target_rate)}
 
 
 def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None = None,
