@@ -292,48 +292,15 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
     results = {}
     task = progress.add_task("bench", total=len(engines) + ("torch" in pairs))
     for name, engine in engines.items():
-        engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
-        totals, start = Totals(), time.perf_counter()
-        for p in prompts:
-            totals.add(engine.generate([p], params)[0])
-        seconds, tokens, timed = time.perf_counter() - start, totals.tokens, totals.timings
-        results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                         "llm_rate": totals.llm_tokens / tokens if engine.routes else None,
-                         "rollbacks": totals.rollbacks, "llm_calls": timed.llm_calls,
-                         "router_ms": 1000 * timed.router_s / max(timed.steps, 1),
-                         # What the steps cost inside the run (the first of each includes the prompt):
-                         "slm_ms_per_step": 1000 * timed.slm_s / max(timed.steps, 1),
-                         "llm_ms_per_call": 1000 * timed.llm_s / timed.llm_calls if timed.llm_calls else None}
+        results[name] = one_at_a_time(engine, prompts, params)
         progress.advance(task)
-
     if "torch" in pairs:
-        slm_t, llm_t = pairs["torch"][0], pairs["torch"][1]
-        speculative_torch(slm_t.model, llm_t.model, prompts[0][:32], 4)  # warm-up
-        tokens, start = 0, time.perf_counter()
-        for p in prompts:
-            tokens += len(speculative_torch(slm_t.model, llm_t.model, p, n_tokens))
-        seconds = time.perf_counter() - start
-        results["speculative (transformers assisted)"] = {"tokens": tokens, "seconds": seconds,
-                                                          "tokens_per_s": tokens / seconds, "llm_rate": None}
+        results["speculative (transformers assisted)"] = assisted_generation(pairs["torch"], prompts, n_tokens)
         progress.advance(task)
-
-    # The cost model (README, "What bounds the speed") from per-step costs measured now, at this run's context length:
-    # per request, both prompts' prefill, then per token t_SLM(1) + t_router + c * t_LLM(1/c), where
-    # c = LLM calls per generated token (a call reads the 1/c tokens since the last one).
     prompt = round(statistics.mean(len(p) for p in prompts))
-    context = int(prompt + n_tokens / 2)
     for name, (slm_b, llm_b, _) in pairs.items():
         r = results[f"R2R ({name})"]
-        calls_per_token = r["llm_calls"] / r["tokens"]
-        catch_up = max(1, round(1 / calls_per_token)) if calls_per_token else 1
-        m = {"prompt_tokens": prompt, "context": context, "t_slm_prompt_ms": step_ms(slm_b, 0, prompt),
-             "t_llm_prompt_ms": step_ms(llm_b, 0, prompt), "t_slm_ms": step_ms(slm_b, context, 1),
-             "t_router_ms": r["router_ms"], "catch_up_tokens": catch_up,
-             "t_llm_catch_up_ms": step_ms(llm_b, context, catch_up), "llm_calls_per_token": calls_per_token}
-        per_token_ms = m["t_slm_ms"] + m["t_router_ms"] + calls_per_token * m["t_llm_catch_up_ms"]
-        predicted_ms = len(prompts) * (m["t_slm_prompt_ms"] + m["t_llm_prompt_ms"]) + r["tokens"] * per_token_ms
-        m["predicted_tokens_per_s"] = 1000 * r["tokens"] / predicted_ms
-        r["cost_model"] = m
+        r["cost_model"] = cost_model_figures(slm_b, llm_b, r, prompt, int(prompt + n_tokens / 2), len(prompts))
     fastest_llm = max((f"LLM alone ({name})" for name in pairs), key=lambda n: results[n]["tokens_per_s"])
     for r in results.values():
         r["vs_fastest_llm"] = r["tokens_per_s"] / results[fastest_llm]["tokens_per_s"]
@@ -341,6 +308,49 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
             "kernels": kernels(**{f"{role} ({name})": b for name, pair in pairs.items()
                                   for role, b in zip(("slm", "llm"), pair[:2])}),
             "baseline": fastest_llm, "systems": results}
+
+
+def one_at_a_time(engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """One system's figures over the prompts, answered one at a time after a warm-up."""
+    engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
+    totals, start = Totals(), time.perf_counter()
+    for p in prompts:
+        totals.add(engine.generate([p], params)[0])
+    seconds, tokens, timed = time.perf_counter() - start, totals.tokens, totals.timings
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "llm_rate": totals.llm_tokens / tokens if engine.routes else None,
+            "rollbacks": totals.rollbacks, "llm_calls": timed.llm_calls,
+            "router_ms": 1000 * timed.router_s / max(timed.steps, 1),
+            # What the steps cost inside the run (the first of each includes the prompt):
+            "slm_ms_per_step": 1000 * timed.slm_s / max(timed.steps, 1),
+            "llm_ms_per_call": 1000 * timed.llm_s / timed.llm_calls if timed.llm_calls else None}
+
+
+def assisted_generation(pair, prompts: list[list[int]], n_tokens: int) -> dict:
+    """transformers' assisted generation on the torch pair, as an outside anchor."""
+    slm_t, llm_t = pair[0], pair[1]
+    speculative_torch(slm_t.model, llm_t.model, prompts[0][:32], 4)  # warm-up
+    tokens, start = 0, time.perf_counter()
+    for p in prompts:
+        tokens += len(speculative_torch(slm_t.model, llm_t.model, p, n_tokens))
+    seconds = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "llm_rate": None}
+
+
+def cost_model_figures(slm_b, llm_b, r: dict, prompt: int, context: int, n_prompts: int) -> dict:
+    """The cost model (README, "What bounds the speed") from per-step costs measured now, at this run's context
+    length: per request, both prompts' prefill, then per token t_SLM(1) + t_router + c * t_LLM(1/c), where
+    c = LLM calls per generated token (a call reads the 1/c tokens since the last one)."""
+    calls_per_token = r["llm_calls"] / r["tokens"]
+    catch_up = max(1, round(1 / calls_per_token)) if calls_per_token else 1
+    m = {"prompt_tokens": prompt, "context": context, "t_slm_prompt_ms": step_ms(slm_b, 0, prompt),
+         "t_llm_prompt_ms": step_ms(llm_b, 0, prompt), "t_slm_ms": step_ms(slm_b, context, 1),
+         "t_router_ms": r["router_ms"], "catch_up_tokens": catch_up,
+         "t_llm_catch_up_ms": step_ms(llm_b, context, catch_up), "llm_calls_per_token": calls_per_token}
+    per_token_ms = m["t_slm_ms"] + m["t_router_ms"] + calls_per_token * m["t_llm_catch_up_ms"]
+    predicted_ms = n_prompts * (m["t_slm_prompt_ms"] + m["t_llm_prompt_ms"]) + r["tokens"] * per_token_ms
+    m["predicted_tokens_per_s"] = 1000 * r["tokens"] / predicted_ms
+    return m
 
 
 @torch.inference_mode()

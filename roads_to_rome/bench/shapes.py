@@ -282,6 +282,20 @@ def assisted_key(k: int, universal: bool) -> str:
 def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bool = False) -> dict:
     """Everything `r2r bench shapes` prints, resuming from `saved` (what an earlier run of the same settings on
     this processor measured); `save(result)` is called after each measurement."""
+    run = Measurement(plan, resumed(plan, saved), save, progress)
+    if build_only:
+        for shape in plan.shapes:
+            record_build(run.result["shapes"].setdefault(shape.name, {}), build_shape(shape, run.template, progress))
+            save(run.result)
+        return run.result
+    run.measure_slm()
+    for shape in plan.shapes:
+        run.measure_shape(shape)
+    return summarize(run.result, list(plan.shares))
+
+
+def resumed(plan: Plan, saved: dict | None) -> dict:
+    """The result to add to: `saved` where it holds a run of the same settings on this processor, else a fresh one."""
     config, here = plan.config(), processor()
     gpu = torch.cuda.get_device_name() if pick_device(plan.device) == "cuda" else None
     saved_on = saved and (saved.get("device_name") or saved.get("processor"))
@@ -292,109 +306,132 @@ def measure(plan: Plan, saved: dict | None, save, progress=QUIET, build_only: bo
     result = saved or {"config": config, "processor": here, "real": {}, "shapes": {}}
     if gpu:  # on a GPU the figures are the GPU's (the host it sits in may differ between runs)
         result["device_name"] = gpu
-    backend, device = plan.backend, plan.device
-    rows = max(2, *plan.batches)
-    llama = {"n_ctx": max(4096, 1024 * rows), "max_rows": rows}
-    template = gguf_path(DEFAULT_LLM)
-    if backend == "llamacpp" and not template.exists():
-        raise R2RError(f"the default pair is not prepared ({template} is missing): run `r2r models prepare`")
-    if build_only:
-        for shape in plan.shapes:
-            record_build(result["shapes"].setdefault(shape.name, {}), build_shape(shape, template, progress))
-            save(result)
-        return result
-    if plan.slm_shape is None:
-        slm, tokenizer = load_model(None, "slm", device, backend=backend, llama=llama, compile="slm" in plan.compile)
-        router = policies.build("router", slm, None, router_path_for(None, None))
-    else:
-        tokenizer = default_tokenizer()
-        slm = TorchBackend(torch_shape(plan.slm_shape, pick_device(device)), name=plan.slm_shape.name,
-                           vocab_size=len(tokenizer), graphs=plan.cuda_graphs,
-                           compile="slm" in plan.compile)
-        router = random_router(slm)
-    slm = Recorded(slm)
-    result.setdefault("kernels", {})["slm"] = slm.kernels
-    slm_engine = systems.alone(slm, tokenizer, "slm")
-    count = max(plan.prompts_at(b) for b in plan.batches)
-    prompts = [slm_engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:count]]
-    lengths = [len(p) for p in prompts[: plan.prompts]]
-    result["prompt_tokens"] = lengths
-    widths = {str(b): batch_widths([len(p) for p in prompts[: plan.prompts_at(b)]], b) for b in plan.batches}
-    result["batch_prompt_widths"] = widths
+    return result
 
-    def batched_steps(store: dict, model) -> None:
+
+class Measurement:
+    """One `r2r bench shapes` run: the SLM (the default pair's, or one of a shape, with the shipped or a random
+    router) and its prompts, then each LLM shape alone, with R2R at each share and deferral mode, and assisted
+    generation; each figure saved as soon as it is measured."""
+
+    def __init__(self, plan: Plan, result: dict, save, progress):
+        self.plan, self.result, self.save, self.progress = plan, result, save, progress
+        rows = max(2, *plan.batches)
+        self.llama = {"n_ctx": max(4096, 1024 * rows), "max_rows": rows}
+        self.template = gguf_path(DEFAULT_LLM)
+        if plan.backend == "llamacpp" and not self.template.exists():
+            raise R2RError(f"the default pair is not prepared ({self.template} is missing): run `r2r models prepare`")
+
+    def load_slm(self) -> None:
+        plan = self.plan
+        if plan.slm_shape is None:
+            slm, self.tokenizer = load_model(None, "slm", plan.device, backend=plan.backend, llama=self.llama,
+                                             compile="slm" in plan.compile)
+            self.router = policies.build("router", slm, None, router_path_for(None, None))
+        else:
+            self.tokenizer = default_tokenizer()
+            slm = TorchBackend(torch_shape(plan.slm_shape, pick_device(plan.device)), name=plan.slm_shape.name,
+                               vocab_size=len(self.tokenizer), graphs=plan.cuda_graphs, compile="slm" in plan.compile)
+            self.router = random_router(slm)
+        self.slm = Recorded(slm)
+        self.result.setdefault("kernels", {})["slm"] = self.slm.kernels
+        self.slm_engine = systems.alone(self.slm, self.tokenizer, "slm")
+        count = max(plan.prompts_at(b) for b in plan.batches)
+        self.prompts = [self.slm_engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:count]]
+        self.lengths = self.result["prompt_tokens"] = [len(p) for p in self.prompts[: plan.prompts]]
+        self.widths = {str(b): batch_widths([len(p) for p in self.prompts[: plan.prompts_at(b)]], b)
+                       for b in plan.batches}
+        self.result["batch_prompt_widths"] = self.widths
+
+    def batched_steps(self, store: dict, model) -> None:
         """Step tables with each batch's rows, for the batched runs' cost model."""
+        plan = self.plan
         for b in unmeasured_batches(plan, store, model.max_rows):
-            store[str(b)] = step_table(model.inner, plan.context, plan.step_tokens, widths[str(b)], rows=b)
-            save(result)
+            store[str(b)] = step_table(model.inner, plan.context, plan.step_tokens, self.widths[str(b)], rows=b)
+            self.save(self.result)
 
-    def runs(engine, name, label, measured, batches=plan.batches):
-        for batch in batches:
+    def runs(self, engine, name: str, label: str, measured: dict, batches=None) -> None:
+        plan = self.plan
+        for batch in plan.batches if batches is None else batches:
             key = system_name(name, batch)
             if key not in measured:
-                measured[key] = run_system(engine, prompts[: plan.prompts_at(batch)], plan.tokens, progress,
-                                           f"{label}: {key}", batch)
-                save(result)
+                measured[key] = run_system(engine, self.prompts[: plan.prompts_at(batch)], plan.tokens,
+                                           self.progress, f"{label}: {key}", batch)
+                self.save(self.result)
 
-    if plan.slm_shape is None:
-        measure_real_pair(plan, result, slm, slm_engine, router, tokenizer, prompts, lengths, llama, save, progress)
-    else:
-        own = result.setdefault("slm", {"name": plan.slm_shape.name, "params_b": plan.slm_shape.params / 1e9})
-        if "steps" not in own:
-            own["steps"] = step_table(slm.inner, plan.context, plan.step_tokens, lengths)
-            save(result)
-        runs(slm_engine, "slm", plan.slm_shape.name, own.setdefault("systems", {}))
-        if plan.real_from and not result["real"]:
-            real = json.loads(Path(plan.real_from).read_text()).get("real", {})
-            result["real"] = {"from": plan.real_from, "systems": real.get("systems", {})}
-            save(result)
-    batched_steps(result.setdefault("slm_batched_steps", {}), slm)
-    llm_rows = llama["max_rows"] if backend == "llamacpp" else None
-    for shape in plan.shapes:
-        entry = result["shapes"].setdefault(shape.name, {})
-        entry.setdefault("params_b", shape.params / 1e9)
-        measured = entry.setdefault("systems", {})
+    def measure_slm(self) -> None:
+        self.load_slm()
+        plan, result = self.plan, self.result
+        if plan.slm_shape is None:
+            measure_real_pair(plan, result, self.slm, self.slm_engine, self.router, self.tokenizer, self.prompts,
+                              self.lengths, self.llama, self.save, self.progress)
+        else:
+            own = result.setdefault("slm", {"name": plan.slm_shape.name, "params_b": plan.slm_shape.params / 1e9})
+            if "steps" not in own:
+                own["steps"] = step_table(self.slm.inner, plan.context, plan.step_tokens, self.lengths)
+                self.save(result)
+            self.runs(self.slm_engine, "slm", plan.slm_shape.name, own.setdefault("systems", {}))
+            if plan.real_from and not result["real"]:
+                real = json.loads(Path(plan.real_from).read_text()).get("real", {})
+                result["real"] = {"from": plan.real_from, "systems": real.get("systems", {})}
+                self.save(result)
+        self.batched_steps(result.setdefault("slm_batched_steps", {}), self.slm)
+
+    def to_do(self, shape, entry: dict) -> tuple[list[str], list[tuple[int, bool]]]:
+        """A shape's systems and assisted runs not yet measured."""
+        plan = self.plan
         todo = [system_name(n, b) for n in ["llm"] + [f"r2r@{share:g}" for share in plan.shares] for b in plan.batches]
         todo += [system_name(f"r2r@{share:g}+{mode}", b) for share in plan.shares for mode in plan.defer
                  for b in plan.deferred_batches]
         # transformers' universal path only where the rows differ (else it refuses the tokenizers)
-        slm_rows = slm.inner.model.config.get_text_config().vocab_size if backend == "torch" else None
+        slm_rows = self.slm.inner.model.config.get_text_config().vocab_size if plan.backend == "torch" else None
         modes = () if slm_rows is None else (False, True) if shape.vocab_rows != slm_rows else (False,)
-        assisted_todo = [(k, universal) for k in plan.spec_k for universal in modes
-                         if assisted_key(k, universal) not in entry.get("assisted", {})]
-        batched = entry.setdefault("batched_steps", {})
-        if ("steps" in entry and all(name in measured for name in todo) and not assisted_todo
-                and not unmeasured_batches(plan, batched, llm_rows)):
-            continue
-        llm, build = llm_backend(shape, tokenizer, backend, device, template, progress, plan.cuda_graphs,
-                                 "llm" in plan.compile, llama)
+        assisted = [(k, universal) for k in plan.spec_k for universal in modes
+                    if assisted_key(k, universal) not in entry.get("assisted", {})]
+        return [name for name in todo if name not in entry.get("systems", {})], assisted
+
+    def measure_shape(self, shape) -> None:
+        plan, result = self.plan, self.result
+        entry = result["shapes"].setdefault(shape.name, {})
+        entry.setdefault("params_b", shape.params / 1e9)
+        measured, batched = entry.setdefault("systems", {}), entry.setdefault("batched_steps", {})
+        todo, assisted_todo = self.to_do(shape, entry)
+        llm_rows = self.llama["max_rows"] if plan.backend == "llamacpp" else None
+        if "steps" in entry and not todo and not assisted_todo and not unmeasured_batches(plan, batched, llm_rows):
+            return
+        llm, build = llm_backend(shape, self.tokenizer, plan.backend, plan.device, self.template, self.progress,
+                                 plan.cuda_graphs, "llm" in plan.compile, self.llama)
         record_build(entry, build)
         llm = Recorded(llm)
         result["kernels"][f"llm ({shape.name})"] = llm.kernels
         if "steps" not in entry:
-            entry["steps"] = step_table(llm.inner, plan.context, plan.step_tokens, lengths)
-            save(result)
-        batched_steps(batched, llm)
-        runs(systems.alone(llm, tokenizer, "llm"), "llm", shape.name, measured)
-        accept = real_acceptance(result)
+            entry["steps"] = step_table(llm.inner, plan.context, plan.step_tokens, self.lengths)
+            self.save(result)
+        self.batched_steps(batched, llm)
+        self.runs(systems.alone(llm, self.tokenizer, "llm"), "llm", shape.name, measured)
+        self.routed_runs(shape, llm, measured)
+        for k, universal in assisted_todo:
+            run = assisted_run(self.slm.inner, llm.inner, self.prompts[0], min(plan.tokens, ASSISTED_TOKENS), k,
+                               self.tokenizer if universal else None)
+            entry.setdefault("assisted", {})[assisted_key(k, universal)] = run
+            self.save(result)
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def routed_runs(self, shape, llm, measured: dict) -> None:
+        """R2R at each share of LLM tokens, in lockstep and in each deferral mode."""
+        plan, slm, tokenizer = self.plan, self.slm, self.tokenizer
+        accept = real_acceptance(self.result)
         for share in plan.shares:
-            runs(systems.routed(slm, llm, tokenizer, RouterAtShare(router, share, seed=0)), f"r2r@{share:g}",
-                 shape.name, measured)
+            self.runs(systems.routed(slm, llm, tokenizer, RouterAtShare(self.router, share, seed=0)),
+                      f"r2r@{share:g}", shape.name, measured)
             for mode in plan.defer:
                 # Random weights agree with nothing: at a deferred routed position the LLM keeps the SLM's token
                 # at the rate the real pair kept it in this run.
                 engine = systems.routed(slm, AgreesAtRate(llm, accept), tokenizer,
-                                        RouterAtShare(router, share, seed=0), defer=plan.rule(mode))
-                runs(engine, f"r2r@{share:g}+{mode}", shape.name, measured, plan.deferred_batches)
-        for k, universal in assisted_todo:
-            run = assisted_run(slm.inner, llm.inner, prompts[0], min(plan.tokens, ASSISTED_TOKENS), k,
-                               tokenizer if universal else None)
-            entry.setdefault("assisted", {})[assisted_key(k, universal)] = run
-            save(result)
-        del llm
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return summarize(result, list(plan.shares))
+                                        RouterAtShare(self.router, share, seed=0), defer=plan.rule(mode))
+                self.runs(engine, f"r2r@{share:g}+{mode}", shape.name, measured, plan.deferred_batches)
 
 
 def measure_real_pair(plan: Plan, result: dict, slm, slm_engine, router, tokenizer, prompts, lengths, llama, save,

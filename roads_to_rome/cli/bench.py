@@ -268,18 +268,34 @@ def bench_shapes(
     same run; verification and speculative decoding predicted from the real pair's forwards; on torch,
     transformers' assisted generation beside them."""
     require_extra("eval", "`r2r bench shapes`")
-    from roads_to_rome.bench import shape_models, shapes_report
     from roads_to_rome.bench import shapes as bench_shapes_module
+
+    plan = shapes_plan(llm_shape, slm_shape, llm_share, prompts, tokens, context, new_tokens, verify, spec_k, batch,
+                       real_from, cuda_graphs, compile, defer, defer_group, defer_steps, backend, device)
+    saved = json.loads(out.read_text()) if out.exists() else None
+
+    def keep(result):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console) as progress:
+        result = bench_shapes_module.measure(plan, saved, keep, progress, build_only)
+    keep(result)
+    show_shapes(result, out, build_only)
+
+
+def shapes_plan(llm_shape, slm_shape, llm_share, prompts, tokens, context, new_tokens, verify, spec_k, batch,
+                real_from, cuda_graphs, compile, defer, defer_group, defer_steps, backend, device):
+    """`r2r bench shapes`'s options, checked, as the `Plan` it runs."""
+    from roads_to_rome.bench import shape_models
+    from roads_to_rome.bench.shapes import Plan
     from roads_to_rome.core.llm_calls import Deferral
     from roads_to_rome.core.sampling import parse_verify_list
 
     chosen = shape_models.parse_shapes(llm_shape)
-    shares = shape_models.parse_shares(llm_share)
-    ks = whole_numbers(new_tokens, "--new-tokens")
     if backend not in ("llamacpp", "torch"):
         raise R2RError(f"--backend for shapes is llamacpp (a built GGUF) or torch (from the configuration), "
                        f"got {backend!r}")
-    settings = list(parse_verify_list(verify))
     compiled = tuple(r.strip() for r in compile.split(",") if r.strip() and r.strip() != "none")
     if set(compiled) - {"slm", "llm"}:
         raise R2RError(f"--compile takes slm, llm, slm,llm or none, got {compile!r}")
@@ -294,22 +310,19 @@ def bench_shapes(
     modes = tuple(m.strip() for m in defer.split(",") if m.strip())
     if set(modes) - {"continue", "park"}:
         raise R2RError(f"--defer for shapes takes continue, park or both, got {defer!r}")
-    rule = Deferral.of("off", defer_group, defer_steps)
-    plan = bench_shapes_module.Plan(
-        tuple(chosen), tuple(shares), prompts, tokens, context, tuple(ks), tuple(settings),
-        tuple(whole_numbers(spec_k, "--spec-k")), backend, device,
-        shape_models.parse_shape(slm_shape) if slm_shape else None,
-        tuple(whole_numbers(batch, "--batch")) or (1,), str(real_from) if real_from else None, cuda_graphs, compiled,
-        modes, rule)
-    saved = json.loads(out.read_text()) if out.exists() else None
+    return Plan(shapes=tuple(chosen), shares=tuple(shape_models.parse_shares(llm_share)), prompts=prompts,
+                tokens=tokens, context=context, step_tokens=tuple(whole_numbers(new_tokens, "--new-tokens")),
+                verify=parse_verify_list(verify), spec_k=tuple(whole_numbers(spec_k, "--spec-k")), backend=backend,
+                device=device, slm_shape=shape_models.parse_shape(slm_shape) if slm_shape else None,
+                batches=tuple(whole_numbers(batch, "--batch")) or (1,),
+                real_from=str(real_from) if real_from else None, cuda_graphs=cuda_graphs, compile=compiled,
+                defer=modes, deferral=Deferral.of("off", defer_group, defer_steps))
 
-    def keep(result):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
 
-    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console) as progress:
-        result = bench_shapes_module.measure(plan, saved, keep, progress, build_only)
-    keep(result)
+def show_shapes(result: dict, out: Path, build_only: bool) -> None:
+    """What `r2r bench shapes` prints, and its Markdown table and plot beside the JSON."""
+    from roads_to_rome.bench import shapes_report
+
     if build_only:
         for name, entry in result["shapes"].items():
             build = entry["build"]
