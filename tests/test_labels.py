@@ -11,7 +11,7 @@ import torch
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError
-from roads_to_rome.pipeline import judges, labels
+from roads_to_rome.pipeline import judges, label_reports, labels, prompt_sets
 
 PROMPTS = [
     {"id": "m1", "domain": "math", "prompt": "What is 48 / 2?"},
@@ -73,7 +73,7 @@ def test_pipeline_labels_every_response_token(tmp_path, slm, llm, tokenizer):
     first = responses[0]
     logits, _ = slm.forward_sequence(first["prompt_ids"] + first["response_ids"][:3])
     assert logits[-1].argmax().item() == [r for r in rows if r["id"] == first["id"]][3]["slm_token"]
-    report = labels.report(tmp_path)
+    report = label_reports.report(tmp_path)
     assert set(report["domains"]) == {"math", "code", "qa"}
     overall = report["overall"]
     assert overall["tokens"] == len(rows) and overall["queries"] == 5
@@ -82,7 +82,7 @@ def test_pipeline_labels_every_response_token(tmp_path, slm, llm, tokenizer):
     assert set(labels.throughput(tmp_path)) >= {"responses", "prefill", "continuations", "judgements (stub)"}
     # Before the judge: the prefill step alone gives the same different rates and no divergent ones.
     (tmp_path / "labels.parquet").rename(tmp_path / "judged.parquet")
-    unjudged = labels.report(tmp_path)
+    unjudged = label_reports.report(tmp_path)
     assert report["judged"] and not unjudged["judged"] and unjudged["overall"]["divergent_rate"] is None
     for key in ("tokens", "queries", "different_rate", "mean_entropy_identical", "mean_entropy_different"):
         assert unjudged["overall"][key] == pytest.approx(overall[key])
@@ -242,7 +242,7 @@ def test_on_policy_margin_labels(tmp_path, slm, llm, tokenizer):
                              ).to_pylist()
     assert [x["label"] == "identical" for x in stricter] == [x["label"] == "identical" for x in rows]
     assert sum(x["label"] == "divergent" for x in stricter) > len(labels_of["divergent"])
-    itself = labels.agreement(tmp_path / "d", other_dir=tmp_path / "d")
+    itself = label_reports.agreement(tmp_path / "d", other_dir=tmp_path / "d")
     assert itself["agreement"] == 1.0
     # Against margin labels (now at 0.25 nats), the LLM's gap separates them perfectly; each wider margin calls a
     # subset of them divergent, at 1 nat exactly the first run's divergent positions.
@@ -261,13 +261,13 @@ def test_margin_fit_on_planted_positions():
     verdict = dict(zip(keys, ["divergent", "neutral", "divergent", "neutral"]))
     gap = dict(zip(keys, [5.0, 3.5, 0.7, 0.2]))  # one divergent position far above, one below 1 nat
     entropy = dict(zip(keys, [0.1, 0.2, 0.3, 0.4]))  # entropy ranks the neutral positions higher
-    fit = labels.margin_fit(keys, verdict, gap, entropy)
+    fit = label_reports.margin_fit(keys, verdict, gap, entropy)
     assert fit["positions"] == 4 and fit["divergent"] == 2
     assert fit["roc_auc_margin"] == 0.75 and fit["roc_auc_entropy"] == 0.25
     assert fit["by_margin"]["0.5"] == {"called_divergent": 3, "precision": 2 / 3, "recall": 1.0}
     assert fit["by_margin"]["1.0"] == {"called_divergent": 2, "precision": 0.5, "recall": 0.5}
     assert fit["by_margin"]["4.0"] == {"called_divergent": 1, "precision": 1.0, "recall": 0.5}
-    assert labels.margin_fit(keys, verdict, gap, {})["roc_auc_entropy"] is None
+    assert label_reports.margin_fit(keys, verdict, gap, {})["roc_auc_entropy"] is None
 
 
 def test_margin_labels_of_llm_responses_need_no_branches(tmp_path, slm, llm, tokenizer):
@@ -508,18 +508,18 @@ def test_facts_judge_compares_numbers_and_names_not_wording():
 
 
 def test_prompt_sets(tmp_path):
-    prompts = labels.build_prompt_set(per_domain=3, seed=0)
-    assert len(prompts) == 12 and {p["domain"] for p in prompts} == set(labels.DOMAINS)
+    prompts = prompt_sets.build_prompt_set(per_domain=3, seed=0)
+    assert len(prompts) == 12 and {p["domain"] for p in prompts} == set(prompt_sets.DOMAINS)
     assert not any("gsm_symbolic" in p["id"] for p in prompts)
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    assert labels.load_prompts(path) == prompts
+    assert prompt_sets.load_prompts(path) == prompts
     path.write_text('{"id": "a", "domain": "math"}\n')
     with pytest.raises(R2RError, match="prompt"):
-        labels.load_prompts(path)
+        prompt_sets.load_prompts(path)
     path.write_text('{"id": "a", "domain": "m", "prompt": "x"}\n{"id": "a", "domain": "m", "prompt": "y"}\n')
     with pytest.raises(R2RError, match="duplicate"):
-        labels.load_prompts(path)
+        prompt_sets.load_prompts(path)
 
 
 def test_math_prompt_set_is_deterministic_and_checkable():
@@ -527,29 +527,29 @@ def test_math_prompt_set_is_deterministic_and_checkable():
 
     from roads_to_rome.data.benchmarks import MATH_INSTRUCTION
 
-    prompts = labels.math_prompt_set(22, seed=0)
-    assert prompts == labels.math_prompt_set(22, seed=0) and prompts != labels.math_prompt_set(22, seed=1)
+    prompts = prompt_sets.math_prompt_set(22, seed=0)
+    assert prompts == prompt_sets.math_prompt_set(22, seed=0) and prompts != prompt_sets.math_prompt_set(22, seed=1)
     sources = Counter(p["id"].split("/")[1] for p in prompts)
-    assert sources["champ"] == 270 and set(sources) - {"champ"} == set(labels.WORD_GENERATORS)
+    assert sources["champ"] == 270 and set(sources) - {"champ"} == set(prompt_sets.WORD_GENERATORS)
     assert sum(sources.values()) == 270 + 22
     assert all(p["reference"] and p["prompt"].endswith(MATH_INSTRUCTION) for p in prompts)
-    assert labels.math_prompt_set(22, seed=0, champ=False) == [p for p in prompts if "/champ/" not in p["id"]]
+    assert prompt_sets.math_prompt_set(22, seed=0, champ=False) == [p for p in prompts if "/champ/" not in p["id"]]
 
 
 def test_written_problems_that_copy_a_gsm8k_question_are_dropped():
     from roads_to_rome.data.benchmarks import gsm8k
 
     questions = [q["question"] for q in gsm8k()[:50]]
-    grams = set().union(*(labels.word_ngrams(q, labels.OVERLAP_WORDS) for q in questions))
+    grams = set().union(*(prompt_sets.word_ngrams(q, prompt_sets.OVERLAP_WORDS) for q in questions))
     seen = set()
     fresh = "A bakery sells 12 rolls an hour for 5 hours and gives away 7. How many rolls are left?"
-    assert labels.new_problem(fresh, seen, grams)
-    assert not labels.new_problem(fresh.upper().replace("?", " ?"), seen, grams)  # the same words again
-    assert not labels.new_problem("A farm has 3 cows and 4 ducks.", seen, grams)  # asks nothing
+    assert prompt_sets.new_problem(fresh, seen, grams)
+    assert not prompt_sets.new_problem(fresh.upper().replace("?", " ?"), seen, grams)  # the same words again
+    assert not prompt_sets.new_problem("A farm has 3 cows and 4 ducks.", seen, grams)  # asks nothing
     near_copy = "Here is one: " + questions[7]
-    assert not labels.new_problem(near_copy, seen, grams)
-    assert labels.longest_shared_run(near_copy, questions) == len(re.findall(r"[a-z0-9]+", questions[7].lower()))
-    assert labels.longest_shared_run(fresh, questions) < labels.OVERLAP_WORDS
+    assert not prompt_sets.new_problem(near_copy, seen, grams)
+    assert prompt_sets.longest_shared_run(near_copy, questions) == len(re.findall(r"[a-z0-9]+", questions[7].lower()))
+    assert prompt_sets.longest_shared_run(fresh, questions) < prompt_sets.OVERLAP_WORDS
 
 
 def test_label_cli(run_cli, tmp_path):
@@ -593,7 +593,7 @@ def test_label_cli(run_cli, tmp_path):
 def test_agreement_between_two_judges(tmp_path, slm, llm, tokenizer):
     run_pipeline(tmp_path, slm, llm, tokenizer)
     labels.step_judgements(EveryOtherJudge(), tmp_path, name="judgements-same")
-    same = labels.agreement(tmp_path, "judgements-same")
+    same = label_reports.agreement(tmp_path, "judgements-same")
     assert same["agreement"] == 1.0 and same["positions"] > 0
 
     class Contrary:
@@ -603,26 +603,26 @@ def test_agreement_between_two_judges(tmp_path, slm, llm, tokenizer):
             return [("neutral" if len(b) > len(a) else "divergent", "") for _, a, b in cases]
 
     labels.step_judgements(Contrary(), tmp_path, name="judgements-contrary")
-    assert labels.agreement(tmp_path, "judgements-contrary")["agreement"] == 0.0
+    assert label_reports.agreement(tmp_path, "judgements-contrary")["agreement"] == 0.0
 
 
 def test_agreement_between_early_stopped_and_full_rollouts(tmp_path, slm, llm, tokenizer, run_cli):
     """`r2r label agree EARLY --against FULL`: what stopping at a re-join changed, on the positions it stopped at."""
     run_pipeline(tmp_path / "full", slm, llm, tokenizer, judges.AnswerJudge(), rollout=True, rejoin_tokens=0)
     run_pipeline(tmp_path / "early", slm, llm, tokenizer, judges.AnswerJudge(), rollout=True, rejoin_tokens=2)
-    result = labels.agreement(tmp_path / "early", other_dir=tmp_path / "full")
+    result = label_reports.agreement(tmp_path / "early", other_dir=tmp_path / "full")
     stopped = [c for c in labels.Parts(tmp_path / "early", "continuations").rows() if c.get("rejoined")]
     assert result["positions"] == len([c for c in labels.Parts(tmp_path / "full", "continuations").rows()
                                        if c["position"] >= 0])
     assert result["rejoined"]["positions"] == len(stopped) > 0
     assert sum(result["rejoined"]["confusion (pipeline judge/other judge)"].values()) == len(stopped)
-    assert labels.agreement(tmp_path / "full", other_dir=tmp_path / "full")["agreement"] == 1.0
+    assert label_reports.agreement(tmp_path / "full", other_dir=tmp_path / "full")["agreement"] == 1.0
     judged = result["judged"]["confusion (pipeline judge/other judge)"]
     assert not any("unparseable" in pair for pair in judged) and sum(judged.values()) == result["judged"]["positions"]
     committed = tmp_path / "committed"  # a dataset as committed: labels.parquet only, no judgement parts
     committed.mkdir()
     (tmp_path / "full" / "labels.parquet").rename(committed / "labels.parquet")
-    assert labels.agreement(tmp_path / "early", other_dir=committed) == result
+    assert label_reports.agreement(tmp_path / "early", other_dir=committed) == result
     code, out, _ = run_cli("label", "agree", committed, "--against", tmp_path / "early")  # labels.parquet first too
     assert code == 0 and json.loads(out)["positions"] == result["positions"]
     code, out, err = run_cli("label", "agree", tmp_path / "early", "--against", tmp_path / "full")
@@ -673,8 +673,8 @@ def test_the_committed_datasets_match_their_reports():
     """data/labels/default (facts labels) and data/labels/onpolicy (on-policy margin labels, the shipped router's)
     are datasets of token ids and labels; each report.json is its report."""
     root = Path(__file__).parent.parent / "data" / "labels"
-    assert labels.report(root / "default") == json.loads((root / "report.json").read_text())
-    onpolicy = labels.report(root / "onpolicy")
+    assert label_reports.report(root / "default") == json.loads((root / "report.json").read_text())
+    onpolicy = label_reports.report(root / "onpolicy")
     assert onpolicy == json.loads((root / "onpolicy" / "report.json").read_text())
     prompts = [json.loads(line)["id"] for line in (root / "onpolicy" / "prompts.jsonl").read_text().splitlines()]
     labelled = {r["id"] for r in labels.Parts(root / "onpolicy", "responses").rows()}

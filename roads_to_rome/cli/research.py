@@ -266,16 +266,16 @@ def label_prompts(
 ):
     """Build a training prompt set (no evaluation data); the same seed gives the same set."""
     require_extra("labels", "`r2r label prompts`")
-    from roads_to_rome.pipeline import labels
+    from roads_to_rome.pipeline import prompt_sets
 
     if recipe == "default":
-        prompts = labels.build_prompt_set(per_domain, seed)
+        prompts = prompt_sets.build_prompt_set(per_domain, seed)
     elif recipe == "math":
-        prompts = labels.math_prompt_set(generated, seed, champ)
+        prompts = prompt_sets.math_prompt_set(generated, seed, champ)
         if written:
             with progress_bar(RateColumn(), TimeRemainingColumn()) as progress:
-                prompts += labels.write_word_problems(load_alone(llm, "llm", device, dtype, backend), written, seed,
-                                                      progress=progress)
+                writer = load_alone(llm, "llm", device, dtype, backend)
+                prompts += prompt_sets.write_word_problems(writer, written, seed, progress=progress)
     else:
         raise R2RError(f"--recipe takes default or math, got {recipe!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -303,7 +303,7 @@ def label_agree(
     """Run a second judge on the same differing positions (or read another directory's verdicts) and report how
     often it agrees with the first."""
     require_extra("labels", "`r2r label agree`")
-    from roads_to_rome.pipeline import labels
+    from roads_to_rome.pipeline import label_reports, labels
 
     if not ((out / "judgements").exists() or (against is not None and (out / "labels.parquet").exists())):
         raise R2RError(f"{out} has no judgements yet: run `r2r label PROMPTS --out {out}` first")
@@ -311,11 +311,11 @@ def label_agree(
         raise R2RError(f"{against} has no judgements yet (nor a labels.parquet): run `r2r label PROMPTS --out "
                        f"{against}` first")
     if against is not None:
-        print(json.dumps(labels.agreement(out, other_dir=against)))
+        print(json.dumps(label_reports.agreement(out, other_dir=against)))
         return
     name = f"judgements-{judge}"
     labels.step_judgements(load_judge(judge, judge_url, judge_model, llm, device, dtype, backend), out, name=name)
-    print(json.dumps(labels.agreement(out, name)))
+    print(json.dumps(label_reports.agreement(out, name)))
 
 
 @label_app.command("check-judge")
@@ -346,9 +346,9 @@ def label_report(
 ):
     """Per domain and overall: queries, tokens, different and divergent rates, SLM entropy by label."""
     require_extra("labels", "`r2r label report`")
-    from roads_to_rome.pipeline import labels
+    from roads_to_rome.pipeline import label_reports
 
-    result = labels.report(dataset)
+    result = label_reports.report(dataset)
     if as_json:
         print(json.dumps(result))
         return

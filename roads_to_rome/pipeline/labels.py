@@ -26,7 +26,6 @@ import re
 import shutil
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,160 +36,17 @@ import torch
 from roads_to_rome import files
 from roads_to_rome.backends.base import greedy, mask_for
 from roads_to_rome.core.layout import left_pad
-from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams
-from roads_to_rome.data.benchmarks import MATH_INSTRUCTION, gsm8k
-from roads_to_rome.data.stats import roc_auc
 from roads_to_rome.errors import R2RError
 from roads_to_rome.models import systems
 from roads_to_rome.pipeline import judges
+from roads_to_rome.pipeline.prompt_sets import load_prompts
 from roads_to_rome.progress import QUIET
 from roads_to_rome.routing.policies import entropy
 
 STEPS = ("responses", "prefill", "continuations", "judgements", "labels")
 WRITERS = ("llm", "slm")  # who writes the responses the other model reads
-DOMAINS = {
-    # reasoning-gym generators per domain; never gsm_symbolic (built from GSM8K test questions)
-    "math": ["basic_arithmetic", "chain_sum", "decimal_arithmetic", "fraction_simplification", "gcd", "lcm",
-             "prime_factorization", "simple_equations", "polynomial_equations", "number_sequence"],
-    "logic": ["knights_knaves", "syllogism", "propositional_logic", "zebra_puzzles", "self_reference"],
-    "code": ["codeio"],
-    "qa": ["family_relationships", "aiw", "letter_counting", "time_intervals", "calendar_arithmetic"],
-}
 SENTENCE_END = re.compile(r"[.!?](?=\s|$)|\n")
-
-
-# ---- prompt sets ---------------------------------------------------------------------------------
-
-def load_prompts(path: Path) -> list[dict]:
-    """A JSONL prompt set: {"id", "domain", "prompt", optional "reference"} per line."""
-    if not path.exists():
-        raise R2RError(f"prompt set {path} does not exist")
-    prompts, seen = [], set()
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise R2RError(f"{path}:{n}: not JSON ({e})") from None
-        missing = [k for k in ("id", "domain", "prompt") if not isinstance(row.get(k), str) or not row.get(k)]
-        if missing:
-            raise R2RError(f"{path}:{n}: needs non-empty string fields {missing}")
-        if row["id"] in seen:
-            raise R2RError(f"{path}:{n}: duplicate id {row['id']!r}")
-        seen.add(row["id"])
-        prompts.append({"id": row["id"], "domain": row["domain"], "prompt": row["prompt"],
-                        "reference": str(row.get("reference", ""))})
-    if not prompts:
-        raise R2RError(f"prompt set {path} is empty")
-    return prompts
-
-
-def build_prompt_set(per_domain: int, seed: int = 0) -> list[dict]:
-    """The default training prompts from reasoning-gym: `per_domain` prompts in each of DOMAINS."""
-    import reasoning_gym
-
-    prompts = []
-    for domain, generators in DOMAINS.items():
-        per_generator = -(-per_domain // len(generators))
-        rows = []
-        for name in generators:
-            for i, entry in enumerate(reasoning_gym.create_dataset(name, size=per_generator, seed=seed)):
-                rows.append({"id": f"{domain}/{name}/{seed}/{i}", "domain": domain, "prompt": entry["question"],
-                             "reference": str(entry.get("answer", ""))})
-        # interleave generators so a smaller per_domain still covers all of them
-        rows.sort(key=lambda r: (int(r["id"].rsplit("/", 1)[1]), r["id"]))
-        prompts += rows[:per_domain]
-    return prompts
-
-
-# Math prompts with checkable answers, for the answer judge: reasoning-gym generators that ask a worded
-# question with one answer (never gsm_symbolic), CHAMP's competition problems, and word problems the LLM
-# writes itself in GSM8K's style. Each ends with the evaluation's instruction, so answers say "The answer is".
-WORD_GENERATORS = ["leg_counting", "aiw", "time_intervals", "simple_geometry", "basic_arithmetic", "chain_sum",
-                   "decimal_arithmetic", "fraction_simplification", "simple_equations", "gcd", "lcm"]
-TOPICS = ["a bakery", "a school trip", "a farm", "saving money", "a garden", "a road trip", "a bookshop",
-          "a football team", "a birthday party", "painting a house", "a fruit stall", "a library", "a zoo",
-          "a train journey", "a lemonade stand", "knitting scarves", "a car wash", "a science fair", "a pet shop",
-          "a swimming pool", "a toy factory", "a pizza order", "a marathon", "a movie theatre", "a flower shop"]
-WRITE_PROMPT = ("Write one new grade-school math word problem about {topic}. Solving it should take {steps} steps "
-                "of arithmetic with whole numbers. Write only the problem, ending with its question.")
-OVERLAP_WORDS = 8  # a written problem sharing a run of this many words with a GSM8K test question is dropped
-
-
-def math_prompt_set(n_generated: int, seed: int = 0, champ: bool = True) -> list[dict]:
-    """Math prompts from packages: `n_generated` from reasoning-gym's worded generators, plus CHAMP's 270."""
-    import reasoning_gym
-
-    rows = []
-    per_generator = -(-n_generated // len(WORD_GENERATORS))
-    for name in WORD_GENERATORS:
-        for i, entry in enumerate(reasoning_gym.create_dataset(name, size=per_generator, seed=seed)):
-            rows.append({"id": f"math/{name}/{seed}/{i}", "domain": "math",
-                         "prompt": f"{entry['question']}\n{MATH_INSTRUCTION}", "reference": str(entry["answer"])})
-    rows.sort(key=lambda r: (int(r["id"].rsplit("/", 1)[1]), r["id"]))  # every generator, whatever n is
-    rows = rows[:n_generated]
-    if champ:
-        import champ_dataset
-
-        for problem in champ_dataset.load("v0").problems.values():
-            rows.append({"id": f"math/champ/{problem.identifier}", "domain": "math",
-                         "prompt": f"{problem.text}\n{MATH_INSTRUCTION}", "reference": problem.answer})
-    return rows
-
-
-def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
-    words = re.findall(r"[a-z0-9]+", text.lower())
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
-
-
-def longest_shared_run(text: str, others: list[str]) -> int:
-    """The longest run of words `text` shares with any of `others` (how close it comes to copying one)."""
-    longest = 0
-    while longest < 64 and any(word_ngrams(text, longest + 1) & word_ngrams(o, longest + 1) for o in others):
-        longest += 1
-    return longest
-
-
-def new_problem(problem: str, seen: set[str], test_grams: set) -> bool:
-    """A written problem is kept when it asks a question, is not one already kept (same words), and shares no
-    run of OVERLAP_WORDS words with a GSM8K test question (`test_grams`); kept ones join `seen`."""
-    key = " ".join(re.findall(r"[a-z0-9]+", problem.lower()))
-    if "?" not in problem or key in seen or word_ngrams(problem, OVERLAP_WORDS) & test_grams:
-        return False
-    seen.add(key)
-    return True
-
-
-def write_word_problems(llm_engine, count: int, seed: int = 0, batch_size: int = 8, progress=QUIET) -> list[dict]:
-    """Word problems in GSM8K's style that the LLM writes itself (sampled, seeded: the same seed gives the same
-    problems), deduplicated, without any that shares a run of OVERLAP_WORDS words with a GSM8K test question.
-    Each row records its longest shared run with those questions."""
-    test = [q["question"] for q in gsm8k()]
-    test_grams = set().union(*(word_ngrams(q, OVERLAP_WORDS) for q in test))
-    rows, seen, attempt = [], set(), 0
-    task = progress.add_task("writing word problems (LLM)", total=count)
-    while len(rows) < count and attempt < 4 * count:
-        asks = [WRITE_PROMPT.format(topic=TOPICS[(attempt + k) % len(TOPICS)], steps=3 + (attempt + k) % 3)
-                for k in range(batch_size)]
-        requests = [Request(llm_engine.encode_chat(ask), SamplingParams(
-            max_new_tokens=160, temperature=0.8, top_p=0.95, seed=seed * 100_003 + attempt + k))
-            for k, ask in enumerate(asks)]  # a seed per problem: a topic comes round again with another
-        gens = llm_engine.run(requests)
-        attempt += batch_size
-        for gen in gens:
-            problem = gen.text.strip().strip('"').strip()
-            problem = problem[: problem.find("?") + 1] or problem  # the problem ends with its question; no solution
-            if gen.finish_reason != "stop" or not new_problem(problem, seen, test_grams):
-                continue
-            rows.append({"id": f"math/written/{seed}/{len(rows)}", "domain": "math",
-                         "prompt": f"{problem}\n{MATH_INSTRUCTION}", "reference": "",
-                         "gsm8k_overlap_words": longest_shared_run(problem, test)})
-            progress.advance(task)
-            if len(rows) == count:
-                break
-    return rows
 
 
 # ---- resumable Parquet parts ---------------------------------------------------------------------
@@ -683,109 +539,3 @@ def prefill_rows(out: Path) -> list[dict]:
 
 
 # The R2R paper's training-data statistics (R1-1.5B vs R1-32B): different and divergent token rates.
-PAPER_RATES = {"math": (0.068, 0.028), "code": (0.103, 0.047), "qa": (0.202, 0.097), "overall": (0.108, 0.049)}
-
-
-def report(dataset: Path) -> dict:
-    """The paper's statistics table: per domain and overall, different and divergent rates, entropy by label.
-    Before the judge has run (no labels.parquet yet), the prefill step gives everything but the
-    divergent figures, which are then null."""
-    path = dataset / "labels.parquet" if dataset.is_dir() else dataset
-    if path.exists():
-        rows, judged = pq.read_table(path).to_pylist(), True
-    else:
-        rows, judged = (prefill_rows(dataset) if dataset.is_dir() else []), False
-        if not rows:
-            raise R2RError(f"{path} does not exist: run `r2r label` first")
-
-    def stats(subset):
-        tokens = len(subset)
-        different = sum(r["label"] != "identical" for r in subset)
-        divergent = sum(r["label"] == "divergent" for r in subset)
-        out = {"queries": len({r["id"] for r in subset}), "tokens": tokens,
-               "different_rate": different / tokens if tokens else 0.0,
-               "divergent_rate": (divergent / tokens if tokens else 0.0) if judged else None,
-               "unparseable": sum(r["label"] == "unparseable" for r in subset)}
-        for label in ("identical", "neutral", "divergent", "different"):
-            # "different": every token where the SLM's argmax is not the LLM's, whatever the verdict.
-            values = [r["entropy"] for r in subset if (r["label"] != "identical" if label == "different"
-                                                       else r["label"] == label)]
-            out[f"mean_entropy_{label}"] = sum(values) / len(values) if values else None
-        return out
-
-    domains = sorted({r["domain"] for r in rows})
-    return {"judged": judged,
-            "paper": {k: {"different_rate": d, "divergent_rate": v} for k, (d, v) in PAPER_RATES.items()},
-            "domains": {d: stats([r for r in rows if r["domain"] == d]) for d in domains},
-            "overall": stats(rows)}
-
-
-def verdicts(directory: Path, step: str = "judgements") -> dict[tuple[str, int], tuple[str, str]]:
-    """A label directory's verdict and the judge's raw answer per differing position (id, position): from its <step>/
-    parts, or, for a committed dataset that keeps only its labels (data/labels/default), from labels.parquet, where a
-    differing position's label is its verdict."""
-    parts = Parts(directory, step).rows() if (directory / step).exists() else []  # reading creates no directory
-    found = {(j["id"], j["position"]): (j["verdict"], j["raw"]) for j in parts}
-    if not found and (directory / "labels.parquet").exists():
-        found = {(r["id"], r["position"]): (r["label"], r["judge_raw"])
-                 for r in pq.read_table(directory / "labels.parquet").to_pylist() if r["label"] != "identical"}
-    return found
-
-
-def entropies(directory: Path) -> dict[tuple[str, int], float]:
-    """The SLM's next-token entropy per response position (id, position), from labels.parquet or the prefill step."""
-    path = directory / "labels.parquet"
-    rows = pq.read_table(path).to_pylist() if path.exists() else prefill_rows(directory)
-    return {(r["id"], r["position"]): r["entropy"] for r in rows}
-
-
-# The margins `r2r label agree` tries when the other directory was labelled by the margin judge (nats).
-AGREE_MARGINS = (0.5, 1.0, 2.0, 3.0, 4.0)
-
-
-def margin_fit(keys: list, verdict: dict, gap: dict, entropy: dict) -> dict:
-    """How well the LLM's margin tells the positions a judge calls divergent from those it calls neutral, with the
-    SLM's entropy (what a router without the LLM sees) beside it: ROC-AUC of each, and for each margin the positions
-    it calls divergent, the share of the judge's divergent positions among them (precision) and the share of those
-    it catches (recall). Which --margin follows the judge best, and whether any does."""
-    target = torch.tensor([verdict[k] == "divergent" for k in keys], dtype=torch.float64)
-    gaps = torch.tensor([gap[k] for k in keys], dtype=torch.float64)
-    result = {"positions": len(keys), "divergent": int(target.sum()), "roc_auc_margin": roc_auc(gaps, target),
-              "roc_auc_entropy": (roc_auc(torch.tensor([entropy[k] for k in keys], dtype=torch.float64), target)
-                                  if all(k in entropy for k in keys) else None)}
-    by_margin = {}
-    for margin in AGREE_MARGINS:
-        called = gaps > margin
-        hits = int((called & (target > 0.5)).sum())
-        by_margin[str(margin)] = {"called_divergent": int(called.sum()),
-                                  "precision": hits / int(called.sum()) if called.any() else None,
-                                  "recall": hits / result["divergent"] if result["divergent"] else None}
-    return {**result, "by_margin": by_margin}
-
-
-def agreement(out: Path, other: str = "judgements", other_dir: Path | None = None) -> dict:
-    """How often the verdicts in OUT/<other>/ (or, with `other_dir`, in that label directory's <other>/, else its
-    labels.parquet) agree with OUT's pipeline judge on the same positions; `judged` leaves out those `unparseable` on
-    either side (as are the positions an answer-label run did not roll out). Between two directories that share
-    responses but branched with different --rejoin-tokens it measures early stopping: `rejoined` covers the
-    positions whose branch stopped early in OUT, where a longer branch could have reached another answer. Against a
-    directory labelled by the margin judge, `margins` says how well the LLM's margin, at each setting, and the SLM's
-    entropy follow OUT's verdicts (`margin_fit`): whether any --margin stands in for OUT's judge."""
-    second_raw = verdicts(other_dir or out, other)
-    first, second = {k: v for k, (v, _) in verdicts(out).items()}, {k: v for k, (v, _) in second_raw.items()}
-    rejoined = {(c["id"], c["position"]) for c in Parts(out, "continuations").rows() if c.get("rejoined")}
-
-    def compare(keys: list) -> dict:
-        same = sum(first[k] == second[k] for k in keys)
-        return {"positions": len(keys), "agreement": same / len(keys) if keys else 0.0,
-                "confusion (pipeline judge/other judge)": dict(Counter(f"{first[k]}/{second[k]}" for k in keys))}
-
-    both = [k for k in first if k in second]
-    judged = [k for k in both if "unparseable" not in (first[k], second[k])]
-    result = {**compare(both), "judged": compare(judged)}
-    if rejoined:
-        result["rejoined"] = compare([k for k in both if k in rejoined])
-    gaps = {k: judges.MarginJudge.gap(second_raw[k][1]) for k in judged}
-    if judged and None not in gaps.values():  # the other directory's judge is the margin judge
-        result["margins"] = margin_fit(judged, first, gaps, entropies(out))
-    return result
