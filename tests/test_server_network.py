@@ -276,10 +276,16 @@ def test_logprobs_streamed_and_on_completions_through_the_openai_client(engine):
             [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
         assert all(len(e.top_logprobs) == 2 for e in streamed)
         completion = client.completions.create(model="tiny-r2r", prompt="def add(a, b):", max_tokens=12,
-                                               temperature=0, logprobs=4)
+                                               temperature=0, logprobs=4, extra_body=same)
         lp = completion.choices[0].logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == completion.usage.completion_tokens
         assert all(1 <= len(top) <= 4 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+        offsets = []
+        for chunk in client.completions.create(model="tiny-r2r", prompt="def add(a, b):", max_tokens=12,
+                                               temperature=0, logprobs=4, stream=True, extra_body=same):
+            if chunk.choices and chunk.choices[0].logprobs:
+                offsets += chunk.choices[0].logprobs.text_offset
+        assert offsets == lp.text_offset  # a stream's offsets run on from chunk to chunk, as the whole answer's
         plain = client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": "Paris?"}],
                                                max_tokens=4)
         assert plain.choices[0].logprobs is None

@@ -37,6 +37,9 @@ class Reply:
     chat: bool
     parser: ReasoningParser | None = None  # chat replies only: thinking apart from the answer
     tokenizer: object = None
+    # Where the tokens given log-probabilities so far end, in tokens and in characters: a stream's next chunk
+    # starts there, so its text offset is not summed again from the first token.
+    logprobs_upto: tuple[int, int] = (0, 0)
 
     def reasoned(self, gen):
         return reason(self.parser, self.tokenizer, gen) if self.parser else None
@@ -72,10 +75,14 @@ class Reply:
                 token=text, bytes=list(text.encode()), logprob=entry.logprob,
                 top_logprobs=[TopLogprob(token=t, bytes=list(t.encode()), logprob=lp)
                               for t, lp in self._tops(entry)]) for text, entry in entries])
-        offset, offsets = sum(len(self._text(t)) for t in gen.token_ids[:start]), []
+        upto, offset = self.logprobs_upto
+        if start != upto:
+            offset = sum(len(self._text(t)) for t in gen.token_ids[:start])
+        offsets = []
         for text, _ in entries:
             offsets.append(offset)
             offset += len(text)
+        self.logprobs_upto = (end, offset)
         return Logprobs(tokens=[text for text, _ in entries], token_logprobs=[entry.logprob for _, entry in entries],
                         top_logprobs=[dict(self._tops(entry)) for _, entry in entries], text_offset=offsets)
 
