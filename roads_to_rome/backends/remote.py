@@ -262,11 +262,10 @@ class Client:
             attempt += 1
         self.down_since = self.failing_since = None
         if response.status_code in (401, 403):
-            raise RemoteError(f"the LLM server at {self.url} refused the key (it answered {response.status_code}): "
-                              "give the key it was started with (--api-key there) as --llm-api-key or "
-                              "$R2R_LLM_API_KEY" if "Authorization" in self.http.headers or self.http.auth else
-                              f"the LLM server at {self.url} needs an API key (it answered {response.status_code}): "
-                              "give it as --llm-api-key or $R2R_LLM_API_KEY")
+            sent_key = self.http.auth is not None or "Authorization" in self.http.headers
+            said = "refused the key" if sent_key else "needs an API key"
+            raise RemoteError(f"the LLM server at {self.url} {said} (it answered {response.status_code}): give the "
+                              "key it was started with (--api-key there) as --llm-api-key or $R2R_LLM_API_KEY")
         if response.status_code != 200:
             try:
                 message = response.json()["error"]["message"]

@@ -228,10 +228,9 @@ def serve(
 
 def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
     """An empty key is a mistake; so is a server other machines can reach with no key, unless the user says so."""
-    from roads_to_rome.serving.guard import is_loopback
+    from roads_to_rome.serving.guard import check_api_key, is_loopback
 
-    if api_key is not None and not api_key.strip():
-        raise R2RError("--api-key (or $R2R_API_KEY) is empty: give a key, or leave it out on a loopback --host")
+    check_api_key(api_key)
     if api_key is None and not is_loopback(host):
         if not allow_unauthenticated:
             raise R2RError(f"--host {host} lets other machines reach this server, and it has no --api-key: give one "

@@ -13,6 +13,7 @@ import urllib.parse
 
 from fastapi.responses import JSONResponse, Response
 
+from roads_to_rome.errors import R2RError
 from roads_to_rome.serving.schemas import APIError, Limits, error_response
 
 UNCAPPED = ("/health",)  # answered under any load: a supervisor's probe must not read a full server as dead
@@ -29,6 +30,12 @@ def is_loopback(host: str | None) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def check_api_key(api_key: str | None) -> None:
+    """An empty key would let the header `Bearer ` alone through: a mistake, said at start."""
+    if api_key is not None and not api_key.strip():
+        raise R2RError("--api-key (or $R2R_API_KEY) is empty: give a key, or leave it out on a loopback --host")
 
 
 class Guard:

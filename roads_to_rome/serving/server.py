@@ -31,7 +31,7 @@ from roads_to_rome.core.engine import Engine
 from roads_to_rome.errors import R2RError
 from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser
 from roads_to_rome.serving.engine_thread import EngineThread, Job
-from roads_to_rome.serving.guard import Guard, Tokenizing
+from roads_to_rome.serving.guard import Guard, Tokenizing, check_api_key
 from roads_to_rome.serving.replies import Reply, stream_events, whole_answer
 from roads_to_rome.serving.schemas import (
     APIError,
@@ -63,8 +63,7 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     """`loopback_only`: refuse requests whose Host or Origin is not localhost (for a server bound to a
     loopback address). `docs`: serve /docs and /openapi.json. `reasoning_parser`: how chat replies' thinking is
     told from their answer (roads_to_rome/reasoning.py)."""
-    if api_key is not None and not api_key.strip():
-        raise R2RError("the API key is empty: give a key (--api-key / $R2R_API_KEY), or none for no key")
+    check_api_key(api_key)
     limits = dataclasses.replace(limits or Limits())  # this server's own copy: the caller's is left as it was
     if engine.max_rows is not None and limits.max_batch > engine.max_rows:
         raise R2RError(f"--max-batch {limits.max_batch} is more than the backend holds ({engine.max_rows} rows at "
