@@ -122,8 +122,7 @@ async def llm_health(s: ServerState) -> dict | None:
     """None while the LLM is up (or there is none); what `/health` reports of it while a remote one is away
     (`Backend.health`: a probe of its server, off the event loop)."""
     llm = s.engine.llm
-    health = getattr(llm, "health", None)
-    return None if health is None else await asyncio.get_running_loop().run_in_executor(s.probing, health)
+    return None if llm is None else await asyncio.get_running_loop().run_in_executor(s.probing, llm.health)
 
 
 @routes.get("/health")
@@ -222,8 +221,8 @@ def run(app: FastAPI, host: str, port: int) -> int:
     state = app.state.r2r
 
     def llm_stalled() -> bool:
-        health = getattr(state.engine.llm, "health", None)
-        return health is not None and health() is not None
+        llm = state.engine.llm
+        return llm is not None and llm.health() is not None
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
