@@ -83,6 +83,12 @@ class StepRecord:
     failed: dict[int, Exception] = field(default_factory=dict)  # rows whose LLM call failed
     llm_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> the LLM's logits its token came from
 
+    def writer_of(self, i: int) -> torch.Tensor | None:
+        """The logits row i's token came from: the LLM's where it wrote it, else the writer's."""
+        if i in self.llm_logits:
+            return self.llm_logits[i]
+        return None if self.slm_logits is None else self.slm_logits[i]
+
 
 class Batch:
     """Sequences decoding in lockstep: one row each in both models' caches.
@@ -333,8 +339,7 @@ class Batch:
             if step.held[i]:
                 keep.append(i)
                 continue
-            writer_logits = step.slm_logits[i] if step.slm_logits is not None else None
-            record(s, token, source, score, step.llm_logits.get(i, writer_logits))
+            record(s, token, source, score, step.writer_of(i) if gen.logprobs is not None else None)
             reason = ends(self.engine, s, gen.token_ids)
             if reason and s.checks.pending(s):  # the LLM checks its tokens first: the row waits for that
                 s.checks.ends, reason = reason, None
