@@ -161,7 +161,9 @@ def test_the_remote_backends_pool_threads_start_no_threads_of_their_own(server, 
 
     process = psutil.Process()
     torch.zeros(1 << 20).fill_(1.0)  # this thread's own team, which its first large operation starts
-    os_before, python_before = process.num_threads(), threading.active_count()
+    # Threads the OS has but Python does not know: intra-op teams, and a thread of an earlier test that Python
+    # has let go while its OS thread still winds down (so only growth can tell).
+    native_before = process.num_threads() - threading.active_count()
     llm = RemoteBackend(server.url, tokenizer, slm.eos_ids, vocab_size=151_936)
     rows = [Engine.alone(llm, tokenizer).encode_chat(p) for p in REMOTE_PROMPTS]
     width = max(map(len, rows))
@@ -170,7 +172,7 @@ def test_the_remote_backends_pool_threads_start_no_threads_of_their_own(server, 
     cache = llm.new_cache()
     assert llm.forward_all(cache, ids, mask, keep_last=4).shape == (3, 4, 151_936)
     assert llm.forward(cache, ids[:, -1:] * 0 + 5, torch.ones(3, width + 1, dtype=torch.long))[0].shape[0] == 3
-    assert process.num_threads() - os_before == threading.active_count() - python_before
+    assert process.num_threads() - threading.active_count() <= native_before
 
 
 def test_sampled_strict_verification_is_refused_with_a_remote_llm(server, slm, tokenizer):
