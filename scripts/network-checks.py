@@ -1,12 +1,16 @@
 """`r2r serve` on the default pair under the loads a server on a network meets, each beside a normal request that
-must still answer: a flood of near-1 MB prompts from many clients, and a client that trickles its body.
+must still answer: a flood of near-1 MB prompts from many clients, a client that trickles its body, and many
+clients that trickle their request heads (a "slowloris").
 
-    python scripts/network-checks.py [--flood-clients 40] [--prompt-bytes 900000] [--seconds 60] --out runs/net.json
+    python scripts/network-checks.py [--flood-clients 40] [--prompt-bytes 900000] [--seconds 60] \
+        [--slow-heads 400,2000] --out runs/net.json
 
 Prints and writes: the normal 10-token request's latencies during the flood (each one, p50 and the worst), how the
-flood's requests ended (by status and error code), and when the trickling client was cut off (the server's
---max-body-seconds, 30 s by default) with the normal requests' latencies meanwhile. The server's output goes to
-OUT.server.log. Needs the prepared default pair (`make models`)."""
+flood's requests ended (by status and error code), when the trickling client was cut off (the server's
+--max-body-seconds, 30 s by default) with the normal requests' latencies meanwhile, and for each number of
+head-trickling connections how each ended and when (--max-head-seconds, 10 s; past twice --max-connections, 512,
+closed as they open), the server's open file descriptors at their peak, and the normal requests meanwhile. The
+server's output goes to OUT.server.log. Needs the prepared default pair (`make models`)."""
 
 import argparse
 import collections
@@ -19,12 +23,14 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 from serve_process import start_process
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--flood-clients", type=int, default=40)
 parser.add_argument("--prompt-bytes", type=int, default=900_000)
 parser.add_argument("--seconds", type=float, default=60.0, help="how long the flood lasts")
+parser.add_argument("--slow-heads", default="400,2000", help="how many connections trickle their heads, per run")
 parser.add_argument("--port", type=int, default=18950)
 parser.add_argument("--out", default="runs/network-checks.json")
 args = parser.parse_args()
@@ -37,8 +43,12 @@ def normal_requests(stop: threading.Event, latencies: list, every: float = 2.0) 
     with httpx.Client(base_url=URL, timeout=120) as client:
         while not stop.is_set():
             start = time.monotonic()
-            reply = client.post("/v1/chat/completions", json=NORMAL)
-            latencies.append(round(time.monotonic() - start, 3) if reply.status_code == 200 else reply.status_code)
+            try:
+                reply = client.post("/v1/chat/completions", json=NORMAL)
+                ok = reply.status_code == 200
+                latencies.append(round(time.monotonic() - start, 3) if ok else reply.status_code)
+            except httpx.HTTPError as e:  # a connection past the server's cap is closed as it opens
+                latencies.append(type(e).__name__)
             stop.wait(every)
 
 
@@ -74,6 +84,42 @@ def trickle() -> tuple[float, str]:
             except OSError as e:
                 return time.monotonic() - start, type(e).__name__
     return time.monotonic() - start, "never cut off"
+
+
+def slow_heads(n: int, server: psutil.Process, seconds: float = 60.0) -> dict:
+    """`n` connections, each sending half a request head, then a byte of it a second: how and when each ended (its
+    status line, "closed", or the error its socket raised), and the server's open file descriptors at the peak."""
+    fds_before, sockets, ends = server.num_fds(), {}, collections.defaultdict(list)
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", args.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+        s.setblocking(False)
+        sockets[s] = time.monotonic()
+    peak, start = server.num_fds(), time.monotonic()
+    while sockets and time.monotonic() - start < seconds:
+        for s, opened in list(sockets.items()):
+            try:
+                answer = s.recv(4096)
+                end = answer.split(b"\r\n")[0].decode() if answer else "closed"
+            except BlockingIOError:
+                try:
+                    s.send(b"a")
+                    continue
+                except OSError as e:
+                    end = type(e).__name__
+            except OSError as e:
+                end = type(e).__name__
+            ends[end].append(time.monotonic() - opened)
+            del sockets[s]
+            s.close()
+        peak = max(peak, server.num_fds())
+        time.sleep(1.0)
+    for s in sockets:
+        s.close()
+    ended = {end: {"connections": len(t), "first_s": round(min(t), 2), "last_s": round(max(t), 2)}
+             for end, t in ends.items()}
+    return {"connections": n, "ended": ended, "still_open": len(sockets), "server_fds_before": fds_before,
+            "server_fds_peak": peak}
 
 
 def summary(latencies: list) -> dict:
@@ -113,6 +159,16 @@ def main():
         stop.set()
         watcher.join()
         result["trickle"] = {"cut_after_s": round(took, 1), "status": status, **summary(latencies)}
+
+        result["slow_heads"] = []
+        for n in map(int, args.slow_heads.split(",")):
+            stop, latencies = threading.Event(), []
+            watcher = threading.Thread(target=normal_requests, args=(stop, latencies))
+            watcher.start()
+            heads = slow_heads(n, psutil.Process(server.pid))
+            stop.set()
+            watcher.join()
+            result["slow_heads"].append({**heads, **summary(latencies)})
     finally:
         server.terminate()
         server.wait(30)

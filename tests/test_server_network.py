@@ -50,8 +50,8 @@ def normal_request_answers(url, within: float = 10.0, **kw) -> None:
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(engine, "tiny-r2r", limits(max_tokenizing=1, max_body_seconds=1.5, max_request_seconds=2,
-                                                max_connections=12))
+    app = create_app(engine, "tiny-r2r", limits(max_tokenizing=1, max_head_seconds=1.5, max_body_seconds=1.5,
+                                                max_request_seconds=2, max_connections=12))
     with BackgroundServer(app) as srv:
         yield srv.url
 
@@ -102,18 +102,27 @@ def test_a_tokenizer_flood_gets_429_before_it_queues_and_a_short_prompt_still_an
     assert set(codes) <= {400, 429}  # the ones tokenized are too long for the context: refused, never queued
 
 
-def trickle(url: str, seconds: float) -> tuple[float, bytes]:
-    """Send headers and a body one byte at a time, a byte every 0.2 s: when the server answers, and what."""
+WHOLE_HEAD = (f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              "Content-Length: 1000\r\n\r\n")
+HALF_HEAD = f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nX-Slow: "
+
+
+def connect(url: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)))
+
+
+def trickle(url: str, seconds: float, begun: str = WHOLE_HEAD) -> tuple[float, bytes]:
+    """Send `begun`, then one byte every 0.2 s (of the body after a whole head, of a header after half of one): when
+    the server answers, and what."""
     start = time.monotonic()
-    with socket.create_connection((host, int(port))) as s:
-        s.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                  "Content-Length: 1000\r\n\r\n".encode())
+    with connect(url) as s:
+        s.sendall(begun.encode())
         s.settimeout(0.2)
         answer = b""
         while time.monotonic() - start < seconds:
             try:
-                s.sendall(b" ")
+                s.sendall(b" " if begun.endswith("\r\n\r\n") else b"a")
                 chunk = s.recv(4096)
                 if not chunk:
                     break
@@ -135,6 +144,64 @@ def test_a_client_trickling_its_body_is_cut_off_and_others_answer_meanwhile(serv
     t.join()
     took, answer = outcome[0]
     assert took < 5 and b" 408 " in answer.split(b"\r\n")[0], (took, answer[:200])
+
+
+def test_a_client_trickling_its_headers_is_cut_off_and_others_answer_meanwhile(server):
+    outcome = []
+    t = threading.Thread(target=lambda: outcome.append(trickle(server, 30, HALF_HEAD)))
+    t.start()
+    normal_request_answers(server)
+    t.join()
+    took, answer = outcome[0]
+    assert took < 5 and b" 408 " in answer.split(b"\r\n")[0], (took, answer[:200])
+    assert b"--max-head-seconds" in answer and b'"code":"request_timeout"' in answer
+
+
+def test_the_next_request_on_a_kept_connection_has_the_same_deadline(server):
+    with connect(server) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        s.settimeout(5)
+        answer = b""
+        while b'"status"' not in answer:
+            answer += s.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        s.sendall(HALF_HEAD.encode())
+        s.settimeout(0.2)
+        start, answer = time.monotonic(), b""
+        while time.monotonic() - start < 30 and b"\r\n\r\n" not in answer:
+            try:
+                s.sendall(b"a")
+                answer += s.recv(4096)
+            except TimeoutError:
+                continue
+        assert time.monotonic() - start < 5 and answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+
+
+def test_a_connection_that_says_nothing_is_closed_without_a_word(server):
+    with connect(server) as s:
+        s.settimeout(10)
+        start = time.monotonic()
+        assert s.recv(4096) == b""
+        assert 1 < time.monotonic() - start < 5
+
+
+def test_connections_past_twice_the_cap_are_closed_as_they_open(engine):
+    app = create_app(engine, "tiny-r2r", limits(max_connections=2, max_head_seconds=30))
+    with BackgroundServer(app) as srv:
+        server_state = srv.server.server_state
+        held = [connect(srv.url) for _ in range(4)]
+        until(lambda: len(server_state.connections) == 4, "the server holds four connections")
+        with connect(srv.url) as fifth:
+            fifth.settimeout(10)
+            try:
+                assert fifth.recv(4096) == b""
+            except ConnectionResetError:
+                pass
+        assert len(server_state.connections) == 4
+        for s in held:
+            s.close()
+        until(lambda: not server_state.connections, "the server lets the held connections go")
+        assert httpx.get(srv.url + "/health").status_code == 200
 
 
 def test_requests_past_the_connection_cap_get_429_and_health_still_answers(engine):

@@ -36,6 +36,7 @@ from roads_to_rome.cli.options import (
     MaxBodyBytes,
     MaxBodySeconds,
     MaxConnections,
+    MaxHeadSeconds,
     MaxNewTokens,
     MaxQueue,
     MaxRequestSeconds,
@@ -190,7 +191,8 @@ def serve(
     max_batch: MaxBatch = 8, max_queue: MaxQueue = 64, max_tokens: MaxTokens = 4096,
     kv_cache_tokens: KvCacheTokens = None, prefill_chunk: PrefillChunk = 64,
     max_stop_strings: MaxStopStrings = 4, max_stop_chars: MaxStopChars = 256, max_tokenizing: MaxTokenizing = 4,
-    max_body_bytes: MaxBodyBytes = 1 << 20, max_body_seconds: MaxBodySeconds = 30.0,
+    max_body_bytes: MaxBodyBytes = 1 << 20, max_head_seconds: MaxHeadSeconds = 10.0,
+    max_body_seconds: MaxBodySeconds = 30.0,
     max_connections: MaxConnections = 256, max_request_seconds: MaxRequestSeconds = 600.0,
     api_key: ApiKey = None, allow_unauthenticated: AllowUnauthenticated = False, drain_timeout: DrainTimeout = 30.0,
     docs: Docs = False, reasoning_parser: ReasoningParserOpt = "auto",
@@ -214,7 +216,7 @@ def serve(
                                       llm_api_key=llm_api_key, llama=llama))
     limits = Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
                     max_body_bytes=max_body_bytes, max_stop_strings=max_stop_strings, max_stop_chars=max_stop_chars,
-                    max_tokenizing=max_tokenizing, max_body_seconds=max_body_seconds,
+                    max_tokenizing=max_tokenizing, max_head_seconds=max_head_seconds, max_body_seconds=max_body_seconds,
                     max_connections=max_connections, max_request_seconds=max_request_seconds,
                     drain_timeout=drain_timeout)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=is_loopback(host),

@@ -141,7 +141,11 @@ MaxTokenizing = Annotated[int, typer.Option("--max-tokenizing", min=1, help="Lon
 MaxBodyBytes = Annotated[int, typer.Option("--max-body-bytes", min=1, help="A request body's size limit (then 413).")]
 MaxBodySeconds = Annotated[float, typer.Option("--max-body-seconds", min=0.1, help="Seconds a request body may take "
                                                "to arrive (then 408: a trickling client is cut off).")]
+MaxHeadSeconds = Annotated[float, typer.Option("--max-head-seconds", min=0.1, help="Seconds a request's line and "
+                                               "headers may take to arrive, from the connection's first byte or its "
+                                               "opening (then 408 and the connection is closed).")]
 MaxConnections = Annotated[int, typer.Option("--max-connections", min=1, help="Requests in the server at once, "
-                                             "streaming ones included (then 429).")]
+                                             "streaming ones included (then 429); connections open at once may be "
+                                             "twice this (then closed as they open).")]
 MaxRequestSeconds = Annotated[float, typer.Option("--max-request-seconds", min=0.1, help="A whole (not streamed) "
                                                   "answer's deadline (then 408).")]

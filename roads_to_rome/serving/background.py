@@ -11,6 +11,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from roads_to_rome.serving.connections import uvicorn_config
+
 
 class BackgroundServer:
     """Serves `app` while the `with` block runs; `url` is where."""
@@ -20,7 +22,7 @@ class BackgroundServer:
             s.bind((host, 0))
             port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(app, host, port))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> BackgroundServer:

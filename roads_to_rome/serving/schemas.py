@@ -37,8 +37,11 @@ class Limits:
     # Long prompts waiting to be tokenized (or being tokenized) at once; beyond that: 429 before anything queues.
     # Short prompts have a lane of their own, so a flood of long ones cannot hold them up.
     max_tokenizing: int = 4
+    max_head_seconds: float = 10.0  # a request's line and headers must arrive within this (408; connections.py)
     max_body_seconds: float = 30.0  # a body must arrive within this (408): a trickling client is cut off
-    max_connections: int = 256  # requests in the server at once, queued and streaming included (429 beyond)
+    # Requests in the server at once, queued and streaming included (429 beyond); connections open at once, twice
+    # this (closed as they open beyond: connections.py).
+    max_connections: int = 256
     max_request_seconds: float = 600.0  # a whole (non-streamed) answer's deadline (408)
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish after a shutdown signal
 

@@ -218,6 +218,8 @@ def run(app: FastAPI, host: str, port: int) -> int:
     server does not answer); a second exits at once."""
     import uvicorn
 
+    from roads_to_rome.serving.connections import uvicorn_config
+
     state = app.state.r2r
 
     def llm_stalled() -> bool:
@@ -233,8 +235,7 @@ def run(app: FastAPI, host: str, port: int) -> int:
             super().handle_exit(sig, frame)
 
     drain = state.limits.drain_timeout
-    uvicorn_server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=drain + 5))
+    uvicorn_server = Server(uvicorn_config(app, host, port, timeout_graceful_shutdown=drain + 5))
     state.engine_thread.on_failure = lambda _: setattr(uvicorn_server, "should_exit", True)
     uvicorn_server.run()
     return 1 if state.engine_thread.failed is not None else 0
