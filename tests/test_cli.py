@@ -27,6 +27,27 @@ def test_generate_json_has_the_contract_keys(run_cli, pair):
     assert set(json.loads(out)["sources"]) <= {"slm", "llm"} and json.loads(out)["rollbacks"] == 0
 
 
+def test_generate_json_gives_each_tokens_logprob_from_the_model_that_wrote_it(run_cli, pair):
+    sources = set()
+    for verify in ("off", "1"):
+        code, out, err = run_cli("generate", "What is 48 / 2?", "--router", "random", "--threshold", "0.5",
+                                 "--max-new-tokens", "12", "--seed", "3", "--json", "--logprobs", "3",
+                                 "--verify", verify, *pair)
+        assert code == 0, err
+        result = json.loads(out)
+        assert len(result["logprobs"]) == len(result["token_ids"])
+        sources |= set(result["sources"])
+        for token, entry in zip(result["token_ids"], result["logprobs"]):
+            tops = entry["top"]
+            logprobs = [t["logprob"] for t in tops]
+            assert len(tops) == 3 and logprobs == sorted(logprobs, reverse=True) and entry["logprob"] <= 0
+            # Greedy: each model wrote its own most likely token, whichever model that was.
+            assert tops[0]["token_id"] == token and tops[0]["logprob"] == pytest.approx(entry["logprob"], abs=1e-5)
+    assert sources == {"slm", "llm", "fix"}
+    code, out, err = run_cli("generate", "hi", "--json", *pair)
+    assert code == 0 and "logprobs" not in json.loads(out)
+
+
 def test_generate_raw_and_slm_only(run_cli, pair):
     code, out, err = run_cli("generate", "def add(a, b):", "--raw", "--router", "slm", "--max-new-tokens", "5",
                              "--json", *pair)
@@ -55,6 +76,8 @@ def test_generate_prints_text_and_stats(run_cli, pair):
         (["generate", "hi", "--router", "router"], "no router checkpoint"),
         (["generate", "hi", "--router", "entropy", "--threshold", "-2"], "entropy threshold"),
         (["generate", "hi", "--router-path", "x", "--router", "slm"], "--router-path goes with"),
+        (["generate", "hi", "--logprobs", "2"], "add --json"),
+        (["generate", "hi", "--json", "--logprobs", "21"], "logprobs takes 0 to 20"),
         (["generate", "hi", "--verify", "maybe"], "verify takes off, strict or a tolerance"),
         (["generate", "hi", "--verify", "-2"], "verify takes off, strict or a tolerance"),
         (["generate", "hi", "--verify", "strict", "--max-unverified", "0"], "at least 1"),

@@ -13,11 +13,11 @@ def progress_bar(*columns: ProgressColumn) -> Progress:
                     TimeElapsedColumn(), console=console)
 
 
-def sampling(max_new_tokens, temperature, top_p, top_k, stop, seed):
+def sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, logprobs=None):
     from roads_to_rome.core.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            stop=tuple(stop or ()), seed=seed)
+                            stop=tuple(stop or ()), seed=seed, logprobs=logprobs)
     params.validate()  # before the slow model load
     return params
 

@@ -32,6 +32,7 @@ from roads_to_rome.cli.options import (
     Llm,
     LlmApiKey,
     LlmRetry,
+    Logprobs,
     MaxBatch,
     MaxBodyBytes,
     MaxBodySeconds,
@@ -88,7 +89,8 @@ def generate(
     overlap: Overlap = None, overlap_ahead: OverlapAhead = None, threads: Threads = None,
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
-    seed: Seed = None, as_json: AsJson = False, reasoning_parser: ReasoningParserOpt = "auto",
+    seed: Seed = None, as_json: AsJson = False, logprobs: Logprobs = None,
+    reasoning_parser: ReasoningParserOpt = "auto",
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     llm_retry: LlmRetry = None, llm_api_key: LlmApiKey = None,
 ):
@@ -99,7 +101,9 @@ def generate(
     if not prompt.strip():
         raise R2RError("the prompt is empty: give the text to answer")
     reasoning.check_parser(reasoning_parser)
-    params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
+    if logprobs is not None and not as_json:
+        raise R2RError("--logprobs shows in the JSON output: add --json")
+    params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, logprobs)
     engine = load_engine(EngineConfig(slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
                                       policy=router.value if router else None, threshold=threshold,
                                       router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,

@@ -56,6 +56,9 @@ JudgeUrl = Annotated[str | None, typer.Option("--judge-url", help="OpenAI-compat
 JudgeModel = Annotated[str | None, typer.Option("--judge-model", help="Model name at that endpoint (remote judge).")]
 EntropyThreshold = Annotated[float, typer.Option("--threshold", help="Entropy threshold (nats).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+Logprobs = Annotated[int | None, typer.Option("--logprobs", help="With --json: each token's log-probability under "
+                                              "the model that wrote it, with that model's N most likely tokens "
+                                              "(0 to 20).")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens")]
 Temperature = Annotated[float, typer.Option("--temperature", help="0 is greedy.")]
 TopP = Annotated[float, typer.Option("--top-p")]

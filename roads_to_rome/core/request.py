@@ -143,6 +143,8 @@ class Generation:
             "time_slm_s": self.timings.slm_s,
             "time_router_s": self.timings.router_s,
             "time_llm_s": self.timings.llm_s,
+            **({"logprobs": [{"logprob": entry.logprob, "top": [{"token_id": t, "logprob": lp} for t, lp in entry.top]}
+                             for entry in self.logprobs]} if self.logprobs is not None else {}),
         }
 
 

@@ -19,6 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import APIRouter, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +31,7 @@ from starlette.staticfiles import StaticFiles
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.errors import R2RError
 from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser
+from roads_to_rome.serving.connections import uvicorn_config
 from roads_to_rome.serving.engine_thread import EngineThread, Job
 from roads_to_rome.serving.guard import Guard, Tokenizing, check_api_key
 from roads_to_rome.serving.replies import Reply, stream_events, whole_answer
@@ -216,10 +218,6 @@ def run(app: FastAPI, host: str, port: int) -> int:
     a supervisor to start a fresh process). The first signal stops admitting new requests (503) and gives those in
     flight the drain timeout to finish (then they are cut with an error a client can read; at once while the LLM's
     server does not answer); a second exits at once."""
-    import uvicorn
-
-    from roads_to_rome.serving.connections import uvicorn_config
-
     state = app.state.r2r
 
     def llm_stalled() -> bool:
