@@ -48,6 +48,17 @@ def test_generate_json_gives_each_tokens_logprob_from_the_model_that_wrote_it(ru
     assert code == 0 and "logprobs" not in json.loads(out)
 
 
+def test_generate_with_penalties_is_the_llms_penalised_answer_under_strict_verification(run_cli, pair):
+    penalties = ("--presence-penalty", "0.8", "--frequency-penalty", "0.5", "--repetition-penalty", "1.4")
+    runs = {}
+    for name, args in (("plain", ("--router", "llm")), ("llm", ("--router", "llm", *penalties)),
+                       ("strict", ("--router", "random", "--threshold", "0.5", "--verify", "strict", *penalties))):
+        code, out, err = run_cli("generate", "What is 48 / 2?", "--max-new-tokens", "16", "--json", *args, *pair)
+        assert code == 0, err
+        runs[name] = json.loads(out)["token_ids"]
+    assert runs["strict"] == runs["llm"] != runs["plain"]
+
+
 def test_generate_raw_and_slm_only(run_cli, pair):
     code, out, err = run_cli("generate", "def add(a, b):", "--raw", "--router", "slm", "--max-new-tokens", "5",
                              "--json", *pair)
@@ -78,6 +89,8 @@ def test_generate_prints_text_and_stats(run_cli, pair):
         (["generate", "hi", "--router-path", "x", "--router", "slm"], "--router-path goes with"),
         (["generate", "hi", "--logprobs", "2"], "add --json"),
         (["generate", "hi", "--json", "--logprobs", "21"], "logprobs takes 0 to 20"),
+        (["generate", "hi", "--presence-penalty", "3"], "presence penalty is in [-2, 2]"),
+        (["generate", "hi", "--repetition-penalty", "0"], "repetition penalty is in [0.01, 100]"),
         (["generate", "hi", "--verify", "maybe"], "verify takes off, strict or a tolerance"),
         (["generate", "hi", "--verify", "-2"], "verify takes off, strict or a tolerance"),
         (["generate", "hi", "--verify", "strict", "--max-unverified", "0"], "at least 1"),

@@ -181,6 +181,16 @@ def test_sampled_strict_verification_is_refused_with_a_remote_llm(server, slm, t
         engine.sequence(Request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.7)))
 
 
+def test_penalties_are_refused_with_a_remote_llm_unless_the_slm_writes_alone(server, slm, tokenizer):
+    """A server's top log-probabilities are not the whole distribution a penalty reshapes."""
+    engine = Engine(slm, remote(server.url, tokenizer, slm), tokenizer, RandomPolicy(0.2))
+    penalised = SamplingParams(max_new_tokens=4, presence_penalty=0.5)
+    for force in (None, "llm"):
+        with pytest.raises(R2RError, match="penalties"):
+            engine.sequence(Request([1, 2, 3], penalised, force=force))
+    assert engine.run([Request([1, 2, 3], penalised, force="slm")])[0].token_ids
+
+
 def test_vllms_prefix_cache_is_read_from_its_metrics():
     from roads_to_rome.backends.remote import vllm_prefix_cache
     from roads_to_rome.errors import RemoteError

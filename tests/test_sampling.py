@@ -1,8 +1,10 @@
 """Verification's acceptance rules as pure functions of tensors."""
 
+import pytest
 import torch
 
-from roads_to_rome.core.sampling import speculative_residual, within_tolerance
+from roads_to_rome.core.sampling import SamplingParams, apply_penalties, speculative_residual, within_tolerance
+from roads_to_rome.errors import R2RError
 
 
 def test_the_tolerance_rule_keeps_tokens_within_that_many_nats_of_the_best():
@@ -77,3 +79,38 @@ def test_a_vanishing_top_p_keeps_the_best_token():
     logits = torch.tensor([[0.5, 3.0, -1.0]])
     for top_p in (5e-324, 1e-30):
         assert sampling_probs(logits, SamplingParams(temperature=1.0, top_p=top_p)).tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_the_repetition_penalty_is_transformers_own():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, generator=generator) * 3
+    prompt, output = [3, 7, 7, 12], [12, 30, 5]
+    for penalty in (1.3, 0.7):
+        ours = apply_penalties(logits, SamplingParams(repetition_penalty=penalty), prompt, output)
+        theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + output]), logits[None].clone())[0]
+        torch.testing.assert_close(ours, theirs)
+        assert torch.equal(ours[[0, 1, 2]], logits[[0, 1, 2]])  # tokens never seen are left alone
+
+
+def test_presence_and_frequency_penalties_count_the_outputs_tokens_only():
+    logits = torch.zeros(10)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits, params, prompt_ids=[1, 2, 9], output_ids=[4, 4, 4, 6])
+    expected = torch.zeros(10)
+    expected[4], expected[6] = -(0.5 + 3 * 0.25), -(0.5 + 0.25)
+    torch.testing.assert_close(out, expected)  # the prompt's 1, 2 and 9 are not penalised
+    # Negative values favour tokens already there; the order: repetition first, then the subtractions (vLLM's).
+    both = apply_penalties(torch.full((10,), 2.0), SamplingParams(repetition_penalty=2.0, frequency_penalty=-1.0),
+                           [1], [4, 4])
+    assert float(both[1]) == 1.0 and float(both[4]) == 1.0 + 2.0 and float(both[0]) == 2.0
+
+
+def test_no_penalty_leaves_the_logits_untouched_and_bad_ones_are_refused():
+    logits = torch.randn(10)
+    assert apply_penalties(logits, SamplingParams(), [1, 2], [3]) is logits
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3.0}, {"repetition_penalty": 0.0},
+                {"repetition_penalty": 5e-324}, {"repetition_penalty": 101.0}, {"presence_penalty": float("nan")}):
+        with pytest.raises(R2RError, match="penalty"):
+            SamplingParams(**bad).validate()

@@ -210,3 +210,18 @@ def test_strict_verification_streams_the_llms_own_answer(client):
         assert [p["token_id"] for p in provenance] == whole.model_extra["r2r"]["token_ids"]
         assert {p["source"] for p in provenance} <= {"slm", "llm", "fix"}  # the random policy draws anew each time
         assert whole.usage.model_extra["llm_tokens"] == sum(s != "slm" for s in whole.model_extra["r2r"]["sources"])
+
+
+def test_penalties_reach_the_engine_through_the_openai_client(client):
+    """presence_penalty and frequency_penalty (OpenAI's fields) and repetition_penalty (vLLM's) shape the answer:
+    with strict verification it is the LLM's own penalised answer, which differs from its plain one."""
+    penalties = {"presence_penalty": 0.8, "frequency_penalty": 0.5}
+    extra = {"repetition_penalty": 1.4}
+    for prompt in ("What is 48 / 2?", "Bonjour!"):
+        plain = chat(client, prompt, max_tokens=30, extra_body={"r2r_policy": "llm"})
+        llm_only = chat(client, prompt, max_tokens=30, **penalties, extra_body={"r2r_policy": "llm", **extra})
+        strict = chat(client, prompt, max_tokens=30, **penalties,
+                      extra_body={"r2r_verify": "strict", "r2r_threshold": 0.1, **extra})
+        ids = llm_only.model_extra["r2r"]["token_ids"]
+        assert ids != plain.model_extra["r2r"]["token_ids"]
+        assert strict.model_extra["r2r"]["token_ids"] == ids

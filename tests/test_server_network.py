@@ -230,8 +230,16 @@ def test_a_whole_answer_past_its_deadline_is_408_and_frees_its_slot(server, engi
 
 @pytest.mark.parametrize("field,value", [("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
                                          ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}),
-                                         ("presence_penalty", 0.5), ("frequency_penalty", -1), ("min_p", 0.1)])
+                                         ("min_tokens", 3), ("echo", True), ("min_p", 0.1)])
 def test_fields_that_would_change_the_answer_are_400s_naming_them(server, field, value):
+    response = post(server, body(**{field: value}))
+    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -2.01),
+                                         ("repetition_penalty", 0), ("repetition_penalty", 0.001),
+                                         ("repetition_penalty", 101)])
+def test_penalties_out_of_range_are_400s_naming_them(server, field, value):
     response = post(server, body(**{field: value}))
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
 

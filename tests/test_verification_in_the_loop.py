@@ -6,7 +6,7 @@ import torch
 from helpers import assert_stream_shows_only_tokens_that_stay, llm_greedy_reference, make_checkpoint, run_with_joins
 
 from roads_to_rome.core.engine import Engine
-from roads_to_rome.core.sampling import SamplingParams, parse_verify, sampling_probs
+from roads_to_rome.core.sampling import SamplingParams, apply_penalties, parse_verify, sampling_probs
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
 
@@ -97,19 +97,42 @@ def test_strict_under_sampling_follows_the_llms_distribution(kind_pair, tokenize
     base = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=20)
     target = sampling_probs(llm.forward_sequence(prompt)[0][-1:], base)[0]
     draft = sampling_probs(slm.forward_sequence(prompt)[0][-1:], base)[0]
-    runs, rows = 3000, llm.max_rows or 500
-    counts = torch.zeros_like(target)
-    for start in range(0, runs, rows):
-        from roads_to_rome.core.request import Request
+    empirical = first_token_frequencies(engine, prompt, base, llm.max_rows or 500, len(target))
+    assert distance(target, draft) > 0.3  # the two models really differ here
+    assert distance(empirical, target) < 0.08, (distance(empirical, target), distance(empirical, draft))
 
-        gens = engine.run([Request(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
+
+def test_strict_under_sampling_with_penalties_follows_the_llms_penalised_distribution(slm, llm, tokenizer):
+    """The same with a repetition penalty, which the first token already feels through the prompt's tokens: the
+    ratio test compares the two models' penalised distributions."""
+    engine = Engine(slm, llm, tokenizer, AlwaysSLM(), verify="strict", max_unverified=1)
+    prompt = engine.encode_chat("What is 48 / 2?")
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=20, repetition_penalty=3.0)
+    logits = llm.forward_sequence(prompt)[0][-1]
+    target = sampling_probs(apply_penalties(logits, params, prompt, [])[None], params)[0]
+    plain = sampling_probs(logits[None], params)[0]
+    empirical = first_token_frequencies(engine, prompt, params, 500, len(target))
+    pushed_out = (target == 0) & (plain > 0)  # the prompt's tokens that the penalty drops out of the top 20
+    assert plain[pushed_out].sum() > 0.1 and empirical[pushed_out].sum() == 0
+    assert distance(empirical, target) < 0.08, (distance(empirical, target), distance(empirical, plain))
+
+
+def first_token_frequencies(engine, prompt, params, rows, vocab, runs=3000):
+    """How often each of `vocab` tokens comes first, over `runs` seeds (`rows` requests at a time)."""
+    from roads_to_rome.core.request import Request
+
+    counts = torch.zeros(vocab)
+    for start in range(0, runs, rows):
+        gens = engine.run([Request(prompt, SamplingParams(**{**params.__dict__, "seed": seed}))
                            for seed in range(start, min(start + rows, runs))])
         for gen in gens:
             counts[gen.token_ids[0]] += 1
-    empirical = counts / runs
-    distance = lambda p, q: 0.5 * (p - q).abs().sum().item()  # noqa: E731
-    assert distance(target, draft) > 0.3  # the two models really differ here
-    assert distance(empirical, target) < 0.08, (distance(empirical, target), distance(empirical, draft))
+    return counts / runs
+
+
+def distance(p, q):
+    """Total variation distance between two distributions."""
+    return 0.5 * (p - q).abs().sum().item()
 
 
 @pytest.mark.parametrize("value", ["sometimes", "-1", "nan", "inf", None])
@@ -124,3 +147,56 @@ def test_bad_intervals_and_a_missing_llm_are_refused(slm, llm, tokenizer):
     with pytest.raises(R2RError, match="needs both models"):
         Engine(slm, None, tokenizer, verify="strict").generate([[1, 2]], SamplingParams(max_new_tokens=2))
     assert parse_verify("strict") == "strict" and parse_verify("0.5") == 0.5 and parse_verify(2) == 2.0
+
+
+PENALTIES = {"presence_penalty": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.4}
+
+
+def test_with_penalties_strict_is_the_llms_penalised_output_and_deferral_changes_nothing(kind_pair, tokenizer):
+    """Penalties apply to the logits a token is chosen from, whichever model writes it and whenever the LLM
+    checks it: strict verification is still the LLM's own (penalised) greedy output, and a deferred routed token
+    ends as immediate routing writes it."""
+    from roads_to_rome.core.llm_calls import Deferral
+
+    slm, llm = kind_pair
+    alone = Engine.alone(llm, tokenizer)
+    prompts = [alone.encode_chat(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=N_TOKENS, **PENALTIES)
+    expected = [g.token_ids for g in alone.generate(prompts, params)]
+    assert expected != [g.token_ids for g in alone.generate(prompts, SamplingParams(max_new_tokens=N_TOKENS))]
+    assert [alone.generate([p], params)[0].token_ids for p in prompts] == expected
+    for defer in ("off", Deferral("continue", group=1.0, steps=4), Deferral("park", group=1.0, steps=4)):
+        for overlap in (False, True):
+            engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=4), verify="strict", max_unverified=3,
+                            defer=defer, overlap=overlap)
+            gens = engine.generate(prompts, params)
+            assert [g.token_ids for g in gens] == expected, (defer, overlap)
+            assert sum(g.rollbacks for g in gens) > 0
+    policy = EntropyPolicy(3.0)  # a row's routing depends on its own prefix only
+    immediate = Engine(slm, llm, tokenizer, policy).generate(prompts, params)
+    deferred = Engine(slm, llm, tokenizer, policy, defer=Deferral("continue", group=1.0, steps=4)).generate(
+        prompts, params)
+    assert [(g.token_ids, g.sources) for g in deferred] == [(g.token_ids, g.sources) for g in immediate]
+
+
+def test_penalised_greedy_decoding_matches_a_hand_computed_reference(llm, tokenizer):
+    """The LLM alone with penalties: each token is the argmax of its logits after the repetition penalty
+    (transformers' own processor) and the presence and frequency penalties counted by hand, and with the repetition
+    penalty alone the output is transformers' `generate`."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    alone = Engine.alone(llm, tokenizer)
+    prompt = alone.encode_chat(PROMPTS[2])
+    out = alone.generate([prompt], SamplingParams(max_new_tokens=N_TOKENS, **PENALTIES))[0].token_ids
+    logits, _ = llm.forward_sequence(prompt + out[:-1], start=len(prompt) - 1)
+    repetition = RepetitionPenaltyLogitsProcessor(PENALTIES["repetition_penalty"])
+    for i, token in enumerate(out):
+        row = repetition(torch.tensor([prompt + out[:i]]), logits[i : i + 1].float().clone())[0]
+        for t in set(out[:i]):
+            row[t] -= PENALTIES["frequency_penalty"] * out[:i].count(t) + PENALTIES["presence_penalty"]
+        assert token == int(row.argmax()), i
+    params = SamplingParams(max_new_tokens=N_TOKENS, repetition_penalty=1.4, ignore_eos=True)
+    ours = alone.generate([prompt], params)[0].token_ids
+    theirs = llm.model.generate(torch.tensor([prompt]), max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS,
+                                do_sample=False, repetition_penalty=1.4, pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == theirs

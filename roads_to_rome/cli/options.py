@@ -63,6 +63,13 @@ MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens")]
 Temperature = Annotated[float, typer.Option("--temperature", help="0 is greedy.")]
 TopP = Annotated[float, typer.Option("--top-p")]
 TopK = Annotated[int, typer.Option("--top-k", help="0 turns it off.")]
+PresencePenalty = Annotated[float, typer.Option("--presence-penalty", help="Subtracted from the logit of each token "
+                                                "the output already holds (-2 to 2; 0 is none).")]
+FrequencyPenalty = Annotated[float, typer.Option("--frequency-penalty", help="Times each token's count in the "
+                                                 "output, subtracted from its logit (-2 to 2; 0 is none).")]
+RepetitionPenalty = Annotated[float, typer.Option("--repetition-penalty", help="Divides the positive logits (and "
+                                                  "multiplies the negative ones) of the tokens in the prompt and "
+                                                  "the output (0.01 to 100; 1 is none).")]
 
 
 def count(default: int, name: str, help: str | None = None):

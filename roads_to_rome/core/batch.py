@@ -164,7 +164,8 @@ class Batch:
         step.proposal, step.slm_logits, step.hidden = sample_rows(logits, sequences), logits, hidden
         for i, s in enumerate(sequences):
             if s.verify == "strict" and s.params.temperature > 0:  # the ratio test needs what the SLM drew from
-                s.checks.draft_probs[len(s.generation.token_ids)] = sampling_probs(logits[i : i + 1], s.params)[0]
+                index = len(s.generation.token_ids)
+                s.checks.draft_probs[index] = sampling_probs(s.logits_at(logits[i], index)[None], s.params)[0]
         engine.sync()
 
     def _route(self, step: StepRecord) -> None:
@@ -456,9 +457,11 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
 
 
 def sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
-    """One token per row, each with its request's sampling settings (greedy rows in one argmax)."""
+    """Each row's next token from a model's logits [B, V], with its request's penalties and sampling settings
+    (greedy rows without penalties in one argmax)."""
     tokens = logits.argmax(-1)
     for i, s in enumerate(sequences):
-        if s.params.temperature > 0:
-            tokens[i] = sample(logits[i : i + 1], s.params, s.generator)[0]
+        if s.params.temperature > 0 or s.params.penalized:
+            row = s.logits_at(logits[i], len(s.generation.token_ids))[None]
+            tokens[i] = sample(row, s.params, s.generator)[0]
     return tokens

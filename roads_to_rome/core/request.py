@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify
+from roads_to_rome.core.sampling import SamplingParams, apply_penalties, check_max_unverified, parse_verify
 from roads_to_rome.core.verification import Checks
 from roads_to_rome.errors import R2RError
 
@@ -60,7 +60,7 @@ class Timings:
 
 class TokenLogprob(NamedTuple):
     """A token's log-probability under the model that wrote it (the SLM, the LLM, or the LLM's fix), and that
-    model's most likely tokens there: the distribution the model gave, before temperature and top-p/top-k."""
+    model's most likely tokens there: the distribution the model gave, before penalties, temperature and top-p/top-k."""
 
     logprob: float
     top: list[tuple[int, float]]
@@ -197,6 +197,13 @@ class Sequence:
     @property
     def force(self) -> str | None:
         return self.request.force
+
+    def logits_at(self, logits: torch.Tensor, index: int) -> torch.Tensor:
+        """The logits the token at output `index` is chosen from: a model's [V] there, less the request's penalties
+        for the prompt and the output's tokens before it (the same whichever model writes it, and whenever)."""
+        if not self.params.penalized:
+            return logits
+        return apply_penalties(logits, self.params, self.prompt_ids, self.generation.token_ids[:index])
 
 
 @dataclass

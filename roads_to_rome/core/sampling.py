@@ -6,6 +6,7 @@ to the tokens an LLM catch-up checks, for `Batch` (batch.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,10 @@ from roads_to_rome.errors import R2RError
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20  # the most alternatives a token's log-probability comes with (OpenAI's limit)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+# A repetition penalty divides or multiplies logits by itself: bounded both ways so that the result stays finite in
+# float32 and the softmax over it a distribution.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,11 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False  # for benchmarks: always produce max_new_tokens
     logprobs: int | None = None  # each token's log-probability with this many alternatives (None: none)
+    # Penalties on tokens already there, as vLLM and OpenAI apply them (`apply_penalties`): presence and frequency
+    # on the output's tokens, repetition on the prompt's and the output's.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 is none
 
     def __post_init__(self):
         # A temperature this small is greedy decoding, as in vLLM: dividing logits by it overflows to inf (NaN
@@ -44,10 +54,23 @@ class SamplingParams:
             raise R2RError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise R2RError(f"logprobs takes 0 to {MAX_LOGPROBS} alternatives per token, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise R2RError(f"the {name.replace('_', ' ')} is in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 is none), "
+                               f"got {getattr(self, name)}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise R2RError(f"the repetition penalty is in [{low:g}, {high:g}] (1 is none, above 1 holds back tokens "
+                           f"already there), got {self.repetition_penalty}")
         if any(not s for s in self.stop):
             raise R2RError("stop strings must not be empty")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise R2RError(f"the seed must fit in 64 bits (-2^63 to 2^64 - 1), got {self.seed}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def parse_verify_list(text: str) -> tuple[str | float, ...]:
@@ -74,6 +97,26 @@ def check_max_unverified(n: int | None) -> int | None:
     if n is not None and n < 1:
         raise R2RError(f"max unverified tokens must be at least 1 (or no limit), got {n}")
     return n
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
+                    output_ids: Sequence[int]) -> torch.Tensor:
+    """One row's next-token logits [V] less the request's penalties for the tokens before it, in vLLM's order:
+    the repetition penalty on every token of the prompt and the output (a positive logit divided by it, a negative
+    one multiplied: CTRL's rule, as transformers applies it), then the frequency penalty times each token's count in
+    the output and the presence penalty once per token the output holds. Unchanged without penalties."""
+    if not params.penalized:
+        return logits
+    logits = logits.to(torch.float32, copy=True)
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(list(set(prompt_ids).union(output_ids)), dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        tokens = torch.tensor(list(output_ids), dtype=torch.long, device=logits.device)
+        counts = torch.bincount(tokens, minlength=logits.shape[-1]).to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

@@ -121,7 +121,7 @@ def first_rejection(s: Sequence, read: RowRead, last: int, proposal: int, park: 
 def check_token(s: Sequence, token: int, logits: torch.Tensor, index: int) -> int | None:
     """Verification's rule for one token against the LLM's next-token logits: None when it is kept, else the
     LLM's token in its place."""
-    params = s.params
+    params, logits = s.params, s.logits_at(logits, index)
     if s.verify == "strict" and params.temperature > 0:  # speculative sampling: the output follows the LLM
         return _speculative(s, token, logits, index)
     best = int(logits.argmax())
@@ -136,7 +136,7 @@ def check_routed(s: Sequence, token: int, logits: torch.Tensor, index: int, park
     """A deferred routed position: the token the LLM writes there, or None when the SLM's token is that token.
     Parking keeps nothing. Under sampling, speculative sampling's test where the LLM's whole distribution is known,
     else the LLM draws and the SLM's token stays only where the draw is the same; both follow the LLM."""
-    params = s.params
+    params, logits = s.params, s.logits_at(logits, index)
     if params.temperature == 0:
         best = int(logits.argmax())
         return best if park or token != best else None
@@ -183,7 +183,7 @@ def defer(s: Sequence, index: int, logits: torch.Tensor | None) -> None:
     s.checks.routed.append(index)
     s.generation.deferred += 1
     if s.params.temperature > 0 and logits is not None and index not in s.checks.draft_probs:
-        s.checks.draft_probs[index] = sampling_probs(logits[None], s.params)[0]
+        s.checks.draft_probs[index] = sampling_probs(s.logits_at(logits, index)[None], s.params)[0]
 
 
 def settle(s: Sequence, finished: bool) -> list[tuple[int, str, float]]:

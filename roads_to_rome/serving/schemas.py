@@ -14,7 +14,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.request import Request, Sequence
-from roads_to_rome.core.sampling import MAX_LOGPROBS, SamplingParams, parse_verify
+from roads_to_rome.core.sampling import (
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    REPETITION_PENALTY_RANGE,
+    SamplingParams,
+    parse_verify,
+)
 from roads_to_rome.errors import R2RError
 
 
@@ -100,8 +106,7 @@ VerifySetting = Annotated[Number | str, AfterValidator(verify_setting)]
 # the value that changes nothing: a request that sets one otherwise is refused, naming it, rather than answered as if
 # it had not been sent.
 UNSUPPORTED = {"n": 1, "best_of": 1, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-               "response_format": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
-               "repetition_penalty": 1, "min_p": 0, "min_tokens": 0, "echo": False, "suffix": None,
+               "response_format": None, "logit_bias": None, "min_p": 0, "min_tokens": 0, "echo": False, "suffix": None,
                "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None}
 NEUTRAL = {"tools": ([],), "logit_bias": ({},), "response_format": ({"type": "text"},), "tool_choice": ("none",),
            "suffix": ("",)}
@@ -119,6 +124,9 @@ class CommonBody(BaseModel):
     temperature: Number = Field(1.0, ge=0, le=2)  # OpenAI's range
     top_p: Number = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    presence_penalty: Number = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)  # OpenAI's range
+    frequency_penalty: Number = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: Number = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])  # vLLM's
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a 64-bit generator takes
     stop: Text | list[Text] | None = None
     stream: bool = False
@@ -203,7 +211,8 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
         max_tokens = min(limits.max_tokens, room)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                             top_k=body.top_k, stop=stop_strings(body, limits), seed=body.seed,
-                            logprobs=body.top_count())
+                            logprobs=body.top_count(), presence_penalty=body.presence_penalty,
+                            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty)
     try:
         request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                           target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
