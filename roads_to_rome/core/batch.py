@@ -461,7 +461,7 @@ def sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor
     (greedy rows without penalties in one argmax)."""
     tokens = logits.argmax(-1)
     for i, s in enumerate(sequences):
-        if s.params.temperature > 0 or s.params.penalized:
+        if s.params.temperature > 0 or s.params.penalised:
             row = s.logits_at(logits[i], len(s.generation.token_ids))[None]
             tokens[i] = sample(row, s.params, s.generator)[0]
     return tokens

@@ -91,10 +91,10 @@ class Engine:
             raise R2RError(f"the {self.policy.name!r} policy routes to an LLM, but no LLM is loaded")
         if self.slm is None and request.force == "slm":
             raise R2RError("this request asks for the SLM, but no SLM is loaded")
-        # The engine's setting is for routed rows: a row forced onto one model is that model alone unless it asks.
-        if request.params.penalized and request.force != "slm" and self.llm is not None and not self.llm.full_logits:
+        if request.params.penalised and request.force != "slm" and self.llm is not None and not self.llm.full_logits:
             raise R2RError(f"penalties change the LLM's whole distribution; {self.llm.name} gives its top tokens only: "
                            "leave presence, frequency and repetition penalties at 0, 0 and 1")
+        # The engine's setting is for routed rows: a row forced onto one model is that model alone unless it asks.
         verify = request.verify if request.verify is not None else default_verify(request.force is None, self.verify)
         if verify != "off":
             self._check_verifiable(verify, request.params)

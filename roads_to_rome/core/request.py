@@ -201,7 +201,7 @@ class Sequence:
     def logits_at(self, logits: torch.Tensor, index: int) -> torch.Tensor:
         """The logits the token at output `index` is chosen from: a model's [V] there, less the request's penalties
         for the prompt and the output's tokens before it (the same whichever model writes it, and whenever)."""
-        if not self.params.penalized:
+        if not self.params.penalised:
             return logits
         return apply_penalties(logits, self.params, self.prompt_ids, self.generation.token_ids[:index])
 

@@ -68,7 +68,7 @@ class SamplingParams:
             raise R2RError(f"the seed must fit in 64 bits (-2^63 to 2^64 - 1), got {self.seed}")
 
     @property
-    def penalized(self) -> bool:
+    def penalised(self) -> bool:
         """Whether any penalty changes the logits."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
@@ -105,7 +105,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
     the repetition penalty on every token of the prompt and the output (a positive logit divided by it, a negative
     one multiplied: CTRL's rule, as transformers applies it), then the frequency penalty times each token's count in
     the output and the presence penalty once per token the output holds. Unchanged without penalties."""
-    if not params.penalized:
+    if not params.penalised:
         return logits
     logits = logits.to(torch.float32, copy=True)
     if params.repetition_penalty != 1:
