@@ -4,6 +4,7 @@ in its `Generation`; each decode step reports what it added as a `Step`."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -198,12 +199,17 @@ class Sequence:
     def force(self) -> str | None:
         return self.request.force
 
+    @functools.cached_property
+    def prompt_tokens(self) -> torch.Tensor:
+        """The prompt's distinct tokens, for the repetition penalty: once per request, not at every token."""
+        return torch.tensor(self.prompt_ids, dtype=torch.long).unique()
+
     def logits_at(self, logits: torch.Tensor, index: int) -> torch.Tensor:
         """The logits the token at output `index` is chosen from: a model's [V] there, less the request's penalties
         for the prompt and the output's tokens before it (the same whichever model writes it, and whenever)."""
         if not self.params.penalised:
             return logits
-        return apply_penalties(logits, self.params, self.prompt_ids, self.generation.token_ids[:index])
+        return apply_penalties(logits, self.params, self.prompt_tokens, self.generation.token_ids[:index])
 
 
 @dataclass

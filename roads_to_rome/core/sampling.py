@@ -99,24 +99,26 @@ def check_max_unverified(n: int | None) -> int | None:
     return n
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int] | torch.Tensor,
                     output_ids: Sequence[int]) -> torch.Tensor:
     """One row's next-token logits [V] less the request's penalties for the tokens before it, in vLLM's order:
     the repetition penalty on every token of the prompt and the output (a positive logit divided by it, a negative
     one multiplied: CTRL's rule, as transformers applies it), then the frequency penalty times each token's count in
-    the output and the presence penalty once per token the output holds. Unchanged without penalties."""
+    the output and the presence penalty once per token the output holds. Unchanged without penalties. `prompt_ids`
+    may be given as a tensor of the prompt's distinct tokens (`Sequence.prompt_tokens`: made once per request)."""
     if not params.penalised:
         return logits
     logits = logits.to(torch.float32, copy=True)
+    output = torch.tensor(list(output_ids), dtype=torch.long, device=logits.device)
     if params.repetition_penalty != 1:
-        seen = torch.tensor(list(set(prompt_ids).union(output_ids)), dtype=torch.long, device=logits.device)
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).to(logits.device)
+        seen = torch.cat([prompt, output]).unique()
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if output_ids and (params.frequency_penalty or params.presence_penalty):
+    if len(output) and (params.frequency_penalty or params.presence_penalty):
         # Only the tokens the output holds change: counting them, not the whole vocabulary, keeps this to
         # microseconds beside a model's step.
-        tokens, counts = torch.tensor(list(output_ids), dtype=torch.long, device=logits.device).unique(
-            return_counts=True)
+        tokens, counts = output.unique(return_counts=True)
         logits[tokens] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
     return logits
 
