@@ -129,6 +129,44 @@ def test_stop_strings_and_max_new_tokens(slm, llm, tokenizer):
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
 
 
+def test_min_tokens_stop_tokens_and_include_stop_str_in_output(slm, llm, tokenizer):
+    """vLLM's rules: a stop string counts once it ends beyond the first `min_tokens` tokens' text; a stop token ends
+    the output and its text is left out; `include_stop_str_in_output` keeps either."""
+    engine = Engine(slm, llm, tokenizer, AlwaysSLM())
+    prompt = encode(engine)[:1]
+    full = engine.generate(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    ids, text = full.token_ids, full.text
+
+    def token_at(char: int) -> int:  # the output index of the token that writes character `char`
+        return next(k for k in range(len(ids)) if len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) > char)
+
+    # A character written by two different tokens: the first ends the output, unless min_tokens reaches past it.
+    stop, first, second = next((c, i, j) for i, c in enumerate(text) for j in range(i + 1, len(text))
+                               if text[j] == c and c.isalnum() and token_at(j) > token_at(i))
+    cut = engine.generate(prompt, SamplingParams(max_new_tokens=40, stop=(stop,)))[0]
+    assert cut.text == text[:first] and len(cut.token_ids) == token_at(first) + 1 and cut.finish_reason == "stop"
+    kept = engine.generate(prompt, SamplingParams(max_new_tokens=40, stop=(stop,), include_stop_str_in_output=True))[0]
+    assert kept.text == text[: first + 1] and kept.token_ids == cut.token_ids
+    later = engine.generate(prompt, SamplingParams(max_new_tokens=40, stop=(stop,), min_tokens=token_at(first) + 1))[0]
+    assert later.text == text[:second] and len(later.token_ids) == token_at(second) + 1
+    # A stop token: the output ends on it, without its text; before min_tokens it is never written.
+    token = ids[3]
+    ends = engine.generate(prompt, SamplingParams(max_new_tokens=40, stop_token_ids=(token,)))[0]
+    at = ids.index(token)
+    assert ends.token_ids == ids[: at + 1] and ends.finish_reason == "stop"
+    assert ends.text == tokenizer.decode(ids[:at], skip_special_tokens=True)
+    with_it = engine.generate(prompt, SamplingParams(max_new_tokens=40, stop_token_ids=(token,),
+                                                     include_stop_str_in_output=True))[0]
+    assert with_it.text == tokenizer.decode(ids[: at + 1], skip_special_tokens=True)
+    held = engine.generate(prompt, SamplingParams(max_new_tokens=40, stop_token_ids=(token,), min_tokens=at + 2))[0]
+    assert token not in held.token_ids[: at + 2] and held.token_ids[: at] == ids[:at]
+    assert held.finish_reason == "length" or held.token_ids[-1] in engine.eos_ids | {token}
+    # The models' own end-of-sequence tokens are held back too, unless the request ignores them.
+    engine.eos_ids = {ids[1]}
+    assert len(engine.generate(prompt, SamplingParams(max_new_tokens=12))[0].token_ids) == 2
+    assert ids[1] not in engine.generate(prompt, SamplingParams(max_new_tokens=12, min_tokens=6))[0].token_ids[:6]
+
+
 def test_ignore_eos_runs_to_max_new_tokens(slm, llm, tokenizer):
     engine = Engine(slm, llm, tokenizer, AlwaysSLM())
     prompt = encode(engine)[:1]

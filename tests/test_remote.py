@@ -181,14 +181,21 @@ def test_sampled_strict_verification_is_refused_with_a_remote_llm(server, slm, t
         engine.sequence(Request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.7)))
 
 
-def test_penalties_are_refused_with_a_remote_llm_unless_the_slm_writes_alone(server, slm, tokenizer):
-    """A server's top log-probabilities are not the whole distribution a penalty reshapes."""
+@pytest.mark.parametrize("setting", [{"presence_penalty": 0.5}, {"logit_bias": {5: 3.0}},
+                                     {"allowed_token_ids": (5, 6)}])
+def test_penalties_and_logit_rules_are_refused_with_a_remote_llm_unless_the_slm_writes_alone(server, slm, tokenizer,
+                                                                                             setting):
+    """A server's top log-probabilities are not the whole distribution a penalty, a bias or a list of allowed
+    tokens reshapes; holding back ending tokens until min_tokens only removes some of them, which a ranked list can
+    do exactly."""
     engine = Engine(slm, remote(server.url, tokenizer, slm), tokenizer, RandomPolicy(0.2))
-    penalised = SamplingParams(max_new_tokens=4, presence_penalty=0.5)
+    reshaped = SamplingParams(max_new_tokens=4, **setting)
     for force in (None, "llm"):
-        with pytest.raises(R2RError, match="penalties"):
-            engine.sequence(Request([1, 2, 3], penalised, force=force))
-    assert engine.run([Request([1, 2, 3], penalised, force="slm")])[0].token_ids
+        with pytest.raises(R2RError, match="penalties, a logit bias and allowed tokens"):
+            engine.sequence(Request([1, 2, 3], reshaped, force=force))
+    assert engine.run([Request([1, 2, 3], reshaped, force="slm")])[0].token_ids
+    held = SamplingParams(max_new_tokens=4, min_tokens=4, stop_token_ids=(7,))
+    assert len(engine.run([Request([1, 2, 3], held, force="llm")])[0].token_ids) == 4
 
 
 def test_vllms_prefix_cache_is_read_from_its_metrics():

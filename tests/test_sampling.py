@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from roads_to_rome.core.sampling import SamplingParams, apply_penalties, speculative_residual, within_tolerance
+from roads_to_rome.core.sampling import (
+    LogitRules,
+    SamplingParams,
+    adjust_logits,
+    apply_penalties,
+    sampling_probs,
+    speculative_residual,
+    within_tolerance,
+)
 from roads_to_rome.errors import R2RError
 
 
@@ -114,3 +122,44 @@ def test_no_penalty_leaves_the_logits_untouched_and_bad_ones_are_refused():
                 {"repetition_penalty": 5e-324}, {"repetition_penalty": 101.0}, {"presence_penalty": float("nan")}):
         with pytest.raises(R2RError, match="penalty"):
             SamplingParams(**bad).validate()
+
+
+def test_min_p_is_transformers_own_and_comes_after_the_temperature():
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 2
+    for min_p, temperature in ((0.1, 1.0), (0.3, 0.7), (0.05, 1.5)):
+        ours = sampling_probs(logits, SamplingParams(temperature=temperature, min_p=min_p))
+        warped = MinPLogitsWarper(min_p)(None, TemperatureLogitsWarper(temperature)(None, logits.clone()))
+        torch.testing.assert_close(ours, warped.softmax(-1))
+        assert 0 < int((ours[0] > 0).sum()) < 50  # it did drop some, not all
+
+
+def test_logit_bias_then_allowed_tokens_then_ending_tokens_held_back_then_penalties():
+    """vLLM's order: the bias before the repetition penalty divides what it left (so a biased token's sign decides
+    how the penalty acts), tokens outside the allowed ones and tokens that would end the output too early at -inf."""
+    logits = torch.full((10,), 1.0)
+    params = SamplingParams(max_new_tokens=8, logit_bias={2: -3.0, 5: 2.0}, repetition_penalty=2.0, min_tokens=2)
+    rules = LogitRules.of(params, prompt_ids=[2, 5], ending_ids=[9])
+    early = adjust_logits(logits, rules, output_ids=[1])
+    assert float(early[2]) == -4.0 and float(early[5]) == 1.5 and float(early[1]) == 0.5 and float(early[0]) == 1.0
+    assert early[9] == float("-inf")  # the output holds 1 token of at least 2: nothing may end it yet
+    late = adjust_logits(logits, rules, output_ids=[1, 1])
+    assert float(late[9]) == 1.0 and torch.equal(late[:9], early[:9])
+    allowed = adjust_logits(logits, LogitRules.of(SamplingParams(allowed_token_ids=(3, 4), logit_bias={3: 1.0}),
+                                                  [0]), [])
+    assert allowed.tolist() == [float("-inf")] * 3 + [2.0, 1.0] + [float("-inf")] * 5
+    assert adjust_logits(logits, LogitRules.of(SamplingParams(min_p=0.2), [1]), [1]) is logits  # min-p is later
+
+
+@pytest.mark.parametrize("bad,match", [({"min_p": 1.5}, "min-p"), ({"logit_bias": {3: 101.0}}, "logit bias"),
+                                       ({"logit_bias": {-1: 1.0}}, "token -1: token ids"),
+                                       ({"allowed_token_ids": ()}, "at least one token"),
+                                       ({"stop_token_ids": (-2,)}, "token ids are >= 0"),
+                                       ({"min_tokens": 9, "max_new_tokens": 8}, "min tokens"),
+                                       ({"min_tokens": -1}, "min tokens")])
+def test_bad_sampling_settings_are_refused_saying_what_to_fix(bad, match):
+    with pytest.raises(R2RError, match=match):
+        SamplingParams(**bad).validate()
+    with pytest.raises(R2RError, match="names token 10, beyond the vocabulary: ids are 0 to 9"):
+        SamplingParams(stop_token_ids=(3, 10)).check_vocabulary(10)

@@ -11,6 +11,7 @@ import pytest
 from conftest import assert_idle_soon
 
 from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.routing.rate import CATCH_UP_TOKENS
 from roads_to_rome.serving.background import BackgroundServer
@@ -210,6 +211,37 @@ def test_strict_verification_streams_the_llms_own_answer(client):
         assert [p["token_id"] for p in provenance] == whole.model_extra["r2r"]["token_ids"]
         assert {p["source"] for p in provenance} <= {"slm", "llm", "fix"}  # the random policy draws anew each time
         assert whole.usage.model_extra["llm_tokens"] == sum(s != "slm" for s in whole.model_extra["r2r"]["sources"])
+
+
+def test_logit_bias_min_p_and_vllms_stopping_fields_reach_the_engine_through_the_openai_client(client, slm, llm,
+                                                                                              tokenizer):
+    """OpenAI's logit_bias and vLLM's min_p, allowed_token_ids, stop_token_ids, min_tokens, ignore_eos and
+    include_stop_str_in_output: each answer is the engine's own for the same settings."""
+    from roads_to_rome.core.request import Request
+
+    engine = Engine(slm, llm, tokenizer)
+    prompt = "What is 48 / 2?"
+    plain = chat(client, prompt, max_tokens=12, extra_body={"r2r_policy": "llm", "ignore_eos": True})
+    ids = plain.model_extra["r2r"]["token_ids"]
+    assert len(ids) == 12
+    cases = [({"logit_bias": {str(ids[0]): -100, str(ids[2]): 5}}, {}),
+             ({"temperature": 0.9, "seed": 3}, {"allowed_token_ids": sorted(set(ids[1:])), "min_p": 0.2}),
+             ({}, {"stop_token_ids": [ids[5]], "include_stop_str_in_output": True}),
+             ({}, {"stop_token_ids": [ids[5]], "min_tokens": 8})]
+    for fields, extra in cases:
+        answer = client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=12, **{"temperature": 0, **fields},
+                                                extra_body={"r2r_policy": "llm", **extra})
+        settings = {**fields, **extra}
+        if "logit_bias" in settings:
+            settings["logit_bias"] = {int(t): b for t, b in settings["logit_bias"].items()}
+        params = SamplingParams(max_new_tokens=12, **{k: tuple(v) if isinstance(v, list) else v
+                                                      for k, v in settings.items()})
+        own = engine.run([Request(engine.encode_chat(prompt), params, force="llm")])[0]
+        assert answer.model_extra["r2r"]["token_ids"] == own.token_ids, settings
+        assert answer.choices[0].message.content == own.text and answer.choices[0].finish_reason == own.finish_reason
+        assert own.token_ids != ids
+    assert own.token_ids[:5] == ids[:5] and ids[5] not in own.token_ids[5:8]
 
 
 def test_penalties_reach_the_engine_through_the_openai_client(client):

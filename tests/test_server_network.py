@@ -229,8 +229,10 @@ def test_a_whole_answer_past_its_deadline_is_408_and_frees_its_slot(server, engi
 
 
 @pytest.mark.parametrize("field,value", [("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}),
-                                         ("min_tokens", 3), ("echo", True), ("min_p", 0.1)])
+                                         ("response_format", {"type": "json_object"}), ("echo", True),
+                                         ("use_beam_search", True), ("bad_words", ["a"]),
+                                         ("chat_template_kwargs", {"enable_thinking": False}),
+                                         ("skip_special_tokens", False)])
 def test_fields_that_would_change_the_answer_are_400s_naming_them(server, field, value):
     response = post(server, body(**{field: value}))
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
@@ -238,14 +240,29 @@ def test_fields_that_would_change_the_answer_are_400s_naming_them(server, field,
 
 @pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -2.01),
                                          ("repetition_penalty", 0), ("repetition_penalty", 0.001),
-                                         ("repetition_penalty", 101)])
-def test_penalties_out_of_range_are_400s_naming_them(server, field, value):
+                                         ("repetition_penalty", 101), ("min_p", 1.5), ("min_tokens", -1),
+                                         ("min_tokens", 65), ("stop_token_ids", [-1]), ("allowed_token_ids", [1.5])])
+def test_sampling_settings_out_of_range_are_400s_naming_them(server, field, value):
+    response = post(server, body(max_tokens=64, **{field: value}))
+    assert response.status_code == 400 and response.json()["error"]["param"].startswith(field), response.text
+
+
+@pytest.mark.parametrize("value", [{"5": 101}, {"five": 1}, {"5": "a lot"}, {"-3": 1}])
+def test_a_bad_logit_bias_is_a_400_naming_it(server, value):
+    response = post(server, body(logit_bias=value))
+    assert response.status_code == 400 and response.json()["error"]["param"].startswith("logit_bias"), response.text
+
+
+@pytest.mark.parametrize("field,value", [("logit_bias", {"100000": 1}), ("stop_token_ids", [100000]),
+                                         ("allowed_token_ids", [3, 100000])])
+def test_token_ids_beyond_the_vocabulary_are_400s_naming_the_field(server, field, value):
     response = post(server, body(**{field: value}))
-    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+    assert response.status_code == 400 and f"{field} names token 100000" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("field,value", [("n", 1), ("tools", []), ("presence_penalty", 0), ("logit_bias", {}),
-                                         ("response_format", {"type": "text"}), ("user", "me")])
+                                         ("response_format", {"type": "text"}), ("user", "me"), ("min_p", 0),
+                                         ("chat_template_kwargs", {}), ("skip_special_tokens", True)])
 def test_neutral_values_of_those_fields_are_accepted(server, field, value):
     assert post(server, body(**{field: value})).status_code == 200
 

@@ -152,18 +152,39 @@ def test_bad_intervals_and_a_missing_llm_are_refused(slm, llm, tokenizer):
 PENALTIES = {"presence_penalty": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.4}
 
 
-def test_with_penalties_strict_is_the_llms_penalised_output_and_deferral_changes_nothing(kind_pair, tokenizer):
-    """Penalties apply to the logits a token is chosen from, whichever model writes it and whenever the LLM
-    checks it: strict verification is still the LLM's own (penalised) greedy output, and a deferred routed token
-    ends as immediate routing writes it."""
+def logit_rules(alone, prompts) -> SamplingParams:
+    """A logit bias that bans each prompt's first greedy token and favours another, every other token of the
+    vocabulary alone allowed, and a stop token the output may not end on before its 4th token, taken from where it
+    would have ended it earlier (so that each of them changes the output)."""
+    plain = [g.token_ids for g in alone.generate(prompts, SamplingParams(max_new_tokens=N_TOKENS))]
+    bias = {out[0]: -100.0 for out in plain} | {plain[1][3]: 4.0}
+    allowed = tuple(t for t in range(alone.llm.vocab_size) if t % 2 == 0 or t in bias)
+    biased = alone.generate(prompts, SamplingParams(max_new_tokens=N_TOKENS, logit_bias=bias,
+                                                    allowed_token_ids=allowed))
+    stop = biased[0].token_ids[1]
+    return SamplingParams(max_new_tokens=N_TOKENS, logit_bias=bias, allowed_token_ids=allowed, stop_token_ids=(stop,),
+                          min_tokens=4)
+
+
+@pytest.mark.parametrize("settings", ["penalties", "logit rules"])
+def test_with_penalties_or_logit_rules_strict_is_the_llms_own_output_and_deferral_changes_nothing(kind_pair, tokenizer,
+                                                                                                   settings):
+    """Penalties, a logit bias, allowed tokens and ending tokens held back until `min_tokens` apply to the logits a
+    token is chosen from, whichever model writes it and whenever the LLM checks it: strict verification is still
+    the LLM's own greedy output under them, and a deferred routed token ends as immediate routing writes it."""
     from roads_to_rome.core.llm_calls import Deferral
 
     slm, llm = kind_pair
     alone = Engine.alone(llm, tokenizer)
     prompts = [alone.encode_chat(p) for p in PROMPTS]
-    params = SamplingParams(max_new_tokens=N_TOKENS, **PENALTIES)
+    params = SamplingParams(max_new_tokens=N_TOKENS, **PENALTIES) if settings == "penalties" else \
+        logit_rules(alone, prompts)
     expected = [g.token_ids for g in alone.generate(prompts, params)]
     assert expected != [g.token_ids for g in alone.generate(prompts, SamplingParams(max_new_tokens=N_TOKENS))]
+    if settings == "logit rules":
+        for out in expected:
+            assert all(t % 2 == 0 or t in dict(params.logit_bias) for t in out)
+            assert params.stop_token_ids[0] not in out[:4] and params.stop_token_ids[0] not in out[4:-1]
     assert [alone.generate([p], params)[0].token_ids for p in prompts] == expected
     for defer in ("off", Deferral("continue", group=1.0, steps=4), Deferral("park", group=1.0, steps=4)):
         for overlap in (False, True):

@@ -27,6 +27,7 @@ the helpers: when an output ends, time accounting, log-probabilities, sampling r
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -413,26 +414,48 @@ def record(s: Sequence, token: int, source: str, score: float, logits: torch.Ten
 
 
 def ends(engine: Engine, s: Sequence, tokens: list[int], then: int | None = None) -> str | None:
-    """Why an output of these tokens (followed by `then`, if given) is complete ("stop" or "length"), or None."""
+    """Why an output of these tokens (followed by `then`, if given) is complete ("stop" or "length"), or None.
+    Before it holds `min_tokens` nothing but the length ends it, and a stop string must end after their text
+    (vLLM's rule)."""
     params = s.params
-    last, length = (tokens[-1], len(tokens)) if then is None else (then, len(tokens) + 1)
-    if last in engine.eos_ids and not params.ignore_eos:
-        return "stop"
-    if params.stop:
-        # Decode only the tail: enough tokens to hold the longest stop string.
-        longest = max(len(stop) for stop in params.stop)
-        tail = tokens[-(longest + 2) :] if then is None else tokens[-(longest + 1) :] + [then]
-        text = engine.tokenizer.decode(tail, skip_special_tokens=True)
-        if any(stop in text for stop in params.stop):
+    longest = max(map(len, params.stop), default=0)
+    # Decode only the tail: enough tokens to hold the longest stop string.
+    tail = tokens[-(longest + 2) :] if then is None else [*tokens[-(longest + 1) :], then]
+    length = len(tokens) + (then is not None)
+    if length > params.min_tokens:
+        if tail[-1] in s.ending_ids:
             return "stop"
+        if params.stop:
+            in_prefix = max(0, params.min_tokens - (length - len(tail)))  # tail tokens within the first min_tokens
+            decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=True)
+            if stop_at(decode(tail), params.stop, len(decode(tail[:in_prefix])) if in_prefix else 0):
+                return "stop"
     if length >= params.max_new_tokens:
         return "length"
     return None
 
+
+def stop_at(text: str, stops: tuple[str, ...], after: int = 0) -> tuple[int, str] | None:
+    """Where the first stop string in `text` that ends beyond character `after` starts, and which it is."""
+    found = [(text.find(stop, max(0, after - len(stop) + 1)), stop) for stop in stops]
+    return min(((at, stop) for at, stop in found if at >= 0), key=lambda f: f[0], default=None)
+
+
 def final_text(tokenizer, s: Sequence) -> str:
-    text = tokenizer.decode(s.generation.token_ids, skip_special_tokens=True)
-    cuts = [text.find(stop) for stop in s.params.stop if stop in text]
-    return text[: min(cuts)] if cuts else text
+    """The output's text as a client gets it: up to the stop string or stop token that ended it (through it, with
+    `include_stop_str_in_output`)."""
+    params, gen = s.params, s.generation
+    ids = gen.token_ids
+    ended_on_stop_token = gen.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids
+    if ended_on_stop_token and not params.include_stop_str_in_output:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    after = len(tokenizer.decode(ids[: params.min_tokens], skip_special_tokens=True)) if params.min_tokens else 0
+    found = stop_at(text, params.stop, after) if params.stop else None
+    if found is None:
+        return text
+    at, stop = found
+    return text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
 
 
 def count_time(t: Timings, writer_source: str, writer_s: float, router_s: float, llm_s: float, total_s: float,
@@ -458,10 +481,10 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
 
 def sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
     """Each row's next token from a model's logits [B, V], with its request's penalties and sampling settings
-    (greedy rows without penalties in one argmax)."""
+    (greedy rows that change nothing in one argmax)."""
     tokens = logits.argmax(-1)
     for i, s in enumerate(sequences):
-        if s.params.temperature > 0 or s.params.penalised:
+        if s.params.temperature > 0 or s.params.adjusted:
             row = s.logits_at(logits[i], len(s.generation.token_ids))[None]
             tokens[i] = sample(row, s.params, s.generator)[0]
     return tokens

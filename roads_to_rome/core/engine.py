@@ -91,9 +91,12 @@ class Engine:
             raise R2RError(f"the {self.policy.name!r} policy routes to an LLM, but no LLM is loaded")
         if self.slm is None and request.force == "slm":
             raise R2RError("this request asks for the SLM, but no SLM is loaded")
-        if request.params.penalised and request.force != "slm" and self.llm is not None and not self.llm.full_logits:
-            raise R2RError(f"penalties change the LLM's whole distribution; {self.llm.name} gives its top tokens only: "
-                           "leave presence, frequency and repetition penalties at 0, 0 and 1")
+        params = request.params
+        if params.reshapes and request.force != "slm" and self.llm is not None and not self.llm.full_logits:
+            raise R2RError(f"penalties, a logit bias and allowed tokens change the LLM's whole distribution; "
+                           f"{self.llm.name} gives its top tokens only: leave presence, frequency and repetition "
+                           "penalties at 0, 0 and 1, and logit_bias and allowed_token_ids out")
+        params.check_vocabulary(self.writer.vocab_size)
         # The engine's setting is for routed rows: a row forced onto one model is that model alone unless it asks.
         verify = request.verify if request.verify is not None else default_verify(request.force is None, self.verify)
         if verify != "off":
@@ -101,7 +104,9 @@ class Engine:
         max_unverified = self.max_unverified if request.max_unverified is None else request.max_unverified
         seed = request.params.seed
         generator = None if seed is None else torch.Generator(self.writer.device).manual_seed(seed)
+        ending = (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
         return Sequence(request, verify=verify, max_unverified=max_unverified, index=index, generator=generator,
+                        ending_ids=frozenset(ending),
                         generation=Generation(list(request.prompt_ids), params_b=self.params_b,
                                               logprobs=None if request.params.logprobs is None else []))
 

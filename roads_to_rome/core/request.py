@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from roads_to_rome.core.sampling import SamplingParams, apply_penalties, check_max_unverified, parse_verify
+from roads_to_rome.core.sampling import LogitRules, SamplingParams, adjust_logits, check_max_unverified, parse_verify
 from roads_to_rome.core.verification import Checks
 from roads_to_rome.errors import R2RError
 
@@ -186,6 +186,7 @@ class Sequence:
     cancelled: bool = False  # set from anywhere; the sequence leaves at the next step
     started: float = 0.0  # when it joined a batch
     checks: Checks = field(default_factory=Checks)  # what the LLM still has to check (core/verification.py)
+    ending_ids: frozenset[int] = frozenset()  # tokens that end its output: end-of-sequence ones and its stop tokens
 
     @property
     def params(self) -> SamplingParams:
@@ -200,16 +201,17 @@ class Sequence:
         return self.request.force
 
     @functools.cached_property
-    def prompt_tokens(self) -> torch.Tensor:
-        """The prompt's distinct tokens, for the repetition penalty: once per request, not at every token."""
-        return torch.tensor(self.prompt_ids, dtype=torch.long).unique()
+    def rules(self) -> LogitRules:
+        """The request's settings as `adjust_logits` reads them: made once, not at every token."""
+        return LogitRules.of(self.params, self.prompt_ids, self.ending_ids)
 
     def logits_at(self, logits: torch.Tensor, index: int) -> torch.Tensor:
-        """The logits the token at output `index` is chosen from: a model's [V] there, less the request's penalties
-        for the prompt and the output's tokens before it (the same whichever model writes it, and whenever)."""
-        if not self.params.penalised:
+        """The logits the token at output `index` is chosen from: a model's [V] there, as the request's settings
+        leave them given the prompt and the output's tokens before it (`adjust_logits`: the same whichever model
+        writes it, and whenever)."""
+        if not self.params.adjusted:
             return logits
-        return apply_penalties(logits, self.params, self.prompt_tokens, self.generation.token_ids[:index])
+        return adjust_logits(logits, self.rules, self.generation.token_ids[:index])
 
 
 @dataclass

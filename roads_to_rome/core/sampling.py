@@ -19,6 +19,7 @@ MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's r
 # A repetition penalty divides or multiplies logits by itself: bounded both ways so that the result stays finite in
 # float32 and the softmax over it a distribution.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range: -100 bans a token, 100 all but forces it)
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,20 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 is none
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest token's probability (0: none)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit), OpenAI's; a dict is taken too
+    allowed_token_ids: tuple[int, ...] | None = None  # only these tokens may be written (None: any)
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the output, beside the models' end-of-sequence ones
+    min_tokens: int = 0  # nothing ends the output before it holds this many tokens (vLLM's rule)
+    include_stop_str_in_output: bool = False  # the stop string or stop token that ended it stays in the text
 
     def __post_init__(self):
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         # A temperature this small is greedy decoding, as in vLLM: dividing logits by it overflows to inf (NaN
         # probabilities), and no draw at it could differ from the argmax anyway.
         if 0 < self.temperature < GREEDY_BELOW:
@@ -62,6 +75,20 @@ class SamplingParams:
         if not low <= self.repetition_penalty <= high:
             raise R2RError(f"the repetition penalty is in [{low:g}, {high:g}] (1 is none, above 1 holds back tokens "
                            f"already there), got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise R2RError(f"min-p must be in [0, 1] (0 turns it off), got {self.min_p}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise R2RError(f"logit_bias names token {token}: token ids are >= 0")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise R2RError(f"a logit bias is in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} for token "
+                               f"{token}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise R2RError("allowed token ids must name at least one token (or be left out: any token)")
+        if any(t < 0 for t in (*self.stop_token_ids, *(self.allowed_token_ids or ()))):
+            raise R2RError("token ids are >= 0")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise R2RError(f"min tokens must be in [0, max new tokens = {self.max_new_tokens}], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise R2RError("stop strings must not be empty")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
@@ -71,6 +98,26 @@ class SamplingParams:
     def penalised(self) -> bool:
         """Whether any penalty changes the logits."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def reshapes(self) -> bool:
+        """Whether the LLM's whole distribution is needed to choose a token: penalties, a logit bias or allowed
+        tokens can lift any token above the ones a top-k list shows (ending tokens held back until `min_tokens`
+        only remove a few, which a ranked list can do exactly)."""
+        return self.penalised or bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether a model's logits change before a token is chosen from them (`adjust_logits`)."""
+        return self.reshapes or self.min_tokens > 0
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Every token id these settings name is one of a model's `vocab_size`."""
+        named = {"logit_bias": [t for t, _ in self.logit_bias], "allowed_token_ids": self.allowed_token_ids or (),
+                 "stop_token_ids": self.stop_token_ids}
+        for name, ids in named.items():
+            if any(t >= vocab_size for t in ids):
+                raise R2RError(f"{name} names token {max(ids)}, beyond the vocabulary: ids are 0 to {vocab_size - 1}")
 
 
 def parse_verify_list(text: str) -> tuple[str | float, ...]:
@@ -99,13 +146,55 @@ def check_max_unverified(n: int | None) -> int | None:
     return n
 
 
+@dataclass(frozen=True)
+class LogitRules:
+    """What `adjust_logits` reads at every token of one request, as tensors made once (`LogitRules.of`)."""
+
+    params: SamplingParams
+    prompt_tokens: torch.Tensor  # the prompt's distinct tokens, for the repetition penalty
+    ending: torch.Tensor  # the tokens that would end the output, held back while it is shorter than min_tokens
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+    allowed: torch.Tensor | None
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt_ids: Sequence[int], ending_ids: Sequence[int] = ()) -> LogitRules:
+        ids = [t for t, _ in params.logit_bias]
+        return cls(params, torch.tensor(list(prompt_ids), dtype=torch.long).unique(),
+                   torch.tensor(sorted(ending_ids), dtype=torch.long), torch.tensor(ids, dtype=torch.long),
+                   torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32),
+                   None if params.allowed_token_ids is None else torch.tensor(params.allowed_token_ids,
+                                                                                dtype=torch.long))
+
+
+def adjust_logits(logits: torch.Tensor, rules: LogitRules, output_ids: Sequence[int]) -> torch.Tensor:
+    """One row's next-token logits [V] as a request's settings leave them before temperature, min-p and top-k/p,
+    in vLLM's order: the logit bias added, then every token but the allowed ones, and the tokens that would end the
+    output while it is shorter than `min_tokens`, set to -inf; then the penalties (`apply_penalties`). Unchanged
+    when no setting asks for any of it."""
+    params = rules.params
+    if not params.adjusted:
+        return logits
+    logits = logits.to(torch.float32, copy=True)
+    device = logits.device
+    if params.logit_bias:
+        logits[rules.bias_ids.to(device)] += rules.bias_values.to(device)
+    if rules.allowed is not None:
+        allowed = torch.full_like(logits, float("-inf"))
+        allowed[rules.allowed.to(device)] = 0
+        logits += allowed
+    if len(output_ids) < params.min_tokens and len(rules.ending):
+        logits[rules.ending.to(device)] = float("-inf")
+    return apply_penalties(logits, params, rules.prompt_tokens, output_ids)
+
+
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int] | torch.Tensor,
                     output_ids: Sequence[int]) -> torch.Tensor:
     """One row's next-token logits [V] less the request's penalties for the tokens before it, in vLLM's order:
     the repetition penalty on every token of the prompt and the output (a positive logit divided by it, a negative
     one multiplied: CTRL's rule, as transformers applies it), then the frequency penalty times each token's count in
     the output and the presence penalty once per token the output holds. Unchanged without penalties. `prompt_ids`
-    may be given as a tensor of the prompt's distinct tokens (`Sequence.prompt_tokens`: made once per request)."""
+    may be given as a tensor of the prompt's distinct tokens (`LogitRules.prompt_tokens`: made once per request)."""
     if not params.penalised:
         return logits
     logits = logits.to(torch.float32, copy=True)
@@ -131,8 +220,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution `sample` draws from (temperature > 0): temperature, then top-k, then top-p."""
+    """The distribution `sample` draws from (temperature > 0): temperature, then min-p, top-k and top-p (vLLM's
+    order)."""
     logits = logits / params.temperature
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     if params.top_k:
         kth_best = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))

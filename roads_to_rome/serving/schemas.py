@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.request import Request, Sequence
 from roads_to_rome.core.sampling import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     REPETITION_PENALTY_RANGE,
@@ -100,16 +101,21 @@ def verify_setting(value):
 
 Text = Annotated[str, AfterValidator(utf8_text)]
 Number = Annotated[float, Field(allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 VerifySetting = Annotated[Number | str, AfterValidator(verify_setting)]
 
 # Fields of OpenAI's API (and vLLM's extras) that would change the answer and that this server does not do, with
 # the value that changes nothing: a request that sets one otherwise is refused, naming it, rather than answered as if
 # it had not been sent.
 UNSUPPORTED = {"n": 1, "best_of": 1, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-               "response_format": None, "logit_bias": None, "min_p": 0, "min_tokens": 0, "echo": False, "suffix": None,
-               "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None}
-NEUTRAL = {"tools": ([],), "logit_bias": ({},), "response_format": ({"type": "text"},), "tool_choice": ("none",),
-           "suffix": ("",)}
+               "response_format": None, "echo": False, "suffix": None, "guided_json": None, "guided_regex": None,
+               "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "use_beam_search": False,
+               "length_penalty": 1.0, "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
+               "logits_processors": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+               "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
+               "chat_template_kwargs": None, "return_tokens_as_token_ids": False}
+NEUTRAL = {"tools": ([],), "response_format": ({"type": "text"},), "tool_choice": ("none",), "suffix": ("",),
+           "bad_words": ([],), "chat_template_kwargs": ({},), "logits_processors": ([],)}
 
 
 class StreamOptions(BaseModel):
@@ -127,6 +133,14 @@ class CommonBody(BaseModel):
     presence_penalty: Number = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)  # OpenAI's range
     frequency_penalty: Number = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: Number = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])  # vLLM's
+    min_p: Number = Field(0.0, ge=0, le=1)  # vLLM's
+    logit_bias: dict[TokenId, Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None  # OpenAI's
+    # vLLM's: tokens only these may be, tokens that end the output too, how long it is at least, and what ends it
+    allowed_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a 64-bit generator takes
     stop: Text | list[Text] | None = None
     stream: bool = False
@@ -209,10 +223,15 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
                        code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(limits.max_tokens, room)
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens is {body.min_tokens}, beyond max_tokens ({max_tokens})", param="min_tokens")
     params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                             top_k=body.top_k, stop=stop_strings(body, limits), seed=body.seed,
                             logprobs=body.top_count(), presence_penalty=body.presence_penalty,
-                            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty)
+                            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                            min_p=body.min_p, logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens,
+                            allowed_token_ids=body.allowed_token_ids, stop_token_ids=tuple(body.stop_token_ids or ()),
+                            ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output)
     try:
         request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                           target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
