@@ -91,6 +91,8 @@ def test_generate_prints_text_and_stats(run_cli, pair):
         (["generate", "hi", "--json", "--logprobs", "21"], "logprobs takes 0 to 20"),
         (["generate", "hi", "--presence-penalty", "3"], "presence penalty is in [-2, 2]"),
         (["generate", "hi", "--repetition-penalty", "0"], "repetition penalty is in [0.01, 100]"),
+        (["generate", "hi", "--min-p", "1.5"], "min-p must be in [0, 1]"),
+        (["generate", "hi", "--min-tokens", "600"], "min tokens must be in [0, max new tokens = 512]"),
         (["generate", "hi", "--verify", "maybe"], "verify takes off, strict or a tolerance"),
         (["generate", "hi", "--verify", "-2"], "verify takes off, strict or a tolerance"),
         (["generate", "hi", "--verify", "strict", "--max-unverified", "0"], "at least 1"),

@@ -88,6 +88,9 @@ def test_stop_string_is_not_streamed(client):
                          extra_body={"r2r_policy": "slm"}))
     assert cut.choices[0].message.content == text[: text.find(stop)]
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut.choices[0].message.content
+    kept = list(chat(client, "Bonjour!", max_tokens=40, stop=[stop], stream=True,
+                     extra_body={"r2r_policy": "slm", "include_stop_str_in_output": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in kept if c.choices) == text[: text.find(stop) + len(stop)]
 
 
 def test_routing_knobs(client):
@@ -136,10 +139,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     assert after.choices[0].finish_reason in ("stop", "length") and isinstance(after.choices[0].message.content, str)
 
 
-def test_disconnected_stream_frees_its_slot(server, client):
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnected_stream_frees_its_slot(server, client, n):
     with httpx.stream("POST", server + "/v1/chat/completions",
                       json={"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 64,
-                            "temperature": 0, "r2r_policy": "slm", "stop": None}) as response:
+                            "temperature": 0, "r2r_policy": "slm", "stop": None, "n": n}) as response:
         for line in response.iter_lines():
             if line.startswith("data: {") and '"r2r"' in line:
                 break  # one token, then hang up
@@ -211,6 +215,37 @@ def test_strict_verification_streams_the_llms_own_answer(client):
         assert [p["token_id"] for p in provenance] == whole.model_extra["r2r"]["token_ids"]
         assert {p["source"] for p in provenance} <= {"slm", "llm", "fix"}  # the random policy draws anew each time
         assert whole.usage.model_extra["llm_tokens"] == sum(s != "slm" for s in whole.model_extra["r2r"]["sources"])
+
+
+def test_n_choices_are_each_the_answer_of_their_own_seed_whole_and_streamed(client):
+    """`n` choices decode side by side; with a seed, choice i is the answer a request with seed + i gets alone
+    (vLLM's rule); usage sums them; a stream interleaves their chunks, each under its index."""
+    settings = {"max_tokens": 16, "temperature": 0.9, "seed": 5, "extra_body": {"r2r_policy": "slm"}}
+    whole = client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": "Bonjour!"}],
+                                           n=3, **settings)
+    alone = [client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": "Bonjour!"}],
+                                            **{**settings, "seed": 5 + i}) for i in range(3)]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == [a.choices[0].message.content for a in alone]
+    assert [c.model_extra["r2r"]["token_ids"] for c in whole.choices] == [a.model_extra["r2r"]["token_ids"]
+                                                                          for a in alone]
+    assert len({c.message.content for c in whole.choices}) > 1
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    streamed = list(client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": "Bonjour!"}],
+                                                   n=3, stream=True, stream_options={"include_usage": True},
+                                                   **settings))
+    texts, reasons = {}, {}
+    for chunk in streamed[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]
+    assert [reasons[i] for i in range(3)] == [c.finish_reason for c in whole.choices]
+    assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == whole.usage.completion_tokens
+    completions = client.completions.create(model="tiny-r2r", prompt="def add(a, b):", n=2, **settings)
+    assert [c.index for c in completions.choices] == [0, 1]
+    assert completions.choices[0].text != completions.choices[1].text
 
 
 def test_logit_bias_min_p_and_vllms_stopping_fields_reach_the_engine_through_the_openai_client(client, slm, llm,

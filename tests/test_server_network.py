@@ -222,13 +222,14 @@ def test_requests_past_the_connection_cap_get_429_and_health_still_answers(engin
 def test_a_whole_answer_past_its_deadline_is_408_and_frees_its_slot(server, engine, monkeypatch):
     slow = engine.slm.forward
     monkeypatch.setattr(engine.slm, "forward", lambda *a: (time.sleep(0.05), slow(*a))[1])
-    response = post(server, body(max_tokens=400, r2r_policy="slm"))
-    assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout"
+    for n in (1, 2):
+        response = post(server, body(max_tokens=400, r2r_policy="slm", n=n))
+        assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout"
     monkeypatch.undo()
     until(lambda: httpx.get(server + "/health").json()["running"] == 0, "the cut request leaves the batch")
 
 
-@pytest.mark.parametrize("field,value", [("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+@pytest.mark.parametrize("field,value", [("best_of", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
                                          ("response_format", {"type": "json_object"}), ("echo", True),
                                          ("use_beam_search", True), ("bad_words", ["a"]),
                                          ("chat_template_kwargs", {"enable_thinking": False}),
@@ -241,7 +242,8 @@ def test_fields_that_would_change_the_answer_are_400s_naming_them(server, field,
 @pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -2.01),
                                          ("repetition_penalty", 0), ("repetition_penalty", 0.001),
                                          ("repetition_penalty", 101), ("min_p", 1.5), ("min_tokens", -1),
-                                         ("min_tokens", 65), ("stop_token_ids", [-1]), ("allowed_token_ids", [1.5])])
+                                         ("min_tokens", 65), ("stop_token_ids", [-1]), ("allowed_token_ids", [1.5]),
+                                         ("n", 0), ("n", 5)])
 def test_sampling_settings_out_of_range_are_400s_naming_them(server, field, value):
     response = post(server, body(max_tokens=64, **{field: value}))
     assert response.status_code == 400 and response.json()["error"]["param"].startswith(field), response.text

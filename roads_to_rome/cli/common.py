@@ -13,13 +13,12 @@ def progress_bar(*columns: ProgressColumn) -> Progress:
                     TimeElapsedColumn(), console=console)
 
 
-def sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, logprobs=None, presence_penalty=0.0,
-             frequency_penalty=0.0, repetition_penalty=1.0):
+def sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, **settings):
+    """A command's sampling options as `SamplingParams` (`settings`: its other fields, by name), checked."""
     from roads_to_rome.core.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            stop=tuple(stop or ()), seed=seed, logprobs=logprobs, presence_penalty=presence_penalty,
-                            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)
+                            stop=tuple(stop or ()), seed=seed, **settings)
     params.validate()  # before the slow model load
     return params
 

@@ -47,6 +47,8 @@ from roads_to_rome.cli.options import (
     MaxTokenizing,
     MaxTokens,
     MaxUnverified,
+    MinP,
+    MinTokens,
     ModelName,
     Overlap,
     OverlapAhead,
@@ -92,7 +94,7 @@ def generate(
     overlap: Overlap = None, overlap_ahead: OverlapAhead = None, threads: Threads = None,
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     presence_penalty: PresencePenalty = 0.0, frequency_penalty: FrequencyPenalty = 0.0,
-    repetition_penalty: RepetitionPenalty = 1.0,
+    repetition_penalty: RepetitionPenalty = 1.0, min_p: MinP = 0.0, min_tokens: MinTokens = 0,
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     seed: Seed = None, as_json: AsJson = False, logprobs: Logprobs = None,
     reasoning_parser: ReasoningParserOpt = "auto",
@@ -108,9 +110,9 @@ def generate(
     reasoning.check_parser(reasoning_parser)
     if logprobs is not None and not as_json:
         raise R2RError("--logprobs shows in the JSON output: add --json")
-    params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, logprobs,
+    params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, logprobs=logprobs,
                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                      repetition_penalty=repetition_penalty)
+                      repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens)
     engine = load_engine(EngineConfig(slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
                                       policy=router.value if router else None, threshold=threshold,
                                       router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
@@ -139,7 +141,7 @@ def chat(
     overlap: Overlap = None, overlap_ahead: OverlapAhead = None, threads: Threads = None,
     max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     presence_penalty: PresencePenalty = 0.0, frequency_penalty: FrequencyPenalty = 0.0,
-    repetition_penalty: RepetitionPenalty = 1.0,
+    repetition_penalty: RepetitionPenalty = 1.0, min_p: MinP = 0.0, min_tokens: MinTokens = 0,
     seed: Seed = None, reasoning_parser: ReasoningParserOpt = "auto",
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     llm_retry: LlmRetry = None, llm_api_key: LlmApiKey = None,
@@ -152,7 +154,8 @@ def chat(
 
     reasoning.check_parser(reasoning_parser)
     params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed, presence_penalty=presence_penalty,
-                      frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)
+                      frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, min_p=min_p,
+                      min_tokens=min_tokens)
     engine = load_engine(EngineConfig(slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
                                       policy=router.value if router else None, threshold=threshold,
                                       router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,

@@ -70,6 +70,10 @@ FrequencyPenalty = Annotated[float, typer.Option("--frequency-penalty", help="Ti
 RepetitionPenalty = Annotated[float, typer.Option("--repetition-penalty", help="Divides the positive logits (and "
                                                   "multiplies the negative ones) of the tokens in the prompt and "
                                                   "the output (0.01 to 100; 1 is none).")]
+MinP = Annotated[float, typer.Option("--min-p", help="When sampling, drop tokens less likely than this times the "
+                                     "likeliest one (0 to 1; 0 is none).")]
+MinTokens = Annotated[int, typer.Option("--min-tokens", help="Nothing but --max-new-tokens ends the answer before "
+                                        "it holds this many tokens.")]
 
 
 def count(default: int, name: str, help: str | None = None):

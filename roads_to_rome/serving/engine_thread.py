@@ -98,7 +98,8 @@ class EngineThread:
         if first:
             threading.Thread(target=self._watch_drain, args=(llm_stalled,), name="r2r-drain", daemon=True).start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, jobs: list[Job]) -> None:
+        """A request's jobs (one per choice), admitted together or refused together."""
         with self.wakeup:
             if self.failed is not None:
                 raise APIError(503, ENGINE_FAILED, kind="server_error", code="engine_failed")
@@ -108,13 +109,14 @@ class EngineThread:
             scheduler = self.scheduler
             # Waiting for a free slot (the engine thread admits between steps) is not queueing.
             free_slots = max(0, self.limits.max_batch - scheduler.admitted)
-            if scheduler.load()["waiting"] >= self.limits.max_queue + free_slots:
+            if scheduler.load()["waiting"] + len(jobs) > self.limits.max_queue + free_slots:
                 self.metrics.refused()
                 raise APIError(429, "the server is busy: too many requests waiting; retry later",
                                code="queue_full", kind="rate_limit_error")
-            self.jobs[id(job.sequence)] = job
-            scheduler.add(job.sequence)
-            self.metrics.admitted(job.sequence)
+            for job in jobs:
+                self.jobs[id(job.sequence)] = job
+                scheduler.add(job.sequence)
+                self.metrics.admitted(job.sequence)
             self.wakeup.notify()
 
     def load(self) -> dict:

@@ -4,6 +4,7 @@ model wrote each token) and, when asked, each token's log-probability from the m
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from openai.types.completion_usage import CompletionTokensDetails
 from pydantic import BaseModel
 
 from roads_to_rome.core.request import Generation, TokenLogprob
-from roads_to_rome.reasoning import ReasoningParser, prompt_start, reason
+from roads_to_rome.reasoning import ReasoningParser, llm_rate, prompt_start, reason
 from roads_to_rome.serving.engine_thread import ErrorReply, Job
 from roads_to_rome.serving.schemas import APIError, llm_away
 from roads_to_rome.text import Detokenizer
@@ -44,23 +45,31 @@ class Reply:
     def reasoned(self, gen):
         return reason(self.parser, self.tokenizer, gen) if self.parser else None
 
-    def whole(self, gen: Generation) -> dict:
-        r2r = {"token_ids": gen.token_ids, "sources": gen.sources, "scores": gen.scores, **gen.counters()}
-        logprobs = self.logprobs(gen, 0, len(gen.token_ids))
-        if self.chat:
-            reasoned = self.reasoned(gen)
-            if reasoned is None:
-                message = ChatCompletionMessage(role="assistant", content=gen.text)
-            else:  # both names: vLLM's `reasoning`, and SGLang's and llama.cpp's `reasoning_content`
-                message = ChatCompletionMessage(role="assistant", content=reasoned.content,
-                                                reasoning=reasoned.reasoning, reasoning_content=reasoned.reasoning)
-            choice = ChatChoice(index=0, message=message, finish_reason=gen.finish_reason, logprobs=logprobs)
-            out = ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model_name,
-                                 choices=[choice], usage=usage(gen, reasoned), r2r=r2r)
-        else:
-            choice = CompletionChoice(index=0, text=gen.text, logprobs=logprobs, finish_reason=gen.finish_reason)
-            out = Completion(id=self.id, object="text_completion", created=self.created, model=self.model_name,
-                             choices=[choice], usage=usage(gen), r2r=r2r)
+    def whole(self, gens: list[Generation]) -> dict:
+        """The whole reply: one choice per generation (`n`). Its "r2r" provenance goes beside the choices for one,
+        in each choice for several."""
+        choices, reasoned = [], []
+        for index, gen in enumerate(gens):
+            self.logprobs_upto = (0, 0)
+            logprobs = self.logprobs(gen, 0, len(gen.token_ids))
+            r2r = {"r2r": provenance(gen)} if len(gens) > 1 else {}
+            if self.chat:
+                reasoned.append(self.reasoned(gen))
+                if reasoned[-1] is None:
+                    message = ChatCompletionMessage(role="assistant", content=gen.text)
+                else:  # both names: vLLM's `reasoning`, and SGLang's and llama.cpp's `reasoning_content`
+                    message = ChatCompletionMessage(role="assistant", content=reasoned[-1].content,
+                                                    reasoning=reasoned[-1].reasoning,
+                                                    reasoning_content=reasoned[-1].reasoning)
+                choices.append(ChatChoice(index=index, message=message, finish_reason=gen.finish_reason,
+                                          logprobs=logprobs, **r2r))
+            else:
+                choices.append(CompletionChoice(index=index, text=gen.text, logprobs=logprobs,
+                                                finish_reason=gen.finish_reason, **r2r))
+        r2r = {"r2r": provenance(gens[0])} if len(gens) == 1 else {}
+        kind = (ChatCompletion, "chat.completion") if self.chat else (Completion, "text_completion")
+        out = kind[0](id=self.id, object=kind[1], created=self.created, model=self.model_name, choices=choices,
+                      usage=usage(gens, reasoned if self.chat and reasoned[0] is not None else None), **r2r)
         return out.model_dump(exclude_unset=True)
 
     def logprobs(self, gen: Generation, start: int, end: int) -> ChoiceLogprobs | Logprobs | None:
@@ -93,7 +102,7 @@ class Reply:
         return [(self._text(t), lp) for t, lp in entry.top]
 
     def chunk(self, delta: str | None, finish_reason=None, extra: dict | None = None, role: bool = False,
-              reasoning: str | None = None, logprobs=None) -> str:
+              reasoning: str | None = None, logprobs=None, index: int = 0) -> str:
         if self.chat:
             if role:
                 d = ChoiceDelta(role="assistant", content="")
@@ -102,7 +111,7 @@ class Reply:
                                 **({"content": delta} if delta else {}))
             else:
                 d = ChoiceDelta(content=delta) if delta is not None else ChoiceDelta()
-            choice = ChunkChoice(index=0, delta=d, finish_reason=finish_reason,
+            choice = ChunkChoice(index=index, delta=d, finish_reason=finish_reason,
                                  **({"logprobs": logprobs.model_dump()} if logprobs is not None else {}))
             out = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                       model=self.model_name, choices=[choice],
@@ -111,107 +120,166 @@ class Reply:
             # openai's CompletionChoice has no null finish_reason, which every chunk but the last needs.
             shown = logprobs.model_dump(exclude_unset=True) if logprobs is not None else None
             out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_name,
-                   "choices": [{"index": 0, "text": delta or "", "logprobs": shown, "finish_reason": finish_reason}],
+                   "choices": [{"index": index, "text": delta or "", "logprobs": shown,
+                                "finish_reason": finish_reason}],
                    **{k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
                       for k, v in (extra or {}).items()}}
         return f"data: {json.dumps(out)}\n\n"
 
-    def usage_chunk(self, gen, reasoned=None) -> str:
+    def usage_chunk(self, gens: list[Generation], reasoned=None) -> str:
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model_name, "choices": [],
-               "usage": usage(gen, reasoned).model_dump(exclude_unset=True)}
+               "usage": usage(gens, reasoned).model_dump(exclude_unset=True)}
         return f"data: {json.dumps(out)}\n\n"
 
 
-async def whole_answer(http, job: Job, reply: Reply, seconds: float):
-    """Wait for the last step (or the client leaving, or the deadline), then answer in one body."""
-    sequence, deadline = job.sequence, time.monotonic() + seconds
+async def whole_answer(http, jobs: list[Job], reply: Reply, seconds: float):
+    """Wait for each choice's last step (or the client leaving, or the deadline), then answer in one body. Whatever
+    ends the request early cancels every choice."""
+    deadline, finished = time.monotonic() + seconds, False
     looked = time.monotonic()  # when the client's connection was last looked at
     try:
-        while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                event = None
-            if event is None or time.monotonic() - looked >= 0.5:
-                looked = time.monotonic()
-                if await http.is_disconnected():
-                    sequence.cancelled = True
-                    return Response(status_code=499)
-            if isinstance(event, ErrorReply):
-                if event.code == "llm_unavailable":
-                    raise llm_away()
-                raise APIError(event.status, event.message, kind="server_error", code=event.code)
-            if event is not None and event.finished:
+        for job in jobs:
+            while True:
+                try:
+                    event = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    event = None
+                if event is None or time.monotonic() - looked >= 0.5:
+                    looked = time.monotonic()
+                    if await http.is_disconnected():
+                        return Response(status_code=499)
+                if isinstance(event, ErrorReply):
+                    if event.code == "llm_unavailable":
+                        raise llm_away()
+                    raise APIError(event.status, event.message, kind="server_error", code=event.code)
+                if event is not None and event.finished:
+                    break
+                if time.monotonic() >= deadline:
+                    raise APIError(408, f"the answer took longer than this server's limit of {seconds:g} s "
+                                        "(--max-request-seconds): ask for fewer tokens, or stream",
+                                   code="request_timeout", kind="server_error")
+        finished = True
+    finally:
+        if not finished:  # an error, the deadline, the client gone: free every choice's slot
+            for job in jobs:
+                job.sequence.cancelled = True
+    return JSONResponse(reply.whole([job.sequence.generation for job in jobs]))
+
+
+async def stream_events(jobs: list[Job], reply: Reply, include_usage: bool):
+    """Every choice's chunks as they come (`choice_chunks`), then the usage of them all when asked, then [DONE]. An
+    error in one choice ends them all."""
+    ended: list = [None] * len(jobs)  # per choice, once it is over: ("finished", its Reasoned or None) or ("error",)
+    chunks = [choice_chunks(job, dataclasses.replace(reply), index, ended) for index, job in enumerate(jobs)]
+    try:
+        async for chunk in chunks[0] if len(chunks) == 1 else merged(chunks):
+            yield chunk
+            if any(e is not None and e[0] == "error" for e in ended):
                 break
-            if time.monotonic() >= deadline:
-                sequence.cancelled = True
-                raise APIError(408, f"the answer took longer than this server's limit of {seconds:g} s "
-                                    "(--max-request-seconds): ask for fewer tokens, or stream",
-                               code="request_timeout", kind="server_error")
-    except asyncio.CancelledError:
-        sequence.cancelled = True
-        raise
-    return JSONResponse(reply.whole(sequence.generation))
+        if include_usage and all(e is not None and e[0] == "finished" for e in ended):
+            reasoned = [e[1] for e in ended]
+            yield reply.usage_chunk([job.sequence.generation for job in jobs],
+                                    reasoned if reasoned[0] is not None else None)
+        yield "data: [DONE]\n\n"
+    finally:
+        for job, e in zip(jobs, ended):
+            if e is None or e[0] != "finished":
+                job.sequence.cancelled = True  # the client went away (or an error): free the slot
 
 
-async def stream_events(job: Job, reply: Reply, include_usage: bool):
-    """One chunk per token once it is final (at once without verification; with it, once the LLM has
-    checked it), with its provenance; the last chunk carries the usage."""
+async def merged(generators):
+    """The items of several async generators, each as soon as it comes; closing this closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(generator):
+        try:
+            async for item in generator:
+                queue.put_nowait(item)
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.create_task(drain(g)) for g in generators]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
+    """One choice's chunks: one per token once it is final (at once without verification; with it, once the LLM has
+    checked it), with its provenance; its last chunk carries its usage. Sets `ended[index]` when it is over."""
     sequence = job.sequence
     gen, tokenizer = sequence.generation, reply.tokenizer
     detok = Detokenizer(tokenizer)
     hold = max((len(s) for s in sequence.params.stop), default=1) - 1  # a stop string may be forming
     text, sent, finished = "", 0, False
-    parser, reasoned = reply.parser, None
+    parser = reply.parser
     start = prompt_start(parser, tokenizer, sequence.prompt_ids) if parser else None
     sent_thinking, sent_answer, streamed = 0, 0, 0
-    try:
-        if reply.chat:
-            yield reply.chunk(None, role=True)
-        while not finished:
-            event = await job.events.get()
-            if isinstance(event, ErrorReply):  # with what the client has been sent so far, to resume from
-                error = {"error": {"message": event.message, "type": "server_error", "param": None,
-                                   "code": event.code, "r2r": {"token_ids": gen.token_ids[:streamed],
-                                                               "text": text[:sent]}}}
-                yield f"data: {json.dumps(error)}\n\n"
-                break
-            for n, (token, source, score) in enumerate(event.final, 1):
-                finished = event.finished and n == len(event.final)
-                streamed += 1
-                text += detok.push(token, final=finished)
-                if finished:  # the final text has any stop string cut off
-                    delta, sent = gen.text[sent:], len(gen.text)
-                else:
-                    safe = len(text) - hold
-                    delta, sent = (text[sent:safe], safe) if safe > sent else ("", sent)
-                thinking = None
-                if parser:  # what is shown so far, split; a tag being written is held back
-                    split = parser.split(text[:sent] if not finished else gen.text, start, finished)
-                    thinking, delta = (split.reasoning or "")[sent_thinking:], split.content[sent_answer:]
-                    sent_thinking, sent_answer = sent_thinking + len(thinking), sent_answer + len(delta)
-                extra = {"r2r": {"token_id": token, "source": source, "score": score}}
-                if finished:
-                    reasoned = reply.reasoned(gen)
-                    extra["usage"] = usage(gen, reasoned)
-                yield reply.chunk(delta, gen.finish_reason if finished else None, extra, reasoning=thinking,
-                                  logprobs=reply.logprobs(gen, streamed - 1, streamed))
-        if finished and include_usage:
-            yield reply.usage_chunk(gen, reasoned)
-        yield "data: [DONE]\n\n"
-    finally:
-        if not finished:
-            sequence.cancelled = True  # the client went away (or an error): free the slot
+    if reply.chat:
+        yield reply.chunk(None, role=True, index=index)
+    while not finished:
+        event = await job.events.get()
+        if isinstance(event, ErrorReply):  # with what the client has been sent so far, to resume from
+            ended[index] = ("error",)
+            error = {"error": {"message": event.message, "type": "server_error", "param": None,
+                               "code": event.code, "r2r": {"index": index, "token_ids": gen.token_ids[:streamed],
+                                                           "text": text[:sent]}}}
+            yield f"data: {json.dumps(error)}\n\n"
+            return
+        for n, (token, source, score) in enumerate(event.final, 1):
+            finished = event.finished and n == len(event.final)
+            streamed += 1
+            text += detok.push(token, final=finished)
+            if finished:  # the final text has any stop string cut off
+                delta, sent = gen.text[sent:], len(gen.text)
+            else:
+                safe = len(text) - hold
+                delta, sent = (text[sent:safe], safe) if safe > sent else ("", sent)
+            thinking = None
+            if parser:  # what is shown so far, split; a tag being written is held back
+                split = parser.split(text[:sent] if not finished else gen.text, start, finished)
+                thinking, delta = (split.reasoning or "")[sent_thinking:], split.content[sent_answer:]
+                sent_thinking, sent_answer = sent_thinking + len(thinking), sent_answer + len(delta)
+            extra = {"r2r": {"token_id": token, "source": source, "score": score}}
+            if finished:
+                reasoned = reply.reasoned(gen)
+                extra["usage"] = usage([gen], reasoned and [reasoned])
+                ended[index] = ("finished", reasoned)
+            yield reply.chunk(delta, gen.finish_reason if finished else None, extra, reasoning=thinking,
+                              logprobs=reply.logprobs(gen, streamed - 1, streamed), index=index)
 
 
-def usage(gen: Generation, reasoned=None) -> CompletionUsage:
-    """OpenAI's usage, plus R2R's figures (`Generation.counters`); with a reasoning parser, the thinking's tokens and
-    the LLM's share of the thinking and of the answer apart."""
-    n = len(gen.token_ids)
-    thinking = {} if reasoned is None else {
-        "completion_tokens_details": CompletionTokensDetails(reasoning_tokens=reasoned.reasoning_tokens),
-        "llm_rate_thinking": reasoned.llm_rate_thinking, "llm_rate_answer": reasoned.llm_rate_answer}
-    return CompletionUsage(prompt_tokens=len(gen.prompt_ids), completion_tokens=n,
-                           total_tokens=len(gen.prompt_ids) + n, llm_rate=gen.llm_rate,
-                           avg_activated_params_b=gen.avg_params_b, **gen.counters(), **thinking)
+def provenance(gen: Generation) -> dict:
+    """Which model wrote each token, the policy's scores, and R2R's counters."""
+    return {"token_ids": gen.token_ids, "sources": gen.sources, "scores": gen.scores, **gen.counters()}
+
+
+def usage(gens: list[Generation], reasoned: list | None = None) -> CompletionUsage:
+    """OpenAI's usage of one request's choices, plus R2R's figures (`Generation.counters`, summed; the LLM's rate
+    and the activated parameters over all their tokens); with a reasoning parser (`reasoned`: each choice's split),
+    the thinking's tokens and the LLM's share of the thinking and of the answer apart."""
+    n = sum(len(gen.token_ids) for gen in gens)
+    counters = {name: sum(gen.counters()[name] for gen in gens) for name in gens[0].counters()}
+    rate = counters["llm_tokens"] / max(n, 1)
+    slm, router, llm = gens[0].params_b
+    thinking = {}
+    if reasoned is not None:
+        parts = [(gen.sources[: r.reasoning_tokens], gen.sources[r.reasoning_tokens :]) for gen, r in
+                 zip(gens, reasoned)]
+        thinking = {"completion_tokens_details": CompletionTokensDetails(
+                        reasoning_tokens=sum(r.reasoning_tokens for r in reasoned)),
+                    "llm_rate_thinking": llm_rate([s for think, _ in parts for s in think]),
+                    "llm_rate_answer": llm_rate([s for _, answer in parts for s in answer])}
+    prompt = len(gens[0].prompt_ids)
+    return CompletionUsage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n, llm_rate=rate,
+                           avg_activated_params_b=slm + router + rate * llm, **counters, **thinking)

@@ -4,6 +4,7 @@ queues, so nothing a client sends can fail the batch."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -107,7 +108,7 @@ VerifySetting = Annotated[Number | str, AfterValidator(verify_setting)]
 # Fields of OpenAI's API (and vLLM's extras) that would change the answer and that this server does not do, with
 # the value that changes nothing: a request that sets one otherwise is refused, naming it, rather than answered as if
 # it had not been sent.
-UNSUPPORTED = {"n": 1, "best_of": 1, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+UNSUPPORTED = {"best_of": 1, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
                "response_format": None, "echo": False, "suffix": None, "guided_json": None, "guided_regex": None,
                "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "use_beam_search": False,
                "length_penalty": 1.0, "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
@@ -127,6 +128,7 @@ class CommonBody(BaseModel):
     requested: str | None = Field(None, alias="model")  # the model id the client asks for
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    n: int = Field(1, ge=1)  # choices, each its own sequence (at most --max-batch)
     temperature: Number = Field(1.0, ge=0, le=2)  # OpenAI's range
     top_p: Number = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
@@ -207,6 +209,22 @@ def stop_strings(body: CommonBody, limits: Limits) -> tuple[str, ...]:
         raise APIError(400, f"a stop string is at most {limits.max_stop_chars} characters on this server",
                        param="stop")
     return tuple(stop)
+
+
+def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits) -> list[Sequence]:
+    """The request's `n` choices, each a sequence of its own; with a seed, choice i draws with seed + i (vLLM's
+    rule), so that they differ and each can be reproduced."""
+    if body.n > limits.max_batch:
+        raise APIError(400, f"n is at most {limits.max_batch} on this server (--max-batch): the choices decode at once",
+                       param="n")
+    if body.n > 1 and body.seed is not None and body.seed + body.n > 2**64:
+        raise APIError(400, "with n choices, seed + n - 1 must fit in 64 bits", param="seed")
+    first = make_sequence(body, prompt_ids, engine, limits)
+    if body.n == 1:
+        return [first]
+    params = first.params
+    return [first] + [engine.sequence(dataclasses.replace(first.request, params=dataclasses.replace(
+        params, seed=None if params.seed is None else params.seed + i))) for i in range(1, body.n)]
 
 
 def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits) -> Sequence:

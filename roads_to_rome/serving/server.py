@@ -44,7 +44,7 @@ from roads_to_rome.serving.schemas import (
     check_body,
     error_response,
     llm_away,
-    make_sequence,
+    make_sequences,
     validation_error,
 )
 
@@ -199,18 +199,18 @@ async def tokenize(s: ServerState, chars: int, encode, *args) -> list[int]:
 
 
 async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompt_ids: list[int], chat: bool):
-    sequence = make_sequence(body, prompt_ids, s.engine, s.limits)
+    sequences = make_sequences(body, prompt_ids, s.engine, s.limits)
     if body.r2r_policy != "slm" and ((await llm_health(s)) or {}).get("status") == "unavailable":
         s.engine_thread.metrics.refused()
         raise llm_away()
-    job = Job(sequence, asyncio.get_running_loop())
-    s.engine_thread.submit(job)
+    jobs = [Job(sequence, asyncio.get_running_loop()) for sequence in sequences]
+    s.engine_thread.submit(jobs)
     reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat,
                   s.reasoning if chat else None, s.engine.tokenizer)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(stream_events(job, reply, include_usage), media_type="text/event-stream")
-    return await whole_answer(http, job, reply, s.limits.max_request_seconds)
+        return StreamingResponse(stream_events(jobs, reply, include_usage), media_type="text/event-stream")
+    return await whole_answer(http, jobs, reply, s.limits.max_request_seconds)
 
 
 def run(app: FastAPI, host: str, port: int) -> int:
