@@ -134,6 +134,7 @@ def test_the_server_hands_thinking_and_answer_apart(thinker):
                                                      temperature=0, stream=True,
                                                      stream_options={"include_usage": True}))
         cut = client.chat.completions.create(model="thinker", messages=messages, max_tokens=2, temperature=0)
+        two = client.chat.completions.create(model="thinker", messages=messages, max_tokens=24, temperature=0, n=2)
         raw = client.completions.create(model="thinker", prompt="What is", max_tokens=8, temperature=0)
     message = whole.choices[0].message
     reasoning = message.model_extra["reasoning"]
@@ -144,6 +145,8 @@ def test_the_server_hands_thinking_and_answer_apart(thinker):
     thinking = whole.usage.completion_tokens_details.reasoning_tokens
     assert 1 <= thinking < whole.usage.completion_tokens
     assert whole.usage.model_extra["llm_rate_thinking"] == 0 and whole.usage.model_extra["llm_rate_answer"] == 0
+    assert [c.message.model_extra["reasoning"] for c in two.choices] == [reasoning, reasoning]
+    assert two.usage.completion_tokens_details.reasoning_tokens == 2 * thinking
 
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == reasoning
@@ -156,6 +159,32 @@ def test_the_server_hands_thinking_and_answer_apart(thinker):
 
     assert cut.choices[0].message.content == "" and cut.choices[0].message.model_extra["reasoning"]
     assert "reasoning" not in raw.choices[0].model_extra  # plain completions are not chat: no parser
+
+
+def test_chat_template_kwargs_reach_the_template_and_the_parser_reads_what_they_did():
+    """Qwen3's `enable_thinking: false` closes an empty thinking in the prompt: the reply is all answer. Keys the
+    server sets itself, and a template's own refusal, are 400s."""
+    tokenizer = think_tokenizer(QWEN3_TEMPLATE + "{% if shout is defined %}{{ raise_exception('no shouting') }}"
+                                                 "{% endif %}")
+    engine = Engine(TorchBackend(tiny_model(tokenizer, hidden=32, seed=0)), None, tokenizer)
+    app = create_app(engine, "qwen3ish", Limits(max_batch=2, max_tokens=16, context_length=256))
+    messages = [{"role": "user", "content": "What is 48 / 2?"}]
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def ask(**kwargs):
+            return client.chat.completions.create(model="qwen3ish", messages=messages, max_tokens=8, temperature=0,
+                                                  extra_body=kwargs)
+
+        plain, off = ask(), ask(chat_template_kwargs={"enable_thinking": False})
+        assert off.usage.prompt_tokens == plain.usage.prompt_tokens + len(tokenizer.encode("<think>\n\n</think>\n\n"))
+        assert off.choices[0].message.model_extra.get("reasoning") is None
+        assert off.choices[0].message.content == tokenizer.decode(off.model_extra["r2r"]["token_ids"])
+        for bad, says in (({"tokenize": False}, "may not set tokenize"), ({"self": 1}, "may not set self"),
+                           ({"shout": 1}, "no shouting")):
+            with pytest.raises(openai.BadRequestError, match=says) as refused:
+                ask(chat_template_kwargs=bad)
+            assert refused.value.status_code == 400
 
 
 def test_generate_prints_thinking_apart(thinker, tmp_path, run_cli):

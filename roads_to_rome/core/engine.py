@@ -126,12 +126,24 @@ class Engine:
         """A user message in the model's chat template, ready for the assistant's answer."""
         return self.encode_messages([{"role": "user", "content": message}])
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
+    def encode_messages(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        """Messages in the model's chat template, ready for the assistant's answer; `template_kwargs`: variables
+        the template reads (Qwen3's `enable_thinking`, say)."""
+        import inspect
+
+        import jinja2
+
         if not getattr(self.tokenizer, "chat_template", None):
             raise R2RError("the model's tokenizer has no chat template: give the prompt as plain text (--raw, "
                            "or /v1/completions on the server)")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+        own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) | {"self"}
+        if clash := sorted(own.intersection(template_kwargs or {})):
+            raise R2RError(f"chat_template_kwargs may not set {', '.join(clash)}: the chat template's call sets it")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False, **(template_kwargs or {}))
+        except jinja2.TemplateError as e:  # the template's own refusal (raise_exception), or a variable it cannot use
+            raise R2RError(f"the chat template refused these messages: {e}") from None
 
     def encode_raw(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]

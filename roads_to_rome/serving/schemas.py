@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -114,9 +114,9 @@ UNSUPPORTED = {"best_of": 1, "tools": None, "tool_choice": None, "functions": No
                "length_penalty": 1.0, "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
                "logits_processors": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
                "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
-               "chat_template_kwargs": None, "return_tokens_as_token_ids": False}
+               "return_tokens_as_token_ids": False}
 NEUTRAL = {"tools": ([],), "response_format": ({"type": "text"},), "tool_choice": ("none",), "suffix": ("",),
-           "bad_words": ([],), "chat_template_kwargs": ({},), "logits_processors": ([],)}
+           "bad_words": ([],), "logits_processors": ([],)}
 
 
 class StreamOptions(BaseModel):
@@ -168,6 +168,7 @@ class ChatBody(CommonBody):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables the chat template reads
 
     def top_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -180,7 +180,8 @@ async def chat_completions(body: ChatBody, http: HTTPRequest):
     check_body(body, s.model_name, s.limits)
     messages = [m.model_dump() for m in body.messages]
     chars = sum(len(m["content"]) for m in messages)
-    return await respond(http, s, body, await tokenize(s, chars, s.engine.encode_messages, messages), chat=True)
+    prompt_ids = await tokenize(s, chars, s.engine.encode_messages, messages, body.chat_template_kwargs)
+    return await respond(http, s, body, prompt_ids, chat=True)
 
 
 @routes.post("/v1/completions")

@@ -236,30 +236,35 @@ def test_strict_verification_gives_the_llms_greedy_output(backend, request):
     assert rollbacks > 0  # the LLM did correct the SLM
 
 
-def test_with_penalties_strict_verification_gives_the_llms_penalised_output_on_llamacpp(llamacpp_pair):
-    """The same proof with presence, frequency and repetition penalties, through the shipped router and grouped
-    calls: every token the LLM checks is judged on its penalised logits, so the output is the LLM's own penalised
-    greedy output (up to llama.cpp's near-ties, measured on the penalised logits), which differs from its plain
-    one."""
+def test_with_penalties_and_a_logit_bias_strict_verification_gives_the_llms_own_output_on_llamacpp(llamacpp_pair):
+    """The same proof with presence, frequency and repetition penalties and a logit bias that bans the token the
+    LLM's plain answers use most, through the shipped router and grouped calls: every token the LLM checks is judged
+    on the logits so shaped, so the output is the LLM's own output under them (up to llama.cpp's near-ties,
+    measured on the shaped logits), which differs from its plain one."""
+    from collections import Counter
+
     from roads_to_rome.core.llm_calls import Deferral
-    from roads_to_rome.core.sampling import apply_penalties
+    from roads_to_rome.core.sampling import LogitRules, adjust_logits
     from roads_to_rome.routing import policies
 
     slm, llm, tokenizer = llamacpp_pair
     alone = Engine.alone(llm, tokenizer)
     prompts = [alone.encode_chat(p) for p in (PROMPTS[0], PROMPTS[2])]  # code, and a GSM8K question
-    params = SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3,
-                            repetition_penalty=1.2)
-    expected = [alone.generate([p], params)[0].token_ids for p in prompts]
     plain = [g.token_ids for g in alone.generate(prompts, SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True))]
-    assert all(e != p for e, p in zip(expected, plain))
+    banned = Counter(t for out in plain for t in out).most_common(1)[0][0]
+    params = SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3,
+                            repetition_penalty=1.2, logit_bias={banned: -100.0})
+    expected = [alone.generate([p], params)[0].token_ids for p in prompts]
+    assert all(e != p and banned not in e for e, p in zip(expected, plain))
     router = policies.build("router", slm, None, models.router_path_for(None, None))
     engine = Engine(slm, llm, tokenizer, router, verify="strict", defer=Deferral("continue"))
     gens = engine.generate(prompts, params)
     for prompt, want, gen in zip(prompts, expected, gens):
+        assert banned not in gen.token_ids
         split = next((i for i, (a, b) in enumerate(zip(gen.token_ids, want)) if a != b), None)
         if split is not None:
-            logits = apply_penalties(llm.forward_sequence(prompt + want[:split])[0][-1], params, prompt, want[:split])
+            logits = adjust_logits(llm.forward_sequence(prompt + want[:split])[0][-1], LogitRules.of(params, prompt),
+                                   want[:split])
             assert abs((logits[want[split]] - logits[gen.token_ids[split]]).item()) < 0.5, split
     assert sum(g.rollbacks for g in gens) > 0 and sum(g.llm_tokens for g in gens) > 0
 
