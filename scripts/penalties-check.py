@@ -31,17 +31,17 @@ parser.add_argument("--out", help="JSON file for every row and the summary")
 args = parser.parse_args()
 
 penalty_seconds = [0.0]
-apply_penalties = request_module.apply_penalties
+adjust_logits = request_module.adjust_logits  # where a sequence's penalties are applied (`Sequence.logits_at`)
 
 
 def timed_penalties(*a, **kw):
     start = time.perf_counter()
-    out = apply_penalties(*a, **kw)
+    out = adjust_logits(*a, **kw)
     penalty_seconds[0] += time.perf_counter() - start
     return out
 
 
-request_module.apply_penalties = timed_penalties
+request_module.adjust_logits = timed_penalties
 
 engine = load_engine(EngineConfig(backend=args.backend))
 systems = {"plain": SamplingParams(max_new_tokens=args.tokens),

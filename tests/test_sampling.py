@@ -10,6 +10,7 @@ from roads_to_rome.core.sampling import (
     apply_penalties,
     sampling_probs,
     speculative_residual,
+    top_p_cut,
     within_tolerance,
 )
 from roads_to_rome.errors import R2RError
@@ -163,3 +164,21 @@ def test_bad_sampling_settings_are_refused_saying_what_to_fix(bad, match):
         SamplingParams(**bad).validate()
     with pytest.raises(R2RError, match="names token 10, beyond the vocabulary: ids are 0 to 9"):
         SamplingParams(stop_token_ids=(3, 10)).check_vocabulary(10)
+
+
+@pytest.mark.parametrize("scale", [40.0, 4.0, 0.01])  # a nucleus of a few tokens, of hundreds, of most of the row
+def test_top_p_ranking_only_the_likeliest_tokens_is_sorting_whole_rows(scale):
+    """Top-p ranks a row's likeliest tokens only, more of them when they do not hold top_p, the whole row as a last
+    resort: the same tokens kept as sorting every row, on rows of every kind, alone and batched together."""
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 5000, generator=generator) * scale
+    for top_p in (0.5, 0.9, 0.999):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p
+        drop[:, 0] = False
+        expected = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        assert torch.equal(top_p_cut(logits, top_p), expected)
+        assert torch.equal(top_p_cut(logits[:1], top_p), expected[:1])
+    mixed = torch.cat([logits[:1], torch.randn(1, 5000, generator=generator) * 40])
+    assert torch.equal(top_p_cut(mixed, 0.9)[1:], top_p_cut(mixed[1:], 0.9))
