@@ -42,3 +42,17 @@ def describe_cpu() -> str:
     extra = ["AMX"] if has_amx() else []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"{name} ({', '.join(filter(None, [simd, *extra, f'{cores} cores']))})"
+
+
+def measured_on(engine=None) -> dict:
+    """Where a figure comes from, for a results file: the processor, the package's commit (when run from a git
+    checkout) and, given an engine, the kernels each model ran on."""
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    record = {"processor": describe_cpu(), "commit": done.stdout.strip() if done.returncode == 0 else None}
+    if engine is not None:
+        record["backends"] = {role: model.kernels for role, model in (("slm", engine.slm), ("llm", engine.llm))
+                              if model is not None}
+    return record

@@ -15,14 +15,13 @@ Median microseconds over the answer's positions, `--repeats` rounds.
 import argparse
 import json
 import statistics
-import subprocess
 import time
 
 import torch
 
 from roads_to_rome.core.sampling import LogitRules, SamplingParams, adjust_logits, sampling_probs
 from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
-from roads_to_rome.hardware import describe_cpu
+from roads_to_rome.hardware import measured_on
 from roads_to_rome.models import EngineConfig, load_engine
 
 parser = argparse.ArgumentParser()
@@ -100,9 +99,7 @@ for name, row in results.items():
 print(f"top-p: ranked {ratio:.1f}x faster than sorting whole rows; nucleus sizes: median "
       f"{statistics.median(kept)}, max {max(kept)}")
 summary = {"results": results, "top_p_speedup": ratio, "nucleus_sizes": kept,
-           "settings": {**vars(args), "vocab": vocab, "processor": describe_cpu(), "torch": torch.__version__,
-                        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                 text=True).stdout.strip()}}
+           "settings": {**vars(args), "vocab": vocab, "torch": torch.__version__, **measured_on(engine)}}
 if args.out:
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)

@@ -9,7 +9,6 @@ only one gets right); and the time spent applying the penalties, measured around
 
 import argparse
 import json
-import subprocess
 import time
 
 from roads_to_rome.core import request as request_module
@@ -17,7 +16,7 @@ from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.data.answers import extract_math_answer, math_equal
 from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
 from roads_to_rome.data.stats import sign_test
-from roads_to_rome.hardware import describe_cpu
+from roads_to_rome.hardware import measured_on
 from roads_to_rome.models import EngineConfig, load_engine
 
 parser = argparse.ArgumentParser()
@@ -90,10 +89,7 @@ summary["paired"] = {"items": len(items), "only_plain_right": only_plain, "only_
                      "sign_test_p": sign_test(only_plain, only_penalised),
                      "tokens_per_s_ratio": summary["penalised"]["tokens_per_s"] / summary["plain"]["tokens_per_s"],
                      "ms_per_step_ratio": summary["penalised"]["ms_per_step"] / summary["plain"]["ms_per_step"]}
-summary["settings"] = {**vars(args), "processor": describe_cpu(),
-                       "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                text=True).stdout.strip(),
-                       "backends": {"slm": engine.slm.kernels, "llm": engine.llm.kernels}}
+summary["settings"] = {**vars(args), **measured_on(engine)}
 print(json.dumps(summary, indent=1))
 if args.out:
     with open(args.out, "w") as f:

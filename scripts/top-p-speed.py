@@ -9,7 +9,6 @@ prints tokens/s of each and their ratio.
 
 import argparse
 import json
-import subprocess
 import time
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from roads_to_rome.core import sampling
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
-from roads_to_rome.hardware import describe_cpu
+from roads_to_rome.hardware import measured_on
 from roads_to_rome.models import EngineConfig, load_engine
 
 parser = argparse.ArgumentParser()
@@ -69,10 +68,7 @@ for name in ways:
                      "llm_rate": sum(r["llm_tokens"] for r in mine) / tokens}
 summary["speedup"] = summary["ranking the likeliest"]["tokens_per_s"] / summary["sorting whole rows"]["tokens_per_s"]
 summary["same_tokens_everywhere"] = all(r["same_tokens"] for r in rows)
-summary["settings"] = {**vars(args), "verify": engine.verify, "processor": describe_cpu(),
-                       "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                text=True).stdout.strip(),
-                       "backends": {"slm": engine.slm.kernels, "llm": engine.llm.kernels}}
+summary["settings"] = {**vars(args), "verify": engine.verify, **measured_on(engine)}
 print(json.dumps(summary, indent=1))
 if args.out:
     with open(args.out, "w") as f:
