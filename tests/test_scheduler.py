@@ -207,3 +207,22 @@ def test_an_offline_run_of_more_requests_than_the_backend_holds_queues_them(slm,
 
     monkeypatch.setattr(Scheduler, "admit", at_most_two)
     assert [g.token_ids for g in engine.generate(prompts, params)] == alone
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_longer_prompt_joins_a_batch_whose_llm_has_read_nothing_yet(kind_pair, tokenizer, overlap):
+    """A one-token prompt decodes while a longer one is read in chunks; when the longer one joins, the batch widens
+    (padding on the left) while the LLM's cache is still empty. Padding an empty cache leaves it empty in every
+    backend and in the LLM's queue alike, so the newcomer's caches fit: each answer is the one it gets alone."""
+    slm, llm = kind_pair
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.0, seed=0), overlap=overlap)  # routes nothing
+    prompts = [engine.encode_raw("0"), engine.encode_raw("0\u00d6 and more")]
+    params = SamplingParams(max_new_tokens=6)
+    alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+    scheduler = Scheduler(engine, 4, prefill_chunk=2)
+    sequences = [engine.sequence(Request(p, params)) for p in prompts]
+    for s in sequences:
+        scheduler.add(s)
+    events = drive(scheduler)
+    assert not [e.error for e in events if isinstance(e, Failure)]
+    assert [s.generation.token_ids for s in sequences] == alone

@@ -248,6 +248,31 @@ def test_n_choices_are_each_the_answer_of_their_own_seed_whole_and_streamed(clie
     assert completions.choices[0].text != completions.choices[1].text
 
 
+def test_several_prompts_as_text_or_token_ids_each_get_n_choices(client, tokenizer):
+    """/v1/completions takes OpenAI's four shapes of prompt; choice i * n + j is prompt i's j-th, the answer a
+    request for that prompt with seed + j gets alone; usage counts each prompt once."""
+    settings = {"max_tokens": 10, "temperature": 0.9, "seed": 7, "extra_body": {"r2r_policy": "slm"}}
+    prompts = ["def add(a, b):", "Bonjour! Paris is"]
+    both = client.completions.create(model="tiny-r2r", prompt=prompts, n=2, **settings)
+    alone = [client.completions.create(model="tiny-r2r", prompt=p, **{**settings, "seed": 7 + j})
+             for p in prompts for j in range(2)]
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone]
+    assert both.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[2].usage.prompt_tokens
+    assert both.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    one = client.completions.create(model="tiny-r2r", prompt=ids[1], **settings)
+    assert one.choices[0].text == alone[2].choices[0].text
+    by_ids = client.completions.create(model="tiny-r2r", prompt=ids, **settings)
+    assert [c.text for c in by_ids.choices] == [alone[0].choices[0].text, alone[2].choices[0].text]
+    streamed = list(client.completions.create(model="tiny-r2r", prompt=prompts, n=2, stream=True, **settings))
+    texts = {}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(4)] == [c.text for c in both.choices]
+
+
 def test_logit_bias_min_p_and_vllms_stopping_fields_reach_the_engine_through_the_openai_client(client, slm, llm,
                                                                                               tokenizer):
     """OpenAI's logit_bias and vLLM's min_p, allowed_token_ids, stop_token_ids, min_tokens, ignore_eos and

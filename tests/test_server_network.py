@@ -59,7 +59,7 @@ def server(engine):
 @pytest.mark.parametrize("stop,why", [(["a", "b", "c", "d", "e"], "at most 4"), (["x" * 257], "at most 256")])
 def test_stop_lists_past_the_limits_are_400s_before_any_tokenizing(server, engine, monkeypatch, stop, why):
     tokenized = []
-    monkeypatch.setattr(engine, "encode_messages", lambda m: tokenized.append(m) or [1])
+    monkeypatch.setattr(engine, "encode_messages", lambda m, template_kwargs=None: tokenized.append(m) or [1])
     response = post(server, body(stop=stop))
     assert response.status_code == 400 and why in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == "stop" and not tokenized
@@ -81,10 +81,10 @@ def test_a_flood_of_stop_lists_beside_a_normal_request(server):
 def test_a_tokenizer_flood_gets_429_before_it_queues_and_a_short_prompt_still_answers(server, engine, monkeypatch):
     encode = engine.encode_messages
 
-    def slow(messages):  # a long prompt that takes a while to tokenize
+    def slow(messages, template_kwargs=None):  # a long prompt that takes a while to tokenize
         if len(messages[0]["content"]) > 16384:
             time.sleep(1.0)
-        return encode(messages)
+        return encode(messages, template_kwargs)
 
     monkeypatch.setattr(engine, "encode_messages", slow)
     results = []
@@ -243,7 +243,7 @@ def test_fields_that_would_change_the_answer_are_400s_naming_them(server, field,
                                          ("repetition_penalty", 0), ("repetition_penalty", 0.001),
                                          ("repetition_penalty", 101), ("min_p", 1.5), ("min_tokens", -1),
                                          ("min_tokens", 65), ("stop_token_ids", [-1]), ("allowed_token_ids", [1.5]),
-                                         ("n", 0), ("n", 5)])
+                                         ("n", 0), ("n", 69)])
 def test_sampling_settings_out_of_range_are_400s_naming_them(server, field, value):
     response = post(server, body(max_tokens=64, **{field: value}))
     assert response.status_code == 400 and response.json()["error"]["param"].startswith(field), response.text
@@ -253,6 +253,12 @@ def test_sampling_settings_out_of_range_are_400s_naming_them(server, field, valu
 def test_a_bad_logit_bias_is_a_400_naming_it(server, value):
     response = post(server, body(logit_bias=value))
     assert response.status_code == 400 and response.json()["error"]["param"].startswith("logit_bias"), response.text
+
+
+@pytest.mark.parametrize("prompt", [[5, 100000], [[5, 6], [7, 100000]]])
+def test_a_prompt_of_token_ids_beyond_the_vocabulary_is_a_400(server, prompt):
+    response = httpx.post(server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=60)
+    assert response.status_code == 400 and "the prompt holds token 100000" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("field,value", [("logit_bias", {"100000": 1}), ("stop_token_ids", [100000]),

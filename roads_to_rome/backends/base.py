@@ -119,7 +119,8 @@ class Backend(Protocol):
         """Add `other`'s rows after this cache's (both cover the same columns); `other` is spent."""
 
     def pad_left(self, cache: Cache, n: int) -> None:
-        """Prepend n padding columns to every row (a longer newcomer widens the batch)."""
+        """Prepend n padding columns to every row (a longer newcomer widens the batch). An empty cache stays empty:
+        its first read covers the padding columns too."""
 
     def truncate(self, cache: Cache, length: int) -> None:
         """Forget every column from `length` on (no-op when the cache holds fewer)."""

@@ -460,7 +460,8 @@ class RemoteBackend:
         other.rows = []
 
     def pad_left(self, cache: RemoteCache, n: int) -> None:
-        cache.length += n  # padding is never sent
+        if cache.length:  # (padding is never sent)
+            cache.length += n
 
     def truncate(self, cache: RemoteCache, length: int) -> None:
         drop = cache.length - length

@@ -96,7 +96,11 @@ class Engine:
             raise R2RError(f"penalties, a logit bias and allowed tokens change the LLM's whole distribution; "
                            f"{self.llm.name} gives its top tokens only: leave presence, frequency and repetition "
                            "penalties at 0, 0 and 1, and logit_bias and allowed_token_ids out")
-        params.check_vocabulary(self.writer.vocab_size)
+        vocab = self.writer.vocab_size
+        if not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocab:
+            bad = next(t for t in request.prompt_ids if not 0 <= t < vocab)
+            raise R2RError(f"the prompt holds token {bad}, beyond the vocabulary: ids are 0 to {vocab - 1}")
+        params.check_vocabulary(vocab)
         # The engine's setting is for routed rows: a row forced onto one model is that model alone unless it asks.
         verify = request.verify if request.verify is not None else default_verify(request.force is None, self.verify)
         if verify != "off":

@@ -285,7 +285,8 @@ class LLMCalls:
         self._settle(self._queue(cache, append, other.inner))
 
     def pad_left(self, cache: QueuedCache, n: int) -> None:
-        cache.length += n
+        if cache.length:  # an empty cache stays empty (`Backend.pad_left`)
+            cache.length += n
         self._settle(self._queue(cache, self.backend.pad_left, n))
 
     def truncate(self, cache: QueuedCache, length: int) -> None:

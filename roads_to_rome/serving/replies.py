@@ -38,6 +38,7 @@ class Reply:
     chat: bool
     parser: ReasoningParser | None = None  # chat replies only: thinking apart from the answer
     tokenizer: object = None
+    n: int = 1  # choices per prompt: choice i * n + j is prompt i's j-th
     # Where the tokens given log-probabilities so far end, in tokens and in characters: a stream's next chunk
     # starts there, so its text offset is not summed again from the first token.
     logprobs_upto: tuple[int, int] = (0, 0)
@@ -69,7 +70,7 @@ class Reply:
         r2r = {"r2r": provenance(gens[0])} if len(gens) == 1 else {}
         kind = (ChatCompletion, "chat.completion") if self.chat else (Completion, "text_completion")
         out = kind[0](id=self.id, object=kind[1], created=self.created, model=self.model_name, choices=choices,
-                      usage=usage(gens, reasoned if self.chat and reasoned[0] is not None else None), **r2r)
+                      usage=usage(gens, reasoned if self.chat and reasoned[0] is not None else None, self.n), **r2r)
         return out.model_dump(exclude_unset=True)
 
     def logprobs(self, gen: Generation, start: int, end: int) -> ChoiceLogprobs | Logprobs | None:
@@ -129,7 +130,7 @@ class Reply:
     def usage_chunk(self, gens: list[Generation], reasoned=None) -> str:
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model_name, "choices": [],
-               "usage": usage(gens, reasoned).model_dump(exclude_unset=True)}
+               "usage": usage(gens, reasoned, self.n).model_dump(exclude_unset=True)}
         return f"data: {json.dumps(out)}\n\n"
 
 
@@ -264,13 +265,14 @@ def provenance(gen: Generation) -> dict:
     return {"token_ids": gen.token_ids, "sources": gen.sources, "scores": gen.scores, **gen.counters()}
 
 
-def usage(gens: list[Generation], reasoned: list | None = None) -> CompletionUsage:
-    """OpenAI's usage of one request's choices, plus R2R's figures (`Generation.counters`, summed; the LLM's rate
-    and the activated parameters over all their tokens); with a reasoning parser (`reasoned`: each choice's split),
-    the thinking's tokens and the LLM's share of the thinking and of the answer apart."""
-    n = sum(len(gen.token_ids) for gen in gens)
+def usage(gens: list[Generation], reasoned: list | None = None, per_prompt: int = 1) -> CompletionUsage:
+    """OpenAI's usage of one request's choices (`per_prompt` for each prompt, which is counted once), plus R2R's
+    figures (`Generation.counters`, summed; the LLM's rate and the activated parameters over all their tokens); with
+    a reasoning parser (`reasoned`: each choice's split), the thinking's tokens and the LLM's share of the thinking
+    and of the answer apart."""
+    completion = sum(len(gen.token_ids) for gen in gens)
     counters = {name: sum(gen.counters()[name] for gen in gens) for name in gens[0].counters()}
-    rate = counters["llm_tokens"] / max(n, 1)
+    rate = counters["llm_tokens"] / max(completion, 1)
     slm, router, llm = gens[0].params_b
     thinking = {}
     if reasoned is not None:
@@ -280,6 +282,7 @@ def usage(gens: list[Generation], reasoned: list | None = None) -> CompletionUsa
                         reasoning_tokens=sum(r.reasoning_tokens for r in reasoned)),
                     "llm_rate_thinking": llm_rate([s for think, _ in parts for s in think]),
                     "llm_rate_answer": llm_rate([s for _, answer in parts for s in answer])}
-    prompt = len(gens[0].prompt_ids)
-    return CompletionUsage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n, llm_rate=rate,
+    prompt = sum(len(gen.prompt_ids) for gen in gens[::per_prompt])
+    return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                           llm_rate=rate,
                            avg_activated_params_b=slm + router + rate * llm, **counters, **thinking)

@@ -128,7 +128,7 @@ class CommonBody(BaseModel):
     requested: str | None = Field(None, alias="model")  # the model id the client asks for
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    n: int = Field(1, ge=1)  # choices, each its own sequence (at most --max-batch)
+    n: int = Field(1, ge=1)  # choices per prompt, each its own sequence
     temperature: Number = Field(1.0, ge=0, le=2)  # OpenAI's range
     top_p: Number = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
@@ -176,14 +176,25 @@ class ChatBody(CommonBody):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+PromptText = Annotated[Text, Field(min_length=1)]
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionBody(CommonBody):
-    # One prompt per request (as text, or a list of one: what OpenAI's clients send).
-    prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[Annotated[Text, Field(min_length=1)]],
-                                                             Field(min_length=1, max_length=1)]
+    # A prompt or several, as text or token ids (OpenAI's four shapes); each prompt gets `n` choices.
+    prompt: PromptText | Annotated[list[PromptText], Field(min_length=1)] | PromptIds | \
+        Annotated[list[PromptIds], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def top_count(self) -> int | None:
         return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: its text, or its token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
 
 
 def check_body(body: CommonBody, model_name: str, limits: Limits) -> None:
@@ -199,6 +210,11 @@ def check_body(body: CommonBody, model_name: str, limits: Limits) -> None:
                                 f"leave it out", param=name, code="unsupported_parameter")
     stop_strings(body, limits)
     body.top_count()
+    choices = body.n * (len(body.prompts()) if isinstance(body, CompletionBody) else 1)
+    if choices > limits.max_batch + limits.max_queue:
+        raise APIError(400, f"the request asks for {choices} choices (n for each prompt); this server holds at most "
+                            f"{limits.max_batch + limits.max_queue} sequences at once (--max-batch + --max-queue)",
+                       param="n")
 
 
 def stop_strings(body: CommonBody, limits: Limits) -> tuple[str, ...]:
@@ -215,9 +231,6 @@ def stop_strings(body: CommonBody, limits: Limits) -> tuple[str, ...]:
 def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits) -> list[Sequence]:
     """The request's `n` choices, each a sequence of its own; with a seed, choice i draws with seed + i (vLLM's
     rule), so that they differ and each can be reproduced."""
-    if body.n > limits.max_batch:
-        raise APIError(400, f"n is at most {limits.max_batch} on this server (--max-batch): the choices decode at once",
-                       param="n")
     if body.n > 1 and body.seed is not None and body.seed + body.n > 2**64:
         raise APIError(400, "with n choices, seed + n - 1 must fit in 64 bits", param="seed")
     first = make_sequence(body, prompt_ids, engine, limits)

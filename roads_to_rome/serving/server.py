@@ -181,15 +181,15 @@ async def chat_completions(body: ChatBody, http: HTTPRequest):
     messages = [m.model_dump() for m in body.messages]
     chars = sum(len(m["content"]) for m in messages)
     prompt_ids = await tokenize(s, chars, s.engine.encode_messages, messages, body.chat_template_kwargs)
-    return await respond(http, s, body, prompt_ids, chat=True)
+    return await respond(http, s, body, [prompt_ids], chat=True)
 
 
 @routes.post("/v1/completions")
 async def completions(body: CompletionBody, http: HTTPRequest):
     s = server(http)
     check_body(body, s.model_name, s.limits)
-    prompt = body.prompt[0] if isinstance(body.prompt, list) else body.prompt
-    return await respond(http, s, body, await tokenize(s, len(prompt), s.engine.encode_raw, prompt), chat=False)
+    prompts = [await tokenize(s, len(p), s.engine.encode_raw, p) if isinstance(p, str) else p for p in body.prompts()]
+    return await respond(http, s, body, prompts, chat=False)
 
 
 async def tokenize(s: ServerState, chars: int, encode, *args) -> list[int]:
@@ -199,15 +199,17 @@ async def tokenize(s: ServerState, chars: int, encode, *args) -> list[int]:
         raise APIError(400, str(e)) from None
 
 
-async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompt_ids: list[int], chat: bool):
-    sequences = make_sequences(body, prompt_ids, s.engine, s.limits)
+async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: list[list[int]], chat: bool):
+    """Each prompt's `n` choices, decoded side by side, answered whole or streamed (choice i * n + j: prompt i's
+    j-th)."""
+    sequences = [sequence for ids in prompts for sequence in make_sequences(body, ids, s.engine, s.limits)]
     if body.r2r_policy != "slm" and ((await llm_health(s)) or {}).get("status") == "unavailable":
         s.engine_thread.metrics.refused()
         raise llm_away()
     jobs = [Job(sequence, asyncio.get_running_loop()) for sequence in sequences]
     s.engine_thread.submit(jobs)
     reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat,
-                  s.reasoning if chat else None, s.engine.tokenizer)
+                  s.reasoning if chat else None, s.engine.tokenizer, body.n)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(jobs, reply, include_usage), media_type="text/event-stream")
