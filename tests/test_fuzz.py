@@ -66,3 +66,18 @@ def reach_the_engine(body: dict) -> None:
         if isinstance(body.get(name), int):
             body[name] = 1 + abs(body[name]) % 32
     body.pop("n", None)
+    # Token ids as this tiny vocabulary has them, and no more tokens required than asked for.
+    vocab = 300
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        body["prompt"] = [t % vocab for t in prompt]
+    elif isinstance(prompt, list) and all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+        body["prompt"] = [[t % vocab for t in p] for p in prompt]
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        if isinstance(body.get(name), list) and all(isinstance(t, int) for t in body[name]):
+            body[name] = [t % vocab for t in body[name]]
+    if isinstance(body.get("logit_bias"), dict):
+        body["logit_bias"] = {str(int(t) % vocab): b for t, b in body["logit_bias"].items() if str(t).isdigit()}
+    body.pop("min_tokens", None)
+    if body.get("allowed_token_ids") == []:
+        body.pop("allowed_token_ids")
