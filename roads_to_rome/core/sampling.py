@@ -240,8 +240,8 @@ TOP_P_CANDIDATES = (64, 1024)  # how many of the likeliest tokens top-p ranks, i
 
 def top_p_cut(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Logits [B, V] with each row's tokens outside its nucleus at -inf: a token is dropped when the tokens ranked
-    above it already hold `top_p` of the mass (the best one always stays). Sorting a whole row of a 150k vocabulary
-    takes about 12 ms on one CPU core, a fifth of the default pair's step there; a nucleus almost always lies within a
+    above it already hold `top_p` of the mass (the best one always stays). Sorting a whole row of a large vocabulary
+    costs a sizeable part of a CPU step (docs/results/2026-11-28-sampling.md); a nucleus almost always lies within a
     row's few likeliest tokens, so only they are ranked (more when they do not hold `top_p`, all as a last resort)."""
     probs = logits.softmax(-1)
     for k in TOP_P_CANDIDATES:
