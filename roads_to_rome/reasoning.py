@@ -124,6 +124,19 @@ def prompt_start(parser: ReasoningParser, tokenizer, prompt_ids) -> str:
     return parser.start(tokenizer.decode(list(prompt_ids)[-32:], skip_special_tokens=False))
 
 
+def thinking_until(parser: ReasoningParser, tokenizer, prompt_ids) -> int | None:
+    """The token that closes the thinking a reply to these prompt tokens starts inside, where a structured output
+    begins (None: the reply starts in its answer; a qwen3 reply that could open a thinking itself is held to the
+    format from its first token, so it answers at once)."""
+    if prompt_start(parser, tokenizer, prompt_ids) != "thinking":
+        return None
+    token = tokenizer.convert_tokens_to_ids(CLOSE)
+    if not isinstance(token, int) or token == tokenizer.unk_token_id:
+        raise R2RError(f"this tokenizer writes {CLOSE} in several tokens: a structured output cannot tell where the "
+                       "thinking ends; ask for it without the reasoning parser (--reasoning-parser none)")
+    return token
+
+
 @dataclass
 class Reasoned:
     """A finished reply split into thinking and answer, with the LLM's share of each."""

@@ -18,6 +18,7 @@ from tiny import save_gguf, tiny_model, tiny_tokenizer
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.batch import Batch
 from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.core.llm_calls import Deferral
 from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import SamplingParams
@@ -182,16 +183,17 @@ def test_sampled_strict_verification_is_refused_with_a_remote_llm(server, slm, t
 
 
 @pytest.mark.parametrize("setting", [{"presence_penalty": 0.5}, {"logit_bias": {5: 3.0}},
-                                     {"allowed_token_ids": (5, 6)}])
+                                     {"allowed_token_ids": (5, 6)},
+                                     {"output_format": OutputFormat("regex", "[a-z]+")}])
 def test_penalties_and_logit_rules_are_refused_with_a_remote_llm_unless_the_slm_writes_alone(server, slm, tokenizer,
                                                                                              setting):
-    """A server's top log-probabilities are not the whole distribution a penalty, a bias or a list of allowed
-    tokens reshapes; holding back ending tokens until min_tokens only removes some of them, which a ranked list can
-    do exactly."""
+    """A server's top log-probabilities are not the whole distribution a penalty, a bias, a list of allowed
+    tokens or a structured output reshapes; holding back ending tokens until min_tokens only removes some of them,
+    which a ranked list can do exactly."""
     engine = Engine(slm, remote(server.url, tokenizer, slm), tokenizer, RandomPolicy(0.2))
     reshaped = SamplingParams(max_new_tokens=4, **setting)
     for force in (None, "llm"):
-        with pytest.raises(R2RError, match="penalties, a logit bias and allowed tokens"):
+        with pytest.raises(R2RError, match="penalties, a logit bias, allowed tokens and structured outputs"):
             engine.sequence(Request([1, 2, 3], reshaped, force=force))
     assert engine.run([Request([1, 2, 3], reshaped, force="slm")])[0].token_ids
     held = SamplingParams(max_new_tokens=4, min_tokens=4, stop_token_ids=(7,))

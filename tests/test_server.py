@@ -317,3 +317,41 @@ def test_penalties_reach_the_engine_through_the_openai_client(client):
         ids = llm_only.model_extra["r2r"]["token_ids"]
         assert ids != plain.model_extra["r2r"]["token_ids"]
         assert strict.model_extra["r2r"]["token_ids"] == ids
+
+
+def test_structured_outputs_through_the_openai_client_are_the_engines_own_answers(client, slm, llm, tokenizer):
+    """OpenAI's response_format (json_object, json_schema) and vLLM's structured_outputs (regex, choice, compact
+    JSON): each answer, whole and streamed, is the engine's own under that format, and follows it."""
+    from roads_to_rome.core.grammar import OutputFormat
+    from roads_to_rome.core.request import Request
+
+    engine = Engine(slm, llm, tokenizer)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    cases = [({"response_format": {"type": "json_object"}}, OutputFormat("json_object")),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+              OutputFormat.json_schema(schema)),
+             ({"extra_body": {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}},
+              OutputFormat.json_schema(schema, any_whitespace=False)),
+             ({"extra_body": {"structured_outputs": {"regex": "[0-9]{2}-[a-z]{1,3}"}}},
+              OutputFormat("regex", "[0-9]{2}-[a-z]{1,3}")),
+             ({"extra_body": {"structured_outputs": {"choice": ["red", "green"]}}},
+              OutputFormat("choice", ["red", "green"]))]
+    prompt = "What is 48 / 2?"
+    for fields, fmt in cases:
+        extra = {"r2r_policy": "llm", **fields.pop("extra_body", {})}
+        answer = client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=24, temperature=0, extra_body=extra, **fields)
+        own = engine.run([Request(engine.encode_chat(prompt), SamplingParams(max_new_tokens=24, output_format=fmt),
+                                  force="llm")])[0]
+        assert answer.model_extra["r2r"]["token_ids"] == own.token_ids, fields
+        assert answer.choices[0].message.content == own.text
+        streamed = client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": prompt}],
+                                                  max_tokens=24, temperature=0, extra_body=extra, stream=True,
+                                                  **fields)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == own.text
+    assert own.text in ("red", "green")
+    compact = cases[2][1]
+    text = engine.run([Request(engine.encode_chat(prompt), SamplingParams(max_new_tokens=24, output_format=compact),
+                               force="llm")])[0].text
+    assert set(json.loads(text)) == {"ok", "n"}

@@ -230,7 +230,7 @@ def test_a_whole_answer_past_its_deadline_is_408_and_frees_its_slot(server, engi
 
 
 @pytest.mark.parametrize("field,value", [("best_of", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("response_format", {"type": "json_object"}), ("echo", True),
+                                         ("guided_json", {"type": "object"}), ("echo", True),
                                          ("use_beam_search", True), ("bad_words", ["a"]),
                                          ("continue_final_message", True),
                                          ("skip_special_tokens", False)])
@@ -247,6 +247,26 @@ def test_fields_that_would_change_the_answer_are_400s_naming_them(server, field,
 def test_sampling_settings_out_of_range_are_400s_naming_them(server, field, value):
     response = post(server, body(max_tokens=64, **{field: value}))
     assert response.status_code == 400 and response.json()["error"]["param"].startswith(field), response.text
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"regex": "a+"}, "allowed_token_ids": [5]}, None),
+])
+def test_a_structured_output_that_cannot_be_followed_is_a_400_naming_the_field(server, fields, param):
+    response = post(server, body(**fields))
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 @pytest.mark.parametrize("value", [{"5": 101}, {"five": 1}, {"5": "a lot"}, {"-3": 1}])

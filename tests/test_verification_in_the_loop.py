@@ -6,6 +6,7 @@ import torch
 from helpers import assert_stream_shows_only_tokens_that_stay, llm_greedy_reference, make_checkpoint, run_with_joins
 
 from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.core.sampling import SamplingParams, apply_penalties, parse_verify, sampling_probs
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
@@ -166,25 +167,36 @@ def logit_rules(alone, prompts) -> SamplingParams:
                           min_tokens=4)
 
 
-@pytest.mark.parametrize("settings", ["penalties", "logit rules"])
+# A format that leaves the models much to choose (a free string), so that they disagree and verification rolls back.
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+@pytest.mark.parametrize("settings", ["penalties", "logit rules", "structured output"])
 def test_with_penalties_or_logit_rules_strict_is_the_llms_own_output_and_deferral_changes_nothing(kind_pair, tokenizer,
                                                                                                    settings):
-    """Penalties, a logit bias, allowed tokens and ending tokens held back until `min_tokens` apply to the logits a
-    token is chosen from, whichever model writes it and whenever the LLM checks it: strict verification is still
-    the LLM's own greedy output under them, and a deferred routed token ends as immediate routing writes it."""
+    """Penalties, a logit bias, allowed tokens, ending tokens held back until `min_tokens` and a structured output
+    apply to the logits a token is chosen from, whichever model writes it and whenever the LLM checks it (the
+    format's walk rolls back with the output): strict verification is still the LLM's own greedy output under them,
+    and a deferred routed token ends as immediate routing writes it."""
     from roads_to_rome.core.llm_calls import Deferral
 
     slm, llm = kind_pair
     alone = Engine.alone(llm, tokenizer)
     prompts = [alone.encode_chat(p) for p in PROMPTS]
-    params = SamplingParams(max_new_tokens=N_TOKENS, **PENALTIES) if settings == "penalties" else \
-        logit_rules(alone, prompts)
+    if settings == "structured output":
+        params = SamplingParams(max_new_tokens=N_TOKENS, output_format=OutputFormat.json_schema(ANSWER_SCHEMA,
+                                                                                           any_whitespace=False))
+    else:
+        params = SamplingParams(max_new_tokens=N_TOKENS, **PENALTIES) if settings == "penalties" else \
+            logit_rules(alone, prompts)
     expected = [g.token_ids for g in alone.generate(prompts, params)]
     assert expected != [g.token_ids for g in alone.generate(prompts, SamplingParams(max_new_tokens=N_TOKENS))]
     if settings == "logit rules":
         for out in expected:
             assert all(t % 2 == 0 or t in dict(params.logit_bias) for t in out)
             assert params.stop_token_ids[0] not in out[:4] and params.stop_token_ids[0] not in out[4:-1]
+    if settings == "structured output":
+        assert all(tokenizer.decode(out).lstrip().startswith('{"answer"') for out in expected)
     assert [alone.generate([p], params)[0].token_ids for p in prompts] == expected
     for defer in ("off", Deferral("continue", group=1.0, steps=4), Deferral("park", group=1.0, steps=4)):
         for overlap in (False, True):

@@ -23,6 +23,35 @@ def sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, **settings):
     return params
 
 
+def output_format(json_schema: str | None, regex: str | None, choice: list[str] | None, grammar_file):
+    """The structured output a command's --json-schema, --regex, --choice or --grammar-file asks for (one at most),
+    or None."""
+    from pathlib import Path
+
+    from roads_to_rome.core.grammar import OutputFormat
+    from roads_to_rome.errors import R2RError
+
+    given = {"--json-schema": json_schema, "--regex": regex, "--choice": choice or None, "--grammar-file": grammar_file}
+    named = [name for name, value in given.items() if value is not None]
+    if len(named) > 1:
+        raise R2RError(f"give one structured output at most, not {' and '.join(named)}")
+    if json_schema is not None:
+        looks_inline = json_schema.lstrip().startswith(("{", "["))
+        if not looks_inline and not Path(json_schema).is_file():
+            raise R2RError(f"--json-schema takes a JSON schema or the path of a file holding one; {json_schema!r} is "
+                           "neither")
+        return OutputFormat("json", json_schema if looks_inline else Path(json_schema).read_text())
+    if regex is not None:
+        return OutputFormat("regex", regex)
+    if choice:
+        return OutputFormat("choice", list(choice))
+    if grammar_file is not None:
+        if not Path(grammar_file).is_file():
+            raise R2RError(f"--grammar-file: no file at {grammar_file}")
+        return OutputFormat("grammar", Path(grammar_file).read_text())
+    return None
+
+
 class RateColumn(ProgressColumn):
     def render(self, task):
         return Text(f"{task.speed:.2f} it/s" if task.speed else "– it/s", style="progress.data.speed")

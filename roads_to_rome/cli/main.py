@@ -14,12 +14,13 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 
 from roads_to_rome.cli import research, tables
 from roads_to_rome.cli.bench import bench_app
-from roads_to_rome.cli.common import sampling
+from roads_to_rome.cli.common import output_format, sampling
 from roads_to_rome.cli.options import (
     AllowUnauthenticated,
     ApiKey,
     AsJson,
     BackendOpt,
+    ChoiceOpt,
     Defer,
     DeferGroup,
     DeferSteps,
@@ -28,7 +29,9 @@ from roads_to_rome.cli.options import (
     DrainTimeout,
     Dtype,
     FrequencyPenalty,
+    GrammarFileOpt,
     Host,
+    JsonSchemaOpt,
     KvCacheTokens,
     Llm,
     LlmApiKey,
@@ -56,6 +59,7 @@ from roads_to_rome.cli.options import (
     PrefillChunk,
     PresencePenalty,
     ReasoningParserOpt,
+    RegexOpt,
     RepetitionPenalty,
     RouterOpt,
     RouterPath,
@@ -96,6 +100,8 @@ def generate(
     presence_penalty: PresencePenalty = 0.0, frequency_penalty: FrequencyPenalty = 0.0,
     repetition_penalty: RepetitionPenalty = 1.0, min_p: MinP = 0.0, min_tokens: MinTokens = 0,
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    json_schema: JsonSchemaOpt = None, regex: RegexOpt = None, choice: ChoiceOpt = None,
+    grammar_file: GrammarFileOpt = None,
     seed: Seed = None, as_json: AsJson = False, logprobs: Logprobs = None,
     reasoning_parser: ReasoningParserOpt = "auto",
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
@@ -112,7 +118,8 @@ def generate(
         raise R2RError("--logprobs shows in the JSON output: add --json")
     params = sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, logprobs=logprobs,
                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                      repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens)
+                      repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens,
+                      output_format=output_format(json_schema, regex, choice, grammar_file))
     engine = load_engine(EngineConfig(slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
                                       policy=router.value if router else None, threshold=threshold,
                                       router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
@@ -121,7 +128,11 @@ def generate(
                                       llm_api_key=llm_api_key))
     parser = None if raw else reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
-    generation = engine.generate([prompt_ids], params)[0]
+    # A structured output follows a reasoning model's thinking.
+    from roads_to_rome.core.request import Request
+
+    after = reasoning.thinking_until(parser, engine.tokenizer, prompt_ids) if parser and params.output_format else None
+    generation = engine.run([Request(prompt_ids, params, thinking_until=after)])[0]
     reasoned = reasoning.reason(parser, engine.tokenizer, generation) if parser else None
     if as_json:
         print(json.dumps({**generation.to_dict(), **(reasoned.to_dict() if reasoned else {}),

@@ -75,6 +75,16 @@ MinP = Annotated[float, typer.Option("--min-p", help="When sampling, drop tokens
 MinTokens = Annotated[int, typer.Option("--min-tokens", help="Nothing but --max-new-tokens ends the answer before "
                                         "it holds this many tokens.")]
 
+JsonSchemaOpt = Annotated[str | None, typer.Option("--json-schema", help="The answer is JSON following this schema: "
+                                                   "the schema itself, or the path of a file holding it ('{}': any "
+                                                   "JSON).", show_default=False)]
+RegexOpt = Annotated[str | None, typer.Option("--regex", help="The answer matches this regular expression.",
+                                              show_default=False)]
+ChoiceOpt = Annotated[list[str] | None, typer.Option("--choice", help="The answer is one of these strings "
+                                                     "(repeatable).", show_default=False)]
+GrammarFileOpt = Annotated[Path | None, typer.Option("--grammar-file", help="The answer follows this grammar (Lark, or "
+                                                     "llama.cpp's GBNF).", show_default=False)]
+
 
 def count(default: int, name: str, help: str | None = None):
     """A whole-number option that must be at least 1."""

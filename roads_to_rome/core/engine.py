@@ -7,11 +7,13 @@ keeps for it are in request.py; sampling and verification's rules in sampling.py
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
 
 from roads_to_rome.backends.base import Backend
+from roads_to_rome.core.grammar import GrammarWalk, grammar_tokenizer
 from roads_to_rome.core.llm_calls import Deferral, LLMCalls
 from roads_to_rome.core.request import Failure, Generation, Request, Sequence
 from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify
@@ -93,9 +95,10 @@ class Engine:
             raise R2RError("this request asks for the SLM, but no SLM is loaded")
         params = request.params
         if params.reshapes and request.force != "slm" and self.llm is not None and not self.llm.full_logits:
-            raise R2RError(f"penalties, a logit bias and allowed tokens change the LLM's whole distribution; "
-                           f"{self.llm.name} gives its top tokens only: leave presence, frequency and repetition "
-                           "penalties at 0, 0 and 1, and logit_bias and allowed_token_ids out")
+            raise R2RError(f"penalties, a logit bias, allowed tokens and structured outputs change the LLM's whole "
+                           f"distribution; {self.llm.name} gives its top tokens only: leave presence, frequency and "
+                           "repetition penalties at 0, 0 and 1, and logit_bias, allowed_token_ids and the output's "
+                           "format out")
         vocab = self.writer.vocab_size
         if not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocab:
             bad = next(t for t in request.prompt_ids if not 0 <= t < vocab)
@@ -109,10 +112,17 @@ class Engine:
         seed = request.params.seed
         generator = None if seed is None else torch.Generator(self.writer.device).manual_seed(seed)
         ending = (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
+        grammar = (None if params.output_format is None
+                   else GrammarWalk(params.output_format, self.grammar_tokenizer, request.thinking_until))
         return Sequence(request, verify=verify, max_unverified=max_unverified, index=index, generator=generator,
-                        ending_ids=frozenset(ending),
+                        ending_ids=frozenset(ending), grammar=grammar,
                         generation=Generation(list(request.prompt_ids), params_b=self.params_b,
                                               logprobs=None if request.params.logprobs is None else []))
+
+    @functools.cached_property
+    def grammar_tokenizer(self):
+        """The tokenizer as structured outputs read it (built at the first request that asks for one)."""
+        return grammar_tokenizer(self.tokenizer, self.writer.vocab_size, self.eos_ids)
 
     def _check_verifiable(self, verify: str | float, params: SamplingParams | None = None) -> None:
         if not self.routes:

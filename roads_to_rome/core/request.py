@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from roads_to_rome.core.sampling import LogitRules, SamplingParams, adjust_logits, check_max_unverified, parse_verify
 from roads_to_rome.core.verification import Checks
 from roads_to_rome.errors import R2RError
+
+if TYPE_CHECKING:
+    from roads_to_rome.core.grammar import GrammarWalk
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class Request:
     target_rate: float | None = None  # aim for this LLM rate instead of a fixed threshold (`batch.row_thresholds`)
     verify: str | float | None = None  # "off", "strict" or a tolerance in nats (None: the engine's)
     max_unverified: int | None = None  # verify once this many tokens are unread by the LLM (None: the engine's)
+    # The reply starts inside a reasoning model's thinking, which this token closes: a structured output applies
+    # after it (None: from the first token).
+    thinking_until: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
@@ -187,6 +193,7 @@ class Sequence:
     started: float = 0.0  # when it joined a batch
     checks: Checks = field(default_factory=Checks)  # what the LLM still has to check (core/verification.py)
     ending_ids: frozenset[int] = frozenset()  # tokens that end its output: end-of-sequence ones and its stop tokens
+    grammar: GrammarWalk | None = None  # its walk through the structured output it asks for (core/grammar.py)
 
     @property
     def params(self) -> SamplingParams:
@@ -203,7 +210,7 @@ class Sequence:
     @functools.cached_property
     def rules(self) -> LogitRules:
         """The request's settings as `adjust_logits` reads them: made once, not at every token."""
-        return LogitRules.of(self.params, self.prompt_ids, self.ending_ids)
+        return LogitRules.of(self.params, self.prompt_ids, self.ending_ids, self.grammar)
 
     def logits_at(self, logits: torch.Tensor, index: int) -> torch.Tensor:
         """The logits the token at output `index` is chosen from: a model's [V] there, as the request's settings

@@ -9,10 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from roads_to_rome.errors import R2RError
+
+if TYPE_CHECKING:
+    from roads_to_rome.core.grammar import GrammarWalk, OutputFormat
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20  # the most alternatives a token's log-probability comes with (OpenAI's limit)
@@ -44,6 +48,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the output, beside the models' end-of-sequence ones
     min_tokens: int = 0  # nothing ends the output before it holds this many tokens (vLLM's rule)
     include_stop_str_in_output: bool = False  # the stop string or stop token that ended it stays in the text
+    output_format: OutputFormat | None = None  # a structured output: the format the output follows (core/grammar.py)
 
     def __post_init__(self):
         if isinstance(self.logit_bias, dict):
@@ -86,6 +91,11 @@ class SamplingParams:
                                f"{token}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise R2RError("allowed token ids must name at least one token (or be left out: any token)")
+        if self.output_format is not None:
+            if self.allowed_token_ids is not None:
+                raise R2RError("allowed token ids and a structured output both say which tokens may be written: "
+                               "give one of them")
+            self.output_format.validate()
         if any(t < 0 for t in (*self.stop_token_ids, *(self.allowed_token_ids or ()))):
             raise R2RError("token ids are >= 0")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
@@ -102,10 +112,11 @@ class SamplingParams:
 
     @property
     def reshapes(self) -> bool:
-        """Whether the LLM's whole distribution is needed to choose a token: penalties, a logit bias or allowed
-        tokens can lift any token above the ones a top-k list shows (ending tokens held back until `min_tokens`
-        only remove a few, which a ranked list can do exactly)."""
-        return self.penalised or bool(self.logit_bias) or self.allowed_token_ids is not None
+        """Whether the LLM's whole distribution is needed to choose a token: penalties, a logit bias, allowed
+        tokens or a structured output can lift any token above the ones a top-k list shows (ending tokens held back
+        until `min_tokens` only remove a few, which a ranked list can do exactly)."""
+        return (self.penalised or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or self.output_format is not None)
 
     @property
     def adjusted(self) -> bool:
@@ -157,22 +168,24 @@ class LogitRules:
     bias_ids: torch.Tensor
     bias_values: torch.Tensor
     allowed: torch.Tensor | None
+    grammar: GrammarWalk | None = None  # the sequence's walk through its structured output
 
     @classmethod
-    def of(cls, params: SamplingParams, prompt_ids: Sequence[int], ending_ids: Sequence[int] = ()) -> LogitRules:
+    def of(cls, params: SamplingParams, prompt_ids: Sequence[int], ending_ids: Sequence[int] = (),
+           grammar: GrammarWalk | None = None) -> LogitRules:
         ids = [t for t, _ in params.logit_bias]
         return cls(params, torch.tensor(list(prompt_ids), dtype=torch.long).unique(),
                    torch.tensor(sorted(ending_ids), dtype=torch.long), torch.tensor(ids, dtype=torch.long),
                    torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32),
                    None if params.allowed_token_ids is None else torch.tensor(params.allowed_token_ids,
-                                                                                dtype=torch.long))
+                                                                                dtype=torch.long), grammar)
 
 
 def adjust_logits(logits: torch.Tensor, rules: LogitRules, output_ids: Sequence[int]) -> torch.Tensor:
     """One row's next-token logits [V] as a request's settings leave them before temperature, min-p and top-k/p,
-    in vLLM's order: the logit bias added, then every token but the allowed ones, and the tokens that would end the
-    output while it is shorter than `min_tokens`, set to -inf; then the penalties (`apply_penalties`). Unchanged
-    when no setting asks for any of it."""
+    in vLLM's order: the logit bias added, then every token but the allowed ones (or those the structured output
+    allows after `output_ids`), and the tokens that would end the output while it is shorter than `min_tokens`, set
+    to -inf; then the penalties (`apply_penalties`). Unchanged when no setting asks for any of it."""
     params = rules.params
     if not params.adjusted:
         return logits
@@ -184,8 +197,13 @@ def adjust_logits(logits: torch.Tensor, rules: LogitRules, output_ids: Sequence[
         allowed = torch.full_like(logits, float("-inf"))
         allowed[rules.allowed.to(device)] = 0
         logits += allowed
+    if rules.grammar is not None and (allowed := rules.grammar.allowed(output_ids)) is not None:
+        logits.masked_fill_(~allowed.to(device), float("-inf"))
     if len(output_ids) < params.min_tokens and len(rules.ending):
+        held = logits.clone() if rules.grammar is not None else None
         logits[rules.ending.to(device)] = float("-inf")
+        if held is not None and not bool(torch.isfinite(logits).any()):  # the format allows nothing but its end
+            logits = held
     return apply_penalties(logits, params, rules.prompt_tokens, output_ids)
 
 

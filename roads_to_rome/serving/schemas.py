@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.core.request import Request, Sequence
 from roads_to_rome.core.sampling import (
     MAX_LOGIT_BIAS,
@@ -109,18 +110,60 @@ VerifySetting = Annotated[Number | str, AfterValidator(verify_setting)]
 # the value that changes nothing: a request that sets one otherwise is refused, naming it, rather than answered as if
 # it had not been sent.
 UNSUPPORTED = {"best_of": 1, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-               "response_format": None, "echo": False, "suffix": None, "guided_json": None, "guided_regex": None,
-               "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "use_beam_search": False,
+               "echo": False, "suffix": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+               "guided_grammar": None, "use_beam_search": False,
                "length_penalty": 1.0, "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
                "logits_processors": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
                "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
                "return_tokens_as_token_ids": False}
-NEUTRAL = {"tools": ([],), "response_format": ({"type": "text"},), "tool_choice": ("none",), "suffix": ("",),
+NEUTRAL = {"tools": ([],), "tool_choice": ("none",), "suffix": ("",),
            "bad_words": ([],), "logits_processors": ([],)}
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (any), json_object (any JSON object) or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of the formats, and how JSON is spaced. Fields it has that this
+    server does not do (structural tags, a whitespace pattern) are refused by name rather than ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def output_format(self) -> OutputFormat:
+        given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                 "json_object": self.json_object or None}
+        kinds = [k for k, v in given.items() if v is not None]
+        if len(kinds) != 1:
+            raise APIError(400, f"structured_outputs takes exactly one of {', '.join(given)}; got "
+                                f"{', '.join(kinds) or 'none'}", param="structured_outputs")
+        kind = kinds[0]
+        try:
+            return OutputFormat(kind, "" if kind == "json_object" else given[kind], not self.disable_any_whitespace)
+        except R2RError as e:
+            raise APIError(400, str(e), param=f"structured_outputs.{kind}") from None
 
 
 class CommonBody(BaseModel):
@@ -147,6 +190,8 @@ class CommonBody(BaseModel):
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's structured outputs
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
     # R2R routing knobs (extra body fields)
     r2r_threshold: Number | None = None
     r2r_llm_rate: Number | None = Field(None, ge=0, le=1)
@@ -157,6 +202,31 @@ class CommonBody(BaseModel):
     def top_count(self) -> int | None:
         """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
         raise NotImplementedError
+
+    def output_format(self) -> OutputFormat | None:
+        """The format the output must follow (`response_format` or `structured_outputs`), or None; a 400 naming the
+        field when it cannot be followed."""
+        response = self.response_format if self.response_format and self.response_format.type != "text" else None
+        if response and self.structured_outputs:
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        if self.structured_outputs:
+            fmt, field = self.structured_outputs.output_format(), "structured_outputs"
+        elif response is None:
+            return None
+        elif response.type == "json_object":
+            fmt, field = OutputFormat("json_object"), "response_format"
+        elif response.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs its json_schema (name and schema)",
+                           param="response_format.json_schema")
+        else:
+            schema = response.json_schema.schema_
+            fmt = OutputFormat("json_object") if schema is None else OutputFormat.json_schema(schema)
+            field = "response_format.json_schema.schema"
+        try:
+            fmt.validate()
+        except R2RError as e:
+            raise APIError(400, str(e), param=field) from None
+        return fmt
 
 
 class ChatMessage(BaseModel):
@@ -210,6 +280,7 @@ def check_body(body: CommonBody, model_name: str, limits: Limits) -> None:
                                 f"leave it out", param=name, code="unsupported_parameter")
     stop_strings(body, limits)
     body.top_count()
+    body.output_format()
     choices = body.n * (len(body.prompts()) if isinstance(body, CompletionBody) else 1)
     if choices > limits.max_batch + limits.max_queue:
         raise APIError(400, f"the request asks for {choices} choices (n for each prompt); this server holds at most "
@@ -228,12 +299,14 @@ def stop_strings(body: CommonBody, limits: Limits) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits) -> list[Sequence]:
+def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits,
+                   thinking_until: int | None = None) -> list[Sequence]:
     """The request's `n` choices, each a sequence of its own; with a seed, choice i draws with seed + i (vLLM's
-    rule), so that they differ and each can be reproduced."""
+    rule), so that they differ and each can be reproduced. `thinking_until`: the token that closes the reply's
+    thinking, where it starts inside it (a structured output applies after it)."""
     if body.n > 1 and body.seed is not None and body.seed + body.n > 2**64:
         raise APIError(400, "with n choices, seed + n - 1 must fit in 64 bits", param="seed")
-    first = make_sequence(body, prompt_ids, engine, limits)
+    first = make_sequence(body, prompt_ids, engine, limits, thinking_until)
     if body.n == 1:
         return [first]
     params = first.params
@@ -241,7 +314,8 @@ def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limi
         params, seed=None if params.seed is None else params.seed + i))) for i in range(1, body.n)]
 
 
-def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits) -> Sequence:
+def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits,
+                  thinking_until: int | None = None) -> Sequence:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
@@ -263,11 +337,12 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
                             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                             min_p=body.min_p, logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens,
                             allowed_token_ids=body.allowed_token_ids, stop_token_ids=tuple(body.stop_token_ids or ()),
-                            ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output)
+                            ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
+                            output_format=body.output_format())
     try:
         request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                           target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
-                          max_unverified=body.r2r_max_unverified)
+                          max_unverified=body.r2r_max_unverified, thinking_until=thinking_until)
         return engine.sequence(request)  # here, not in the engine thread, where it would fail the whole batch
     except R2RError as e:
         raise APIError(400, str(e)) from None

@@ -30,7 +30,7 @@ from starlette.staticfiles import StaticFiles
 
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.errors import R2RError
-from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser
+from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser, thinking_until
 from roads_to_rome.serving.connections import uvicorn_config
 from roads_to_rome.serving.engine_thread import EngineThread, Job
 from roads_to_rome.serving.guard import Guard, Tokenizing, check_api_key
@@ -202,18 +202,34 @@ async def tokenize(s: ServerState, chars: int, encode, *args) -> list[int]:
 async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: list[list[int]], chat: bool):
     """Each prompt's `n` choices, decoded side by side, answered whole or streamed (choice i * n + j: prompt i's
     j-th)."""
-    sequences = [sequence for ids in prompts for sequence in make_sequences(body, ids, s.engine, s.limits)]
+    structured = body.output_format() is not None
+    if structured:  # the tokenizer as structured outputs read it: built once, about a second, off the event loop
+        try:
+            await asyncio.to_thread(lambda: s.engine.grammar_tokenizer)
+        except R2RError as e:
+            raise APIError(400, str(e), param="response_format") from None
+    reasoning = s.reasoning if chat else None
+    sequences = [sequence for ids in prompts for sequence in make_sequences(
+        body, ids, s.engine, s.limits, answer_after(reasoning, s.engine.tokenizer, ids) if structured else None)]
     if body.r2r_policy != "slm" and ((await llm_health(s)) or {}).get("status") == "unavailable":
         s.engine_thread.metrics.refused()
         raise llm_away()
     jobs = [Job(sequence, asyncio.get_running_loop()) for sequence in sequences]
     s.engine_thread.submit(jobs)
     reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat,
-                  s.reasoning if chat else None, s.engine.tokenizer, body.n)
+                  reasoning, s.engine.tokenizer, body.n)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(jobs, reply, include_usage), media_type="text/event-stream")
     return await whole_answer(http, jobs, reply, s.limits.max_request_seconds)
+
+
+def answer_after(parser: ReasoningParser | None, tokenizer, prompt_ids: list[int]) -> int | None:
+    """Where a structured output starts in a reply to these tokens: after the token that closes its thinking."""
+    try:
+        return thinking_until(parser, tokenizer, prompt_ids) if parser else None
+    except R2RError as e:
+        raise APIError(400, str(e), param="response_format") from None
 
 
 def run(app: FastAPI, host: str, port: int) -> int:

@@ -1,0 +1,154 @@
+"""Structured outputs: a format the output must follow (a JSON schema, any JSON object, a regular expression, one of
+several strings, or a Lark or GBNF grammar), as llguidance compiles and walks it (vLLM's `guidance` backend does the
+same).
+
+`OutputFormat` is what a request asks for (immutable, checked when made). `GrammarWalk` is one sequence's walk
+through it: the tokens allowed at any output index, given the tokens before it. R2R writes a token from either model
+and verification may take tokens back, so a walk is asked about any index, not only the next one: it rolls the
+matcher back to the longest prefix it shares with the output and forward from there, and keeps the last masks it
+computed (a token is checked at the index it was proposed at). The masks apply to every model's logits alike
+(`sampling.adjust_logits`), so strict verification under a format is still the LLM's own constrained output.
+
+A reasoning model's thinking is not constrained: where the reply starts inside it, the format applies after the
+token that closes it (`GrammarWalk.think_end`), as vLLM applies it once its reasoning parser sees the end."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from roads_to_rome.errors import R2RError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KEEP_MASKS = 64  # masks a walk keeps: enough for every token a verification check may look back at
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """`kind`: json (`spec` a JSON schema, as text), json_object (any JSON object), regex, choice (`spec` a JSON
+    list of the strings), grammar (Lark, or llama.cpp's GBNF). `any_whitespace`: JSON may hold any whitespace
+    between its tokens (vLLM's default); off, it is written compactly."""
+
+    kind: str
+    spec: str = ""
+    any_whitespace: bool = True
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise R2RError(f"a structured output is one of {', '.join(KINDS)}, not {self.kind!r}")
+        if not isinstance(self.spec, str):  # a schema or a list of choices given as such (a schema's properties
+            object.__setattr__(self, "spec", json.dumps(self.spec))  # come in its order: keys are not sorted)
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, any_whitespace: bool = True) -> OutputFormat:
+        return cls("json", schema, any_whitespace)
+
+    def grammar(self) -> str:
+        """The format as llguidance's grammar, or an error that says what is wrong with it."""
+        import llguidance
+
+        whitespace = {"whitespace_flexible": self.any_whitespace}
+        try:
+            if self.kind == "json_object":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=whitespace)
+            elif self.kind == "json":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(self.spec, defaults=whitespace)
+            elif self.kind == "choice":
+                choices = json.loads(self.spec)
+                if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+                    raise ValueError("the choices must be a non-empty list of strings")
+                grammar = llguidance.grammar_from("choice", choices)
+            else:
+                grammar = llguidance.grammar_from(self.kind, self.spec)
+        except (ValueError, TypeError) as e:
+            raise R2RError(f"the {self.kind} structured output is not valid: {e}") from None
+        return grammar
+
+    def validate(self) -> None:
+        """Compile the format (without a tokenizer): a request whose format cannot be followed is refused before it
+        is queued."""
+        error = __import__("llguidance").LLMatcher.validate_grammar(self.grammar(), None)
+        if error:
+            raise R2RError(f"the {self.kind} structured output is not valid: {error}")
+
+
+def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids):
+    """A tokenizer as llguidance reads it (built once per engine: about a second for a 150k vocabulary): masks cover
+    the models' `vocab_size` logits (ids beyond the tokenizer's are never allowed), and a finished format allows
+    the end-of-sequence tokens only."""
+    import llguidance.hf
+    import transformers
+
+    if not isinstance(tokenizer, transformers.PreTrainedTokenizerFast):
+        raise R2RError(f"structured outputs need a fast (Rust) tokenizer; this one is {type(tokenizer).__name__}")
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+
+
+class GrammarWalk:
+    """One sequence's walk through its format (`allowed`: the tokens allowed after any prefix of its output)."""
+
+    def __init__(self, output_format: OutputFormat, tokenizer, think_end: int | None = None):
+        """`tokenizer`: `grammar_tokenizer`'s. `think_end`: the reply starts inside a reasoning model's thinking,
+        which this token closes; the format applies after it."""
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(tokenizer, output_format.grammar(), log_level=0)
+        if self.matcher.is_error():
+            raise R2RError(f"the {output_format.kind} structured output is not valid: {self.matcher.get_error()}")
+        self.vocab_size, self.think_end = tokenizer.vocab_size, think_end
+        self.tokens: list[int] = []  # the answer's tokens the matcher has walked
+        self.consumed: list[bool] = []  # ... whether it took each (a finished format takes no more tokens)
+        self.masks: dict[int, torch.Tensor] = {}  # packed mask per answer index, the most recent ones
+        self.bits = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
+
+    def answer_start(self, output_ids) -> int | None:
+        """Where the constrained part of an output begins (None: still thinking)."""
+        if self.think_end is None:
+            return 0
+        try:
+            return list(output_ids).index(self.think_end) + 1
+        except ValueError:
+            return None
+
+    def allowed(self, output_ids) -> torch.Tensor | None:
+        """The tokens the format allows after these output tokens, as a boolean mask [V] (None: any token, the reply
+        is still thinking)."""
+        start = self.answer_start(output_ids)
+        if start is None:
+            return None
+        answer = list(output_ids)[start:]
+        index = len(answer)
+        if index not in self.masks or self._shared(answer) < index:
+            self._walk_to(answer)
+            self.masks[index] = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
+            for old in sorted(self.masks)[:-KEEP_MASKS]:
+                del self.masks[old]
+        packed = self.masks[index]
+        return ((packed[:, None] & self.bits) != 0).flatten()[: self.vocab_size]
+
+    def _shared(self, answer: list[int]) -> int:
+        """How many tokens `answer` and the walk share at their start."""
+        n = min(len(answer), len(self.tokens))
+        if answer[:n] == self.tokens[:n]:  # the usual case, compared at C speed
+            return n
+        return next(k for k in range(n) if answer[k] != self.tokens[k])
+
+    def _walk_to(self, answer: list[int]) -> None:
+        """Roll the matcher back to what it shares with `answer`, and forward through the rest."""
+        shared = self._shared(answer)
+        if shared < len(self.tokens):
+            taken = sum(self.consumed[shared:])
+            if taken and not self.matcher.rollback(taken):
+                raise R2RError(f"internal: the structured output's matcher could not go back {taken} tokens: "
+                               f"{self.matcher.get_error()}")
+            del self.tokens[shared:], self.consumed[shared:]
+            for old in [k for k in self.masks if k > shared]:
+                del self.masks[old]
+        for token in answer[len(self.tokens):]:
+            take = not self.matcher.is_stopped()
+            if take and not self.matcher.consume_token(token):
+                raise R2RError(f"internal: token {token} breaks the structured output: {self.matcher.get_error()}")
+            self.tokens.append(token)
+            self.consumed.append(take)
