@@ -59,6 +59,25 @@ def test_generate_with_penalties_is_the_llms_penalised_answer_under_strict_verif
     assert runs["strict"] == runs["llm"] != runs["plain"]
 
 
+def test_generate_follows_a_structured_output_given_inline_or_in_a_file(run_cli, pair, tmp_path):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}  # llguidance's own setting, in the schema
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "g.gbnf").write_text('root ::= "(" [a-c] ")"')
+    cases = [(("--json-schema", json.dumps(schema)), lambda t: set(json.loads(t)) == {"n"}),
+             (("--json-schema", str(tmp_path / "schema.json")), lambda t: set(json.loads(t)) == {"n"}),
+             (("--regex", "[0-9]{3}"), lambda t: len(t) == 3 and t.isdigit()),
+             (("--choice", "yes", "--choice", "no"), lambda t: t in ("yes", "no")),
+             (("--grammar-file", str(tmp_path / "g.gbnf")), lambda t: t in ("(a)", "(b)", "(c)"))]
+    for args, holds in cases:
+        code, out, err = run_cli("generate", "What is 48 / 2?", "--router", "random", "--threshold", "0.5",
+                                 "--max-new-tokens", "24", "--json", *args, *pair)
+        assert code == 0, err
+        text = json.loads(out)["text"]
+        assert holds(text.strip()), (args, text)
+
+
 def test_generate_raw_and_slm_only(run_cli, pair):
     code, out, err = run_cli("generate", "def add(a, b):", "--raw", "--router", "slm", "--max-new-tokens", "5",
                              "--json", *pair)
@@ -94,6 +113,10 @@ def test_generate_prints_text_and_stats(run_cli, pair):
         (["generate", "hi", "--min-p", "1.5"], "min-p must be in [0, 1]"),
         (["generate", "hi", "--min-tokens", "600"], "min tokens must be in [0, max new tokens = 512]"),
         (["generate", "hi", "--verify", "maybe"], "verify takes off, strict or a tolerance"),
+        (["generate", "hi", "--regex", "[a-"], "regex structured output is not valid"),
+        (["generate", "hi", "--regex", "a", "--choice", "b"], "one structured output at most"),
+        (["generate", "hi", "--json-schema", "no-such.json"], "--json-schema takes a JSON schema"),
+        (["generate", "hi", "--grammar-file", "no-such.gbnf"], "--grammar-file: no file"),
         (["generate", "hi", "--verify", "-2"], "verify takes off, strict or a tolerance"),
         (["generate", "hi", "--verify", "strict", "--max-unverified", "0"], "at least 1"),
     ],

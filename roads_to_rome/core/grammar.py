@@ -15,6 +15,7 @@ token that closes it (`GrammarWalk.think_end`), as vLLM applies it once its reas
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ class OutputFormat:
             else:
                 grammar = llguidance.grammar_from(self.kind, self.spec)
         except (ValueError, TypeError) as e:
-            raise R2RError(f"the {self.kind} structured output is not valid: {e}") from None
+            raise R2RError(f"the {self.kind} structured output is not valid: {one_line(str(e))}") from None
         return grammar
 
     def validate(self) -> None:
@@ -71,7 +72,15 @@ class OutputFormat:
         is queued."""
         error = __import__("llguidance").LLMatcher.validate_grammar(self.grammar(), None)
         if error:
-            raise R2RError(f"the {self.kind} structured output is not valid: {error}")
+            raise R2RError(f"the {self.kind} structured output is not valid: {one_line(error)}")
+
+
+def one_line(error: str) -> str:
+    """llguidance's error as one line: its source excerpts and carets left out (they point into the grammar it made
+    of the format, not into what the client wrote)."""
+    lines = [line.strip() for line in error.splitlines()]
+    kept = [line for line in lines if line and not set(line) <= {"^", " "} and not re.match(r"\d+ \|", line)]
+    return " ".join(kept)
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids):
@@ -96,7 +105,8 @@ class GrammarWalk:
 
         self.matcher = llguidance.LLMatcher(tokenizer, output_format.grammar(), log_level=0)
         if self.matcher.is_error():
-            raise R2RError(f"the {output_format.kind} structured output is not valid: {self.matcher.get_error()}")
+            raise R2RError(f"the {output_format.kind} structured output is not valid: "
+                           f"{one_line(self.matcher.get_error())}")
         self.vocab_size, self.think_end = tokenizer.vocab_size, think_end
         self.tokens: list[int] = []  # the answer's tokens the matcher has walked
         self.consumed: list[bool] = []  # ... whether it took each (a finished format takes no more tokens)
