@@ -1,6 +1,7 @@
 """Structured outputs on the default pair: GSM8K dev items asked for a JSON answer ({"reasoning", "answer"}), R2R
-with the JSON schema enforced against R2R asked for it in the prompt only, side by side (each item both ways in
-turn, the order alternating, greedy, the shipped router and the engine's defaults). Prints, for each, how many
+with the JSON schema enforced (with any whitespace between JSON's tokens, vLLM's default, and with at most four
+spaces or newlines) against R2R asked for it in the prompt only, side by side (each item every way in turn, the
+order rotating, greedy, the shipped router and the engine's defaults). Prints, for each, how many
 answers are valid JSON of the schema (leniently: a fenced block counts), how many are right (an invalid answer is
 wrong), the paired sign test on the items only one gets right, tokens/s and their ratio, and the time the schema's
 masks took per token.
@@ -23,6 +24,7 @@ from roads_to_rome.models import EngineConfig, load_engine
 
 SCHEMA = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "number"}},
           "required": ["reasoning", "answer"], "additionalProperties": False}
+WHITESPACE = "[ \n]{0,4}"
 ASK = ('\nReply with JSON only, as {"reasoning": "<your steps>", "answer": <the final number>}.')
 
 parser = argparse.ArgumentParser()
@@ -66,11 +68,13 @@ def graded(text: str, reference: str) -> tuple[bool, bool]:
 engine = load_engine(EngineConfig())
 engine.generate([engine.encode_chat("Hi")], SamplingParams(max_new_tokens=4))  # warm-up
 _ = engine.grammar_tokenizer  # built once, before the timings
-ways = {"asked in the prompt": None, "schema enforced": OutputFormat.json_schema(SCHEMA)}
+ways = {"asked in the prompt": None, "schema enforced": OutputFormat.json_schema(SCHEMA),
+        "schema, bounded whitespace": OutputFormat.json_schema(SCHEMA, whitespace=WHITESPACE)}
 rows = []
 for k, item in enumerate(gsm8k()[: args.prompts]):
     prompt = engine.encode_chat(item["question"] + ASK)
-    for name in (list(ways) if k % 2 == 0 else list(reversed(ways))):
+    names = list(ways)
+    for name in names[k % len(names):] + names[: k % len(names)]:
         params = SamplingParams(max_new_tokens=args.tokens, output_format=ways[name])
         start = time.perf_counter()
         gen = engine.generate([prompt], params)[0]
@@ -80,7 +84,7 @@ for k, item in enumerate(gsm8k()[: args.prompts]):
                      "llm_tokens": gen.llm_tokens, "finish_reason": gen.finish_reason, "valid": valid,
                      "correct": right, "text": gen.text})
     print(f"item {item['id']}: " + ", ".join(f"{r['way']}: valid {r['valid']}, right {r['correct']}, "
-                                            f"{r['tokens']} tokens {r['seconds']:.1f} s" for r in rows[-2:]),
+                                            f"{r['tokens']} tokens {r['seconds']:.1f} s" for r in rows[-len(ways):]),
           flush=True)
 
 summary = {}
@@ -90,17 +94,24 @@ for name in ways:
     summary[name] = {"items": len(mine), "valid": sum(r["valid"] for r in mine),
                      "correct": sum(r["correct"] for r in mine), "tokens": tokens, "seconds": seconds,
                      "tokens_per_s": tokens / seconds, "llm_rate": sum(r["llm_tokens"] for r in mine) / tokens}
-free, enforced = ([r for r in rows if r["way"] == name] for name in ways)
-by_id = {r["id"]: r for r in free}
-only_enforced = sum(r["correct"] and not by_id[r["id"]]["correct"] for r in enforced)
-only_free = sum(by_id[r["id"]]["correct"] and not r["correct"] for r in enforced)
-summary["only_right_enforced"], summary["only_right_asked"] = only_enforced, only_free
-summary["sign_test_p"] = sign_test(only_enforced, only_free)
-summary["speed_ratio_enforced_over_asked"] = (summary["schema enforced"]["tokens_per_s"]
-                                              / summary["asked in the prompt"]["tokens_per_s"])
+asked = {r["id"]: r for r in rows if r["way"] == "asked in the prompt"}
+for name in list(ways)[1:]:  # each enforced way against asking, on the same items
+    enforced = [r for r in rows if r["way"] == name]
+    only_enforced = sum(r["correct"] and not asked[r["id"]]["correct"] for r in enforced)
+    only_asked = sum(asked[r["id"]]["correct"] and not r["correct"] for r in enforced)
+    summary[name].update({"only_right_here": only_enforced, "only_right_asked": only_asked,
+                          "sign_test_p": sign_test(only_enforced, only_asked),
+                          "valid_here_only": sum(r["valid"] and not asked[r["id"]]["valid"] for r in enforced),
+                          "valid_asked_only": sum(asked[r["id"]]["valid"] and not r["valid"] for r in enforced),
+                          "tokens_per_s_over_asked": summary[name]["tokens_per_s"]
+                          / summary["asked in the prompt"]["tokens_per_s"]})
+    summary[name]["valid_sign_test_p"] = sign_test(summary[name]["valid_here_only"], summary[name]["valid_asked_only"])
 summary["mask_us_per_call"] = 1e6 * mask_seconds[0] / max(mask_seconds[1], 1)
 summary["mask_calls"] = mask_seconds[1]
-summary["settings"] = {**vars(args), "verify": engine.verify, "schema": SCHEMA, "ask": ASK, **measured_on(engine)}
+enforced_seconds = sum(r["seconds"] for r in rows if r["way"] != "asked in the prompt")
+summary["mask_share_of_enforced_time"] = mask_seconds[0] / enforced_seconds
+summary["settings"] = {**vars(args), "verify": engine.verify, "schema": SCHEMA, "ask": ASK, "whitespace": WHITESPACE,
+                       **measured_on(engine)}
 print(json.dumps(summary, indent=1))
 if args.out:
     with open(args.out, "w") as f:

@@ -79,5 +79,12 @@ def reach_the_engine(body: dict) -> None:
     if isinstance(body.get("logit_bias"), dict):
         body["logit_bias"] = {str(int(t) % vocab): b for t, b in body["logit_bias"].items() if str(t).isdigit()}
     body.pop("min_tokens", None)
+    # Random grammars and schemas are nearly all refused (the refusals are fuzzed with the invalid bodies); a JSON
+    # object, without allowed tokens beside it, reaches the engine.
+    body.pop("structured_outputs", None)
+    if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") == "json_schema":
+        body.pop("response_format")
+    if body.get("response_format") is not None:
+        body.pop("allowed_token_ids", None)
     if body.get("allowed_token_ids") == []:
         body.pop("allowed_token_ids")

@@ -261,7 +261,10 @@ def test_sampling_settings_out_of_range_are_400s_naming_them(server, field, valu
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
-    ({"structured_outputs": {"json_object": True, "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"json_object": True, "disable_additional_properties": True}},
+     "structured_outputs.disable_additional_properties"),
+    ({"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": "[ "}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a+"}, "allowed_token_ids": [5]}, None),
 ])
 def test_a_structured_output_that_cannot_be_followed_is_a_400_naming_the_field(server, fields, param):

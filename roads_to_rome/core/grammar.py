@@ -30,27 +30,34 @@ KEEP_MASKS = 64  # masks a walk keeps: enough for every token a verification che
 class OutputFormat:
     """`kind`: json (`spec` a JSON schema, as text), json_object (any JSON object), regex, choice (`spec` a JSON
     list of the strings), grammar (Lark, or llama.cpp's GBNF). `any_whitespace`: JSON may hold any whitespace
-    between its tokens (vLLM's default); off, it is written compactly."""
+    between its tokens (vLLM's default); off, it is written compactly. `whitespace`: a regular expression for the
+    whitespace JSON may hold between its tokens instead (vLLM's `whitespace_pattern`; a bound such as
+    `[ \n]{0,4}` keeps a small model from spacing out its answer until the length cuts it)."""
 
     kind: str
     spec: str = ""
     any_whitespace: bool = True
+    whitespace: str | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise R2RError(f"a structured output is one of {', '.join(KINDS)}, not {self.kind!r}")
+        if self.whitespace is not None and self.kind not in ("json", "json_object"):
+            raise R2RError(f"a whitespace pattern is for JSON, not for a {self.kind} structured output")
         if not isinstance(self.spec, str):  # a schema or a list of choices given as such (a schema's properties
             object.__setattr__(self, "spec", json.dumps(self.spec))  # come in its order: keys are not sorted)
 
     @classmethod
-    def json_schema(cls, schema: dict | str, any_whitespace: bool = True) -> OutputFormat:
-        return cls("json", schema, any_whitespace)
+    def json_schema(cls, schema: dict | str, any_whitespace: bool = True,
+                    whitespace: str | None = None) -> OutputFormat:
+        return cls("json", schema, any_whitespace, whitespace)
 
     def grammar(self) -> str:
         """The format as llguidance's grammar, or an error that says what is wrong with it."""
         import llguidance
 
-        whitespace = {"whitespace_flexible": self.any_whitespace}
+        whitespace = ({"whitespace_flexible": self.any_whitespace} if self.whitespace is None
+                      else {"whitespace_pattern": self.whitespace})
         try:
             if self.kind == "json_object":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=whitespace)

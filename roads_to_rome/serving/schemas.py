@@ -142,7 +142,7 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: exactly one of the formats, and how JSON is spaced. Fields it has that this
-    server does not do (structural tags, a whitespace pattern) are refused by name rather than ignored."""
+    server does not do (structural tags, dropping additional properties) are refused by name rather than ignored."""
 
     model_config = ConfigDict(extra="forbid")
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -151,6 +151,7 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
     def output_format(self) -> OutputFormat:
         given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
@@ -161,7 +162,8 @@ class StructuredOutputs(BaseModel):
                                 f"{', '.join(kinds) or 'none'}", param="structured_outputs")
         kind = kinds[0]
         try:
-            return OutputFormat(kind, "" if kind == "json_object" else given[kind], not self.disable_any_whitespace)
+            return OutputFormat(kind, "" if kind == "json_object" else given[kind], not self.disable_any_whitespace,
+                                self.whitespace_pattern)
         except R2RError as e:
             raise APIError(400, str(e), param=f"structured_outputs.{kind}") from None
 

@@ -10,6 +10,7 @@ import pytest
 from roads_to_rome import models
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.layout import left_pad
+from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM
@@ -267,6 +268,39 @@ def test_with_penalties_and_a_logit_bias_strict_verification_gives_the_llms_own_
                                    want[:split])
             assert abs((logits[want[split]] - logits[gen.token_ids[split]]).item()) < 0.5, split
     assert sum(g.rollbacks for g in gens) > 0 and sum(g.llm_tokens for g in gens) > 0
+
+
+def test_under_a_json_schema_strict_verification_gives_the_llms_own_valid_json_on_llamacpp(llamacpp_pair):
+    """A GSM8K question answered as JSON of a schema, through the shipped router and grouped calls: the SLM's tokens,
+    the LLM's and every check follow the schema's masks, so the answer is the LLM's own under the schema (up to
+    llama.cpp's near-ties, measured on the masked logits) and parses as the schema says."""
+    from roads_to_rome.core.grammar import GrammarWalk, OutputFormat
+    from roads_to_rome.core.llm_calls import Deferral
+    from roads_to_rome.core.sampling import LogitRules, adjust_logits
+    from roads_to_rome.routing import policies
+
+    slm, llm, tokenizer = llamacpp_pair
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "number"}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    params = SamplingParams(max_new_tokens=300, output_format=OutputFormat.json_schema(schema))
+    alone = Engine.alone(llm, tokenizer)
+    prompt = alone.encode_chat(gsm8k()[0]["question"] + '\nReply as JSON: {"reasoning": ..., "answer": ...}.')
+    want = alone.run([Request(prompt, params)])[0].token_ids
+    router = policies.build("router", slm, None, models.router_path_for(None, None))
+    engine = Engine(slm, llm, tokenizer, router, verify="strict", defer=Deferral("continue"))
+    gen = engine.run([Request(prompt, params)])[0]
+    reply = json.loads(gen.text)
+    assert gen.finish_reason == "stop" and list(reply) == ["reasoning", "answer"] and isinstance(reply["answer"],
+                                                                                                 int | float)
+    split = next((i for i, (a, b) in enumerate(zip(gen.token_ids, want)) if a != b), None)
+    if split is not None:
+        walk = GrammarWalk(params.output_format, engine.grammar_tokenizer)
+        logits = adjust_logits(llm.forward_sequence(prompt + want[:split])[0][-1],
+                               LogitRules.of(params, prompt, grammar=walk), want[:split])
+        assert abs((logits[want[split]] - logits[gen.token_ids[split]]).item()) < 0.5, split
+    else:
+        assert gen.token_ids == want
+    assert gen.llm_tokens > 0 and gen.sources.count("slm") > 0
 
 
 def test_the_readmes_python_example_runs_as_written():
