@@ -114,6 +114,7 @@ def test_generate_prints_text_and_stats(run_cli, pair):
         (["generate", "hi", "--min-tokens", "600"], "min tokens must be in [0, max new tokens = 512]"),
         (["generate", "hi", "--verify", "maybe"], "verify takes off, strict or a tolerance"),
         (["generate", "hi", "--regex", "[a-"], "regex structured output is not valid"),
+        (["generate", "def f(", "--suffix", "\n"], "no fill-in-the-middle tokens"),
         (["generate", "hi", "--regex", "a", "--choice", "b"], "one structured output at most"),
         (["generate", "hi", "--json-schema", "no-such.json"], "--json-schema takes a JSON schema"),
         (["generate", "hi", "--grammar-file", "no-such.gbnf"], "--grammar-file: no file"),

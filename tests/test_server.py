@@ -355,3 +355,43 @@ def test_structured_outputs_through_the_openai_client_are_the_engines_own_answer
     text = engine.run([Request(engine.encode_chat(prompt), SamplingParams(max_new_tokens=24, output_format=compact),
                                force="llm")])[0].text
     assert set(json.loads(text)) == {"ok", "n"}
+
+
+def test_echo_starts_each_choices_text_with_its_prompt_whole_and_streamed(server, client, tokenizer):
+    ids = tokenizer.encode("Paris is")
+    prompts = ["def add(a, b):", ids]
+    plain = client.completions.create(model="tiny-r2r", prompt=prompts, max_tokens=6, temperature=0, n=2, seed=1,
+                                      extra_body={"r2r_policy": "slm"})
+    echoed = client.completions.create(model="tiny-r2r", prompt=prompts, max_tokens=6, temperature=0, n=2, seed=1,
+                                       echo=True, extra_body={"r2r_policy": "slm"})
+    heads = ["def add(a, b):"] * 2 + [tokenizer.decode(ids)] * 2
+    assert [c.text for c in echoed.choices] == [h + c.text for h, c in zip(heads, plain.choices)]
+    streamed = client.completions.create(model="tiny-r2r", prompt=prompts, max_tokens=6, temperature=0, n=2, seed=1,
+                                         echo=True, stream=True, extra_body={"r2r_policy": "slm"})
+    texts = {}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(4)] == [c.text for c in echoed.choices]
+    with_logprobs = httpx.post(server + "/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1})
+    assert with_logprobs.status_code == 400 and with_logprobs.json()["error"]["param"] == "echo"
+
+
+def test_a_suffix_asks_the_model_to_fill_in_the_middle(server, slm, llm, tokenizer):
+    """The prompt and the suffix framed by the model's fill-in-the-middle tokens (three of the tiny vocabulary's ids
+    stand in for them): the answer is the engine's own for that framing. A model without them refuses a suffix."""
+    from roads_to_rome.core.request import Request
+
+    no_fim = httpx.post(server + "/v1/completions", json={"prompt": "def f(", "suffix": "\n", "max_tokens": 4})
+    assert no_fim.status_code == 400 and "no fill-in-the-middle tokens" in no_fim.json()["error"]["message"]
+    engine = Engine(slm, llm, tokenizer)
+    engine.fim_ids = (10, 11, 12)
+    with BackgroundServer(create_app(engine, "tiny-r2r", Limits(max_tokens=64, context_length=256))) as fim:
+        client = openai.OpenAI(base_url=fim.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        answer = client.completions.create(model="tiny-r2r", prompt="def add(a, b):", suffix="\nprint(add(1, 2))",
+                                           max_tokens=8, temperature=0, extra_body={"r2r_policy": "llm"})
+        ids_prompt = httpx.post(fim.url + "/v1/completions", json={"prompt": [5, 6], "suffix": "x", "max_tokens": 2})
+    framed = [10, *tokenizer.encode("def add(a, b):"), 11, *tokenizer.encode("\nprint(add(1, 2))"), 12]
+    own = engine.run([Request(framed, SamplingParams(max_new_tokens=8), force="llm")])[0]
+    assert answer.model_extra["r2r"]["token_ids"] == own.token_ids and answer.usage.prompt_tokens == len(framed)
+    assert ids_prompt.status_code == 400 and ids_prompt.json()["error"]["param"] == "suffix"

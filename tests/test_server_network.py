@@ -230,7 +230,7 @@ def test_a_whole_answer_past_its_deadline_is_408_and_frees_its_slot(server, engi
 
 
 @pytest.mark.parametrize("field,value", [("best_of", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("guided_json", {"type": "object"}), ("echo", True),
+                                         ("guided_json", {"type": "object"}), ("echo", True), ("suffix", "x"),
                                          ("use_beam_search", True), ("bad_words", ["a"]),
                                          ("continue_final_message", True),
                                          ("skip_special_tokens", False)])

@@ -65,6 +65,7 @@ from roads_to_rome.cli.options import (
     RouterPath,
     Seed,
     Slm,
+    SuffixOpt,
     Temperature,
     Threads,
     Threshold,
@@ -92,6 +93,7 @@ err_console = Console(stderr=True)
 def generate(
     prompt: str = typer.Argument(..., help="The user's chat message (or plain text with --raw)."),
     raw: bool = typer.Option(False, "--raw", help="Plain completion: no chat template."),
+    suffix: SuffixOpt = None,
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
     verify: Verify = None, max_unverified: MaxUnverified = None,
     defer: Defer = None, defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
@@ -126,8 +128,12 @@ def generate(
                                       defer=defer, defer_group=defer_group, defer_steps=defer_steps, overlap=overlap,
                                       overlap_ahead=overlap_ahead, threads=threads, llm_retry=llm_retry,
                                       llm_api_key=llm_api_key))
+    raw = raw or suffix is not None
     parser = None if raw else reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
-    prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
+    if suffix is not None:
+        prompt_ids = engine.encode_infill(prompt, suffix)
+    else:
+        prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
     # A structured output follows a reasoning model's thinking.
     from roads_to_rome.core.request import Request
 

@@ -82,6 +82,9 @@ RegexOpt = Annotated[str | None, typer.Option("--regex", help="The answer matche
                                               show_default=False)]
 ChoiceOpt = Annotated[list[str] | None, typer.Option("--choice", help="The answer is one of these strings "
                                                      "(repeatable).", show_default=False)]
+SuffixOpt = Annotated[str | None, typer.Option("--suffix", help="Fill in the middle: the answer goes between the "
+                                               "prompt and this text, asked with a code model's fill-in-the-middle "
+                                               "tokens (no chat template).", show_default=False)]
 GrammarFileOpt = Annotated[Path | None, typer.Option("--grammar-file", help="The answer follows this grammar (Lark, or "
                                                      "llama.cpp's GBNF).", show_default=False)]
 

@@ -27,6 +27,11 @@ from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 DEFAULT_VERIFY = "1"
 
 
+# Fill-in-the-middle markers, as code models spell them: (prefix, suffix, middle).
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
+              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))  # StarCoder, SantaCoder
+
+
 def default_verify(routes: bool, routed: str | float = DEFAULT_VERIFY) -> str | float:
     """Verification where none is asked for: `routed` (the default, or an engine's own) where tokens are routed,
     off for one model writing alone (the slm or llm policy, a request forced onto one model)."""
@@ -161,6 +166,25 @@ class Engine:
 
     def encode_raw(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+        """Fill in the middle: the text between `prefix` and `suffix`, asked in the code model's own format (prefix,
+        suffix, then the middle's marker: Qwen2.5-Coder's and StarCoder's tokens)."""
+        if self.fim_ids is None:
+            raise R2RError("this model has no fill-in-the-middle tokens (Qwen2.5-Coder's <|fim_prefix|>, "
+                           "<|fim_suffix|>, <|fim_middle|> or StarCoder's): leave the suffix out")
+        begin, hole, middle = self.fim_ids
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        return [begin, *encode(prefix), hole, *encode(suffix), middle]
+
+    @functools.cached_property
+    def fim_ids(self) -> tuple[int, int, int] | None:
+        """The tokenizer's fill-in-the-middle tokens (prefix, suffix, middle), or None."""
+        for names in FIM_TOKENS:
+            ids = [self.tokenizer.convert_tokens_to_ids(name) for name in names]
+            if all(isinstance(i, int) and i != self.tokenizer.unk_token_id for i in ids):
+                return tuple(ids)
+        return None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         return self.run([Request(p, params) for p in prompts])

@@ -39,6 +39,7 @@ class Reply:
     parser: ReasoningParser | None = None  # chat replies only: thinking apart from the answer
     tokenizer: object = None
     n: int = 1  # choices per prompt: choice i * n + j is prompt i's j-th
+    echo: list[str] | None = None  # completions: each prompt's text, which its choices' text starts with
     # Where the tokens given log-probabilities so far end, in tokens and in characters: a stream's next chunk
     # starts there, so its text offset is not summed again from the first token.
     logprobs_upto: tuple[int, int] = (0, 0)
@@ -65,13 +66,17 @@ class Reply:
                 choices.append(ChatChoice(index=index, message=message, finish_reason=gen.finish_reason,
                                           logprobs=logprobs, **r2r))
             else:
-                choices.append(CompletionChoice(index=index, text=gen.text, logprobs=logprobs,
+                choices.append(CompletionChoice(index=index, text=self.echoed(index) + gen.text, logprobs=logprobs,
                                                 finish_reason=gen.finish_reason, **r2r))
         r2r = {"r2r": provenance(gens[0])} if len(gens) == 1 else {}
         kind = (ChatCompletion, "chat.completion") if self.chat else (Completion, "text_completion")
         out = kind[0](id=self.id, object=kind[1], created=self.created, model=self.model_name, choices=choices,
                       usage=usage(gens, reasoned if self.chat and reasoned[0] is not None else None, self.n), **r2r)
         return out.model_dump(exclude_unset=True)
+
+    def echoed(self, index: int) -> str:
+        """The prompt's text choice `index` starts with (`echo`), or nothing."""
+        return self.echo[index // self.n] if self.echo else ""
 
     def logprobs(self, gen: Generation, start: int, end: int) -> ChoiceLogprobs | Logprobs | None:
         """The log-probabilities of tokens start..end-1 in OpenAI's shape (chat: `content`; completions: parallel
@@ -228,6 +233,8 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
     sent_thinking, sent_answer, streamed = 0, 0, 0
     if reply.chat:
         yield reply.chunk(None, role=True, index=index)
+    elif reply.echo:
+        yield reply.chunk(reply.echoed(index), index=index)
     while not finished:
         event = await job.events.get()
         if isinstance(event, ErrorReply):  # with what the client has been sent so far, to resume from

@@ -257,8 +257,13 @@ class CompletionBody(CommonBody):
     prompt: PromptText | Annotated[list[PromptText], Field(min_length=1)] | PromptIds | \
         Annotated[list[PromptIds], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: Text | None = None  # what follows the completion: the model fills in the middle
+    echo: bool = False  # the answer's text starts with the prompt's
 
     def top_count(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs would need the prompt's log-probabilities, which this server does "
+                                "not compute: leave one of them out", param="echo")
         return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:

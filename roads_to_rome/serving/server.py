@@ -188,8 +188,16 @@ async def chat_completions(body: ChatBody, http: HTTPRequest):
 async def completions(body: CompletionBody, http: HTTPRequest):
     s = server(http)
     check_body(body, s.model_name, s.limits)
-    prompts = [await tokenize(s, len(p), s.engine.encode_raw, p) if isinstance(p, str) else p for p in body.prompts()]
-    return await respond(http, s, body, prompts, chat=False)
+    suffix = body.suffix or None
+    if suffix is not None and not all(isinstance(p, str) for p in body.prompts()):
+        raise APIError(400, "a suffix goes with a prompt given as text: the prompt and the suffix are framed by the "
+                            "model's fill-in-the-middle tokens", param="suffix")
+    encode = s.engine.encode_raw if suffix is None else lambda text: s.engine.encode_infill(text, suffix)
+    prompts = [await tokenize(s, len(p) + len(suffix or ""), encode, p) if isinstance(p, str) else p
+               for p in body.prompts()]
+    echoed = [p if isinstance(p, str) else s.engine.tokenizer.decode(p) for p in body.prompts()] if body.echo \
+        else None
+    return await respond(http, s, body, prompts, chat=False, echo=echoed)
 
 
 async def tokenize(s: ServerState, chars: int, encode, *args) -> list[int]:
@@ -199,9 +207,10 @@ async def tokenize(s: ServerState, chars: int, encode, *args) -> list[int]:
         raise APIError(400, str(e)) from None
 
 
-async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: list[list[int]], chat: bool):
+async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: list[list[int]], chat: bool,
+                  echo: list[str] | None = None):
     """Each prompt's `n` choices, decoded side by side, answered whole or streamed (choice i * n + j: prompt i's
-    j-th)."""
+    j-th); `echo`: each prompt's text, which its choices' text starts with."""
     structured = body.output_format() is not None
     if structured:  # the tokenizer as structured outputs read it: built once, about a second, off the event loop
         try:
@@ -217,7 +226,7 @@ async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: 
     jobs = [Job(sequence, asyncio.get_running_loop()) for sequence in sequences]
     s.engine_thread.submit(jobs)
     reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat,
-                  reasoning, s.engine.tokenizer, body.n)
+                  reasoning, s.engine.tokenizer, body.n, echo)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(jobs, reply, include_usage), media_type="text/event-stream")
