@@ -358,13 +358,12 @@ def test_structured_outputs_through_the_openai_client_are_the_engines_own_answer
 
 
 def test_echo_starts_each_choices_text_with_its_prompt_whole_and_streamed(server, client, tokenizer):
-    ids = tokenizer.encode("Paris is")
-    prompts = ["def add(a, b):", ids]
+    prompts = ["def add(a, b):", "Paris is"]
     plain = client.completions.create(model="tiny-r2r", prompt=prompts, max_tokens=6, temperature=0, n=2, seed=1,
                                       extra_body={"r2r_policy": "slm"})
     echoed = client.completions.create(model="tiny-r2r", prompt=prompts, max_tokens=6, temperature=0, n=2, seed=1,
                                        echo=True, extra_body={"r2r_policy": "slm"})
-    heads = ["def add(a, b):"] * 2 + [tokenizer.decode(ids)] * 2
+    heads = ["def add(a, b):"] * 2 + ["Paris is"] * 2
     assert [c.text for c in echoed.choices] == [h + c.text for h, c in zip(heads, plain.choices)]
     streamed = client.completions.create(model="tiny-r2r", prompt=prompts, max_tokens=6, temperature=0, n=2, seed=1,
                                          echo=True, stream=True, extra_body={"r2r_policy": "slm"})
@@ -373,6 +372,10 @@ def test_echo_starts_each_choices_text_with_its_prompt_whole_and_streamed(server
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
     assert [texts[i] for i in range(4)] == [c.text for c in echoed.choices]
+    ids = tokenizer.encode("Paris is")
+    as_ids = client.completions.create(model="tiny-r2r", prompt=ids, max_tokens=6, temperature=0, echo=True,
+                                       extra_body={"r2r_policy": "slm"})
+    assert as_ids.choices[0].text == tokenizer.decode(ids) + plain.choices[2].text
     with_logprobs = httpx.post(server + "/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1})
     assert with_logprobs.status_code == 400 and with_logprobs.json()["error"]["param"] == "echo"
 
