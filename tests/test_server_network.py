@@ -59,7 +59,7 @@ def server(engine):
 @pytest.mark.parametrize("stop,why", [(["a", "b", "c", "d", "e"], "at most 4"), (["x" * 257], "at most 256")])
 def test_stop_lists_past_the_limits_are_400s_before_any_tokenizing(server, engine, monkeypatch, stop, why):
     tokenized = []
-    monkeypatch.setattr(engine, "encode_messages", lambda m, template_kwargs=None: tokenized.append(m) or [1])
+    monkeypatch.setattr(engine, "encode_messages", lambda m, *_: tokenized.append(m) or [1])
     response = post(server, body(stop=stop))
     assert response.status_code == 400 and why in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == "stop" and not tokenized
@@ -81,10 +81,10 @@ def test_a_flood_of_stop_lists_beside_a_normal_request(server):
 def test_a_tokenizer_flood_gets_429_before_it_queues_and_a_short_prompt_still_answers(server, engine, monkeypatch):
     encode = engine.encode_messages
 
-    def slow(messages, template_kwargs=None):  # a long prompt that takes a while to tokenize
+    def slow(messages, *args):  # a long prompt that takes a while to tokenize
         if len(messages[0]["content"]) > 16384:
             time.sleep(1.0)
-        return encode(messages, template_kwargs)
+        return encode(messages, *args)
 
     monkeypatch.setattr(engine, "encode_messages", slow)
     results = []
@@ -229,7 +229,7 @@ def test_a_whole_answer_past_its_deadline_is_408_and_frees_its_slot(server, engi
     until(lambda: httpx.get(server + "/health").json()["running"] == 0, "the cut request leaves the batch")
 
 
-@pytest.mark.parametrize("field,value", [("best_of", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+@pytest.mark.parametrize("field,value", [("best_of", 2), ("functions", [{"name": "f"}]),
                                          ("guided_json", {"type": "object"}), ("echo", True), ("suffix", "x"),
                                          ("use_beam_search", True), ("bad_words", ["a"]),
                                          ("continue_final_message", True),

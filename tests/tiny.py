@@ -48,7 +48,7 @@ FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwe
 
 
 def tiny_model(tokenizer, hidden: int = 32, layers: int = 2, seed: int = 0, dtype=torch.float32,
-               vocab_rows: int | None = None, family: str = "qwen2"):
+               vocab_rows: int | None = None, family: str = "qwen2", max_positions: int = 512):
     """`vocab_rows`: embedding and output-head rows, more than the tokenizer's to pad (as real pairs do)."""
     torch.manual_seed(seed)
     config_class, model_class = FAMILIES[family]
@@ -60,7 +60,7 @@ def tiny_model(tokenizer, hidden: int = 32, layers: int = 2, seed: int = 0, dtyp
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -69,6 +69,7 @@ from roads_to_rome.cli.options import (
     Temperature,
     Threads,
     Threshold,
+    ToolCallParserOpt,
     TopK,
     TopP,
     Verify,
@@ -229,7 +230,7 @@ def serve(
     max_body_seconds: MaxBodySeconds = 30.0,
     max_connections: MaxConnections = 256, max_request_seconds: MaxRequestSeconds = 600.0,
     api_key: ApiKey = None, allow_unauthenticated: AllowUnauthenticated = False, drain_timeout: DrainTimeout = 30.0,
-    docs: Docs = False, reasoning_parser: ReasoningParserOpt = "auto",
+    docs: Docs = False, reasoning_parser: ReasoningParserOpt = "auto", tool_call_parser: ToolCallParserOpt = "auto",
 ):
     """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) and a playground at /."""
     require_extra("serve", "`r2r serve`")
@@ -238,8 +239,10 @@ def serve(
     from roads_to_rome.serving import server
     from roads_to_rome.serving.guard import is_loopback
     from roads_to_rome.serving.schemas import Limits
+    from roads_to_rome.tool_calls import check_tool_parser
 
     check_parser(reasoning_parser)
+    check_tool_parser(tool_call_parser)
     check_exposure(host, api_key, allow_unauthenticated)
     llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}
     engine = load_engine(EngineConfig(slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
@@ -254,7 +257,7 @@ def serve(
                     max_connections=max_connections, max_request_seconds=max_request_seconds,
                     drain_timeout=drain_timeout)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=is_loopback(host),
-                            docs=docs, reasoning_parser=reasoning_parser)
+                            docs=docs, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
     console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
     status = server.run(app, host, port)
     if status:

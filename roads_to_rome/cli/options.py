@@ -116,6 +116,10 @@ DeferSteps = Annotated[int | None, typer.Option("--defer-steps", min=1, help="Wi
 ReasoningParserOpt = Annotated[str, typer.Option("--reasoning-parser", help="Reasoning models' thinking "
                                                  "(<think>...</think>) apart from the answer: deepseek_r1, qwen3, "
                                                  "none, or auto (a parser when the chat template opens <think>).")]
+ToolCallParserOpt = Annotated[str, typer.Option("--tool-call-parser", help="How chat replies' tool calls are "
+                                                "read: hermes (<tool_call>{...}</tool_call>, Qwen's and Hermes' "
+                                                "templates), none (tools refused), or auto (hermes when the chat "
+                                                "template shows <tool_call>).")]
 MaxUnverified = Annotated[int | None, typer.Option("--max-unverified", help="With --verify: catch up "
                                                    "and check once this many tokens are unread by the LLM "
                                                    "(default: no limit). --router slm --verify strict "

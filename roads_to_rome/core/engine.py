@@ -145,9 +145,11 @@ class Engine:
         """A user message in the model's chat template, ready for the assistant's answer."""
         return self.encode_messages([{"role": "user", "content": message}])
 
-    def encode_messages(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    def encode_messages(self, messages: list[dict], template_kwargs: dict | None = None,
+                        tools: list[dict] | None = None) -> list[int]:
         """Messages in the model's chat template, ready for the assistant's answer; `template_kwargs`: variables
-        the template reads (Qwen3's `enable_thinking`, say)."""
+        the template reads (Qwen3's `enable_thinking`, say); `tools`: the functions the model may call (OpenAI's
+        shape), which the template shows it."""
         import inspect
 
         import jinja2
@@ -159,8 +161,8 @@ class Engine:
         if clash := sorted(own.intersection(template_kwargs or {})):
             raise R2RError(f"chat_template_kwargs may not set {', '.join(clash)}: the chat template's call sets it")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=False, **(template_kwargs or {}))
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False, **(template_kwargs or {}))
         except jinja2.TemplateError as e:  # the template's own refusal (raise_exception), or a variable it cannot use
             raise R2RError(f"the chat template refused these messages: {e}") from None
 

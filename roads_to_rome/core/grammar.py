@@ -91,15 +91,32 @@ def one_line(error: str) -> str:
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids):
-    """A tokenizer as llguidance reads it (built once per engine: about a second for a 150k vocabulary): masks cover
-    the models' `vocab_size` logits (ids beyond the tokenizer's are never allowed), and a finished format allows
-    the end-of-sequence tokens only."""
+    """A tokenizer as llguidance reads it (built once per engine: a second or two for a 150k vocabulary): masks
+    cover the models' `vocab_size` logits (ids beyond the tokenizer's are never allowed), and a finished format
+    allows the end-of-sequence tokens only.
+
+    llguidance reads a tokenizer's added tokens that look like tags (Qwen's `<tool_call>`) as special, and then
+    allows one where a format spells its text, yet refuses it when it is taken; so the tokens are handed to it
+    again with only the tokenizer's own special tokens marked special, and its encoder to tokenize with."""
+    import llguidance
     import llguidance.hf
     import transformers
 
     if not isinstance(tokenizer, transformers.PreTrainedTokenizerFast):
         raise R2RError(f"structured outputs need a fast (Rust) tokenizer; this one is {type(tokenizer).__name__}")
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+    eos = sorted(eos_ids)
+    read = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+
+    class Tokens:
+        eos_token_id, bos_token_id = eos[0], None
+        tokens = [read.decode_bytes([i]) for i in range(vocab_size)]
+        special_token_ids = sorted(i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+                                   and i < vocab_size)
+
+        def __call__(self, text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tokens()), n_vocab=vocab_size, eos_token=eos)
 
 
 class GrammarWalk:

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import time
+import uuid
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
@@ -15,7 +16,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletio
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall, ChoiceDeltaToolCallFunction
+from openai.types.chat.chat_completion_message_function_tool_call import ChatCompletionMessageFunctionToolCall, Function
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_choice import Logprobs
 from openai.types.completion_usage import CompletionTokensDetails
@@ -26,6 +28,7 @@ from roads_to_rome.reasoning import ReasoningParser, llm_rate, prompt_start, rea
 from roads_to_rome.serving.engine_thread import ErrorReply, Job
 from roads_to_rome.serving.schemas import APIError, llm_away
 from roads_to_rome.text import Detokenizer
+from roads_to_rome.tool_calls import ToolCall, ToolParser, ToolSplit
 
 
 @dataclass
@@ -40,12 +43,23 @@ class Reply:
     tokenizer: object = None
     n: int = 1  # choices per prompt: choice i * n + j is prompt i's j-th
     echo: list[str] | None = None  # completions: each prompt's text, which its choices' text starts with
+    tools: ToolParser | None = None  # chat replies whose tool calls are read
+    one_call: bool = False  # parallel_tool_calls: false: the first call only
     # Where the tokens given log-probabilities so far end, in tokens and in characters: a stream's next chunk
     # starts there, so its text offset is not summed again from the first token.
     logprobs_upto: tuple[int, int] = (0, 0)
 
     def reasoned(self, gen):
         return reason(self.parser, self.tokenizer, gen) if self.parser else None
+
+    def calls(self, answer: str, final: bool) -> ToolSplit | None:
+        """The tool calls in a reply's answer (so far) and the content around them; None: calls are not read."""
+        if self.tools is None:
+            return None
+        split = self.tools.split(answer, final)
+        if self.one_call:
+            split.calls = split.calls[:1]
+        return split
 
     def whole(self, gens: list[Generation]) -> dict:
         """The whole reply: one choice per generation (`n`). Its "r2r" provenance goes beside the choices for one,
@@ -57,14 +71,19 @@ class Reply:
             r2r = {"r2r": provenance(gen)} if len(gens) > 1 else {}
             if self.chat:
                 reasoned.append(self.reasoned(gen))
-                if reasoned[-1] is None:
-                    message = ChatCompletionMessage(role="assistant", content=gen.text)
-                else:  # both names: vLLM's `reasoning`, and SGLang's and llama.cpp's `reasoning_content`
-                    message = ChatCompletionMessage(role="assistant", content=reasoned[-1].content,
-                                                    reasoning=reasoned[-1].reasoning,
-                                                    reasoning_content=reasoned[-1].reasoning)
-                choices.append(ChatChoice(index=index, message=message, finish_reason=gen.finish_reason,
-                                          logprobs=logprobs, **r2r))
+                fields, content = {}, gen.text
+                if reasoned[-1] is not None:  # both names: vLLM's `reasoning`, and SGLang's and llama.cpp's
+                    fields = {"reasoning": reasoned[-1].reasoning, "reasoning_content": reasoned[-1].reasoning}
+                    content = reasoned[-1].content
+                split = self.calls(content, final=True)
+                if split and split.calls:
+                    content = split.content or None
+                    fields["tool_calls"] = [ChatCompletionMessageFunctionToolCall(
+                        id=call_id(), type="function", function=Function(name=call.name, arguments=call.arguments))
+                        for call in split.calls]
+                message = ChatCompletionMessage(role="assistant", content=content, **fields)
+                choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
+                                          finish_reason=finish_reason(gen, len(split.calls) if split else 0), **r2r))
             else:
                 choices.append(CompletionChoice(index=index, text=self.echoed(index) + gen.text, logprobs=logprobs,
                                                 finish_reason=gen.finish_reason, **r2r))
@@ -108,15 +127,22 @@ class Reply:
         return [(self._text(t), lp) for t, lp in entry.top]
 
     def chunk(self, delta: str | None, finish_reason=None, extra: dict | None = None, role: bool = False,
-              reasoning: str | None = None, logprobs=None, index: int = 0) -> str:
+              reasoning: str | None = None, logprobs=None, index: int = 0,
+              calls: list[tuple[int, ToolCall]] = ()) -> str:
+        """One chunk of choice `index`'s stream; `calls`: tool calls read whole in this step, each with its index
+        among the reply's calls (sent whole: a client adds up `arguments` as OpenAI streams them)."""
         if self.chat:
+            tool_calls = {"tool_calls": [ChoiceDeltaToolCall(
+                index=k, id=call_id(), type="function",
+                function=ChoiceDeltaToolCallFunction(name=call.name, arguments=call.arguments))
+                for k, call in calls]} if calls else {}
             if role:
                 d = ChoiceDelta(role="assistant", content="")
             elif reasoning:
                 d = ChoiceDelta(reasoning=reasoning, reasoning_content=reasoning,
-                                **({"content": delta} if delta else {}))
+                                **({"content": delta} if delta else {}), **tool_calls)
             else:
-                d = ChoiceDelta(content=delta) if delta is not None else ChoiceDelta()
+                d = ChoiceDelta(**({"content": delta} if delta is not None else {}), **tool_calls)
             choice = ChunkChoice(index=index, delta=d, finish_reason=finish_reason,
                                  **({"logprobs": logprobs.model_dump()} if logprobs is not None else {}))
             out = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
@@ -230,7 +256,7 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
     text, sent, finished = "", 0, False
     parser = reply.parser
     start = prompt_start(parser, tokenizer, sequence.prompt_ids) if parser else None
-    sent_thinking, sent_answer, streamed = 0, 0, 0
+    sent_thinking, sent_answer, sent_calls, streamed = 0, 0, 0, 0
     if reply.chat:
         yield reply.chunk(None, role=True, index=index)
     elif reply.echo:
@@ -249,22 +275,36 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
             streamed += 1
             text += detok.push(token, final=finished)
             if finished:  # the final text has any stop string cut off
-                delta, sent = gen.text[sent:], len(gen.text)
-            else:
-                safe = len(text) - hold
-                delta, sent = (text[sent:safe], safe) if safe > sent else ("", sent)
-            thinking = None
+                shown = gen.text
+            else:  # a stop string may be forming at the end
+                sent = max(sent, len(text) - hold)
+                shown = text[:sent]
+            thinking, answer, calls = None, shown, None
             if parser:  # what is shown so far, split; a tag being written is held back
-                split = parser.split(text[:sent] if not finished else gen.text, start, finished)
-                thinking, delta = (split.reasoning or "")[sent_thinking:], split.content[sent_answer:]
-                sent_thinking, sent_answer = sent_thinking + len(thinking), sent_answer + len(delta)
+                split = parser.split(shown, start, finished)
+                thinking, answer = (split.reasoning or "")[sent_thinking:], split.content
+                sent_thinking += len(thinking)
+            if (tool_split := reply.calls(answer, finished)) is not None:  # ... and so is a call being written
+                answer, calls = tool_split.content, list(enumerate(tool_split.calls))[sent_calls:]
+                sent_calls += len(calls)
+            delta, sent_answer = answer[sent_answer:], max(sent_answer, len(answer))
             extra = {"r2r": {"token_id": token, "source": source, "score": score}}
             if finished:
                 reasoned = reply.reasoned(gen)
                 extra["usage"] = usage([gen], reasoned and [reasoned])
                 ended[index] = ("finished", reasoned)
-            yield reply.chunk(delta, gen.finish_reason if finished else None, extra, reasoning=thinking,
-                              logprobs=reply.logprobs(gen, streamed - 1, streamed), index=index)
+            yield reply.chunk(delta, finish_reason(gen, sent_calls) if finished else None, extra,
+                              reasoning=thinking, logprobs=reply.logprobs(gen, streamed - 1, streamed), index=index,
+                              calls=calls)
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def finish_reason(gen: Generation, calls: int) -> str | None:
+    """OpenAI's: `tool_calls` where a reply that ended by itself made calls."""
+    return "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
 
 
 def provenance(gen: Generation) -> dict:

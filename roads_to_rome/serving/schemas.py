@@ -5,13 +5,14 @@ queues, so nothing a client sends can fail the batch."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.grammar import OutputFormat
@@ -25,6 +26,7 @@ from roads_to_rome.core.sampling import (
     parse_verify,
 )
 from roads_to_rome.errors import R2RError
+from roads_to_rome.tool_calls import CLOSE, ToolParser, call_format
 
 
 @dataclass
@@ -109,14 +111,14 @@ VerifySetting = Annotated[Number | str, AfterValidator(verify_setting)]
 # Fields of OpenAI's API (and vLLM's extras) that would change the answer and that this server does not do, with
 # the value that changes nothing: a request that sets one otherwise is refused, naming it, rather than answered as if
 # it had not been sent.
-UNSUPPORTED = {"best_of": 1, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+UNSUPPORTED = {"best_of": 1, "functions": None, "function_call": None,
                "echo": False, "suffix": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
                "guided_grammar": None, "use_beam_search": False,
                "length_penalty": 1.0, "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
                "logits_processors": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
                "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
                "return_tokens_as_token_ids": False}
-NEUTRAL = {"tools": ([],), "tool_choice": ("none",), "suffix": ("",),
+NEUTRAL = {"functions": ([],), "function_call": ("none",), "suffix": ("",),
            "bad_words": ([],), "logits_processors": ([],)}
 
 
@@ -231,9 +233,97 @@ class CommonBody(BaseModel):
         return fmt
 
 
+class TextPart(BaseModel):
+    """A message's content given as parts: this server reads text only (an image part is a 400 naming it)."""
+
+    type: Literal["text"]
+    text: Text
+
+
+def json_object_text(text: str) -> str:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"is not valid JSON ({e}): a call's arguments are a JSON object's text") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object's text")
+    return text
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: Annotated[str, AfterValidator(json_object_text)]
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant message made, as the client hands it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    @model_validator(mode="after")
+    def complete(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only an assistant message holds tool_calls, not a {self.role} one")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is missing (only an assistant message with tool_calls may leave it out)")
+        return self
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: its text; `developer` (OpenAI's newer name) as `system`; earlier
+        calls' arguments as objects (templates write them with `tojson`)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        out.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None})
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+@dataclass
+class ToolUse:
+    """How a chat request uses its tools: those its prompt shows, how its reply is read, what holds it to calls."""
+
+    prompt_tools: list[dict] | None  # what the chat template gets (None: no tools in the prompt)
+    parser: ToolParser | None  # reads calls out of the reply (None: not read)
+    output_format: OutputFormat | None = None  # "required" or a named function: the reply is calls
+    one: bool = False  # parallel_tool_calls: false, a single call
+    stop: tuple[str, ...] = ()
 
 
 class ChatBody(CommonBody):
@@ -241,11 +331,55 @@ class ChatBody(CommonBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables the chat template reads
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def top_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_use(self, parser: str | None) -> ToolUse:
+        """What the tools and tool_choice ask for, or a 400 naming the field: `parser` is the server's tool-call
+        parser for its model (None: its chat template takes no tools)."""
+        tools = self.tools or []
+        choice = self.tool_choice or ("auto" if tools else "none")
+        if not tools:
+            if choice in ("none", "auto"):
+                return ToolUse(None, None)
+            raise APIError(400, "tool_choice asks for a tool call, but the request offers no tools",
+                           param="tool_choice")
+        names = [tool.function.name for tool in tools]
+        if len(set(names)) < len(names):
+            raise APIError(400, "two tools have the same name: each function's name must be its own", param="tools")
+        if choice == "none":
+            return ToolUse(None, None)
+        if parser is None:
+            raise APIError(400, "this model's chat template does not take tools (it shows no <tool_call> syntax), so "
+                                "the server cannot read calls from its replies; if it does take them, start the "
+                                "server with --tool-call-parser hermes", param="tools")
+        prompt_tools = [tool.model_dump(exclude_none=True) for tool in tools]
+        use = ToolUse(prompt_tools, ToolParser(frozenset(names)), one=not self.parallel_tool_calls)
+        if choice == "auto":
+            use.stop = () if self.parallel_tool_calls else (CLOSE,)
+            return use
+        if self.structured_outputs or (self.response_format and self.response_format.type != "text"):
+            raise APIError(400, "tool_choice required or a named function holds the reply to tool calls: leave "
+                                "response_format and structured_outputs out", param="tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                                    f"({', '.join(names)})", param="tool_choice")
+            functions, use.one = [t.function for t in tools if t.function.name == choice.function.name], True
+        else:
+            functions = [t.function for t in tools]
+        use.output_format = call_format([f.model_dump(exclude_none=True) for f in functions], use.one)
+        try:
+            use.output_format.validate()
+        except R2RError as e:
+            raise APIError(400, f"a tool's parameters cannot be followed: {e}", param="tools") from None
+        return use
 
 
 PromptText = Annotated[Text, Field(min_length=1)]
@@ -274,9 +408,9 @@ class CompletionBody(CommonBody):
         return list(prompt)
 
 
-def check_body(body: CommonBody, model_name: str, limits: Limits) -> None:
+def check_body(body: CommonBody, model_name: str, limits: Limits) -> OutputFormat | None:
     """What a body's types cannot say: the model it names, the options this server supports and the stop strings'
-    limits (before its prompt is tokenized)."""
+    limits (before its prompt is tokenized). Returns the format its output must follow, built once here."""
     if body.requested is not None and body.requested != model_name:
         raise APIError(404, f"the model {body.requested!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
@@ -287,12 +421,13 @@ def check_body(body: CommonBody, model_name: str, limits: Limits) -> None:
                                 f"leave it out", param=name, code="unsupported_parameter")
     stop_strings(body, limits)
     body.top_count()
-    body.output_format()
+    output_format = body.output_format()
     choices = body.n * (len(body.prompts()) if isinstance(body, CompletionBody) else 1)
     if choices > limits.max_batch + limits.max_queue:
         raise APIError(400, f"the request asks for {choices} choices (n for each prompt); this server holds at most "
                             f"{limits.max_batch + limits.max_queue} sequences at once (--max-batch + --max-queue)",
                        param="n")
+    return output_format
 
 
 def stop_strings(body: CommonBody, limits: Limits) -> tuple[str, ...]:
@@ -307,13 +442,15 @@ def stop_strings(body: CommonBody, limits: Limits) -> tuple[str, ...]:
 
 
 def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits,
-                   thinking_until: int | None = None) -> list[Sequence]:
+                   output_format: OutputFormat | None = None, thinking_until: int | None = None,
+                   stop: tuple[str, ...] = ()) -> list[Sequence]:
     """The request's `n` choices, each a sequence of its own; with a seed, choice i draws with seed + i (vLLM's
-    rule), so that they differ and each can be reproduced. `thinking_until`: the token that closes the reply's
-    thinking, where it starts inside it (a structured output applies after it)."""
+    rule), so that they differ and each can be reproduced. `output_format`: what the output must follow (`check_body`'s,
+    or the tool calls' grammar); `thinking_until`: the token that closes the reply's thinking, where it starts inside
+    it (a structured output applies after it); `stop`: strings that end it beside the client's."""
     if body.n > 1 and body.seed is not None and body.seed + body.n > 2**64:
         raise APIError(400, "with n choices, seed + n - 1 must fit in 64 bits", param="seed")
-    first = make_sequence(body, prompt_ids, engine, limits, thinking_until)
+    first = make_sequence(body, prompt_ids, engine, limits, output_format, thinking_until, stop)
     if body.n == 1:
         return [first]
     params = first.params
@@ -322,7 +459,7 @@ def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limi
 
 
 def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits,
-                  thinking_until: int | None = None) -> Sequence:
+                  output_format: OutputFormat | None, thinking_until: int | None, stop: tuple[str, ...]) -> Sequence:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
@@ -339,13 +476,13 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens is {body.min_tokens}, beyond max_tokens ({max_tokens})", param="min_tokens")
     params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                            top_k=body.top_k, stop=stop_strings(body, limits), seed=body.seed,
+                            top_k=body.top_k, stop=stop_strings(body, limits) + stop, seed=body.seed,
                             logprobs=body.top_count(), presence_penalty=body.presence_penalty,
                             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                             min_p=body.min_p, logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens,
                             allowed_token_ids=body.allowed_token_ids, stop_token_ids=tuple(body.stop_token_ids or ()),
                             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-                            output_format=body.output_format())
+                            output_format=output_format)
     try:
         request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                           target_rate=body.r2r_llm_rate, verify=body.r2r_verify,

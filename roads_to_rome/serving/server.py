@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import html
 import importlib.resources
+import json
 import logging
 import time
 import uuid
@@ -41,12 +42,14 @@ from roads_to_rome.serving.schemas import (
     CommonBody,
     CompletionBody,
     Limits,
+    ToolUse,
     check_body,
     error_response,
     llm_away,
     make_sequences,
     validation_error,
 )
+from roads_to_rome.tool_calls import resolve_tool_parser
 
 log = logging.getLogger(__name__)
 @dataclass
@@ -57,14 +60,17 @@ class ServerState:
     engine_thread: EngineThread
     tokenizing: Tokenizing
     reasoning: ReasoningParser | None  # splits chat replies' thinking from their answer
+    tool_parser: str | None  # the call syntax chat replies' tool calls are read in (None: tools are refused)
     probing: concurrent.futures.ThreadPoolExecutor  # asks a remote LLM whether it is back, off the event loop
 
 
 def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = None, api_key: str | None = None,
-               loopback_only: bool = True, docs: bool = False, reasoning_parser: str = "auto") -> FastAPI:
+               loopback_only: bool = True, docs: bool = False, reasoning_parser: str = "auto",
+               tool_call_parser: str = "auto") -> FastAPI:
     """`loopback_only`: refuse requests whose Host or Origin is not localhost (for a server bound to a
     loopback address). `docs`: serve /docs and /openapi.json. `reasoning_parser`: how chat replies' thinking is
-    told from their answer (roads_to_rome/reasoning.py)."""
+    told from their answer (roads_to_rome/reasoning.py); `tool_call_parser`: how their tool calls are read
+    (roads_to_rome/tool_calls.py)."""
     check_api_key(api_key)
     limits = dataclasses.replace(limits or Limits())  # this server's own copy: the caller's is left as it was
     if engine.max_rows is not None and limits.max_batch > engine.max_rows:
@@ -74,7 +80,7 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     limits.context_length = min(limits.context_length, engine.max_context, engine.kv_capacity or engine.max_context)
     reasoning = parser_for(resolve_parser(reasoning_parser, engine.tokenizer))
     state = ServerState(engine, model_name, limits, EngineThread(engine, limits), Tokenizing(limits.max_tokenizing),
-                        reasoning,
+                        reasoning, resolve_tool_parser(tool_call_parser, engine.tokenizer),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-probe"))
 
     async def lifespan(app):
@@ -159,7 +165,7 @@ async def list_models(http: HTTPRequest):
                 "max_unverified": engine.max_unverified, "defer": engine.deferral.mode,
                 "defer_group": engine.deferral.group, "defer_steps": engine.deferral.steps, "overlap": engine.overlap,
                 "max_batch": s.limits.max_batch, "max_tokens": s.limits.max_tokens,
-                "reasoning_parser": s.reasoning.name if s.reasoning else None},
+                "reasoning_parser": s.reasoning.name if s.reasoning else None, "tool_call_parser": s.tool_parser},
     }]}
 
 
@@ -177,17 +183,19 @@ async def favicon():
 @routes.post("/v1/chat/completions")
 async def chat_completions(body: ChatBody, http: HTTPRequest):
     s = server(http)
-    check_body(body, s.model_name, s.limits)
-    messages = [m.model_dump() for m in body.messages]
-    chars = sum(len(m["content"]) for m in messages)
-    prompt_ids = await tokenize(s, chars, s.engine.encode_messages, messages, body.chat_template_kwargs)
-    return await respond(http, s, body, [prompt_ids], chat=True)
+    output_format = check_body(body, s.model_name, s.limits)
+    tools = body.tool_use(s.tool_parser)
+    messages = [m.for_template() for m in body.messages]
+    chars = len(json.dumps(messages)) + len(json.dumps(tools.prompt_tools or []))
+    prompt_ids = await tokenize(s, chars, s.engine.encode_messages, messages, body.chat_template_kwargs,
+                                tools.prompt_tools)
+    return await respond(http, s, body, [prompt_ids], tools.output_format or output_format, chat=True, tools=tools)
 
 
 @routes.post("/v1/completions")
 async def completions(body: CompletionBody, http: HTTPRequest):
     s = server(http)
-    check_body(body, s.model_name, s.limits)
+    output_format = check_body(body, s.model_name, s.limits)
     suffix = body.suffix or None
     if suffix is not None and not all(isinstance(p, str) for p in body.prompts()):
         raise APIError(400, "a suffix goes with a prompt given as text: the prompt and the suffix are framed by the "
@@ -197,7 +205,7 @@ async def completions(body: CompletionBody, http: HTTPRequest):
                for p in body.prompts()]
     echoed = [p if isinstance(p, str) else s.engine.tokenizer.decode(p) for p in body.prompts()] if body.echo \
         else None
-    return await respond(http, s, body, prompts, chat=False, echo=echoed)
+    return await respond(http, s, body, prompts, output_format, chat=False, echo=echoed)
 
 
 async def tokenize(s: ServerState, chars: int, encode, *args) -> list[int]:
@@ -207,11 +215,12 @@ async def tokenize(s: ServerState, chars: int, encode, *args) -> list[int]:
         raise APIError(400, str(e)) from None
 
 
-async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: list[list[int]], chat: bool,
-                  echo: list[str] | None = None):
+async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: list[list[int]],
+                  output_format, chat: bool, echo: list[str] | None = None, tools: ToolUse | None = None):
     """Each prompt's `n` choices, decoded side by side, answered whole or streamed (choice i * n + j: prompt i's
-    j-th); `echo`: each prompt's text, which its choices' text starts with."""
-    structured = body.output_format() is not None
+    j-th), their output held to `output_format`; `echo`: each prompt's text, which its choices' text starts with;
+    `tools`: how a chat reply's tool calls are read."""
+    structured = output_format is not None
     if structured:  # the tokenizer as structured outputs read it: built once, about a second, off the event loop
         try:
             await asyncio.to_thread(lambda: s.engine.grammar_tokenizer)
@@ -219,14 +228,16 @@ async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: 
             raise APIError(400, str(e), param="response_format") from None
     reasoning = s.reasoning if chat else None
     sequences = [sequence for ids in prompts for sequence in make_sequences(
-        body, ids, s.engine, s.limits, answer_after(reasoning, s.engine.tokenizer, ids) if structured else None)]
+        body, ids, s.engine, s.limits, output_format,
+        answer_after(reasoning, s.engine.tokenizer, ids) if structured else None, tools.stop if tools else ())]
     if body.r2r_policy != "slm" and ((await llm_health(s)) or {}).get("status") == "unavailable":
         s.engine_thread.metrics.refused()
         raise llm_away()
     jobs = [Job(sequence, asyncio.get_running_loop()) for sequence in sequences]
     s.engine_thread.submit(jobs)
     reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat,
-                  reasoning, s.engine.tokenizer, body.n, echo)
+                  reasoning, s.engine.tokenizer, body.n, echo, tools.parser if tools else None,
+                  bool(tools and tools.one))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(jobs, reply, include_usage), media_type="text/event-stream")

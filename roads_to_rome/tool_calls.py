@@ -1,0 +1,151 @@
+"""Tool calling (OpenAI's `tools`): the functions a chat request offers go to the chat template, and the calls the
+model writes come back out of its reply as `tool_calls`, as vLLM's and llama.cpp's tool parsers hand them to clients.
+
+One call syntax, as vLLM names it: `hermes`, which Qwen2.5's, Qwen3's and Hermes' templates teach: each call a JSON
+object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`. Qwen2.5-Coder (the default pair)
+writes the object alone, without the tags: a reply that opens with such objects, each naming an offered function,
+is read as calls too (llama.cpp's parser accepts the same). Text outside the calls is the message's content;
+a block that does not hold a call stays in the content, so nothing the model wrote is lost.
+
+`tool_choice`: "auto" parses what the model writes; "required" and a named function hold the reply to calls in the
+tagged syntax by a grammar (core/grammar.py), so the model writes them the way its template shows and one parser
+reads every reply; "none" leaves the tools out of the prompt. `parallel_tool_calls: false` allows one call: the
+grammar's, or the end of the reply at the first call's closing tag."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from roads_to_rome.core.grammar import OutputFormat
+from roads_to_rome.errors import R2RError
+from roads_to_rome.reasoning import partial_tag
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PARSERS = ("auto", "hermes", "none")
+
+
+def check_tool_parser(name: str) -> str:
+    if name not in PARSERS:
+        raise R2RError(f"--tool-call-parser takes {', '.join(PARSERS)}, not {name!r}")
+    return name
+
+
+def resolve_tool_parser(name: str, tokenizer) -> str | None:
+    """The parser a tokenizer's replies get: `auto` picks hermes when the chat template teaches `<tool_call>`, none
+    otherwise (its template would not show the model the tools)."""
+    check_tool_parser(name)
+    if name != "auto":
+        return None if name == "none" else name
+    template = getattr(tokenizer, "chat_template", None)
+    return "hermes" if isinstance(template, str) and OPEN in template else None
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI hands it
+
+
+@dataclass
+class ToolSplit:
+    content: str  # the text outside the calls (so far: what may be shown)
+    calls: list[ToolCall]
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    """Reads the calls out of a reply's answer. `names`: the functions offered; a bare object is a call only when
+    it names one of them (a reply that is a JSON answer stays one)."""
+
+    names: frozenset[str]
+
+    def split(self, text: str, final: bool = True) -> ToolSplit:
+        """The calls in `text` and the text around them. Not `final`: what may still turn out to be part of a call
+        (a tag being written, an unclosed call, an opening JSON object, whitespace next to calls) is held back, so
+        that what a stream has sent is never taken back: the split of a longer text extends this one's."""
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        at = self._bare_calls(text, final, content, calls)
+        while at is not None:
+            start = text.find(OPEN, at)
+            if start < 0:  # the rest is text, maybe with a tag being written at its end
+                segment = text[at:len(text) - (0 if final else partial_tag(text[at:], OPEN))]
+                if segment.strip() or (final and not calls):
+                    content.append(segment)
+                break
+            segment, end = text[at:start], text.find(CLOSE, start)
+            if end < 0 and not final:  # a call being written
+                if segment.strip():
+                    content.append(segment)
+                break
+            stop = len(text) if end < 0 else end + len(CLOSE)
+            call = self._call(text[start + len(OPEN): end if end >= 0 else len(text)], tagged=True)
+            if call is None:  # not a call: the model's text, as written
+                content.append(segment + text[start:stop])
+            else:  # whitespace between calls is the syntax's, not content
+                if segment.strip():
+                    content.append(segment)
+                calls.append(call)
+            at = None if end < 0 else stop
+        return ToolSplit("".join(content), calls)
+
+    def _bare_calls(self, text: str, final: bool, content: list[str], calls: list[ToolCall]) -> int | None:
+        """Calls written as bare JSON objects at the reply's start (Qwen2.5-Coder's habit): where the rest begins,
+        or None when all of it is held back."""
+        decoder, at = json.JSONDecoder(), 0
+        while True:
+            start = len(text) - len(text[at:].lstrip())
+            if not text.startswith("{", start):
+                return at if calls or start < len(text) or final else None
+            try:
+                value, end = decoder.raw_decode(text, start)
+            except ValueError:
+                if final:
+                    return at
+                return None  # an object being written, or not JSON at all: known once it ends
+            call = self._call_object(value, tagged=False)
+            if call is None:
+                return at
+            calls.append(call)
+            at = end
+
+    def _call(self, body: str, tagged: bool) -> ToolCall | None:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        return self._call_object(value, tagged)
+
+    def _call_object(self, value, tagged: bool) -> ToolCall | None:
+        """A call, from the JSON object a model wrote; None when it is not one. Tagged blocks may name any function
+        (the client sees what the model called); bare objects only the offered ones."""
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        if not tagged and (value["name"] not in self.names or set(value) - {"name", "arguments"}):
+            return None
+        arguments = value.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments' JSON as a string
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        if not isinstance(arguments, dict):
+            return None
+        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def call_format(functions: list[dict], one: bool) -> OutputFormat:
+    """A grammar that holds a reply to calls of these functions (each {"name", "parameters"}) in the tagged syntax,
+    their arguments to each function's parameters' schema and spaced as the template writes them; `one`: a single
+    call. (The tags are text to the grammar; where the tokenizer has a token for one, that token writes it.)"""
+    alternatives = []
+    for function in functions:
+        schema = {"type": "object", "properties": {"name": {"const": function["name"]},
+                                                   "arguments": function.get("parameters") or {"type": "object"}},
+                  "required": ["name", "arguments"], "additionalProperties": False,
+                  "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+        alternatives.append(f"%json{json.dumps(schema)}")
+    opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
+    call = f"call: {opening} ({' | '.join(alternatives)}) {closing}\n"
+    return OutputFormat("grammar", ("start: call\n" if one else 'start: call ("\\n" call)*\n') + call)

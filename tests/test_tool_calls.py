@@ -1,0 +1,266 @@
+"""Tool calling (roads_to_rome/tool_calls.py): the hermes parser on text (whole, and every prefix as a stream sees
+it), the grammar that holds `required` and named replies to calls, and the server through the openai client: calls
+whole and streamed, earlier calls and tools' answers in the prompt, and what cannot be done refused by name."""
+
+import json
+
+import openai
+import pytest
+from tiny import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
+
+from roads_to_rome.backends.torch_backend import TorchBackend
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.sampling import SamplingParams
+from roads_to_rome.errors import R2RError
+from roads_to_rome.routing.policies import RandomPolicy
+from roads_to_rome.serving.background import BackgroundServer
+from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.server import create_app
+from roads_to_rome.tool_calls import ToolCall, ToolParser, call_format, resolve_tool_parser
+
+# Qwen2.5's template, cut to what it does with tools: they go in the system turn with the call syntax, earlier calls
+# are written back in it (arguments with tojson), and tools' answers go in a user turn.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>\n{\"name\": <name>, \"arguments\": <args>}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% if m.content %}{{ m.content }}\n{% endif %}{% for c in m.tool_calls %}<tool_call>\n{\"name\": \""
+    "{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+PARSER = ToolParser(frozenset({"get_weather", "get_time"}))
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+PARIS = ToolCall("get_weather", '{"city": "Paris", "days": 2}')
+UTC = ToolCall("get_time", '{"zone": "UTC"}')
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("The weather is fine.", "The weather is fine.", []),
+    (CALL, "", [PARIS]),
+    ("Let me look.\n" + CALL, "Let me look.\n", [PARIS]),
+    (CALL + "\n" + CALL.replace("get_weather", "get_time").replace('"city": "Paris", "days": 2', '"zone": "UTC"')
+     + "\n", "", [PARIS, UTC]),
+    (CALL + "\nDone.", "\nDone.", [PARIS]),
+    ("<tool_call>\nnot json\n</tool_call> then", "<tool_call>\nnot json\n</tool_call> then", []),  # kept as written
+    (CALL[: -len("</tool_call>")], "", [PARIS]),  # cut before its closing tag: still a whole call
+    ("<tool_call>\n{\"name\": \"get_wea", "<tool_call>\n{\"name\": \"get_wea", []),  # cut inside: text
+    ('<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}\n</tool_call>', "", [UTC]),
+    # Qwen2.5-Coder's bare objects: calls when they name an offered function, answers otherwise
+    ('{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}', "", [PARIS]),
+    ('  {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n{"name": "get_time", "arguments": '
+     '{"zone": "UTC"}}', "", [PARIS, UTC]),
+    ('{"name": "Ada", "arguments": {}}', '{"name": "Ada", "arguments": {}}', []),
+    ('{"name": "get_time", "arguments": {"zone": "UTC"}, "why": 1}', '{"name": "get_time", "arguments": '
+     '{"zone": "UTC"}, "why": 1}', []),
+    ('{"answer": 72}', '{"answer": 72}', []),
+    ("{not json", "{not json", []),
+    ("  \n", "  \n", []),
+])
+def test_split(text, content, calls):
+    split = PARSER.split(text)
+    assert (split.content, split.calls) == (content, calls)
+    # A stream sees every prefix: what it shows of one is never taken back by a longer one.
+    shown, sent = "", []
+    for end in range(len(text) + 1):
+        part = PARSER.split(text[:end], final=end == len(text))
+        assert part.content.startswith(shown) and part.calls[: len(sent)] == sent, (end, part)
+        shown, sent = part.content, part.calls
+    assert (shown, sent) == (content, calls)
+
+
+def test_auto_reads_the_chat_template():
+    tools, plain = tiny_tokenizer(), tiny_tokenizer()
+    tools.chat_template = TOOLS_TEMPLATE
+    assert resolve_tool_parser("auto", tools) == "hermes" and resolve_tool_parser("auto", plain) is None
+    assert resolve_tool_parser("hermes", plain) == "hermes" and resolve_tool_parser("none", tools) is None
+    with pytest.raises(R2RError, match="auto, hermes, none"):
+        resolve_tool_parser("qwen", tools)
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer():
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])  # as in Qwen's tokenizers: added, not special
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tool_engine(tool_tokenizer):
+    # (long enough for the tools' JSON, which this tiny vocabulary spells nearly byte by byte)
+    slm = TorchBackend(tiny_model(tool_tokenizer, hidden=32, seed=0, max_positions=2048), name="slm")
+    llm = TorchBackend(tiny_model(tool_tokenizer, hidden=64, seed=1, max_positions=2048), name="llm")
+    return Engine(slm, llm, tool_tokenizer, RandomPolicy(0.3, seed=0), verify="1")
+
+
+@pytest.mark.parametrize("one", [True, False])
+def test_the_call_grammar_holds_r2rs_output_to_calls(tool_engine, tool_tokenizer, one):
+    """Greedy and sampled, each reply is calls of the offered functions with arguments of their schemas, the tags
+    written as the tokenizer's own tokens."""
+    fmt = call_format([WEATHER["function"], TIME["function"]], one)
+    prompt = tool_engine.encode_messages([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME])
+    params = [SamplingParams(max_new_tokens=60, output_format=fmt)] + [
+        SamplingParams(max_new_tokens=60, output_format=fmt, temperature=1.0, seed=s) for s in range(4)]
+    opened = tool_tokenizer.convert_tokens_to_ids("<tool_call>")
+    for p in params:
+        gen = tool_engine.generate([prompt], p)[0]
+        if gen.finish_reason == "length":  # a random model may write a long string argument
+            continue
+        calls = PARSER.split(gen.text).calls
+        assert calls and PARSER.split(gen.text).content == "" and gen.token_ids[0] == opened, gen.text
+        assert len(calls) == 1 or not one
+        for call in calls:
+            arguments = json.loads(call.arguments)
+            if call.name == "get_weather":
+                assert arguments["city"] in ("Paris", "Tokyo") and 1 <= arguments["days"] <= 9
+            else:
+                assert call.name == "get_time" and arguments == {"zone": arguments["zone"]}
+
+
+@pytest.fixture(scope="module")
+def client(tool_engine):
+    app = create_app(tool_engine, "tools", Limits(max_batch=4, max_tokens=160, context_length=2048))
+    with BackgroundServer(app) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def ask(client, stream=False, messages=None, **kw):
+    messages = messages or [{"role": "user", "content": "What is the weather in Paris?"}]
+    return client.chat.completions.create(model="tools", messages=messages, max_tokens=160, temperature=0,
+                                          stream=stream, **kw)
+
+
+def streamed(chunks):
+    """A stream's content and calls, put together as a client does (arguments added up per call index)."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": call.id, "name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[k] for k in sorted(calls)], finish
+
+
+def whole_calls(message):
+    return [{"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls or []]
+
+
+@pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False),
+                                              ({"type": "function", "function": {"name": "get_time"}}, True)])
+def test_required_and_named_calls_whole_and_streamed(client, choice, parallel):
+    kw = {"tools": [WEATHER, TIME], "tool_choice": choice, "parallel_tool_calls": parallel}
+    whole = ask(client, **kw)
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and message.content is None
+    calls = whole_calls(message)
+    assert calls and all(c.id.startswith("call_") for c in message.tool_calls)
+    assert len({c.id for c in message.tool_calls}) == len(calls)
+    if not parallel or isinstance(choice, dict):
+        assert len(calls) == 1
+    if isinstance(choice, dict):
+        assert calls[0]["name"] == "get_time" and json.loads(calls[0]["arguments"])["zone"] in ("UTC", "CET")
+    content, streamed_calls, finish = streamed(ask(client, stream=True, **kw))
+    assert content == "" and finish == "tool_calls"
+    assert [{"name": c["name"], "arguments": c["arguments"]} for c in streamed_calls] == calls
+    assert all(c["id"].startswith("call_") for c in streamed_calls)
+
+
+def test_auto_reads_the_calls_a_reply_writes(client, tool_tokenizer):
+    """A reply held to text with a call in it (as a model that calls a tool would write it) comes back as content
+    and a call, whole and streamed; a reply without one is plain content."""
+    written = "Let me look.\n" + CALL
+    kw = {"tools": [WEATHER], "extra_body": {"structured_outputs": {"choice": [written]}}}
+    whole = ask(client, **kw)
+    message = whole.choices[0].message
+    assert message.content == "Let me look.\n" and whole_calls(message) == [
+        {"name": "get_weather", "arguments": PARIS.arguments}]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    content, calls, finish = streamed(ask(client, stream=True, **kw))
+    assert (content, [c["name"] for c in calls], finish) == ("Let me look.\n", ["get_weather"], "tool_calls")
+    assert calls[0]["arguments"] == PARIS.arguments
+    plain = ask(client, tools=[WEATHER], extra_body={"structured_outputs": {"choice": ["It is sunny."]}})
+    assert plain.choices[0].message.content == "It is sunny." and plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "stop"
+
+
+def test_parallel_tool_calls_false_ends_the_reply_at_the_first_call(client):
+    twice = CALL + "\n" + CALL.replace("Paris", "Tokyo")
+    kw = {"tools": [WEATHER], "parallel_tool_calls": False, "extra_body": {"structured_outputs": {"choice": [twice]}}}
+    whole = ask(client, **kw)
+    assert whole_calls(whole.choices[0].message) == [{"name": "get_weather", "arguments": PARIS.arguments}]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert whole.usage.completion_tokens < len(ask(client, tools=[WEATHER], extra_body=kw["extra_body"])
+                                               .model_extra["r2r"]["token_ids"])  # it stopped there
+
+
+def test_the_prompt_holds_the_tools_earlier_calls_and_their_answers(client, tool_engine):
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+               {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]}]
+    out = ask(client, messages=history, tools=[WEATHER])
+    expected = [*history[:3], {"role": "system", "content": "Be brief."}]
+    expected[1] = {**history[1], "tool_calls": [{**history[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]}
+    ids = tool_engine.encode_messages(expected, tools=[WEATHER])
+    assert out.usage.prompt_tokens == len(ids)
+    text = tool_engine.tokenizer.decode(ids)
+    assert '"arguments": {"city": "Paris", "days": 2}}' in text and "<tool_response>\nsunny" in text
+    assert '"name": "get_weather"' in text.split("<|im_start|>user")[0]  # the tools, in the system turn
+    # tool_choice none: the tools stay out of the prompt
+    none = ask(client, messages=history[:1], tools=[WEATHER], tool_choice="none")
+    assert none.usage.prompt_tokens == ask(client, messages=history[:1]).usage.prompt_tokens
+
+
+@pytest.mark.parametrize("fields, param, says", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "offers no tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "same name"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "leave response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools", "cannot be followed"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.0.function.name", "pattern"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+        "name": "f", "arguments": "{oops"}}]}]}, "messages.0.tool_calls.0.function.arguments", "not valid JSON"),
+    ({"messages": [{"role": "tool", "tool_call_id": "1"}]}, "messages.0", "content is missing"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content", None),
+    ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+])
+def test_what_cannot_be_done_is_a_400_naming_the_field(client, fields, param, says):
+    body = {"model": "tools", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.post("/chat/completions", body=body, cast_to=object)  # as sent: the typed call checks some itself
+    error = refused.value.body
+    assert refused.value.status_code == 400 and error["param"].startswith(param), error
+    assert says is None or says in error["message"], error
+
+
+def test_a_model_whose_template_takes_no_tools_refuses_them(slm, tokenizer):
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    app = create_app(Engine(slm, None, tokenizer), "plain", Limits(max_batch=2, max_tokens=8, context_length=256))
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="--tool-call-parser hermes") as refused:
+            client.chat.completions.create(model="plain", messages=[{"role": "user", "content": "hi"}],
+                                           tools=[WEATHER])
+        assert refused.value.body["param"] == "tools"
+        assert client.chat.completions.create(model="plain", messages=[{"role": "user", "content": "hi"}],
+                                              tools=[WEATHER], tool_choice="none", max_tokens=2).choices
+        assert client.models.list().data[0].model_extra["r2r"]["tool_call_parser"] is None
+
