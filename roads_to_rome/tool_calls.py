@@ -7,9 +7,8 @@ writes the object alone, without the tags: a reply that opens with such objects,
 is read as calls too (llama.cpp's parser accepts the same). Text outside the calls is the message's content;
 a block that does not hold a call stays in the content, so nothing the model wrote is lost.
 
-`tool_choice`: "auto" parses what the model writes; "required" and a named function hold the reply to calls in the
-tagged syntax by a grammar (core/grammar.py), so the model writes them the way its template shows and one parser
-reads every reply; "none" leaves the tools out of the prompt. `parallel_tool_calls: false` allows one call: the
+`tool_choice`: "auto" parses what the model writes; "required" and a named function hold the reply to calls by a
+grammar (core/grammar.py), tagged or bare as the model prefers, so that one parser reads every reply; "none" leaves the tools out of the prompt. `parallel_tool_calls: false` allows one call: the
 grammar's, or the end of the reply at the first call's closing tag."""
 
 from __future__ import annotations
@@ -136,16 +135,21 @@ class ToolParser:
 
 
 def call_format(functions: list[dict], one: bool) -> OutputFormat:
-    """A grammar that holds a reply to calls of these functions (each {"name", "parameters"}) in the tagged syntax,
-    their arguments to each function's parameters' schema and spaced as the template writes them; `one`: a single
-    call. (The tags are text to the grammar; where the tokenizer has a token for one, that token writes it.)"""
-    alternatives = []
+    """A grammar that holds a reply to calls of these functions (each {"name", "parameters"}), their arguments to
+    each function's parameters' schema and spaced as templates write them; `one`: a single call. Calls are tagged,
+    as the template teaches, or bare objects, as Qwen2.5-Coder writes them: the model takes the way it prefers
+    (held to tags, that one goes on calling where it would have stopped). The tags are text to the grammar; where
+    the tokenizer has a token for one, that token writes it."""
+    objects = []
     for function in functions:
         schema = {"type": "object", "properties": {"name": {"const": function["name"]},
                                                    "arguments": function.get("parameters") or {"type": "object"}},
                   "required": ["name", "arguments"], "additionalProperties": False,
                   "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
-        alternatives.append(f"%json{json.dumps(schema)}")
+        objects.append(f"%json{json.dumps(schema)}")
     opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
-    call = f"call: {opening} ({' | '.join(alternatives)}) {closing}\n"
-    return OutputFormat("grammar", ("start: call\n" if one else 'start: call ("\\n" call)*\n') + call)
+    rules = [f"object: {' | '.join(objects)}", f"tagged: {opening} object {closing}"]
+    if one:
+        return OutputFormat("grammar", "\n".join(["start: tagged | object", *rules]) + "\n")
+    return OutputFormat("grammar", "\n".join(['start: tagged ("\\n" tagged)* | object ("\\n" object)*',
+                                               *rules]) + "\n")

@@ -2,7 +2,8 @@
 
 Read the layers bottom to top: shared basics (errors, files, text, hardware, progress, plots); reasoning models'
 thinking told from their answer (text); the backends that run a model;
-routing (policies and the router); the core decode loop; loading models into an engine; datasets, answers and
+routing (policies and the router); the core decode loop; tool calls read from a reply and the grammar that holds
+a reply to calls (core's structured outputs); loading models into an engine; datasets, answers and
 statistics (data); then the clients of an engine
 (evaluation; serving and the label pipeline; router training; benchmarks); the command line on top.
 A module may import from its own sub-package and from lower layers, never from a layer above or a
@@ -24,6 +25,7 @@ LAYERS = [
     {"backends"},
     {"routing"},
     {"core"},
+    {"tool_calls"},
     {"models"},
     {"data"},
     {"eval"},

@@ -104,8 +104,8 @@ def tool_engine(tool_tokenizer):
 
 @pytest.mark.parametrize("one", [True, False])
 def test_the_call_grammar_holds_r2rs_output_to_calls(tool_engine, tool_tokenizer, one):
-    """Greedy and sampled, each reply is calls of the offered functions with arguments of their schemas, the tags
-    written as the tokenizer's own tokens."""
+    """Greedy and sampled, each reply is calls of the offered functions with arguments of their schemas, tagged (the
+    tags written as the tokenizer's own tokens) or bare."""
     fmt = call_format([WEATHER["function"], TIME["function"]], one)
     prompt = tool_engine.encode_messages([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME])
     params = [SamplingParams(max_new_tokens=60, output_format=fmt)] + [
@@ -116,7 +116,9 @@ def test_the_call_grammar_holds_r2rs_output_to_calls(tool_engine, tool_tokenizer
         if gen.finish_reason == "length":  # a random model may write a long string argument
             continue
         calls = PARSER.split(gen.text).calls
-        assert calls and PARSER.split(gen.text).content == "" and gen.token_ids[0] == opened, gen.text
+        assert calls and PARSER.split(gen.text).content == "", gen.text
+        assert (opened in gen.token_ids) == gen.text.startswith("<tool_call>") and "<tool" not in tool_tokenizer.decode(
+            [t for t in gen.token_ids if t != opened]), gen.text
         assert len(calls) == 1 or not one
         for call in calls:
             arguments = json.loads(call.arguments)

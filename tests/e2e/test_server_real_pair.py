@@ -88,3 +88,33 @@ def test_the_playground_compares_the_three_systems_on_the_real_pair(url, browser
             assert pane.locator(".rendered .katex").count() >= 1
     assert shares["slm"] == 0 and shares["llm"] == 100 and shares["r2r"] < 100
     page.close()
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}
+
+
+def test_the_real_pair_calls_a_tool(url):
+    """Qwen2.5-Coder answers a question its tool serves with a call (written as a bare object, which the parser
+    reads); `required` holds it to the tagged syntax its template teaches, with the same call; a stream hands the
+    same call."""
+    ask = body("What's the weather like in Paris today?", max_tokens=64, tools=[WEATHER])
+    for extra in ({}, {"tool_choice": "required"}, {"stream": True}):
+        if extra.get("stream"):
+            calls, finish = {}, None
+            with httpx.stream("POST", url, json={**ask, **extra}, timeout=600) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {") and (choices := json.loads(line[6:]).get("choices")):
+                        for call in choices[0]["delta"].get("tool_calls") or []:
+                            calls.setdefault(call["index"], call["function"])
+                        finish = choices[0]["finish_reason"] or finish
+            message = {"tool_calls": [{"function": calls[k]} for k in sorted(calls)]}
+        else:
+            choice = httpx.post(url, json={**ask, **extra}, timeout=600).json()["choices"][0]
+            message, finish = choice["message"], choice["finish_reason"]
+        assert finish == "tool_calls" and len(message["tool_calls"]) == 1, (extra, message)
+        function = message["tool_calls"][0]["function"]
+        assert function["name"] == "get_weather" and json.loads(function["arguments"])["city"] == "Paris", extra
