@@ -3,17 +3,19 @@ model writes come back out of its reply as `tool_calls`, as vLLM's and llama.cpp
 
 One call syntax, as vLLM names it: `hermes`, which Qwen2.5's, Qwen3's and Hermes' templates teach: each call a JSON
 object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`. Qwen2.5-Coder (the default pair)
-writes the object alone, without the tags: a reply that opens with such objects, each naming an offered function,
-is read as calls too (llama.cpp's parser accepts the same). Text outside the calls is the message's content;
-a block that does not hold a call stays in the content, so nothing the model wrote is lost.
+writes the object without the tags, alone or in a ```json code fence: a reply that opens with such objects, each
+naming an offered function, is read as calls too (llama.cpp's parser accepts the same). Text outside the calls is
+the message's content; a block that does not hold a call stays in the content, so nothing the model wrote is lost.
 
 `tool_choice`: "auto" parses what the model writes; "required" and a named function hold the reply to calls by a
-grammar (core/grammar.py), tagged or bare as the model prefers, so that one parser reads every reply; "none" leaves the tools out of the prompt. `parallel_tool_calls: false` allows one call: the
-grammar's, or the end of the reply at the first call's closing tag."""
+grammar (core/grammar.py), tagged or bare as the model prefers, so that one parser reads every reply; "none" leaves
+the tools out of the prompt. `parallel_tool_calls: false` allows one call: the grammar's, or the end of the reply at
+the first call's closing tag (of bare calls, the first is kept)."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from roads_to_rome.core.grammar import OutputFormat
@@ -21,6 +23,8 @@ from roads_to_rome.errors import R2RError
 from roads_to_rome.reasoning import partial_tag
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+FENCE = re.compile(r"\s*```(?:json)?[ \t]*\n")  # a code fence around bare calls
+FENCE_OPENINGS = ("```json\n", "```\n")
 PARSERS = ("auto", "hermes", "none")
 
 
@@ -90,24 +94,38 @@ class ToolParser:
         return ToolSplit("".join(content), calls)
 
     def _bare_calls(self, text: str, final: bool, content: list[str], calls: list[ToolCall]) -> int | None:
-        """Calls written as bare JSON objects at the reply's start (Qwen2.5-Coder's habit): where the rest begins,
-        or None when all of it is held back."""
+        """Calls written as bare JSON objects at the reply's start, maybe in a code fence (Qwen2.5-Coder's habits):
+        where the rest begins, or None while what comes may still be one."""
         decoder, at = json.JSONDecoder(), 0
+        fence = FENCE.match(text)
+        if fence:
+            at = fence.end()
+        elif not final and any(f.startswith(text.lstrip()) for f in FENCE_OPENINGS) and text.strip():
+            return None  # a fence being opened
         while True:
             start = len(text) - len(text[at:].lstrip())
             if not text.startswith("{", start):
-                return at if calls or start < len(text) or final else None
+                break
             try:
                 value, end = decoder.raw_decode(text, start)
             except ValueError:
                 if final:
-                    return at
+                    break
                 return None  # an object being written, or not JSON at all: known once it ends
             call = self._call_object(value, tagged=False)
             if call is None:
-                return at
+                break
             calls.append(call)
             at = end
+        if not calls:  # the text is the model's, as written (once it is more than whitespace)
+            return None if not final and not text[at:].strip() else 0
+        if fence:
+            start = len(text) - len(text[at:].lstrip())
+            if text.startswith("```", start):
+                return start + 3
+            if not final and "```".startswith(text[start:]):
+                return None
+        return at
 
     def _call(self, body: str, tagged: bool) -> ToolCall | None:
         try:

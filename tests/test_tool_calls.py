@@ -59,6 +59,10 @@ UTC = ToolCall("get_time", '{"zone": "UTC"}')
     ('  {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n{"name": "get_time", "arguments": '
      '{"zone": "UTC"}}', "", [PARIS, UTC]),
     ('{"name": "Ada", "arguments": {}}', '{"name": "Ada", "arguments": {}}', []),
+    ('```json\n{\n  "name": "get_time",\n  "arguments": {"zone": "UTC"}\n}\n```', "", [UTC]),  # fenced
+    ('```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```\nDone.', "\nDone.", [UTC]),
+    ('```json\n{"answer": 72}\n```', '```json\n{"answer": 72}\n```', []),
+    ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
     ('{"name": "get_time", "arguments": {"zone": "UTC"}, "why": 1}', '{"name": "get_time", "arguments": '
      '{"zone": "UTC"}, "why": 1}', []),
     ('{"answer": 72}', '{"answer": 72}', []),
