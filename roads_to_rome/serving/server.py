@@ -186,7 +186,7 @@ async def chat_completions(body: ChatBody, http: HTTPRequest):
     output_format = check_body(body, s.model_name, s.limits)
     tools = body.tool_use(s.tool_parser)
     messages = [m.for_template() for m in body.messages]
-    chars = len(json.dumps(messages)) + len(json.dumps(tools.prompt_tools or []))
+    chars = len(json.dumps([messages, tools.prompt_tools], ensure_ascii=False))  # what the template will hold
     prompt_ids = await tokenize(s, chars, s.engine.encode_messages, messages, body.chat_template_kwargs,
                                 tools.prompt_tools)
     return await respond(http, s, body, [prompt_ids], tools.output_format or output_format, chat=True, tools=tools)
