@@ -2,9 +2,11 @@
 alone, the LLM alone and R2R (the shipped router, the server's verification) answer the same requests with four
 tools offered and `tool_choice: auto`, each request every way in turn, the order rotating, greedy. Requests that a
 tool serves (weather, time, currency, search; cities, amounts and currencies drawn from fixed lists with a fixed
-seed) expect one call of that tool with those arguments; GSM8K dev items expect no call (the tools cannot compute).
-Prints, for each way, the right replies (the expected call and arguments, or no call), the calls read (tagged or
-bare), the paired sign test on the requests only one way gets right, tokens/s and the LLM's share.
+seed) expect one call of that tool with those arguments; GSM8K dev items expect an answer in text (no tool
+computes). Prints, for each way, the right replies (the expected call and arguments; an answer in text, neither a
+call nor a call of a function that was not offered), the calls read (tagged or bare), the paired sign test on the
+requests only one way gets right, seconds per request (the ~600-token prompt with the tools is read for each) and
+the LLM's share. `--summary-of FILE`: the summary again from a run's rows.
 
     python scripts/tool-check.py --prompts 30 --plain 10 --out runs/tool-check.json
 """
@@ -12,6 +14,7 @@ bare), the paired sign test on the requests only one way gets right, tokens/s an
 import argparse
 import json
 import random
+import re
 import time
 
 import openai
@@ -71,11 +74,22 @@ def tool_requests(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def right(expected, calls: list[dict]) -> bool:
+def invented(content: str | None) -> bool:
+    """A reply that calls a function nobody offered: a JSON object with a "name", maybe fenced, where an answer was
+    due."""
+    text = re.sub(r"^\s*```(?:json)?\s*", "", content or "")
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return bool(re.match(r'\{\s*"name"', text))  # an object a model broke (a comment, arithmetic)
+    return isinstance(value, dict) and "name" in value
+
+
+def right(expected, calls: list[dict], content: str | None) -> bool:
     """The expected call alone, with the expected arguments (strings compared without case; a search's query is
-    free); or no call where none is expected."""
+    free); or an answer in text where no tool serves."""
     if expected is None:
-        return not calls
+        return not calls and not invented(content)
     if len(calls) != 1 or calls[0]["name"] != expected[0]:
         return False
     try:
@@ -96,7 +110,42 @@ parser.add_argument("--prompts", type=int, default=30, help="requests a tool ser
 parser.add_argument("--plain", type=int, default=10, help="GSM8K items 0..N-1, which no tool serves")
 parser.add_argument("--tokens", type=int, default=128)
 parser.add_argument("--out", help="JSON file for every row and the summary")
+parser.add_argument("--summary-of", help="a run's JSON file: summarize its rows again (nothing is run)")
 args = parser.parse_args()
+
+
+def summarize(rows: list[dict], ways: list[str]) -> dict:
+    summary = {}
+    for row in rows:
+        row["right"] = right(row["expected"], row["calls"], row["content"])
+    for name in ways:
+        mine = [r for r in rows if r["way"] == name]
+        tokens, seconds = sum(r["tokens"] for r in mine), sum(r["seconds"] for r in mine)
+        served, plain = [r for r in mine if r["expected"] is not None], [r for r in mine if r["expected"] is None]
+        summary[name] = {"right": sum(r["right"] for r in mine), "of": len(mine),
+                         "right_where_a_tool_serves": sum(r["right"] for r in served), "tool_requests": len(served),
+                         "answered_in_text_where_none_serves": sum(r["right"] for r in plain),
+                         "called_an_offered_tool_where_none_serves": sum(bool(r["calls"]) for r in plain),
+                         "invented_a_function_where_none_serves": sum(invented(r["content"]) for r in plain),
+                         "plain_requests": len(plain), "called": sum(bool(r["calls"]) for r in mine),
+                         "tagged": sum(r["tagged"] for r in mine), "seconds_per_request": seconds / len(mine),
+                         "tokens_per_request": tokens / len(mine),
+                         "llm_rate": sum(r["llm_tokens"] for r in mine) / tokens}
+    by_way = {name: {r["k"]: r["right"] for r in rows if r["way"] == name} for name in ways}
+    for a, b in (("r2r", "slm"), ("r2r", "llm"), ("llm", "slm")):
+        only_a = sum(by_way[a][k] and not by_way[b][k] for k in by_way[a])
+        only_b = sum(by_way[b][k] and not by_way[a][k] for k in by_way[a])
+        summary[f"{a}_vs_{b}"] = {f"only_{a}": only_a, f"only_{b}": only_b, "sign_test_p": sign_test(only_a, only_b)}
+    summary["r2r_seconds_over_llm"] = summary["r2r"]["seconds_per_request"] / summary["llm"]["seconds_per_request"]
+    return summary
+
+
+if args.summary_of:
+    with open(args.summary_of) as f:
+        run = json.load(f)
+    summary = {**summarize(run["rows"], ["slm", "llm", "r2r"]), "settings": run["summary"]["settings"]}
+    print(json.dumps(summary, indent=1))
+    raise SystemExit
 
 requests = tool_requests(args.prompts) + [{"question": item["question"], "call": None}
                                           for item in gsm8k()[: args.plain]]
@@ -120,29 +169,15 @@ with BackgroundServer(app) as server:
             text = engine.tokenizer.decode(out.model_extra["r2r"]["token_ids"])
             rows.append({"k": k, "way": name, "question": request["question"], "expected": request["call"],
                          "calls": calls, "content": message.content, "tagged": "<tool_call>" in text,
-                         "finish_reason": out.choices[0].finish_reason, "right": right(request["call"], calls),
+                         "finish_reason": out.choices[0].finish_reason,
+                         "right": right(request["call"], calls, message.content),
                          "tokens": out.usage.completion_tokens, "llm_tokens": out.usage.model_extra["llm_tokens"],
                          "seconds": seconds})
         print(f"{k}: {request['question'][:60]!r}: " + ", ".join(
             f"{r['way']} {'right' if r['right'] else 'WRONG'} {[c['name'] for c in r['calls']]}"
             for r in rows[-len(ways):]), flush=True)
 
-summary = {}
-for name in ways:
-    mine = [r for r in rows if r["way"] == name]
-    tokens, seconds = sum(r["tokens"] for r in mine), sum(r["seconds"] for r in mine)
-    served = [r for r in mine if r["expected"] is not None]
-    summary[name] = {"right": sum(r["right"] for r in mine), "of": len(mine),
-                     "right_where_a_tool_serves": sum(r["right"] for r in served), "tool_requests": len(served),
-                     "no_call_where_none_serves": sum(r["right"] for r in mine if r["expected"] is None),
-                     "called": sum(bool(r["calls"]) for r in mine), "tagged": sum(r["tagged"] for r in mine),
-                     "tokens_per_s": tokens / seconds, "llm_rate": sum(r["llm_tokens"] for r in mine) / tokens}
-by_way = {name: {r["k"]: r["right"] for r in rows if r["way"] == name} for name in ways}
-for a, b in (("r2r", "slm"), ("r2r", "llm"), ("llm", "slm")):
-    only_a = sum(by_way[a][k] and not by_way[b][k] for k in by_way[a])
-    only_b = sum(by_way[b][k] and not by_way[a][k] for k in by_way[a])
-    summary[f"{a}_vs_{b}"] = {f"only_{a}": only_a, f"only_{b}": only_b, "sign_test_p": sign_test(only_a, only_b)}
-summary["r2r_tokens_per_s_over_llm"] = summary["r2r"]["tokens_per_s"] / summary["llm"]["tokens_per_s"]
+summary = summarize(rows, list(ways))
 summary["settings"] = {**vars(args), "verify": engine.verify, "tools": [t["function"]["name"] for t in TOOLS],
                        **measured_on(engine)}
 print(json.dumps(summary, indent=1))
