@@ -4,8 +4,8 @@ model writes come back out of its reply as `tool_calls`, as vLLM's and llama.cpp
 One call syntax, as vLLM names it: `hermes`, which Qwen2.5's, Qwen3's and Hermes' templates teach: each call a JSON
 object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`. Qwen2.5-Coder (the default pair)
 writes the object without the tags, alone or in a ```json code fence: a reply that opens with such objects, each
-naming an offered function, is read as calls too (llama.cpp's parser accepts the same). Text outside the calls is
-the message's content; a block that does not hold a call stays in the content, so nothing the model wrote is lost.
+naming an offered function, is read as calls too. Text outside the calls is the message's content; a block that
+does not hold a call stays in the content, so nothing the model wrote is lost.
 
 `tool_choice`: "auto" parses what the model writes; "required" and a named function hold the reply to calls by a
 grammar (core/grammar.py), tagged or bare as the model prefers, so that one parser reads every reply; "none" leaves
