@@ -270,3 +270,18 @@ def test_a_model_whose_template_takes_no_tools_refuses_them(slm, tokenizer):
                                               tools=[WEATHER], tool_choice="none", max_tokens=2).choices
         assert client.models.list().data[0].model_extra["r2r"]["tool_call_parser"] is None
 
+
+
+def test_a_template_that_cannot_write_a_message_is_a_400_not_a_500(slm):
+    """A template that adds up text (as Llama's do) meets an assistant message whose content is null (calls only):
+    transformers leaves the key out, and the template's error is the client's 400."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}\n{% endfor %}"
+    app = create_app(Engine(slm, None, tokenizer), "adds", Limits(max_batch=2, max_tokens=8, context_length=256))
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="the chat template refused these messages"):
+            client.chat.completions.create(model="adds", messages=history, max_tokens=2)
+        assert client.chat.completions.create(model="adds", messages=history[:1], max_tokens=2).choices
