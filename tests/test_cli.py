@@ -181,7 +181,7 @@ def test_llm_tokens_are_marked_when_output_is_not_a_terminal(run_cli, pair):
 
 
 def test_serving_benchmark_runs(run_cli, pair, tmp_path):
-    systems = ["r2r", "r2r+defer=continue", "r2r+overlap", "llm", "spec+k=2"]
+    systems = ["r2r", "r2r+defer=continue", "r2r+overlap", "llm", "spec+k=2", "slm", "r2r+force=slm"]
     code, out, err = run_cli("bench", "serve", "--clients", "1,2", "--requests", "2", "--tokens", "4",
                              "--systems", ",".join(systems), "--out", tmp_path / "s.json", *pair)
     assert code == 0, err
@@ -189,12 +189,16 @@ def test_serving_benchmark_runs(run_cli, pair, tmp_path):
     assert set(result["runs"]) == {f"{s} x{n}" for s in systems for n in (1, 2)} and result["baseline"] == "r2r"
     for name, run in result["runs"].items():
         assert run["tokens"] > 0 and 0 < run["p50_s"] <= run["p95_s"]
-        # Every system but the LLM alone calls the LLM: R2R verifies the SLM's tokens, speculative decoding too.
-        assert (run["llm_calls"] == 0) if name.startswith("llm ") else (run["llm_calls"] > 0), name
+        # Every system but one model alone calls the LLM: R2R verifies the SLM's tokens, speculative decoding too.
+        alone = name.startswith(("llm ", "slm ", "r2r+force=slm "))
+        assert (run["llm_calls"] == 0) if alone else (run["llm_calls"] > 0), name
         base = result["runs"][f"r2r x{run['clients']}"]
         assert run["x_throughput"] == pytest.approx(run["tokens_per_s"] / base["tokens_per_s"])
     assert result["runs"]["llm x1"]["llm_rate"] == 1.0 and result["runs"]["llm x1"]["llm_calls"] == 0
-    for bad in ("r2r,r2r+defer=later", "r2r+k=2", "vllm", "r2r,r2r"):
+    for name in ("slm", "r2r+force=slm"):  # the same tokens: the SLM's
+        assert result["runs"][f"{name} x2"]["llm_rate"] == 0.0
+        assert result["runs"][f"{name} x2"]["tokens"] == result["runs"]["slm x2"]["tokens"]
+    for bad in ("r2r,r2r+defer=later", "r2r+k=2", "vllm", "r2r,r2r", "r2r+force=big", "llm+force=slm"):
         code, out, err = run_cli("bench", "serve", "--systems", bad, *pair)
         assert code == 2 and "--systems" in err, bad
     code, out, err = run_cli("bench", "serve", "--systems", "llm-direct", *pair)  # needs the LLM on a server

@@ -12,7 +12,7 @@ from roads_to_rome.core.request import Cancelled, Failure, Request, Step
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.errors import R2RError
-from roads_to_rome.routing.policies import AlwaysLLM, RandomPolicy
+from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RandomPolicy
 
 PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain.",
            "Count to five."]
@@ -226,3 +226,43 @@ def test_a_longer_prompt_joins_a_batch_whose_llm_has_read_nothing_yet(kind_pair,
     events = drive(scheduler)
     assert not [e.error for e in events if isinstance(e, Failure)]
     assert [s.generation.token_ids for s in sequences] == alone
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("prefill_chunk", [None, 3])
+def test_the_llm_never_reads_a_request_forced_onto_the_slm(kind_pair, tokenizer, overlap, prefill_chunk, monkeypatch):
+    """A request forced onto the SLM, unverified, costs the SLM alone: the LLM reads neither its prompt nor its
+    tokens, between whichever rows it sits, while the other rows are routed, checked, rolled back, leave (all of
+    the LLM's at once, once) and join. Strict verification makes each routed row's answer the LLM's own."""
+    slm, llm = kind_pair
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
+    long, short = engine.encode_raw("a prompt only the SLM reads, " * 4), engine.encode_raw("Count to five.")
+    requests = [Request(long, SamplingParams(max_new_tokens=14), force="slm"),
+                Request(short, SamplingParams(max_new_tokens=4)),
+                Request(long[3:], SamplingParams(max_new_tokens=6), force="slm"),
+                Request(short[1:], SamplingParams(max_new_tokens=5)),
+                Request(short, SamplingParams(max_new_tokens=3))]
+    most = len(short) + 5  # the most real tokens a routed row has
+    assert len(long) - 3 > most
+    alone = [Engine(slm, llm, tokenizer, AlwaysSLM() if r.force else AlwaysLLM()).generate(
+        [r.prompt_ids], r.params)[0].token_ids for r in requests]
+    read = []
+
+    def spying(original):
+        def spy(cache, new_ids, attention_mask, *args, **kwargs):
+            read.append(int(attention_mask.sum(-1).max()))  # the longest row the LLM is handed, padding left out
+            return original(cache, new_ids, attention_mask, *args, **kwargs)
+        return spy
+
+    for name in ("read", "forward", "forward_all"):
+        monkeypatch.setattr(llm, name, spying(getattr(llm, name)))
+    scheduler = Scheduler(engine, 3, prefill_chunk=prefill_chunk)
+    sequences = [engine.sequence(r) for r in requests]
+    assert [s.uses_llm for s in sequences] == [False, True, False, True, True]
+    for s in sequences:
+        scheduler.add(s)
+    events = drive(scheduler)
+    assert not [e.error for e in events if isinstance(e, Failure)]
+    assert [s.generation.token_ids for s in sequences] == alone
+    assert read and max(read) <= most
+    assert all(set(s.generation.sources) == {"slm"} for s in sequences[::2][:2])

@@ -4,10 +4,11 @@ dependencies (a GPU box may have torch and transformers and nothing else).
 For each system and each number of clients, that many clients send the same GSM8K dev prompts back to back until
 all are answered: aggregate throughput, each request's latency, and how the LLM's calls were grouped. The systems are
 what a serving user would run: R2R with its LLM calls in the step (lockstep, or grouped: +defer=MODE) or beside the
-SLM's steps (+overlap); the LLM alone behind the same server and backends (`llm`), or asked directly on its own
-server (`llm-direct`, with --llm http://...); speculative decoding in this engine (`spec+k=K`: the SLM drafts, the
-LLM checks every K tokens strictly). Greedy decoding gives every R2R system the same tokens, so they do the same
-work."""
+SLM's steps (+overlap); the LLM or the SLM alone behind the same server and backends (`llm`, `slm`), or the LLM asked
+directly on its own server (`llm-direct`, with --llm http://...); speculative decoding in this engine (`spec+k=K`:
+the SLM drafts, the LLM checks every K tokens strictly); R2R's server with every request forcing one model
+(`r2r+force=slm|llm`: what such a request costs on a server that routes). Greedy decoding gives every R2R system the
+same tokens, so they do the same work."""
 
 from __future__ import annotations
 
@@ -39,13 +40,15 @@ DEFAULT_SYSTEMS = "r2r,r2r+overlap,llm,spec+k=4"
 
 @dataclass(frozen=True)
 class ServedSystem:
-    """One row of `r2r bench serve`, by name: r2r[+overlap][+defer=MODE], llm, llm-direct or spec[+k=K]."""
+    """One row of `r2r bench serve`, by name: r2r[+overlap][+defer=MODE][+force=MODEL], llm, slm, llm-direct or
+    spec[+k=K]."""
 
     name: str
-    kind: str  # r2r, llm, llm-direct, spec
+    kind: str  # r2r, llm, slm, llm-direct, spec
     overlap: bool = False
     defer: str = "off"
     k: int = 4
+    force: str | None = None  # each request's r2r_policy
 
     @classmethod
     def parse(cls, name: str) -> ServedSystem:
@@ -59,11 +62,13 @@ class ServedSystem:
                 fields["defer"] = value
             elif kind == "spec" and key == "k" and value.isdigit() and int(value) >= 1:
                 fields["k"] = int(value)
+            elif kind == "r2r" and key == "force" and value in ("slm", "llm"):
+                fields["force"] = value
             else:
-                raise R2RError(f"bad system {name!r} in --systems: use r2r[+overlap][+defer=continue|park], llm, "
-                               "llm-direct or spec[+k=K][+overlap]")
-        if kind not in ("r2r", "llm", "llm-direct", "spec"):
-            raise R2RError(f"unknown system {kind!r} in --systems: use r2r, llm, llm-direct or spec")
+                raise R2RError(f"bad system {name!r} in --systems: use r2r[+overlap][+defer=continue|park]"
+                               "[+force=slm|llm], llm, slm, llm-direct or spec[+k=K][+overlap]")
+        if kind not in ("r2r", "llm", "slm", "llm-direct", "spec"):
+            raise R2RError(f"unknown system {kind!r} in --systems: use r2r, llm, slm, llm-direct or spec")
         return cls(name.strip(), kind, **fields)
 
     @classmethod
@@ -80,8 +85,8 @@ class ServedSystem:
         """The engine the server runs for this system (None: the LLM's own server answers)."""
         if self.kind == "llm-direct":
             return None
-        if self.kind == "llm":
-            return systems.alone(llm, tokenizer, "llm")
+        if self.kind in ("llm", "slm"):
+            return systems.alone(llm if self.kind == "llm" else slm, tokenizer, self.kind)
         if self.kind == "spec":
             return systems.routed(slm, llm, tokenizer, "slm", verify="strict", max_unverified=self.k,
                                   overlap=self.overlap)
@@ -107,7 +112,9 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: 
     answered: dict[str, list] = {}  # "system xN" -> per round: (answers, seconds, what the engine counted)
     task = progress.add_task("serving", total=rounds * len(chosen) * len(clients) * requests)
     for _ in range(rounds):
-        for name, engine in engines.items():
+        for system in chosen:
+            name, engine = system.name, engines[system.name]
+            extra_body = {"r2r_policy": system.force} if system.force else None
             with (BackgroundServer(create_app(engine, "r2r", Limits(max_batch=rows))) if engine is not None
                   else nullcontext(None)) as server:
                 url = server.url if server is not None else llm_backend.client.url
@@ -117,7 +124,8 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: 
                 def ask(prompt):
                     start = time.perf_counter()
                     out = client.chat.completions.create(model=model, temperature=0, max_tokens=n_tokens,
-                                                         messages=[{"role": "user", "content": prompt}])
+                                                         messages=[{"role": "user", "content": prompt}],
+                                                         extra_body=extra_body)
                     progress.advance(task)
                     extra = out.usage.model_extra or {}
                     return out.usage.completion_tokens, extra.get("llm_tokens", out.usage.completion_tokens), \

@@ -140,10 +140,11 @@ def bench_serve(
     tokens: int = count(128, "--tokens", help="max_tokens per request."),
     systems: str = typer.Option("r2r,r2r+overlap,llm,spec+k=4", "--systems", help="Comma-separated systems, one "
                                 "server each, the first the baseline of the ratios: r2r (the LLM's calls in the step), "
-                                "r2r+overlap (beside the SLM's steps), r2r+defer=continue|park (grouped), llm (the LLM "
-                                "alone behind the same server and backends), llm-direct (the LLM's own server, with "
-                                "--llm http://...), spec+k=K (speculative decoding: the SLM drafts K, the LLM checks; "
-                                "+overlap too)."),
+                                "r2r+overlap (beside the SLM's steps), r2r+defer=continue|park (grouped), "
+                                "r2r+force=slm|llm (R2R's server, each request forcing one model), llm or slm (one "
+                                "model alone behind the same server and backends), llm-direct (the LLM's own server, "
+                                "with --llm http://...), spec+k=K (speculative decoding: the SLM drafts K, the LLM "
+                                "checks; +overlap too)."),
     defer_group: DeferGroup = None, defer_steps: DeferSteps = None, overlap_ahead: OverlapAhead = None,
     rounds: int = count(1, "--rounds", help="Times over, the systems taking turns (figures pool the rounds; a "
                         "machine's speed drifts between minutes)."),

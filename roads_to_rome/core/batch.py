@@ -92,7 +92,8 @@ class StepRecord:
 
 
 class Batch:
-    """Sequences decoding in lockstep: one row each in both models' caches.
+    """Sequences decoding in lockstep: one row each in both models' caches (in the writer's only for a sequence
+    the LLM never reads: `Sequence.uses_llm`).
 
     Sequences can join between steps (continuous batching): a newcomer is left-padded to the
     batch's width (or the batch to the newcomer's) and prefilled up to where each model's cache
@@ -114,7 +115,8 @@ class Batch:
         self._join(sequences, prefill)
 
     def _join(self, sequences: list[Sequence], prefill: PromptRead | None) -> None:
-        self.layout.join([s.prompt_ids for s in sequences], prefill.caches if prefill else None)
+        self.layout.join([s.prompt_ids for s in sequences], [s.uses_llm for s in sequences],
+                         prefill.per_model if prefill else None)
         self.sequences += sequences
 
     @property
@@ -253,15 +255,16 @@ class Batch:
         what sits at `column`. Returns at once with overlap (a worker reads), after the read without. Logits come
         back for the rows that need them: a row with tokens waiting for the LLM's word, from its first; each row's
         last, for this step's routed rows, when the read is needed `now`."""
-        engine, sequences = self.engine, self.sequences
-        read_from, width = self.layout.llm_cache.length, self.ids.shape[1]
+        layout = self.layout
+        sequences = [self.sequences[i] for i in layout.llm_rows]  # (a row the LLM never reads is not sent)
+        read_from, width = layout.llm_cache.length, self.ids.shape[1]
         # Row i's output index at `column`: the furthest token the read can check.
         reach = [column - width + len(s.generation.token_ids) for s in sequences]
         row_keep = [min(column - read_from, verification.logits_needed(s, r))
                     if now or s.checks.pending(s) or s.checks.ends else 0 for s, r in zip(sequences, reach)]
-        pending = engine.llm_side.catch_up(self.layout.llm_cache, self.ids[:, read_from:column], self.mask[:, :column],
-                                           row_keep)
-        return Call(pending, list(sequences), reach, max(row_keep))
+        pending = self.engine.llm_side.catch_up(layout.llm_cache, layout.llm_part(self.ids[:, read_from:column]),
+                                                layout.llm_part(self.mask[:, :column]), row_keep)
+        return Call(pending, sequences, reach, max(row_keep))
 
     def _send_call(self, step: StepRecord) -> None:
         """(overlap) After the step, the next call, to run beside the SLM's next steps: when one is due and none is in

@@ -1,7 +1,9 @@
 """A batch's tensors and caches, apart from its logic: the token streams (one row per sequence, left-padded to a
 common width) and their padding mask, and each model's KV cache. Rows join (padded to the batch's width, or the
 batch to theirs, and read up to where each cache is), leave, move right (a roll-back, a row that stands still) and
-gain a column per step; both caches follow every move. `Batch` (batch.py) decides the moves; this does them."""
+gain a column per step; both caches follow every move. The LLM's cache holds only the rows the LLM may read
+(`llm_rows`): a row forced onto the SLM, unverified, costs the SLM alone. `Batch` (batch.py) decides the moves; this
+does them."""
 
 from __future__ import annotations
 
@@ -18,13 +20,15 @@ NO_ROWS = torch.empty(0, dtype=torch.long)  # the `select_rows` index that keeps
 class Layout:
     """The token streams, [rows, columns], in buffers with room for the columns to come (a step writes its column in
     place: `ids` and `mask` are the columns so far), and the writer's and the LLM's caches (None for one model
-    alone). The writer's cache covers every column but the newest; the LLM's whatever it has caught up on."""
+    alone). The writer's cache covers every row and every column but the newest; the LLM's the rows in `llm_rows`
+    (ascending), and the columns it has caught up on."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self._ids = self._mask = None
         self._width = 0
         self.writer_cache, self.llm_cache = self.new_caches()
+        self.llm_rows: list[int] = []
 
     def new_caches(self):
         engine = self.engine
@@ -42,6 +46,10 @@ class Layout:
     def width(self) -> int:
         return self._width
 
+    def llm_part(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows of a [rows, ...] tensor that the LLM's cache holds, in its order."""
+        return t if len(self.llm_rows) == t.shape[0] else t[self.llm_rows]
+
     def caches(self):
         """(backend, cache) for each model the batch runs."""
         yield self.engine.writer, self.writer_cache
@@ -52,44 +60,57 @@ class Layout:
         self._ids, self._mask = ids, mask
         self._width = 0 if ids is None else ids.shape[1]
 
-    def join(self, prompts: list[tuple[int, ...]], prefill_caches: list | None) -> None:
-        """New rows: their prompts, read up to where each cache is (`prefill_caches`: one prompt's caches, read
-        alone by the scheduler's chunked prefill). Into an empty layout they come as they are."""
+    def join(self, prompts: list[tuple[int, ...]], uses_llm: list[bool], prefilled: tuple | None = None) -> None:
+        """New rows: their prompts, read up to where each cache is; the LLM reads only those that `uses_llm`.
+        `prefilled`: one prompt's (writer's cache, LLM's cache or None), read alone by the scheduler's chunked
+        prefill. Into an empty layout they come as they are."""
         engine = self.engine
         ids, mask = left_pad(prompts, engine.pad_id, engine.writer.device)
+        theirs = [j for j, uses in enumerate(uses_llm) if uses] if engine.routes else []
         if self._ids is None:  # the next step reads what their caches have not
             self.set(ids, mask)
-            self.writer_cache, self.llm_cache = (prefill_caches + [None])[:2] if prefill_caches else self.new_caches()
+            if prefilled:  # (the layout's own caches are empty: made new, or let go by `release`)
+                self.writer_cache = prefilled[0]
+                self.llm_cache = self.llm_cache if prefilled[1] is None else prefilled[1]
+            self.llm_rows = theirs
             return
-        width = self._width
+        width, rows = self._width, self._ids.shape[0]
         if ids.shape[1] > width:
             self.pad_left(ids.shape[1] - width)
         elif ids.shape[1] < width:
             ids, mask = pad_columns_left(ids, mask, width - ids.shape[1], engine.pad_id)
-        pad = self._width - len(prompts[0]) if prefill_caches else 0  # the prefilled row's padding
-        joining = self._catch_up_newcomers(ids, mask, prefill_caches, pad)
+        pad = self._width - len(prompts[0]) if prefilled else 0  # the prefilled row's padding
+        joining = self._catch_up_newcomers(ids, mask, theirs, prefilled, pad)
         for backend, cache, fresh in joining:
             backend.append_rows(cache, fresh)
         self.set(torch.cat([self.ids, ids]), torch.cat([self.mask, mask]))
+        self.llm_rows += [rows + j for j in theirs]
 
-    def _catch_up_newcomers(self, ids, mask, prefill_caches, pad: int) -> list:
+    def _catch_up_newcomers(self, ids, mask, theirs: list[int], prefilled: tuple | None, pad: int) -> list:
         """The newcomers' caches brought up to where each of the batch's is: (backend, cache, theirs) to append
         once every forward has run (a failure leaves the batch as it was). A prefilled cache has read the prompt
         alone: cut it to what the batch's cache covers and pad it to the batch's columns (positions count real
-        tokens only, so padding it afterwards changes nothing)."""
-        joining = []
+        tokens only, so padding it afterwards changes nothing). A cache that has read nothing yet takes its rows at
+        its first read: a prefilled cache for it is let go."""
+        engine, joining = self.engine, []
+        parts = [(engine.writer, self.writer_cache, ids, mask, prefilled[0] if prefilled else None)]
+        if self.llm_cache is not None:
+            llm_ids, llm_mask = (ids, mask) if len(theirs) == ids.shape[0] else (ids[theirs], mask[theirs])
+            parts.append((engine.llm_side, self.llm_cache, llm_ids, llm_mask, prefilled[1] if prefilled else None))
         try:
-            for k, (backend, cache) in enumerate(self.caches()):
-                if not cache.length:
+            for backend, cache, new_ids, new_mask, fresh in parts:
+                if not cache.length or not new_ids.shape[0]:
+                    if fresh is not None:
+                        backend.select_rows(fresh, NO_ROWS)
                     continue
-                fresh = prefill_caches[k] if prefill_caches else backend.new_cache()
+                fresh = fresh if fresh is not None else backend.new_cache()
                 joining.append((backend, cache, fresh))
                 keep = max(0, min(fresh.length, cache.length - pad))
                 backend.truncate(fresh, keep)  # (to 0: reused as new, holding no more rows than the request needs)
                 if keep:
                     backend.pad_left(fresh, pad)
                 if fresh.length < cache.length:
-                    backend.read(fresh, ids[:, fresh.length : cache.length], mask[:, : cache.length])
+                    backend.read(fresh, new_ids[:, fresh.length : cache.length], new_mask[:, : cache.length])
         except BaseException:
             for backend, _, fresh in joining:  # now: the error's traceback keeps them (see `release`)
                 backend.select_rows(fresh, NO_ROWS)
@@ -114,23 +135,30 @@ class Layout:
 
     def keep(self, rows: list[int]) -> None:
         """Only these rows stay, in this order. With none left the caches are let go at once: on llama.cpp their
-        cells would shift where the next request's go."""
+        cells would shift where the next request's go; so is the LLM's when none of its rows stays."""
         if not rows:
             self.release()
-            self.writer_cache, self.llm_cache = self.new_caches()
             return
         index = torch.tensor(rows, device=self._ids.device)
         self.set(self.ids[index], self.mask[index])
-        for backend, cache in self.caches():
-            backend.select_rows(cache, index)
+        self.engine.writer.select_rows(self.writer_cache, index)
+        if self.llm_cache is None:
+            return
+        place = {row: k for k, row in enumerate(self.llm_rows)}  # batch row -> its row in the LLM's cache
+        kept = [place[row] for row in rows if row in place]
+        self.llm_rows = [i for i, row in enumerate(rows) if row in place]
+        self.engine.llm_side.select_rows(self.llm_cache, torch.tensor(kept, dtype=torch.long, device=index.device))
+        if not kept:
+            self.llm_cache = self.engine.llm_side.new_cache()
 
     def shift(self, shifts: list[int]) -> None:
         """Move each row right by its shift, with as many padding columns on its left, so that every row still ends
         at the last column: the batch stays rectangular and left-padded, which is all the backends assume. Both
         caches move the same way (`Backend.shift_rows`); what a row's shift pushes out of the LLM's is read again at
         its next catch-up."""
-        for backend, cache in self.caches():
-            backend.shift_rows(cache, shifts)
+        self.engine.writer.shift_rows(self.writer_cache, shifts)
+        if self.llm_cache is not None:
+            self.engine.llm_side.shift_rows(self.llm_cache, [shifts[i] for i in self.llm_rows])
         width = self._width
         ids, mask = torch.full_like(self.ids, self.engine.pad_id), torch.zeros_like(self.mask)
         for i, d in enumerate(shifts):
@@ -144,6 +172,8 @@ class Layout:
         for backend, cache in self.caches():
             backend.select_rows(cache, NO_ROWS)
         self.set(None, None)
+        self.writer_cache, self.llm_cache = self.new_caches()
+        self.llm_rows = []
 
 
 def pad_columns_left(ids: torch.Tensor, mask: torch.Tensor, n: int, pad_id: int):

@@ -207,6 +207,12 @@ class Sequence:
     def force(self) -> str | None:
         return self.request.force
 
+    @property
+    def uses_llm(self) -> bool:
+        """Whether the LLM may ever read this sequence: not when it is forced onto the SLM and unverified, so that
+        it costs the SLM alone, its prompt included."""
+        return not (self.force == "slm" and self.verify == "off")
+
     @functools.cached_property
     def rules(self) -> LogitRules:
         """The request's settings as `adjust_logits` reads them: made once, not at every token."""

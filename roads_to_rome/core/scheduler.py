@@ -74,7 +74,7 @@ class Scheduler:
             self.waiting.popleft()
             self.kv_in_use += need
             if self.prefill_chunk:
-                self.reading.append((s, PromptRead(self.engine, s.prompt_ids)))
+                self.reading.append((s, PromptRead(self.engine, s)))
             else:
                 self.joining.append(s)
         return left
@@ -153,13 +153,18 @@ class PromptRead:
     already decoding keep producing tokens while a long prompt is read. Each model reads the prompt
     alone, into a cache of its own, up to all but the prompt's last token (the sequence's first
     decode step reads that one and proposes the first new token); `Batch.add` fits that cache into
-    the batch."""
+    the batch. The LLM does not read a prompt it will never be asked about (`Sequence.uses_llm`)."""
 
-    def __init__(self, engine: Engine, prompt_ids: tuple[int, ...]):
-        self.models = [engine.writer] + ([engine.llm_side] if engine.routes else [])  # in `Layout.caches` order
+    def __init__(self, engine: Engine, sequence: Sequence):
+        self.models = [engine.writer] + ([engine.llm_side] if engine.routes and sequence.uses_llm else [])
         self.caches = [m.new_cache() for m in self.models]
-        self.ids = torch.tensor([prompt_ids], device=engine.writer.device)
-        self.goal = len(prompt_ids) - 1
+        self.ids = torch.tensor([sequence.prompt_ids], device=engine.writer.device)
+        self.goal = len(sequence.prompt_ids) - 1
+
+    @property
+    def per_model(self) -> tuple:
+        """(the writer's cache, the LLM's or None), as `Layout.join` takes them."""
+        return self.caches[0], self.caches[1] if len(self.caches) > 1 else None
 
     @property
     def done(self) -> bool:
