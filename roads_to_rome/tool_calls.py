@@ -1,16 +1,18 @@
 """Tool calling (OpenAI's `tools`): the functions a chat request offers go to the chat template, and the calls the
 model writes come back out of its reply as `tool_calls`, as vLLM's and llama.cpp's tool parsers hand them to clients.
 
-One call syntax, as vLLM names it: `hermes`, which Qwen2.5's, Qwen3's and Hermes' templates teach: each call a JSON
-object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`. Qwen2.5-Coder (the default pair)
-writes the object without the tags, alone or in a ```json code fence: a reply that opens with such objects, each
-naming an offered function, is read as calls too. Text outside the calls is the message's content; a block that
-does not hold a call stays in the content, so nothing the model wrote is lost.
+Two call syntaxes, as vLLM names them. `hermes`, which Qwen2.5's, Qwen3's and Hermes' templates teach: each call a
+JSON object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`. Qwen2.5-Coder (the default
+pair) writes the object without the tags, alone or in a ```json code fence: a reply that opens with such objects,
+each naming an offered function, is read as calls too. `llama3_json`, which Llama 3.1's and 3.2's templates teach:
+the reply is `{"name": ..., "parameters": {...}}` objects, separated by `;`, maybe after `<|python_tag|>`. Either
+parser reads bare objects with either key. Text outside the calls is the message's content; a block that does not
+hold a call stays in the content, so nothing the model wrote is lost.
 
 `tool_choice`: "auto" parses what the model writes; "required" and a named function hold the reply to calls by a
-grammar (core/grammar.py), tagged or bare as the model prefers, so that one parser reads every reply; "none" leaves
-the tools out of the prompt. `parallel_tool_calls: false` allows one call: the grammar's, or the end of the reply at
-the first call's closing tag (of bare calls, the first is kept)."""
+grammar (core/grammar.py), tagged or bare as the model prefers under hermes, so that one parser reads every reply;
+"none" leaves the tools out of the prompt. `parallel_tool_calls: false` allows one call: the grammar's, or the end of
+the reply at the first call's closing tag (of bare calls, the first is kept)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ from roads_to_rome.reasoning import partial_tag
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FENCE = re.compile(r"\s*```(?:json)?[ \t]*\n")  # a code fence around bare calls
 FENCE_OPENINGS = ("```json\n", "```\n")
-PARSERS = ("auto", "hermes", "none")
+PYTHON_TAG = "<|python_tag|>"  # Llama 3's opening of a call (a special token: usually gone from the decoded text)
+LLAMA_HINT = '"parameters": dictionary'  # Llama 3.1's and 3.2's templates: `Respond in the format {"name": ...`
+PARSERS = ("auto", "hermes", "llama3_json", "none")
+ARGUMENT_KEYS = {"hermes": "arguments", "llama3_json": "parameters"}  # the key each syntax's calls write
 
 
 def check_tool_parser(name: str) -> str:
@@ -35,13 +40,18 @@ def check_tool_parser(name: str) -> str:
 
 
 def resolve_tool_parser(name: str, tokenizer) -> str | None:
-    """The parser a tokenizer's replies get: `auto` picks hermes when the chat template teaches `<tool_call>`, none
-    otherwise (its template would not show the model the tools)."""
+    """The parser a tokenizer's replies get: `auto` picks hermes when the chat template teaches `<tool_call>`,
+    llama3_json when it teaches Llama 3's JSON calls, none otherwise (its template would not show the model the
+    tools)."""
     check_tool_parser(name)
     if name != "auto":
         return None if name == "none" else name
     template = getattr(tokenizer, "chat_template", None)
-    return "hermes" if isinstance(template, str) and OPEN in template else None
+    if not isinstance(template, str):
+        return None
+    if OPEN in template:
+        return "hermes"
+    return "llama3_json" if LLAMA_HINT in template or PYTHON_TAG in template else None
 
 
 @dataclass(frozen=True)
@@ -59,7 +69,7 @@ class ToolSplit:
 @dataclass(frozen=True)
 class ToolParser:
     """Reads the calls out of a reply's answer. `names`: the functions offered; a bare object is a call only when
-    it names one of them (a reply that is a JSON answer stays one)."""
+    it names one of them (a reply that is a JSON answer stays one). It reads either syntax."""
 
     names: frozenset[str]
 
@@ -94,16 +104,23 @@ class ToolParser:
         return ToolSplit("".join(content), calls)
 
     def _bare_calls(self, text: str, final: bool, content: list[str], calls: list[ToolCall]) -> int | None:
-        """Calls written as bare JSON objects at the reply's start, maybe in a code fence (Qwen2.5-Coder's habits):
-        where the rest begins, or None while what comes may still be one."""
+        """Calls written as bare JSON objects at the reply's start, maybe in a code fence (Qwen2.5-Coder's habits)
+        or after Llama 3's `<|python_tag|>`, separated by whitespace or `;`: where the rest begins, or None while
+        what comes may still be one."""
         decoder, at = json.JSONDecoder(), 0
-        fence = FENCE.match(text)
+        fence, opening = FENCE.match(text), text.lstrip()
         if fence:
             at = fence.end()
-        elif not final and any(f.startswith(text.lstrip()) for f in FENCE_OPENINGS) and text.strip():
-            return None  # a fence being opened
+        elif opening.startswith(PYTHON_TAG):
+            at = len(text) - len(opening) + len(PYTHON_TAG)
+        elif not final and opening and any(f.startswith(opening) for f in (*FENCE_OPENINGS, PYTHON_TAG)):
+            return None  # a fence or a tag being opened
         while True:
             start = len(text) - len(text[at:].lstrip())
+            if calls and text.startswith(";", start):  # Llama 3's separator
+                start = len(text) - len(text[start + 1 :].lstrip())
+                if not final and start == len(text):
+                    return None  # the next call may follow
             if not text.startswith("{", start):
                 break
             try:
@@ -139,9 +156,10 @@ class ToolParser:
         (the client sees what the model called); bare objects only the offered ones."""
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
-        if not tagged and (value["name"] not in self.names or set(value) - {"name", "arguments"}):
+        keys = [key for key in ARGUMENT_KEYS.values() if key in value]  # the arguments, under either syntax's key
+        if len(keys) > 1 or (not tagged and (value["name"] not in self.names or len(value) > 1 + len(keys))):
             return None
-        arguments = value.get("arguments", {})
+        arguments = value[keys[0]] if keys else {}
         if isinstance(arguments, str):  # some models write the arguments' JSON as a string
             try:
                 arguments = json.loads(arguments)
@@ -152,21 +170,25 @@ class ToolParser:
         return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def call_format(functions: list[dict], one: bool) -> OutputFormat:
+def call_format(functions: list[dict], one: bool, syntax: str = "hermes") -> OutputFormat:
     """A grammar that holds a reply to calls of these functions (each {"name", "parameters"}), their arguments to
-    each function's parameters' schema and spaced as templates write them; `one`: a single call. Calls are tagged,
-    as the template teaches, or bare objects, as Qwen2.5-Coder writes them: the model takes the way it prefers
-    (held to tags, that one goes on calling where it would have stopped). The tags are text to the grammar; where
-    the tokenizer has a token for one, that token writes it."""
-    objects = []
+    each function's parameters' schema and spaced as templates write them; `one`: a single call. Under hermes calls
+    are tagged, as the template teaches, or bare objects, as Qwen2.5-Coder writes them: the model takes the way it
+    prefers (held to tags, that one goes on calling where it would have stopped). The tags are text to the grammar;
+    where the tokenizer has a token for one, that token writes it. Under llama3_json, bare objects, `; ` between."""
+    objects, key = [], ARGUMENT_KEYS[syntax]
     for function in functions:
         schema = {"type": "object", "properties": {"name": {"const": function["name"]},
-                                                   "arguments": function.get("parameters") or {"type": "object"}},
-                  "required": ["name", "arguments"], "additionalProperties": False,
+                                                   key: function.get("parameters") or {"type": "object"}},
+                  "required": ["name", key], "additionalProperties": False,
                   "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
         objects.append(f"%json{json.dumps(schema)}")
+    object_rule = f"object: {' | '.join(objects)}"
+    if syntax == "llama3_json":
+        start = "start: object" if one else 'start: object ("; " object)*'
+        return OutputFormat("grammar", f"{start}\n{object_rule}\n")
     opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
-    rules = [f"object: {' | '.join(objects)}", f"tagged: {opening} object {closing}"]
+    rules = [object_rule, f"tagged: {opening} object {closing}"]
     if one:
         return OutputFormat("grammar", "\n".join(["start: tagged | object", *rules]) + "\n")
     return OutputFormat("grammar", "\n".join(['start: tagged ("\\n" tagged)* | object ("\\n" object)*',

@@ -29,6 +29,13 @@ TOOLS_TEMPLATE = (
     "<|im_end|>\n{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response>"
     "<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Llama 3.1's template, cut the same way: the tools in the system turn, and the format it asks calls in.
+LLAMA_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nGiven the following functions, respond with a JSON for a function call. "
+    "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]},
@@ -66,6 +73,14 @@ UTC = ToolCall("get_time", '{"zone": "UTC"}')
     ('{"name": "get_time", "arguments": {"zone": "UTC"}, "why": 1}', '{"name": "get_time", "arguments": '
      '{"zone": "UTC"}, "why": 1}', []),
     ('{"answer": 72}', '{"answer": 72}', []),
+    # Llama 3's: "parameters", `;` between calls, maybe after <|python_tag|>
+    ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}', "", [PARIS]),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; {"name": "get_time", '
+     '"parameters": {"zone": "UTC"}}', "", [PARIS, UTC]),
+    ('{"name": "get_time", "parameters": {"zone": "UTC"}}; and more', "; and more", [UTC]),
+    ('{"name": "get_time", "parameters": {"zone": "UTC"}, "arguments": {}}', '{"name": "get_time", "parameters": '
+     '{"zone": "UTC"}, "arguments": {}}', []),
+    ("<|python_tag|>print(1)", "<|python_tag|>print(1)", []),
     ("{not json", "{not json", []),
     ("  \n", "  \n", []),
 ])
@@ -82,11 +97,12 @@ def test_split(text, content, calls):
 
 
 def test_auto_reads_the_chat_template():
-    tools, plain = tiny_tokenizer(), tiny_tokenizer()
-    tools.chat_template = TOOLS_TEMPLATE
+    tools, llama, plain = tiny_tokenizer(), tiny_tokenizer(), tiny_tokenizer()
+    tools.chat_template, llama.chat_template = TOOLS_TEMPLATE, LLAMA_TEMPLATE
     assert resolve_tool_parser("auto", tools) == "hermes" and resolve_tool_parser("auto", plain) is None
+    assert resolve_tool_parser("auto", llama) == "llama3_json"
     assert resolve_tool_parser("hermes", plain) == "hermes" and resolve_tool_parser("none", tools) is None
-    with pytest.raises(R2RError, match="auto, hermes, none"):
+    with pytest.raises(R2RError, match="auto, hermes, llama3_json, none"):
         resolve_tool_parser("qwen", tools)
 
 
@@ -130,6 +146,58 @@ def test_the_call_grammar_holds_r2rs_output_to_calls(tool_engine, tool_tokenizer
                 assert arguments["city"] in ("Paris", "Tokyo") and 1 <= arguments["days"] <= 9
             else:
                 assert call.name == "get_time" and arguments == {"zone": arguments["zone"]}
+
+
+@pytest.fixture(scope="module")
+def llama_engine(tool_engine):
+    """The tool engine's models with a template that teaches Llama 3's calls (and a policy of their own: the tool
+    engine's draws stay as its tests expect them)."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])  # the same ids as the models'
+    tokenizer.chat_template = LLAMA_TEMPLATE
+    return Engine(tool_engine.slm, tool_engine.llm, tokenizer, RandomPolicy(0.3, seed=0), verify="1")
+
+
+def test_the_llama3_call_grammar_holds_r2rs_output_to_calls(llama_engine):
+    """Llama 3's syntax: bare objects with "parameters", `; ` between them, arguments held to their schemas."""
+    prompt = llama_engine.encode_messages([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME])
+    for one in (True, False):
+        fmt = call_format([WEATHER["function"], TIME["function"]], one, "llama3_json")
+        for p in [SamplingParams(max_new_tokens=60, output_format=fmt)] + [
+                SamplingParams(max_new_tokens=60, output_format=fmt, temperature=1.0, seed=s) for s in range(3)]:
+            gen = llama_engine.generate([prompt], p)[0]
+            if gen.finish_reason == "length":
+                continue
+            split = PARSER.split(gen.text)
+            assert split.calls and split.content == "" and gen.text.startswith('{"name": "'), gen.text
+            assert '"parameters": ' in gen.text and '"arguments"' not in gen.text and "<tool" not in gen.text
+            assert (len(split.calls) == 1 or not one) and gen.text.count("}; {") == len(split.calls) - 1
+            for call in split.calls:
+                arguments = json.loads(call.arguments)
+                assert arguments["city"] in ("Paris", "Tokyo") if call.name == "get_weather" else \
+                    arguments["zone"] in ("UTC", "CET")
+
+
+def test_a_llama3_template_gets_llama3_calls_through_the_server(llama_engine):
+    with BackgroundServer(create_app(llama_engine, "llama", Limits(max_batch=2, max_tokens=160,
+                                                             context_length=2048))) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert client.models.list().data[0].model_extra["r2r"]["tool_call_parser"] == "llama3_json"
+        kw = {"model": "llama", "tools": [WEATHER, TIME], "max_tokens": 160,
+              "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+              "temperature": 0, "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+        whole = client.chat.completions.create(**kw)
+        assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+        assert '"parameters": ' in llama_engine.tokenizer.decode(whole.model_extra["r2r"]["token_ids"])
+        calls = whole_calls(whole.choices[0].message)
+        assert len(calls) == 1 and calls[0]["name"] == "get_time"
+        content, streamed_calls, finish = streamed(client.chat.completions.create(stream=True, **kw))
+        assert (content, finish) == ("", "tool_calls")
+        assert [{"name": c["name"], "arguments": c["arguments"]} for c in streamed_calls] == calls
+        written = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+        auto = client.chat.completions.create(**{**kw, "tool_choice": "auto",
+                                                 "extra_body": {"structured_outputs": {"choice": [written]}}})
+        assert whole_calls(auto.choices[0].message) == [{"name": "get_time", "arguments": UTC.arguments}]
 
 
 @pytest.fixture(scope="module")

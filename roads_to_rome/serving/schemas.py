@@ -356,13 +356,14 @@ class ChatBody(CommonBody):
         if choice == "none":
             return ToolUse(None, None)
         if parser is None:
-            raise APIError(400, "this model's chat template does not take tools (it shows no <tool_call> syntax), so "
-                                "the server cannot read calls from its replies; if it does take them, start the "
-                                "server with --tool-call-parser hermes", param="tools")
+            raise APIError(400, "this model's chat template does not take tools (it shows neither hermes' <tool_call> "
+                                "syntax nor Llama 3's JSON calls), so the server cannot read calls from its replies; "
+                                "if it does take them, start the server with --tool-call-parser hermes or "
+                                "llama3_json", param="tools")
         prompt_tools = [tool.model_dump(exclude_none=True) for tool in tools]
         use = ToolUse(prompt_tools, ToolParser(frozenset(names)), one=not self.parallel_tool_calls)
         if choice == "auto":
-            use.stop = () if self.parallel_tool_calls else (CLOSE,)
+            use.stop = (CLOSE,) if parser == "hermes" and not self.parallel_tool_calls else ()
             return use
         if self.structured_outputs or (self.response_format and self.response_format.type != "text"):
             raise APIError(400, "tool_choice required or a named function holds the reply to tool calls: leave "
@@ -374,7 +375,7 @@ class ChatBody(CommonBody):
             functions, use.one = [t.function for t in tools if t.function.name == choice.function.name], True
         else:
             functions = [t.function for t in tools]
-        use.output_format = call_format([f.model_dump(exclude_none=True) for f in functions], use.one)
+        use.output_format = call_format([f.model_dump(exclude_none=True) for f in functions], use.one, parser)
         try:
             use.output_format.validate()
         except R2RError as e:
