@@ -62,15 +62,15 @@ class Layout:
 
     def join(self, prompts: list[tuple[int, ...]], uses_llm: list[bool], prefilled: tuple | None = None) -> None:
         """New rows: their prompts, read up to where each cache is; the LLM reads only those that `uses_llm`.
-        `prefilled`: one prompt's (writer's cache, LLM's cache or None), read alone by the scheduler's chunked
-        prefill. Into an empty layout they come as they are."""
+        `prefilled`: one prompt's (writer's cache, LLM's cache), each None where that model did not read it, read
+        alone by the scheduler's chunked prefill. Into an empty layout they come as they are."""
         engine = self.engine
         ids, mask = left_pad(prompts, engine.pad_id, engine.writer.device)
         theirs = [j for j, uses in enumerate(uses_llm) if uses] if engine.routes else []
         if self._ids is None:  # the next step reads what their caches have not
             self.set(ids, mask)
             if prefilled:  # (the layout's own caches are empty: made new, or let go by `release`)
-                self.writer_cache = prefilled[0]
+                self.writer_cache = self.writer_cache if prefilled[0] is None else prefilled[0]
                 self.llm_cache = self.llm_cache if prefilled[1] is None else prefilled[1]
             self.llm_rows = theirs
             return

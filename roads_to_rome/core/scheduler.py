@@ -11,6 +11,7 @@ import torch
 from roads_to_rome.core.batch import Batch
 from roads_to_rome.core.layout import NO_ROWS
 from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step
+from roads_to_rome.core.scoring import score_prompt
 from roads_to_rome.errors import R2RError
 
 if TYPE_CHECKING:
@@ -56,7 +57,8 @@ class Scheduler:
         return self.admit() + self.advance()
 
     def admit(self) -> list[Failure]:
-        """Waiting sequences take a slot while one is free and their KV tokens fit; the cancelled ones leave."""
+        """Waiting sequences take a slot while one is free and their KV tokens fit; the cancelled ones leave. A
+        sequence that asks for its prompt's log-probabilities has them scored as it is admitted."""
         left, capacity = [], self.engine.kv_capacity
         while self.waiting:
             s = self.waiting[0]
@@ -72,6 +74,12 @@ class Scheduler:
             if capacity is not None and self.kv_in_use + need > capacity:
                 break  # the head waits for room
             self.waiting.popleft()
+            if s.request.prompt_logprobs is not None:
+                try:  # (each model reads the whole prompt at once: a turn as long as an unchunked prefill)
+                    s.generation.prompt_logprobs, s.generation.prompt_sources = score_prompt(self.engine, s)
+                except Exception as e:  # only this sequence fails
+                    left.append(Failure(s, e))
+                    continue
             self.kv_in_use += need
             if self.prefill_chunk:
                 self.reading.append((s, PromptRead(self.engine, s)))
@@ -153,31 +161,31 @@ class PromptRead:
     already decoding keep producing tokens while a long prompt is read. Each model reads the prompt
     alone, into a cache of its own, up to all but the prompt's last token (the sequence's first
     decode step reads that one and proposes the first new token); `Batch.add` fits that cache into
-    the batch. The LLM does not read a prompt it will never be asked about (`Sequence.uses_llm`)."""
+    the batch. A model does not read a prompt it will never be asked about: the LLM a request forced onto the SLM
+    (`Sequence.uses_llm`), the SLM one forced onto the LLM (it reads the prompt later if a row beside it needs the
+    SLM: `Batch._propose`)."""
 
     def __init__(self, engine: Engine, sequence: Sequence):
-        self.models = [engine.writer] + ([engine.llm_side] if engine.routes and sequence.uses_llm else [])
-        self.caches = [m.new_cache() for m in self.models]
+        writer = None if engine.routes and sequence.force == "llm" else engine.writer
+        llm = engine.llm_side if engine.routes and sequence.uses_llm else None
+        # (writer's cache, LLM's), None for a model that does not read it: as `Layout.join` takes them
+        self.per_model = tuple(None if m is None else m.new_cache() for m in (writer, llm))
+        self.models = [(m, c) for m, c in zip((writer, llm), self.per_model) if m is not None]
         self.ids = torch.tensor([sequence.prompt_ids], device=engine.writer.device)
         self.goal = len(sequence.prompt_ids) - 1
 
     @property
-    def per_model(self) -> tuple:
-        """(the writer's cache, the LLM's or None), as `Layout.join` takes them."""
-        return self.caches[0], self.caches[1] if len(self.caches) > 1 else None
-
-    @property
     def done(self) -> bool:
-        return all(c.length >= self.goal for c in self.caches)
+        return all(c.length >= self.goal for _, c in self.models)
 
     def advance(self, chunk: int) -> None:
         """Read up to `chunk` more prompt tokens with each model."""
-        for model, cache in zip(self.models, self.caches):
+        for model, cache in self.models:
             end = min(cache.length + chunk, self.goal)
             if end > cache.length:
                 model.read(cache, self.ids[:, cache.length : end], torch.ones_like(self.ids[:, :end]))
 
     def release(self) -> None:
         """Give back what the caches hold now (see `Batch.release`)."""
-        for model, cache in zip(self.models, self.caches):
+        for model, cache in self.models:
             model.select_rows(cache, NO_ROWS)
