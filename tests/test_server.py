@@ -376,8 +376,9 @@ def test_echo_starts_each_choices_text_with_its_prompt_whole_and_streamed(server
     as_ids = client.completions.create(model="tiny-r2r", prompt=ids, max_tokens=6, temperature=0, echo=True,
                                        extra_body={"r2r_policy": "slm"})
     assert as_ids.choices[0].text == tokenizer.decode(ids) + plain.choices[2].text
-    with_logprobs = httpx.post(server + "/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1})
-    assert with_logprobs.status_code == 400 and with_logprobs.json()["error"]["param"] == "echo"
+    streamed_logprobs = httpx.post(server + "/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1,
+                                                                     "stream": True})
+    assert streamed_logprobs.status_code == 400 and streamed_logprobs.json()["error"]["param"] == "stream"
 
 
 def test_a_suffix_asks_the_model_to_fill_in_the_middle(server, slm, llm, tokenizer):

@@ -104,6 +104,14 @@ class Engine:
                            f"distribution; {self.llm.name} gives its top tokens only: leave presence, frequency and "
                            "repetition penalties at 0, 0 and 1, and logit_bias, allowed_token_ids and the output's "
                            "format out")
+        if request.prompt_logprobs is not None:
+            readers = [self.writer] if not self.routes else [self.llm] if request.force == "llm" else \
+                [self.slm] + ([self.llm] if request.force is None and self.policy.routes_to_llm else [])
+            partial = [m.name for m in readers if not m.full_logits]
+            if partial:
+                raise R2RError(f"the prompt's log-probabilities need each model's whole distribution over it; "
+                               f"{partial[0]} gives its top tokens only: leave echo with logprobs (prompt_logprobs) "
+                               "out, or force the SLM")
         vocab = self.writer.vocab_size
         if not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocab:
             bad = next(t for t in request.prompt_ids if not 0 <= t < vocab)

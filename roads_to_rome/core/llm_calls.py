@@ -255,6 +255,10 @@ class LLMCalls:
         device = self.backend.device
         return [t.to(device, copy=True) if self.overlap or t.device != device else t for t in tensors]
 
+    def forward_sequence(self, ids: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backend's, behind what is queued: the worker is the only thread that runs the LLM."""
+        return self.runner.submit(self.backend.forward_sequence, ids, start).result()
+
     def read(self, cache: QueuedCache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         cache.length += new_ids.shape[1]
         self._settle(self._queue(cache, self.backend.read, *self._inputs(new_ids, attention_mask)))

@@ -33,6 +33,9 @@ class Request:
     # The reply starts inside a reasoning model's thinking, which this token closes: a structured output applies
     # after it (None: from the first token).
     thinking_until: int | None = None
+    # The prompt's own log-probabilities, with this many most likely tokens at each position (core/scoring.py; None:
+    # not asked for).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
@@ -46,6 +49,8 @@ class Request:
         if self.verify is not None:
             object.__setattr__(self, "verify", parse_verify(self.verify))
         check_max_unverified(self.max_unverified)
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise R2RError(f"prompt_logprobs is how many likely tokens to show: 0 or more, not {self.prompt_logprobs}")
 
     @property
     def kv_tokens(self) -> int:
@@ -106,6 +111,10 @@ class Generation:
     deferred_replaced: int = 0  # ... where it was not (or the row was parked)
     deferred_discarded: int = 0  # tokens written and then thrown away by those replacements
     logprobs: list[TokenLogprob] | None = None  # per token, when the request asks for them
+    # Per prompt token, when the request asks for them (the first None); and per position after the first, the
+    # model that gave it (core/scoring.py).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_sources: list[str] | None = None
 
     def counters(self) -> dict[str, int]:
         """Every counter of `COUNTERS`, by its name."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import time
 import uuid
@@ -85,6 +86,8 @@ class Reply:
                 choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
                                           finish_reason=finish_reason(gen, len(split.calls) if split else 0), **r2r))
             else:
+                if logprobs is not None and gen.prompt_logprobs is not None:
+                    logprobs = self.with_prompt(gen, logprobs, len(self.echoed(index)))
                 choices.append(CompletionChoice(index=index, text=self.echoed(index) + gen.text, logprobs=logprobs,
                                                 finish_reason=gen.finish_reason, **r2r))
         r2r = {"r2r": provenance(gens[0])} if len(gens) == 1 else {}
@@ -119,6 +122,20 @@ class Reply:
         self.logprobs_upto = (end, offset)
         return Logprobs(tokens=[text for text, _ in entries], token_logprobs=[entry.logprob for _, entry in entries],
                         top_logprobs=[dict(self._tops(entry)) for _, entry in entries], text_offset=offsets)
+
+    def with_prompt(self, gen: Generation, generated: Logprobs, echoed: int) -> Logprobs:
+        """Completions' `echo` with `logprobs`: the prompt's entries (the first without a log-probability, as
+        OpenAI's), then the generated tokens', whose offsets follow the echoed text's `echoed` characters."""
+        texts = [self._text(token) for token in gen.prompt_ids]
+        offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=0))
+        entries = gen.prompt_logprobs
+        # (built as is: OpenAI's type has no room for the first token's null, which its API sends)
+        return Logprobs.model_construct(tokens=texts + generated.tokens,
+                                        token_logprobs=[None if e is None else e.logprob for e in entries]
+                                        + generated.token_logprobs,
+                                        top_logprobs=[None if e is None else dict(self._tops(e)) for e in entries]
+                                        + generated.top_logprobs,
+                                        text_offset=offsets + [echoed + o for o in generated.text_offset])
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -309,7 +326,8 @@ def finish_reason(gen: Generation, calls: int) -> str | None:
 
 def provenance(gen: Generation) -> dict:
     """Which model wrote each token, the policy's scores, and R2R's counters."""
-    return {"token_ids": gen.token_ids, "sources": gen.sources, "scores": gen.scores, **gen.counters()}
+    scored = {} if gen.prompt_sources is None else {"prompt_sources": gen.prompt_sources}  # (echo with logprobs)
+    return {"token_ids": gen.token_ids, "sources": gen.sources, "scores": gen.scores, **gen.counters(), **scored}
 
 
 def usage(gens: list[Generation], reasoned: list | None = None, per_prompt: int = 1) -> CompletionUsage:

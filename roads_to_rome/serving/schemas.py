@@ -207,6 +207,10 @@ class CommonBody(BaseModel):
         """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
         raise NotImplementedError
 
+    def prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's log-probability comes with; None: none asked for."""
+        return None
+
     def output_format(self) -> OutputFormat | None:
         """The format the output must follow (`response_format` or `structured_outputs`), or None; a 400 naming the
         field when it cannot be followed."""
@@ -396,10 +400,14 @@ class CompletionBody(CommonBody):
     echo: bool = False  # the answer's text starts with the prompt's
 
     def top_count(self) -> int | None:
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs would need the prompt's log-probabilities, which this server does "
-                                "not compute: leave one of them out", param="echo")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise APIError(400, "echo with logprobs gives the prompt's log-probabilities in the whole reply only: "
+                                "ask with stream: false", param="stream")
         return self.logprobs
+
+    def prompt_logprobs(self) -> int | None:
+        """With echo, the logprobs cover the prompt's tokens too (core/scoring.py)."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: its text, or its token ids."""
@@ -487,7 +495,8 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
     try:
         request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                           target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
-                          max_unverified=body.r2r_max_unverified, thinking_until=thinking_until)
+                          max_unverified=body.r2r_max_unverified, thinking_until=thinking_until,
+                          prompt_logprobs=body.prompt_logprobs())
         return engine.sequence(request)  # here, not in the engine thread, where it would fail the whole batch
     except R2RError as e:
         raise APIError(400, str(e)) from None
