@@ -50,7 +50,7 @@ with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=1))) as server:
             choice = out.choices[0]
             scores = choice.logprobs.token_logprobs[len(context): len(context) + len(continuation)]
             tops = choice.logprobs.top_logprobs[len(context): len(context) + len(continuation)]
-            sources = choice.model_extra["r2r"]["prompt_sources"][len(context) - 1:]  # (entry t scores token t + 1)
+            sources = out.model_extra["r2r"]["prompt_sources"][len(context) - 1:]  # (entry t scores token t + 1)
             rows.append({"k": k, "way": name, "tokens": len(continuation), "nll": -sum(scores),
                          "greedy": all(s >= max(top.values()) for s, top in zip(scores, tops)),
                          "llm_tokens": sources.count("llm"), "seconds": seconds})
