@@ -104,9 +104,13 @@ class Engine:
                            f"distribution; {self.llm.name} gives its top tokens only: leave presence, frequency and "
                            "repetition penalties at 0, 0 and 1, and logit_bias, allowed_token_ids and the output's "
                            "format out")
-        if request.prompt_logprobs is not None:
-            readers = [self.writer] if not self.routes else [self.llm] if request.force == "llm" else \
-                [self.slm] + ([self.llm] if request.force is None and self.policy.routes_to_llm else [])
+        if request.prompt_logprobs is not None:  # the models that may score the prompt (core/scoring.py)
+            if not self.routes or request.force == "slm" or (request.force is None and not self.policy.routes_to_llm):
+                readers = [self.writer]
+            elif request.force == "llm":
+                readers = [self.llm]
+            else:
+                readers = [self.slm, self.llm]
             partial = [m.name for m in readers if not m.full_logits]
             if partial:
                 raise R2RError(f"the prompt's log-probabilities need each model's whole distribution over it; "
