@@ -174,6 +174,19 @@ def test_forward_sequence_from_a_start_position(backend, kind, tokenizer):
     assert close(tail_logits, logits[5:], kind) and close(tail_hidden, hidden[5:], kind)
 
 
+def test_forward_sequence_into_a_cache_is_a_read_decoding_goes_on_from(backend, kind, tokenizer):
+    """A prompt scored as it is read: the same outputs, and the cache then holds the row as a read would."""
+    row = token_rows(tokenizer)[2]
+    logits, hidden = backend.forward_sequence(row, start=1)
+    cache = backend.new_cache()
+    read_logits, read_hidden = backend.forward_sequence(row, start=1, cache=cache)
+    assert cache.length == len(row)
+    assert close(read_logits, logits, kind) and close(read_hidden, hidden, kind)
+    ids = torch.tensor([row + [7]], device=backend.device)
+    next_logits, _ = backend.forward(cache, ids[:, -1:], torch.ones_like(ids))
+    assert close(next_logits[0], backend.forward_sequence(row + [7])[0][-1], kind)
+
+
 def continue_one(backend, cache, ids, mask, token):
     """Read one more column holding `token` in every row; logits at it."""
     column = torch.full((ids.shape[0], 1), token, dtype=torch.long, device=backend.device)

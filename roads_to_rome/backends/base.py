@@ -104,9 +104,12 @@ class Backend(Protocol):
         `row_keep[i]`: how many of those last columns row i needs (none: 0); a backend may leave the others zero
         (a server: so that a row whose tokens nobody checks costs it nothing)."""
 
-    def forward_sequence(self, ids: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence, no cache kept: logits [T - start, V] and hidden states [T - start, H] at
-        positions start.. (positions before `start` are read but give no output)."""
+    def forward_sequence(self, ids: list[int], start: int = 0, cache: Cache | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence: logits [T - start, V] and hidden states [T - start, H] at positions start.. (positions
+        before `start` are read but give no output). No cache is kept, unless one is given (empty): the sequence
+        is read into it as its one row, as `read` would, so that decoding can go on from it (a prompt scored
+        as it is read)."""
 
     def select_rows(self, cache: Cache, rows: torch.Tensor) -> None:
         """Keep only these rows, in this order (finished requests leave the batch)."""

@@ -233,8 +233,8 @@ class LlamaCppBackend(LocalBackend):
             logits[row, column - skip] = self._logits(out_index)
         return logits
 
-    def forward_sequence(self, ids: list[int], start: int = 0):
-        cache = self.new_cache()
+    def forward_sequence(self, ids: list[int], start: int = 0, cache: LlamaCache | None = None):
+        cache = self.new_cache() if cache is None else cache
         self._ensure_rows(cache, 1)
         seq = cache.seqs[0]
         logits = torch.empty(len(ids) - start, self.vocab_size)
@@ -242,6 +242,7 @@ class LlamaCppBackend(LocalBackend):
         for out_index, row in self._decode([(t, p, seq, p >= start, p - start) for p, t in enumerate(ids)]):
             logits[row] = self._logits(out_index)
             hidden[row] = self._hidden(out_index)
+        cache.length = len(ids)
         return logits, hidden
 
     def _decode(self, tokens: list[tuple[int, int, int, bool, int]]):

@@ -445,7 +445,7 @@ class RemoteBackend:
             if token < self.vocab_size:
                 logits[token] = logprob
 
-    def forward_sequence(self, ids: list[int], start: int = 0):
+    def forward_sequence(self, ids: list[int], start: int = 0, cache: RemoteCache | None = None):
         raise R2RError("a remote LLM gives no hidden states: this step needs a local model")
 
     def select_rows(self, cache: RemoteCache, rows: torch.Tensor) -> None:

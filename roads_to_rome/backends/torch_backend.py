@@ -313,9 +313,12 @@ class TorchBackend(LocalBackend):
         return self._logits(hidden).masked_fill(padding[..., None], 0.0)
 
     @torch.inference_mode()
-    def forward_sequence(self, ids: list[int], start: int = 0):
-        out = self.trunk(input_ids=torch.tensor([ids], device=self.device), use_cache=False)
-        hidden = out.last_hidden_state[0, start:]
+    def forward_sequence(self, ids: list[int], start: int = 0, cache: TorchCache | None = None):
+        tokens = torch.tensor([ids], device=self.device)
+        if cache is None:
+            hidden = self.trunk(input_ids=tokens, use_cache=False).last_hidden_state[0, start:]
+        else:
+            hidden = self._read(cache, tokens, torch.ones_like(tokens))[0, start:]
         return self._logits(hidden), hidden
 
     def select_rows(self, cache: TorchCache, rows: torch.Tensor) -> None:

@@ -476,10 +476,11 @@ def count_time(t: Timings, writer_source: str, writer_s: float, router_s: float,
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    """A token's log-probability in the distribution these logits give, and the `top` most likely tokens'."""
+    """A token's log-probability in the distribution these logits give, the `top` most likely tokens', and its rank."""
     logprobs = torch.log_softmax(logits.float(), -1)
     values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0])
-    return TokenLogprob(float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
+    own = logprobs[token]
+    return TokenLogprob(float(own), list(zip(ids.tolist(), values.tolist())), int((logprobs > own).sum()) + 1)
 
 
 def sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:

@@ -76,6 +76,7 @@ class TokenLogprob(NamedTuple):
 
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 1  # the token's place in that distribution, the most likely first (vLLM's `rank`)
 
 
 # The per-request counters, named once: `r2r generate --json`, the server's `usage` and "r2r" fields and its

@@ -75,16 +75,20 @@ class Scheduler:
                 break  # the head waits for room
             self.waiting.popleft()
             if s.request.prompt_logprobs is not None:
-                try:  # (each model reads the whole prompt at once: a turn as long as an unchunked prefill)
-                    s.generation.prompt_logprobs, s.generation.prompt_sources = score_prompt(self.engine, s)
+                read = PromptRead(self.engine, s)
+                try:  # (the scoring models read the whole prompt at once: a turn as long as an unchunked prefill)
+                    s.generation.prompt_logprobs, s.generation.prompt_sources = score_prompt(
+                        self.engine, s, read.per_model)
                 except Exception as e:  # only this sequence fails
+                    read.release()
                     left.append(Failure(s, e))
                     continue
-            self.kv_in_use += need
-            if self.prefill_chunk:
+                self.reading.append((s, read))  # the prompt is read: what is left of it is the other model's
+            elif self.prefill_chunk:
                 self.reading.append((s, PromptRead(self.engine, s)))
             else:
                 self.joining.append(s)
+            self.kv_in_use += need
         return left
 
     def advance(self) -> list[Step | Failure]:
@@ -118,7 +122,7 @@ class Scheduler:
             return left
         s, prefill = self.reading[0]
         try:
-            prefill.advance(self.prefill_chunk)
+            prefill.advance(self.prefill_chunk or prefill.goal)
             if not prefill.done:
                 self.reading.rotate(-1)  # the next prompt gets the next chunk
                 return left

@@ -23,22 +23,25 @@ if TYPE_CHECKING:
     from roads_to_rome.core.engine import Engine
 
 
-def score_prompt(engine: Engine, sequence: Sequence) -> tuple[list[TokenLogprob | None], list[str]]:
+def score_prompt(engine: Engine, sequence: Sequence, caches: tuple) -> tuple[list[TokenLogprob | None], list[str]]:
     """Each prompt token's entry (None for the first: nothing comes before it) and which model gave it ("slm" or
-    "llm"), with the request's `prompt_logprobs` most likely tokens. Each model reads the prompt once, whole."""
+    "llm"), with the request's `prompt_logprobs` most likely tokens. Each model that scores reads the prompt once,
+    whole, into its cache of `caches` (the writer's, the LLM's: a `PromptRead`'s, None for a model that does not
+    read the sequence), up to its last token as a prompt read ahead does: decoding goes on from that read."""
     ids, top = list(sequence.prompt_ids), sequence.request.prompt_logprobs
-    if len(ids) == 1:
+    read = ids[:-1]  # the logits after each of these give the next prompt token's entry
+    if not read:
         return [None], []
+    writer_cache, llm_cache = caches
     with torch.inference_mode():
         logits = {}
-        if not (engine.routes and sequence.force == "llm"):
-            writer_logits, hidden = engine.writer.forward_sequence(ids)
-            logits[engine.writer_source] = writer_logits[:-1]
-            sources = routed_positions(engine, sequence, writer_logits[:-1], hidden[:-1])
+        if writer_cache is not None:
+            logits[engine.writer_source], hidden = engine.writer.forward_sequence(read, cache=writer_cache)
+            sources = routed_positions(engine, sequence, logits[engine.writer_source], hidden)
         else:
-            sources = ["llm"] * (len(ids) - 1)
+            sources = ["llm"] * len(read)
         if "llm" in sources and "llm" not in logits:
-            logits["llm"] = engine.llm_side.forward_sequence(ids)[0][:-1]
+            logits["llm"] = engine.llm_side.forward_sequence(read, cache=llm_cache)[0]
         entries = [token_logprob(logits[source][t], ids[t + 1], top) for t, source in enumerate(sources)]
     return [None, *entries], sources
 

@@ -46,6 +46,8 @@ class Reply:
     echo: list[str] | None = None  # completions: each prompt's text, which its choices' text starts with
     tools: ToolParser | None = None  # chat replies whose tool calls are read
     one_call: bool = False  # parallel_tool_calls: false: the first call only
+    prompt_entries: bool = False  # vLLM's `prompt_logprobs` field: completions' choices and a chat reply carry it
+    prompt_alone: bool = False  # completions' echo with max_tokens 0: the prompt, nothing written after it
     # Where the tokens given log-probabilities so far end, in tokens and in characters: a stream's next chunk
     # starts there, so its text offset is not summed again from the first token.
     logprobs_upto: tuple[int, int] = (0, 0)
@@ -66,6 +68,9 @@ class Reply:
         """The whole reply: one choice per generation (`n`). Its "r2r" provenance goes beside the choices for one,
         in each choice for several."""
         choices, reasoned = [], []
+        if self.prompt_alone:
+            gens = [dataclasses.replace(gen, token_ids=[], sources=[], scores=[], text="",
+                                        logprobs=None if gen.logprobs is None else []) for gen in gens]
         for index, gen in enumerate(gens):
             self.logprobs_upto = (0, 0)
             logprobs = self.logprobs(gen, 0, len(gen.token_ids))
@@ -88,12 +93,15 @@ class Reply:
             else:
                 if logprobs is not None and gen.prompt_logprobs is not None:
                     logprobs = self.with_prompt(gen, logprobs, len(self.echoed(index)))
+                scored = {"prompt_logprobs": self.prompt_entries_of(gen)} if self.prompt_entries else {}
                 choices.append(CompletionChoice(index=index, text=self.echoed(index) + gen.text, logprobs=logprobs,
-                                                finish_reason=gen.finish_reason, **r2r))
-        r2r = {"r2r": provenance(gens[0])} if len(gens) == 1 else {}
+                                                finish_reason=gen.finish_reason, **r2r, **scored))
+        extra = {"r2r": provenance(gens[0])} if len(gens) == 1 else {}
+        if self.chat and self.prompt_entries:  # (one prompt: vLLM gives its entries beside the choices)
+            extra["prompt_logprobs"] = self.prompt_entries_of(gens[0])
         kind = (ChatCompletion, "chat.completion") if self.chat else (Completion, "text_completion")
         out = kind[0](id=self.id, object=kind[1], created=self.created, model=self.model_name, choices=choices,
-                      usage=usage(gens, reasoned if self.chat and reasoned[0] is not None else None, self.n), **r2r)
+                      usage=usage(gens, reasoned if self.chat and reasoned[0] is not None else None, self.n), **extra)
         return out.model_dump(exclude_unset=True)
 
     def echoed(self, index: int) -> str:
@@ -136,6 +144,18 @@ class Reply:
                                         top_logprobs=[None if e is None else dict(self._tops(e)) for e in entries]
                                         + generated.top_logprobs,
                                         text_offset=offsets + [echoed + o for o in generated.text_offset])
+
+    def prompt_entries_of(self, gen: Generation) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: for each prompt token after the first, that token's entry and the most likely
+        tokens' there, by token id: log-probability, rank and text (None for the first token)."""
+        shown = [None]
+        for token, entry in zip(gen.prompt_ids[1:], gen.prompt_logprobs[1:]):
+            ranked = {token: (entry.logprob, entry.rank)}
+            for rank, (t, lp) in enumerate(entry.top, 1):
+                ranked.setdefault(t, (lp, rank))
+            shown.append({str(t): {"logprob": lp, "rank": rank, "decoded_token": self._text(t)}
+                          for t, (lp, rank) in ranked.items()})
+        return shown
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])

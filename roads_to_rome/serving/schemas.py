@@ -114,7 +114,7 @@ VerifySetting = Annotated[Number | str, AfterValidator(verify_setting)]
 UNSUPPORTED = {"best_of": 1, "functions": None, "function_call": None,
                "echo": False, "suffix": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
                "guided_grammar": None, "use_beam_search": False,
-               "length_penalty": 1.0, "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
+               "length_penalty": 1.0, "bad_words": None, "truncate_prompt_tokens": None,
                "logits_processors": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
                "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
                "return_tokens_as_token_ids": False}
@@ -196,6 +196,8 @@ class CommonBody(BaseModel):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None  # OpenAI's structured outputs
     structured_outputs: StructuredOutputs | None = None  # vLLM's
+    # vLLM's: each prompt token's log-probability, with this many most likely tokens (core/scoring.py)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # R2R routing knobs (extra body fields)
     r2r_threshold: Number | None = None
     r2r_llm_rate: Number | None = Field(None, ge=0, le=1)
@@ -207,9 +209,16 @@ class CommonBody(BaseModel):
         """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
         raise NotImplementedError
 
-    def prompt_logprobs(self) -> int | None:
+    def prompt_top_count(self) -> int | None:
         """How many alternatives each prompt token's log-probability comes with; None: none asked for."""
-        return None
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs come with the whole reply only: ask with stream: false",
+                           param="prompt_logprobs")
+        return self.prompt_logprobs
+
+    def prompt_alone(self) -> bool:
+        """Whether the reply shows the prompt alone, nothing written after it (completions' echo with max_tokens 0)."""
+        return False
 
     def output_format(self) -> OutputFormat | None:
         """The format the output must follow (`response_format` or `structured_outputs`), or None; a 400 naming the
@@ -405,9 +414,19 @@ class CompletionBody(CommonBody):
                                 "ask with stream: false", param="stream")
         return self.logprobs
 
-    def prompt_logprobs(self) -> int | None:
-        """With echo, the logprobs cover the prompt's tokens too (core/scoring.py)."""
-        return self.logprobs if self.echo else None
+    def prompt_top_count(self) -> int | None:
+        """With echo, the logprobs cover the prompt's tokens too (vLLM's rule: prompt_logprobs where given)."""
+        given = super().prompt_top_count()
+        return given if given is not None or not self.echo else self.logprobs
+
+    def prompt_alone(self) -> bool:
+        """vLLM's echo without generation (scoring a prompt): one token is written, and not shown."""
+        if not (self.echo and self.max_tokens == 0):
+            return False
+        if self.stream:
+            raise APIError(400, "echo with max_tokens 0 (the prompt alone) comes as the whole reply only: ask with "
+                                "stream: false", param="stream")
+        return True
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: its text, or its token ids."""
@@ -430,6 +449,7 @@ def check_body(body: CommonBody, model_name: str, limits: Limits) -> OutputForma
                                 f"leave it out", param=name, code="unsupported_parameter")
     stop_strings(body, limits)
     body.top_count()
+    body.prompt_top_count()
     output_format = body.output_format()
     choices = body.n * (len(body.prompts()) if isinstance(body, CompletionBody) else 1)
     if choices > limits.max_batch + limits.max_queue:
@@ -470,8 +490,11 @@ def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limi
 def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits,
                   output_format: OutputFormat | None, thinking_until: int | None, stop: tuple[str, ...]) -> Sequence:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if body.prompt_alone():
+        max_tokens = 1  # (the reply leaves it out)
     if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        raise APIError(400, f"max_tokens must be at least 1 (0 only with echo: the prompt alone), got {max_tokens}",
+                       param="max_tokens")
     if max_tokens is not None and max_tokens > limits.max_tokens:
         raise APIError(400, f"max_tokens is at most {limits.max_tokens} on this server", param="max_tokens")
     context = limits.context_length
@@ -496,7 +519,7 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
         request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                           target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
                           max_unverified=body.r2r_max_unverified, thinking_until=thinking_until,
-                          prompt_logprobs=body.prompt_logprobs())
+                          prompt_logprobs=body.prompt_top_count())
         return engine.sequence(request)  # here, not in the engine thread, where it would fail the whole batch
     except R2RError as e:
         raise APIError(400, str(e)) from None

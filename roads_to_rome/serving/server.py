@@ -237,7 +237,8 @@ async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: 
     s.engine_thread.submit(jobs)
     reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat,
                   reasoning, s.engine.tokenizer, body.n, echo, tools.parser if tools else None,
-                  bool(tools and tools.one))
+                  bool(tools and tools.one), prompt_entries=body.prompt_logprobs is not None,
+                  prompt_alone=body.prompt_alone())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(jobs, reply, include_usage), media_type="text/event-stream")
