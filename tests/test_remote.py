@@ -198,6 +198,10 @@ def test_penalties_and_logit_rules_are_refused_with_a_remote_llm_unless_the_slm_
     assert engine.run([Request([1, 2, 3], reshaped, force="slm")])[0].token_ids
     held = SamplingParams(max_new_tokens=4, min_tokens=4, stop_token_ids=(7,))
     assert len(engine.run([Request([1, 2, 3], held, force="llm")])[0].token_ids) == 4
+    # ... and so do bad words
+    plain = engine.run([Request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True), force="llm")])[0]
+    banned = SamplingParams(max_new_tokens=4, ignore_eos=True, bad_words=((plain.token_ids[1],),))
+    assert plain.token_ids[1] not in engine.run([Request([1, 2, 3], banned, force="llm")])[0].token_ids
 
 
 def test_vllms_prefix_cache_is_read_from_its_metrics():

@@ -153,12 +153,25 @@ def test_logit_bias_then_allowed_tokens_then_ending_tokens_held_back_then_penalt
     assert adjust_logits(logits, LogitRules.of(SamplingParams(min_p=0.2), [1]), [1]) is logits  # min-p is later
 
 
+def test_a_bad_words_last_token_is_banned_where_the_output_ends_with_the_rest_of_it():
+    """vLLM's bad_words: a one-token word never comes; a longer word's last token not after the rest of it."""
+    logits = torch.zeros(10)
+    rules = LogitRules.of(SamplingParams(bad_words=((4,), (1, 2, 3), (7, 8))), [0])
+    banned = lambda output: [t for t, v in enumerate(adjust_logits(logits, rules, output).tolist())  # noqa: E731
+                             if v == float("-inf")]
+    assert banned([]) == [4] and banned([1]) == [4] and banned([1, 2]) == [3, 4] and banned([5, 1, 2]) == [3, 4]
+    assert banned([2]) == [4] and banned([7]) == [4, 8] and banned([7, 9]) == [4]
+    assert SamplingParams(bad_words=((3,),)).adjusted and not SamplingParams(bad_words=((3,),)).reshapes
+
+
 @pytest.mark.parametrize("bad,match", [({"min_p": 1.5}, "min-p"), ({"logit_bias": {3: 101.0}}, "logit bias"),
                                        ({"logit_bias": {-1: 1.0}}, "token -1: token ids"),
                                        ({"allowed_token_ids": ()}, "at least one token"),
                                        ({"stop_token_ids": (-2,)}, "token ids are >= 0"),
                                        ({"min_tokens": 9, "max_new_tokens": 8}, "min tokens"),
-                                       ({"min_tokens": -1}, "min tokens")])
+                                       ({"min_tokens": -1}, "min tokens"),
+                                       ({"bad_words": ((1,), ())}, "at least one token"),
+                                       ({"bad_words": ((1, -3),)}, "token ids are >= 0")])
 def test_bad_sampling_settings_are_refused_saying_what_to_fix(bad, match):
     with pytest.raises(R2RError, match=match):
         SamplingParams(**bad).validate()

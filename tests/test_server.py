@@ -304,6 +304,32 @@ def test_logit_bias_min_p_and_vllms_stopping_fields_reach_the_engine_through_the
     assert own.token_ids[:5] == ids[:5] and ids[5] not in own.token_ids[5:8]
 
 
+def test_bad_words_never_come_whichever_model_writes_and_each_answer_is_the_engines_own(client, slm, llm, tokenizer):
+    """vLLM's bad_words: each word as the tokenizer writes it at a text's start and after a space; the answer, R2R's
+    under strict verification (its routed tokens and its fixes) and the LLM's alone, is the engine's own with those
+    words banned, holds none of them, and differs from the plain one."""
+    from roads_to_rome.core.request import Request
+    from roads_to_rome.text import bad_words_ids
+
+    engine = Engine(slm, llm, tokenizer)
+    prompt = "What is 48 / 2?"
+    plain = chat(client, prompt, max_tokens=16, extra_body={"r2r_policy": "llm", "ignore_eos": True})
+    ids = plain.model_extra["r2r"]["token_ids"]
+    words = [tokenizer.decode(ids[3:5]), tokenizer.decode(ids[8:9])]
+    sequences = bad_words_ids(tokenizer, words)
+    holds = lambda out: any(tuple(out[i : i + len(w)]) == w for w in sequences for i in range(len(out)))  # noqa: E731
+    assert holds(ids)
+    for extra in ({"r2r_policy": "llm"}, {"r2r_verify": "strict", "r2r_threshold": 0.1}):
+        answer = chat(client, prompt, max_tokens=16, extra_body={"ignore_eos": True, "bad_words": words, **extra})
+        got = answer.model_extra["r2r"]["token_ids"]
+        own = engine.run([Request(engine.encode_chat(prompt), SamplingParams(
+            max_new_tokens=16, ignore_eos=True, bad_words=sequences), force="llm")])[0]
+        assert got == own.token_ids and not holds(got)
+    refused = httpx.post(f"{client.base_url}chat/completions", json={
+        "messages": [{"role": "user", "content": prompt}], "bad_words": ["  "]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words"
+
+
 def test_penalties_reach_the_engine_through_the_openai_client(client):
     """presence_penalty and frequency_penalty (OpenAI's fields) and repetition_penalty (vLLM's) shape the answer:
     with strict verification it is the LLM's own penalised answer, which differs from its plain one."""

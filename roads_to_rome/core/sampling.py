@@ -47,6 +47,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # only these tokens may be written (None: any)
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the output, beside the models' end-of-sequence ones
     min_tokens: int = 0  # nothing ends the output before it holds this many tokens (vLLM's rule)
+    # Token sequences the output never holds: a sequence's last token is banned where the output ends with the rest
+    # (vLLM's `bad_words`, each word as its tokenizer writes it: `bad_words_ids`)
+    bad_words: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False  # the stop string or stop token that ended it stays in the text
     output_format: OutputFormat | None = None  # a structured output: the format the output follows (core/grammar.py)
 
@@ -55,6 +58,7 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "bad_words", tuple(tuple(word) for word in self.bad_words))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         # A temperature this small is greedy decoding, as in vLLM: dividing logits by it overflows to inf (NaN
@@ -96,8 +100,10 @@ class SamplingParams:
                 raise R2RError("allowed token ids and a structured output both say which tokens may be written: "
                                "give one of them")
             self.output_format.validate()
-        if any(t < 0 for t in (*self.stop_token_ids, *(self.allowed_token_ids or ()))):
+        if any(t < 0 for t in (*self.stop_token_ids, *(self.allowed_token_ids or ()), *self.banned_ids)):
             raise R2RError("token ids are >= 0")
+        if not all(self.bad_words):
+            raise R2RError("a bad word is at least one token")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise R2RError(f"min tokens must be in [0, max new tokens = {self.max_new_tokens}], got {self.min_tokens}")
         if any(not s for s in self.stop):
@@ -120,13 +126,18 @@ class SamplingParams:
 
     @property
     def adjusted(self) -> bool:
-        """Whether a model's logits change before a token is chosen from them (`adjust_logits`)."""
-        return self.reshapes or self.min_tokens > 0
+        """Whether a model's logits change before a token is chosen from them (`adjust_logits`; banning tokens
+        only removes them, as holding back ending ones does)."""
+        return self.reshapes or self.min_tokens > 0 or bool(self.bad_words)
+
+    @property
+    def banned_ids(self) -> tuple[int, ...]:
+        return tuple(t for word in self.bad_words for t in word)
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Every token id these settings name is one of a model's `vocab_size`."""
         named = {"logit_bias": [t for t, _ in self.logit_bias], "allowed_token_ids": self.allowed_token_ids or (),
-                 "stop_token_ids": self.stop_token_ids}
+                 "stop_token_ids": self.stop_token_ids, "bad_words": self.banned_ids}
         for name, ids in named.items():
             if any(t >= vocab_size for t in ids):
                 raise R2RError(f"{name} names token {max(ids)}, beyond the vocabulary: ids are 0 to {vocab_size - 1}")
@@ -185,7 +196,8 @@ def adjust_logits(logits: torch.Tensor, rules: LogitRules, output_ids: Sequence[
     """One row's next-token logits [V] as a request's settings leave them before temperature, min-p and top-k/p,
     in vLLM's order: the logit bias added, then every token but the allowed ones (or those the structured output
     allows after `output_ids`), and the tokens that would end the output while it is shorter than `min_tokens`, set
-    to -inf; then the penalties (`apply_penalties`). Unchanged when no setting asks for any of it."""
+    to -inf, and the last token of each bad word whose other tokens end the output; then the penalties
+    (`apply_penalties`). Unchanged when no setting asks for any of it."""
     params = rules.params
     if not params.adjusted:
         return logits
@@ -199,12 +211,23 @@ def adjust_logits(logits: torch.Tensor, rules: LogitRules, output_ids: Sequence[
         logits += allowed
     if rules.grammar is not None and (allowed := rules.grammar.allowed(output_ids)) is not None:
         logits.masked_fill_(~allowed.to(device), float("-inf"))
+    if params.bad_words:
+        banned = banned_next(params.bad_words, output_ids)
+        if banned:
+            logits[banned] = float("-inf")
     if len(output_ids) < params.min_tokens and len(rules.ending):
         held = logits.clone() if rules.grammar is not None else None
         logits[rules.ending.to(device)] = float("-inf")
         if held is not None and not bool(torch.isfinite(logits).any()):  # the format allows nothing but its end
             logits = held
     return apply_penalties(logits, params, rules.prompt_tokens, output_ids)
+
+
+def banned_next(bad_words: tuple[tuple[int, ...], ...], output_ids: Sequence[int]) -> list[int]:
+    """The tokens that would complete a bad word after `output_ids`: a one-token word's always, a longer one's last
+    where the output ends with the rest of it."""
+    return [word[-1] for word in bad_words
+            if len(word) == 1 or tuple(output_ids[max(0, len(output_ids) - len(word) + 1) :]) == word[:-1]]
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int] | torch.Tensor,

@@ -26,6 +26,7 @@ from roads_to_rome.core.sampling import (
     parse_verify,
 )
 from roads_to_rome.errors import R2RError
+from roads_to_rome.text import bad_words_ids
 from roads_to_rome.tool_calls import CLOSE, ToolParser, call_format
 
 
@@ -114,12 +115,11 @@ VerifySetting = Annotated[Number | str, AfterValidator(verify_setting)]
 UNSUPPORTED = {"best_of": 1, "functions": None, "function_call": None,
                "echo": False, "suffix": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
                "guided_grammar": None, "use_beam_search": False,
-               "length_penalty": 1.0, "bad_words": None, "truncate_prompt_tokens": None,
+               "length_penalty": 1.0, "truncate_prompt_tokens": None,
                "logits_processors": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
                "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
                "return_tokens_as_token_ids": False}
-NEUTRAL = {"functions": ([],), "function_call": ("none",), "suffix": ("",),
-           "bad_words": ([],), "logits_processors": ([],)}
+NEUTRAL = {"functions": ([],), "function_call": ("none",), "suffix": ("",), "logits_processors": ([],)}
 
 
 class StreamOptions(BaseModel):
@@ -187,6 +187,7 @@ class CommonBody(BaseModel):
     # vLLM's: tokens only these may be, tokens that end the output too, how long it is at least, and what ends it
     allowed_token_ids: list[TokenId] | None = None
     stop_token_ids: list[TokenId] | None = None
+    bad_words: list[Text] | None = None  # words the output never holds
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -514,7 +515,7 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
                             min_p=body.min_p, logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens,
                             allowed_token_ids=body.allowed_token_ids, stop_token_ids=tuple(body.stop_token_ids or ()),
                             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-                            output_format=output_format)
+                            output_format=output_format, bad_words=bad_words(body, engine.tokenizer))
     try:
         request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                           target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
@@ -523,6 +524,13 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
         return engine.sequence(request)  # here, not in the engine thread, where it would fail the whole batch
     except R2RError as e:
         raise APIError(400, str(e)) from None
+
+
+def bad_words(body: CommonBody, tokenizer) -> tuple[tuple[int, ...], ...]:
+    try:
+        return bad_words_ids(tokenizer, body.bad_words or [])
+    except R2RError as e:
+        raise APIError(400, str(e), param="bad_words") from None
 
 
 async def validation_error(http: HTTPRequest, e: RequestValidationError) -> JSONResponse:
