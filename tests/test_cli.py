@@ -181,7 +181,8 @@ def test_llm_tokens_are_marked_when_output_is_not_a_terminal(run_cli, pair):
 
 
 def test_serving_benchmark_runs(run_cli, pair, tmp_path):
-    systems = ["r2r", "r2r+defer=continue", "r2r+overlap", "llm", "spec+k=2", "slm", "r2r+force=slm"]
+    systems = ["r2r", "r2r+defer=continue", "r2r+overlap", "llm", "spec+k=2", "slm", "r2r+force=slm",
+               "r2r+force=llm/2"]
     code, out, err = run_cli("bench", "serve", "--clients", "1,2", "--requests", "2", "--tokens", "4",
                              "--systems", ",".join(systems), "--out", tmp_path / "s.json", *pair)
     assert code == 0, err
@@ -198,7 +199,8 @@ def test_serving_benchmark_runs(run_cli, pair, tmp_path):
     for name in ("slm", "r2r+force=slm"):  # the same tokens: the SLM's
         assert result["runs"][f"{name} x2"]["llm_rate"] == 0.0
         assert result["runs"][f"{name} x2"]["tokens"] == result["runs"]["slm x2"]["tokens"]
-    for bad in ("r2r,r2r+defer=later", "r2r+k=2", "vllm", "r2r,r2r", "r2r+force=big", "llm+force=slm"):
+    for bad in ("r2r,r2r+defer=later", "r2r+k=2", "vllm", "r2r,r2r", "r2r+force=big", "llm+force=slm",
+                "r2r+force=llm/0", "r2r+force=llm/x"):
         code, out, err = run_cli("bench", "serve", "--systems", bad, *pair)
         assert code == 2 and "--systems" in err, bad
     code, out, err = run_cli("bench", "serve", "--systems", "llm-direct", *pair)  # needs the LLM on a server

@@ -268,30 +268,43 @@ def test_the_llm_never_reads_a_request_forced_onto_the_slm(kind_pair, tokenizer,
     assert all(set(s.generation.sources) == {"slm"} for s in sequences[::2][:2])
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("prefill_chunk", [None, 3])
-def test_the_slm_reads_nothing_of_a_request_forced_onto_the_llm_until_a_row_needs_it(kind_pair, tokenizer,
-                                                                                      prefill_chunk, monkeypatch):
-    """"LLM alone" through a pair's scheduler costs the LLM alone, the prompt included; a routed request that joins
-    later has the SLM read what it skipped, and each answer is the one it gets alone."""
+def test_the_slm_never_reads_a_request_forced_onto_the_llm(kind_pair, tokenizer, prefill_chunk, overlap,
+                                                           monkeypatch):
+    """"LLM alone" through a pair's scheduler costs the LLM alone, the prompt included, alone and beside routed
+    rows that join, leave and roll back: the SLM reads and proposes for the routed rows only, and each answer is
+    the one it gets alone."""
     slm, llm = kind_pair
-    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict")
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
     prompt = engine.encode_raw("Count to five, then back.")
-    requests = [Request(prompt, SamplingParams(max_new_tokens=10), force="llm"),
-                Request(prompt[2:], SamplingParams(max_new_tokens=5))]
+    requests = [Request(prompt, SamplingParams(max_new_tokens=14), force="llm"),
+                Request(prompt[2:], SamplingParams(max_new_tokens=5)),
+                Request(prompt[1:], SamplingParams(max_new_tokens=4), force="llm"),
+                Request(prompt[3:], SamplingParams(max_new_tokens=4))]
     alone = [Engine(slm, llm, tokenizer, AlwaysLLM()).generate([r.prompt_ids], r.params)[0].token_ids
              for r in requests]  # (strict: the routed answer is the LLM's own)
-    calls = []
+    most = len(prompt) + 3  # the most real tokens a routed row has: the forced ones outgrow it beside them
+    read = []
+
+    def spying(original):
+        def spy(cache, new_ids, attention_mask, *args, **kwargs):
+            read.append(int(attention_mask.sum(-1).max()))  # the longest row the SLM is handed, padding left out
+            return original(cache, new_ids, attention_mask, *args, **kwargs)
+        return spy
+
     for name in ("read", "forward", "forward_all"):
-        original = getattr(slm, name)
-        monkeypatch.setattr(slm, name, lambda *a, _original=original, **k: calls.append(1) or _original(*a, **k))
-    scheduler = Scheduler(engine, 2, prefill_chunk=prefill_chunk)
-    first, second = (engine.sequence(r) for r in requests)
-    scheduler.add(first)
+        monkeypatch.setattr(slm, name, spying(getattr(slm, name)))
+    scheduler = Scheduler(engine, 3, prefill_chunk=prefill_chunk)
+    sequences = [engine.sequence(r) for r in requests]
+    scheduler.add(sequences[0])
     events = []
-    while len(first.generation.token_ids) < 3:
+    while len(sequences[0].generation.token_ids) < 3:
         events += scheduler.turn()
-    assert not calls  # the SLM has not run
-    scheduler.add(second)
+    assert not read  # the SLM has not run
+    for s in sequences[1:]:
+        scheduler.add(s)
     events += drive(scheduler)
     assert not [e.error for e in events if isinstance(e, Failure)]
-    assert calls and [first.generation.token_ids, second.generation.token_ids] == alone
+    assert [s.generation.token_ids for s in sequences] == alone
+    assert read and max(read) <= most

@@ -7,7 +7,8 @@ what a serving user would run: R2R with its LLM calls in the step (lockstep, or 
 SLM's steps (+overlap); the LLM or the SLM alone behind the same server and backends (`llm`, `slm`), or the LLM asked
 directly on its own server (`llm-direct`, with --llm http://...); speculative decoding in this engine (`spec+k=K`:
 the SLM drafts, the LLM checks every K tokens strictly); R2R's server with every request forcing one model
-(`r2r+force=slm|llm`: what such a request costs on a server that routes). Greedy decoding gives every R2R system the
+(`r2r+force=slm|llm`: what such a request costs on a server that routes; `+force=llm/2`: every second request,
+the others routed: a mixed load). Greedy decoding gives every R2R system the
 same tokens, so they do the same work."""
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class ServedSystem:
     defer: str = "off"
     k: int = 4
     force: str | None = None  # each request's r2r_policy
+    every: int = 1  # ... of every `every`-th request only (the others routed)
 
     @classmethod
     def parse(cls, name: str) -> ServedSystem:
@@ -62,11 +64,11 @@ class ServedSystem:
                 fields["defer"] = value
             elif kind == "spec" and key == "k" and value.isdigit() and int(value) >= 1:
                 fields["k"] = int(value)
-            elif kind == "r2r" and key == "force" and value in ("slm", "llm"):
-                fields["force"] = value
+            elif kind == "r2r" and key == "force" and forced_share(value) is not None:
+                fields["force"], fields["every"] = forced_share(value)
             else:
                 raise R2RError(f"bad system {name!r} in --systems: use r2r[+overlap][+defer=continue|park]"
-                               "[+force=slm|llm], llm, slm, llm-direct or spec[+k=K][+overlap]")
+                               "[+force=slm|llm[/N]], llm, slm, llm-direct or spec[+k=K][+overlap]")
         if kind not in ("r2r", "llm", "slm", "llm-direct", "spec"):
             raise R2RError(f"unknown system {kind!r} in --systems: use r2r, llm, slm, llm-direct or spec")
         return cls(name.strip(), kind, **fields)
@@ -94,6 +96,14 @@ class ServedSystem:
                               defer=dataclasses.replace(rule, mode=self.defer), overlap=self.overlap)
 
 
+def forced_share(value: str) -> tuple[str, int] | None:
+    """`+force=MODEL` or `+force=MODEL/N` as (the model, every how many requests force it); None if malformed."""
+    model, slash, every = value.partition("/")
+    if model not in ("slm", "llm") or (slash and not (every.isdigit() and int(every) >= 1)):
+        return None
+    return model, int(every or 1)
+
+
 def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: list[int], n_tokens: int,
             requests: int, names: list[str], rule: Deferral = Deferral(), backend: str = "auto",
             threshold: float | None = None, rounds: int = 1, progress=QUIET, threads: dict | None = None) -> dict:
@@ -114,18 +124,18 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: 
     for _ in range(rounds):
         for system in chosen:
             name, engine = system.name, engines[system.name]
-            extra_body = {"r2r_policy": system.force} if system.force else None
             with (BackgroundServer(create_app(engine, "r2r", Limits(max_batch=rows))) if engine is not None
                   else nullcontext(None)) as server:
                 url = server.url if server is not None else llm_backend.client.url
                 model = "r2r" if server is not None else llm_backend.api.model
                 client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
 
-                def ask(prompt):
+                def ask(prompt, index=0):
                     start = time.perf_counter()
+                    forced = system.force and index % system.every == 0
                     out = client.chat.completions.create(model=model, temperature=0, max_tokens=n_tokens,
                                                          messages=[{"role": "user", "content": prompt}],
-                                                         extra_body=extra_body)
+                                                         extra_body={"r2r_policy": system.force} if forced else None)
                     progress.advance(task)
                     extra = out.usage.model_extra or {}
                     return out.usage.completion_tokens, extra.get("llm_tokens", out.usage.completion_tokens), \
@@ -136,7 +146,7 @@ def serving(slm: str | None, llm: str | None, device: str, dtype: str, clients: 
                     before = dataclasses.replace(engine.counters) if engine is not None else Counters()
                     start = time.perf_counter()
                     with concurrent.futures.ThreadPoolExecutor(count) as pool:
-                        answers = list(pool.map(ask, prompts))
+                        answers = list(pool.map(ask, prompts, range(len(prompts))))
                     counted = engine.counters - before if engine is not None else Counters()
                     answered.setdefault(f"{name} x{count}", []).append(
                         (answers, time.perf_counter() - start, counted))

@@ -141,8 +141,9 @@ def bench_serve(
     systems: str = typer.Option("r2r,r2r+overlap,llm,spec+k=4", "--systems", help="Comma-separated systems, one "
                                 "server each, the first the baseline of the ratios: r2r (the LLM's calls in the step), "
                                 "r2r+overlap (beside the SLM's steps), r2r+defer=continue|park (grouped), "
-                                "r2r+force=slm|llm (R2R's server, each request forcing one model), llm or slm (one "
-                                "model alone behind the same server and backends), llm-direct (the LLM's own server, "
+                                "r2r+force=slm|llm (R2R's server, each request forcing one model; +force=llm/N: "
+                                "every N-th, the others routed), llm or slm (one model alone behind the same server "
+                                "and backends), llm-direct (the LLM's own server, "
                                 "with --llm http://...), spec+k=K (speculative decoding: the SLM drafts K, the LLM "
                                 "checks; +overlap too)."),
     defer_group: DeferGroup = None, defer_steps: DeferSteps = None, overlap_ahead: OverlapAhead = None,

@@ -92,8 +92,8 @@ class StepRecord:
 
 
 class Batch:
-    """Sequences decoding in lockstep: one row each in both models' caches (in the writer's only for a sequence
-    the LLM never reads: `Sequence.uses_llm`).
+    """Sequences decoding in lockstep: one row each in the caches of the models that read it (`Engine.readers`: a
+    sequence forced onto one model is in that model's only).
 
     Sequences can join between steps (continuous batching): a newcomer is left-padded to the
     batch's width (or the batch to the newcomer's) and prefilled up to where each model's cache
@@ -115,7 +115,7 @@ class Batch:
         self._join(sequences, prefill)
 
     def _join(self, sequences: list[Sequence], prefill: PromptRead | None) -> None:
-        self.layout.join([s.prompt_ids for s in sequences], [s.uses_llm for s in sequences],
+        self.layout.join([s.prompt_ids for s in sequences], [self.engine.readers(s) for s in sequences],
                          prefill.per_model if prefill else None)
         self.sequences += sequences
 
@@ -154,18 +154,27 @@ class Batch:
         return left + events
 
     def _propose(self, step: StepRecord) -> None:
-        """1. The writer (the SLM of a pair) reads the columns it has not read yet and proposes a token per row:
-        (proposal, its logits, its last hidden state). When every row forces the LLM, the SLM has nothing to
-        propose and does not run (it reads these columns later if a request ever needs it), so "LLM alone"
-        through a pair costs the LLM alone."""
-        engine, sequences = self.engine, self.sequences
-        if engine.routes and all(s.force == "llm" for s in sequences):
-            step.proposal = self.ids[:, -1].clone()  # a placeholder: every row takes the LLM's token
+        """1. The writer (the SLM of a pair) reads the columns it has not read yet of the rows it writes for (not
+        those forced onto the LLM) and proposes a token per row: (proposal, its logits, its last hidden state). A
+        row forced onto the LLM gets a placeholder (the LLM's token takes its place) and zero logits; when every row
+        is one, the SLM does not run, so "LLM alone" through a pair costs the LLM alone."""
+        engine, sequences, layout = self.engine, self.sequences, self.layout
+        step.proposal = self.ids[:, -1].clone()
+        if not layout.writer_rows:
             return
-        cache = self.layout.writer_cache
-        logits, hidden = engine.writer.forward(cache, self.ids[:, cache.length :], self.mask)
-        step.proposal, step.slm_logits, step.hidden = sample_rows(logits, sequences), logits, hidden
-        for i, s in enumerate(sequences):
+        cache, rows = layout.writer_cache, layout.writer_rows
+        logits, hidden = engine.writer.forward(cache, layout.writer_part(self.ids[:, cache.length :]),
+                                               layout.writer_part(self.mask))
+        writing = [sequences[i] for i in rows]
+        proposal = sample_rows(logits, writing)
+        if len(rows) < len(sequences):  # back to one row per sequence
+            index = torch.tensor(rows, device=logits.device)
+            logits = logits.new_zeros(len(sequences), logits.shape[1]).index_copy_(0, index, logits)
+            hidden = hidden.new_zeros(len(sequences), hidden.shape[1]).index_copy_(0, index, hidden)
+            proposal = step.proposal.index_copy_(0, index.to(step.proposal.device), proposal)
+        step.proposal, step.slm_logits, step.hidden = proposal, logits, hidden
+        for i in rows:
+            s = sequences[i]
             if s.verify == "strict" and s.params.temperature > 0:  # the ratio test needs what the SLM drew from
                 index = len(s.generation.token_ids)
                 s.checks.draft_probs[index] = sampling_probs(s.logits_at(logits[i], index)[None], s.params)[0]

@@ -136,6 +136,13 @@ class Engine:
                         generation=Generation(list(request.prompt_ids), params_b=self.params_b,
                                               logprobs=None if request.params.logprobs is None else []))
 
+    def readers(self, sequence: Sequence) -> tuple[bool, bool]:
+        """Whether the writer, and the LLM of a pair, ever read this sequence: a pair's request forced onto the LLM
+        costs the LLM alone, one forced onto the SLM and unverified the SLM alone, their prompts included."""
+        if not self.routes:
+            return True, False
+        return sequence.force != "llm", sequence.uses_llm
+
     @functools.cached_property
     def grammar_tokenizer(self):
         """The tokenizer as structured outputs read it (built at the first request that asks for one)."""

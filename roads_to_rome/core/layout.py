@@ -1,9 +1,9 @@
 """A batch's tensors and caches, apart from its logic: the token streams (one row per sequence, left-padded to a
 common width) and their padding mask, and each model's KV cache. Rows join (padded to the batch's width, or the
 batch to theirs, and read up to where each cache is), leave, move right (a roll-back, a row that stands still) and
-gain a column per step; both caches follow every move. The LLM's cache holds only the rows the LLM may read
-(`llm_rows`): a row forced onto the SLM, unverified, costs the SLM alone. `Batch` (batch.py) decides the moves; this
-does them."""
+gain a column per step; both caches follow every move. Each model's cache holds only the rows that model may read
+(`writer_rows`, `llm_rows`: `Engine.readers`): a row forced onto one model costs that model alone. `Batch`
+(batch.py) decides the moves; this does them."""
 
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ NO_ROWS = torch.empty(0, dtype=torch.long)  # the `select_rows` index that keeps
 class Layout:
     """The token streams, [rows, columns], in buffers with room for the columns to come (a step writes its column in
     place: `ids` and `mask` are the columns so far), and the writer's and the LLM's caches (None for one model
-    alone). The writer's cache covers every row and every column but the newest; the LLM's the rows in `llm_rows`
-    (ascending), and the columns it has caught up on."""
+    alone). The writer's cache covers the rows in `writer_rows` and, once it has read, every column but the newest;
+    the LLM's the rows in `llm_rows`, and the columns it has caught up on (rows ascending in both)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self._ids = self._mask = None
         self._width = 0
         self.writer_cache, self.llm_cache = self.new_caches()
+        self.writer_rows: list[int] = []
         self.llm_rows: list[int] = []
 
     def new_caches(self):
@@ -46,6 +47,10 @@ class Layout:
     def width(self) -> int:
         return self._width
 
+    def writer_part(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows of a [rows, ...] tensor that the writer's cache holds, in its order."""
+        return t if len(self.writer_rows) == t.shape[0] else t[self.writer_rows]
+
     def llm_part(self, t: torch.Tensor) -> torch.Tensor:
         """The rows of a [rows, ...] tensor that the LLM's cache holds, in its order."""
         return t if len(self.llm_rows) == t.shape[0] else t[self.llm_rows]
@@ -60,19 +65,22 @@ class Layout:
         self._ids, self._mask = ids, mask
         self._width = 0 if ids is None else ids.shape[1]
 
-    def join(self, prompts: list[tuple[int, ...]], uses_llm: list[bool], prefilled: tuple | None = None) -> None:
-        """New rows: their prompts, read up to where each cache is; the LLM reads only those that `uses_llm`.
-        `prefilled`: one prompt's (writer's cache, LLM's cache), each None where that model did not read it, read
-        alone by the scheduler's chunked prefill. Into an empty layout they come as they are."""
+    def join(self, prompts: list[tuple[int, ...]], readers: list[tuple[bool, bool]], prefilled: tuple | None = None
+             ) -> None:
+        """New rows: their prompts, read up to where each cache is, each by the models of its `readers` (whether the
+        writer, the LLM reads it: `Engine.readers`). `prefilled`: one prompt's (writer's cache, LLM's cache), each
+        None where that model did not read it, read alone by the scheduler's chunked prefill. Into an empty layout
+        they come as they are."""
         engine = self.engine
         ids, mask = left_pad(prompts, engine.pad_id, engine.writer.device)
-        theirs = [j for j, uses in enumerate(uses_llm) if uses] if engine.routes else []
+        writers = [j for j, (writes, _) in enumerate(readers) if writes]
+        llms = [j for j, (_, reads) in enumerate(readers) if reads]
         if self._ids is None:  # the next step reads what their caches have not
             self.set(ids, mask)
             if prefilled:  # (the layout's own caches are empty: made new, or let go by `release`)
                 self.writer_cache = self.writer_cache if prefilled[0] is None else prefilled[0]
                 self.llm_cache = self.llm_cache if prefilled[1] is None else prefilled[1]
-            self.llm_rows = theirs
+            self.writer_rows, self.llm_rows = writers, llms
             return
         width, rows = self._width, self._ids.shape[0]
         if ids.shape[1] > width:
@@ -80,23 +88,25 @@ class Layout:
         elif ids.shape[1] < width:
             ids, mask = pad_columns_left(ids, mask, width - ids.shape[1], engine.pad_id)
         pad = self._width - len(prompts[0]) if prefilled else 0  # the prefilled row's padding
-        joining = self._catch_up_newcomers(ids, mask, theirs, prefilled, pad)
+        joining = self._catch_up_newcomers(ids, mask, writers, llms, prefilled, pad)
         for backend, cache, fresh in joining:
             backend.append_rows(cache, fresh)
         self.set(torch.cat([self.ids, ids]), torch.cat([self.mask, mask]))
-        self.llm_rows += [rows + j for j in theirs]
+        self.writer_rows += [rows + j for j in writers]
+        self.llm_rows += [rows + j for j in llms]
 
-    def _catch_up_newcomers(self, ids, mask, theirs: list[int], prefilled: tuple | None, pad: int) -> list:
-        """The newcomers' caches brought up to where each of the batch's is: (backend, cache, theirs) to append
-        once every forward has run (a failure leaves the batch as it was). A prefilled cache has read the prompt
-        alone: cut it to what the batch's cache covers and pad it to the batch's columns (positions count real
-        tokens only, so padding it afterwards changes nothing). A cache that has read nothing yet takes its rows at
-        its first read: a prefilled cache for it is let go."""
+    def _catch_up_newcomers(self, ids, mask, writers: list[int], llms: list[int], prefilled: tuple | None,
+                            pad: int) -> list:
+        """The newcomers' caches brought up to where each of the batch's is (each model's for the newcomers it
+        reads): (backend, cache, theirs) to append once every forward has run (a failure leaves the batch as it
+        was). A prefilled cache has read the prompt alone: cut it to what the batch's cache covers and pad it to the
+        batch's columns (positions count real tokens only, so padding it afterwards changes nothing). A cache that
+        has read nothing yet takes its rows at its first read: a prefilled cache for it is let go."""
         engine, joining = self.engine, []
-        parts = [(engine.writer, self.writer_cache, ids, mask, prefilled[0] if prefilled else None)]
+        mine = lambda rows: (ids, mask) if len(rows) == ids.shape[0] else (ids[rows], mask[rows])  # noqa: E731
+        parts = [(engine.writer, self.writer_cache, *mine(writers), prefilled[0] if prefilled else None)]
         if self.llm_cache is not None:
-            llm_ids, llm_mask = (ids, mask) if len(theirs) == ids.shape[0] else (ids[theirs], mask[theirs])
-            parts.append((engine.llm_side, self.llm_cache, llm_ids, llm_mask, prefilled[1] if prefilled else None))
+            parts.append((engine.llm_side, self.llm_cache, *mine(llms), prefilled[1] if prefilled else None))
         try:
             for backend, cache, new_ids, new_mask, fresh in parts:
                 if not cache.length or not new_ids.shape[0]:
@@ -135,28 +145,30 @@ class Layout:
 
     def keep(self, rows: list[int]) -> None:
         """Only these rows stay, in this order. With none left the caches are let go at once: on llama.cpp their
-        cells would shift where the next request's go; so is the LLM's when none of its rows stays."""
+        cells would shift where the next request's go; so is a model's when none of its rows stays."""
         if not rows:
             self.release()
             return
-        index = torch.tensor(rows, device=self._ids.device)
-        self.set(self.ids[index], self.mask[index])
-        self.engine.writer.select_rows(self.writer_cache, index)
-        if self.llm_cache is None:
-            return
-        place = {row: k for k, row in enumerate(self.llm_rows)}  # batch row -> its row in the LLM's cache
+        self.set(self.ids[rows], self.mask[rows])
+        self.writer_rows, self.writer_cache = self._keep(self.engine.writer, self.writer_cache, self.writer_rows, rows)
+        if self.llm_cache is not None:
+            self.llm_rows, self.llm_cache = self._keep(self.engine.llm_side, self.llm_cache, self.llm_rows, rows)
+
+    def _keep(self, backend, cache, held: list[int], rows: list[int]) -> tuple[list[int], object]:
+        """One model's cache, holding the batch rows `held`, after the batch keeps `rows`: the rows it holds then,
+        and the cache (a new one when it holds none)."""
+        place = {row: k for k, row in enumerate(held)}  # batch row -> its row in the cache
         kept = [place[row] for row in rows if row in place]
-        self.llm_rows = [i for i, row in enumerate(rows) if row in place]
-        self.engine.llm_side.select_rows(self.llm_cache, torch.tensor(kept, dtype=torch.long, device=index.device))
-        if not kept:
-            self.llm_cache = self.engine.llm_side.new_cache()
+        if len(kept) != len(held) or kept != list(range(len(held))):
+            backend.select_rows(cache, torch.tensor(kept, dtype=torch.long, device=self._ids.device))
+        return [i for i, row in enumerate(rows) if row in place], cache if kept else backend.new_cache()
 
     def shift(self, shifts: list[int]) -> None:
         """Move each row right by its shift, with as many padding columns on its left, so that every row still ends
         at the last column: the batch stays rectangular and left-padded, which is all the backends assume. Both
         caches move the same way (`Backend.shift_rows`); what a row's shift pushes out of the LLM's is read again at
         its next catch-up."""
-        self.engine.writer.shift_rows(self.writer_cache, shifts)
+        self.engine.writer.shift_rows(self.writer_cache, [shifts[i] for i in self.writer_rows])
         if self.llm_cache is not None:
             self.engine.llm_side.shift_rows(self.llm_cache, [shifts[i] for i in self.llm_rows])
         width = self._width
@@ -173,7 +185,7 @@ class Layout:
             backend.select_rows(cache, NO_ROWS)
         self.set(None, None)
         self.writer_cache, self.llm_cache = self.new_caches()
-        self.llm_rows = []
+        self.writer_rows, self.llm_rows = [], []
 
 
 def pad_columns_left(ids: torch.Tensor, mask: torch.Tensor, n: int, pad_id: int):

@@ -165,13 +165,12 @@ class PromptRead:
     already decoding keep producing tokens while a long prompt is read. Each model reads the prompt
     alone, into a cache of its own, up to all but the prompt's last token (the sequence's first
     decode step reads that one and proposes the first new token); `Batch.add` fits that cache into
-    the batch. A model does not read a prompt it will never be asked about: the LLM a request forced onto the SLM
-    (`Sequence.uses_llm`), the SLM one forced onto the LLM (it reads the prompt later if a row beside it needs the
-    SLM: `Batch._propose`)."""
+    the batch. A model does not read a prompt it will never be asked about (`Engine.readers`): the LLM a request
+    forced onto the SLM, the SLM one forced onto the LLM."""
 
     def __init__(self, engine: Engine, sequence: Sequence):
-        writer = None if engine.routes and sequence.force == "llm" else engine.writer
-        llm = engine.llm_side if engine.routes and sequence.uses_llm else None
+        writes, reads = engine.readers(sequence)
+        writer, llm = engine.writer if writes else None, engine.llm_side if reads else None
         # (writer's cache, LLM's), None for a model that does not read it: as `Layout.join` takes them
         self.per_model = tuple(None if m is None else m.new_cache() for m in (writer, llm))
         self.models = [(m, c) for m, c in zip((writer, llm), self.per_model) if m is not None]
