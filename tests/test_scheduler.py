@@ -228,6 +228,21 @@ def test_a_longer_prompt_joins_a_batch_whose_llm_has_read_nothing_yet(kind_pair,
     assert [s.generation.token_ids for s in sequences] == alone
 
 
+def longest_rows_handed(model, monkeypatch) -> list[int]:
+    """Each read's longest row, padding left out, as the model is handed them from now on."""
+    read = []
+
+    def spying(original):
+        def spy(cache, new_ids, attention_mask, *args, **kwargs):
+            read.append(int(attention_mask.sum(-1).max()))
+            return original(cache, new_ids, attention_mask, *args, **kwargs)
+        return spy
+
+    for name in ("read", "forward", "forward_all"):
+        monkeypatch.setattr(model, name, spying(getattr(model, name)))
+    return read
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("prefill_chunk", [None, 3])
 def test_the_llm_never_reads_a_request_forced_onto_the_slm(kind_pair, tokenizer, overlap, prefill_chunk, monkeypatch):
@@ -246,16 +261,7 @@ def test_the_llm_never_reads_a_request_forced_onto_the_slm(kind_pair, tokenizer,
     assert len(long) - 3 > most
     alone = [Engine(slm, llm, tokenizer, AlwaysSLM() if r.force else AlwaysLLM()).generate(
         [r.prompt_ids], r.params)[0].token_ids for r in requests]
-    read = []
-
-    def spying(original):
-        def spy(cache, new_ids, attention_mask, *args, **kwargs):
-            read.append(int(attention_mask.sum(-1).max()))  # the longest row the LLM is handed, padding left out
-            return original(cache, new_ids, attention_mask, *args, **kwargs)
-        return spy
-
-    for name in ("read", "forward", "forward_all"):
-        monkeypatch.setattr(llm, name, spying(getattr(llm, name)))
+    read = longest_rows_handed(llm, monkeypatch)
     scheduler = Scheduler(engine, 3, prefill_chunk=prefill_chunk)
     sequences = [engine.sequence(r) for r in requests]
     assert [s.uses_llm for s in sequences] == [False, True, False, True, True]
@@ -285,16 +291,7 @@ def test_the_slm_never_reads_a_request_forced_onto_the_llm(kind_pair, tokenizer,
     alone = [Engine(slm, llm, tokenizer, AlwaysLLM()).generate([r.prompt_ids], r.params)[0].token_ids
              for r in requests]  # (strict: the routed answer is the LLM's own)
     most = len(prompt) + 3  # the most real tokens a routed row has: the forced ones outgrow it beside them
-    read = []
-
-    def spying(original):
-        def spy(cache, new_ids, attention_mask, *args, **kwargs):
-            read.append(int(attention_mask.sum(-1).max()))  # the longest row the SLM is handed, padding left out
-            return original(cache, new_ids, attention_mask, *args, **kwargs)
-        return spy
-
-    for name in ("read", "forward", "forward_all"):
-        monkeypatch.setattr(slm, name, spying(getattr(slm, name)))
+    read = longest_rows_handed(slm, monkeypatch)
     scheduler = Scheduler(engine, 3, prefill_chunk=prefill_chunk)
     sequences = [engine.sequence(r) for r in requests]
     scheduler.add(sequences[0])
