@@ -85,6 +85,22 @@ def test_humaneval_answers_end_with_their_first_code_block():
     assert "Example" not in cut and grading.grade("humaneval", item, cut)[1] is True
 
 
+def test_humaneval_infill_items_take_out_one_line_which_their_tests_need():
+    """Single-line infilling: the prompt and the suffix around the reference's middle line rebuild the reference;
+    the line back in place passes the tests of every problem, the line left empty or wrong fails them."""
+    items = b.load("humaneval-infill")
+    assert len(items) == 164 and b.STOP["humaneval-infill"] == ("\n",)
+    for item in items[:40]:
+        problem, line = item.extra["problem"], item.extra["line"]
+        assert item.prompt + line + item.suffix == problem["prompt"] + problem["canonical_solution"]
+        assert line.strip() and "\n" not in line and item.prompt.endswith("\n")
+        assert grading.grade("humaneval-infill", item, line)[1] is True
+    item = items[0]
+    assert item.extra["line"] == "                distance = abs(elem - elem2)"
+    assert grading.grade("humaneval-infill", item, "")[1] is False
+    assert grading.grade("humaneval-infill", item, "                distance = elem - elem2")[1] is False
+
+
 def test_item_selection():
     items = b.load("gsm8k")
     assert len(items) == 1319 and items[0].reference == "18"

@@ -79,7 +79,8 @@ label_app = typer.Typer(cls=DefaultRunGroup, no_args_is_help=True,
 
 
 def eval_command(
-    benchmark: str = typer.Option(..., "--benchmark", help="gsm8k, aime2025, gpqa or humaneval."),
+    benchmark: str = typer.Option(..., "--benchmark", help="gsm8k, aime2025, gpqa, humaneval or humaneval-infill "
+                                  "(single-line fill in the middle)."),
     systems: str = typer.Option("slm,llm,entropy,random", "--systems",
                                 help="Comma-separated: slm,llm,r2r,entropy,random,"
                                 "spec (speculative decoding: the SLM drafts --spec-k tokens, the LLM checks them)."),

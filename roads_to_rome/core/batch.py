@@ -18,7 +18,8 @@ keeps its own KV cache. Per step (`Batch.step`):
 
 The LLM reads lazily: nothing until the first routed token, then everything since its last read.
 Because every row gains exactly one token per step, both caches stay rectangular: the SLM's
-always covers all columns but the newest, the LLM's whatever it has caught up on so far.
+always covers all columns but the newest, the LLM's whatever it has caught up on so far. Each holds
+only the rows its model reads: a request forced onto one model costs that model alone.
 
 Top to bottom: `Call` and `StepRecord` (what a step's phases hand each other), `Batch` (the five phases), then
 the helpers: when an output ends, time accounting, log-probabilities, sampling rows. The `Scheduler`

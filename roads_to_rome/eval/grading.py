@@ -40,6 +40,14 @@ def run_humaneval(problem: dict, code: str, timeout: float = 10.0) -> tuple[bool
     return outcome.passed, outcome.result
 
 
+def run_infilled(item: Item, line: str, timeout: float = 10.0) -> tuple[bool, str]:
+    """Run the task's tests on its function with `line` written where the item's line was taken out."""
+    problem = item.extra["problem"]
+    program = f"{item.prompt}{line}{item.suffix}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    outcome = sandbox.run_python(program, timeout)
+    return outcome.passed, outcome.result
+
+
 def grade(benchmark: str, item: Item, output: str) -> tuple[str | None, bool]:
     """(the extracted answer, whether it is right)."""
     if benchmark in ("gsm8k", "aime2025"):
@@ -51,5 +59,8 @@ def grade(benchmark: str, item: Item, output: str) -> tuple[str | None, bool]:
     if benchmark == "humaneval":
         code = extract_code(output)
         passed, result = run_humaneval(item.extra["problem"], code)
+        return result, passed
+    if benchmark == "humaneval-infill":
+        passed, result = run_infilled(item, output)
         return result, passed
     raise R2RError(f"unknown benchmark {benchmark!r}")

@@ -207,6 +207,23 @@ def test_eval_grades_the_real_slm_on_gsm8k_and_humaneval(tmp_path):
             assert row["extracted"] == "passed" or row["extracted"].startswith("failed"), row["extracted"]
 
 
+def test_eval_fills_in_a_humaneval_line_with_the_real_pair(tmp_path):
+    """Single-line infilling through the harness: the code model's fill-in-the-middle prompt, one line written by
+    the SLM, the LLM and R2R, ended at its newline, and the function run with it in place."""
+    backend = "llamacpp" if importlib.util.find_spec("llama_cpp") else "torch"
+    result = run_cli("eval", "--benchmark", "humaneval-infill", "--systems", "slm,llm,r2r", "--ids", "0-1",
+                     "--max-new-tokens", "48", "--out", str(tmp_path), "--backend", backend, "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "humaneval-infill" / "summary.json").read_text())["systems"]
+    assert set(summary) == {"slm", "llm", "r2r"}
+    for system in summary:
+        for line in (tmp_path / "humaneval-infill" / f"{system}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            assert "\n" not in row["output"] and row["tokens"] > 0 and row["finish_reason"] == "stop", row
+            assert row["extracted"] == "passed" or row["extracted"].startswith("failed"), row["extracted"]
+    assert summary["llm"]["accuracy"] == 1.0  # (the LLM writes both lines right: a check that the prompt is FIM's)
+
+
 @pytest.mark.parametrize("backend", ["torch", "llamacpp"])
 def test_strict_verification_gives_the_llms_greedy_output(backend, request):
     """Verification on catch-up, strict: the shipped router (the LLM checks at routed tokens and at the
