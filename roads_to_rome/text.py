@@ -1,9 +1,6 @@
-"""Turning token ids back into text piece by piece, for highlighting and streaming; and words into the token
-sequences that write them (`bad_words`)."""
+"""Turning token ids back into text piece by piece, for highlighting and streaming."""
 
 from __future__ import annotations
-
-from roads_to_rome.errors import R2RError
 
 
 class Detokenizer:
@@ -35,17 +32,3 @@ def token_pieces(tokenizer, token_ids: list[int]) -> list[str]:
     detok = Detokenizer(tokenizer)
     return [detok.push(t, final=i == len(token_ids) - 1) for i, t in enumerate(token_ids)]
 
-
-def bad_words_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
-    """Words as token sequences, as vLLM reads its `bad_words`: each as the tokenizer writes it at a text's start
-    and, where that gives another token of the same count, after a space (the word inside a text)."""
-    sequences = []
-    for word in words:
-        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        if not plain:
-            raise R2RError(f"the bad word {word!r} holds no token: give words with text in them")
-        sequences.append(plain)
-        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        if spaced[0] != plain[0] and len(spaced) == len(plain):
-            sequences.append(spaced)
-    return tuple(sequences)

@@ -48,7 +48,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the output, beside the models' end-of-sequence ones
     min_tokens: int = 0  # nothing ends the output before it holds this many tokens (vLLM's rule)
     # Token sequences the output never holds: a sequence's last token is banned where the output ends with the rest
-    # (vLLM's `bad_words`, each word as its tokenizer writes it: `bad_words_ids`)
+    # (vLLM's `bad_words`, each word as its tokenizer writes it: `serving.schemas.bad_words`)
     bad_words: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False  # the stop string or stop token that ended it stays in the text
     output_format: OutputFormat | None = None  # a structured output: the format the output follows (core/grammar.py)

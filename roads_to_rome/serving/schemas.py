@@ -26,7 +26,6 @@ from roads_to_rome.core.sampling import (
     parse_verify,
 )
 from roads_to_rome.errors import R2RError
-from roads_to_rome.text import bad_words_ids
 from roads_to_rome.tool_calls import CLOSE, ToolParser, call_format
 
 
@@ -527,10 +526,19 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
 
 
 def bad_words(body: CommonBody, tokenizer) -> tuple[tuple[int, ...], ...]:
-    try:
-        return bad_words_ids(tokenizer, body.bad_words or [])
-    except R2RError as e:
-        raise APIError(400, str(e), param="bad_words") from None
+    """vLLM's `bad_words` as token sequences, read as vLLM reads them: each word as the tokenizer writes it at a
+    text's start and, where that gives another first token of the same count, after a space (inside a text)."""
+    sequences = []
+    for word in body.bad_words or []:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise APIError(400, f"the bad word {word!r} holds no token: give words with text in them",
+                           param="bad_words")
+        sequences.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return tuple(sequences)
 
 
 async def validation_error(http: HTTPRequest, e: RequestValidationError) -> JSONResponse:
