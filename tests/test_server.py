@@ -330,6 +330,36 @@ def test_bad_words_never_come_whichever_model_writes_and_each_answer_is_the_engi
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words"
 
 
+def test_continue_final_message_goes_on_writing_the_assistants_message(client, slm, llm, tokenizer):
+    """vLLM's add_generation_prompt and continue_final_message: the prompt is the template's with the last (assistant)
+    message left open, or with no turn opened; the answer is the engine's own from those tokens; what cannot be
+    done is a 400 naming the field."""
+    from roads_to_rome.core.request import Request
+
+    engine = Engine(slm, llm, tokenizer)
+    messages = [{"role": "user", "content": "What is 48 / 2?"}, {"role": "assistant", "content": "Let us see: 48"}]
+    prefill = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True, return_dict=False)
+    assert tokenizer.decode(prefill).endswith("<|im_start|>assistant\nLet us see: 48")
+    closed = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, return_dict=False)
+    assert tokenizer.decode(closed).endswith("Let us see: 48<|im_end|>\n")
+    for options, prompt in (({"add_generation_prompt": False, "continue_final_message": True}, prefill),
+                            ({"add_generation_prompt": False}, closed)):
+        answer = client.chat.completions.create(model="tiny-r2r", messages=messages, temperature=0, max_tokens=12,
+                                                extra_body={"r2r_policy": "llm", "ignore_eos": True, **options})
+        own = engine.run([Request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True), force="llm")])[0]
+        assert answer.usage.prompt_tokens == len(prompt), options
+        assert answer.model_extra["r2r"]["token_ids"] == own.token_ids and answer.choices[0].message.content == own.text
+    url = f"{client.base_url}chat/completions"
+    for sent, field in (({"messages": messages, "continue_final_message": True}, "add_generation_prompt"),
+                        ({"messages": messages[:1], "continue_final_message": True, "add_generation_prompt": False},
+                         "messages"),
+                        ({"messages": [*messages[:1], {"role": "assistant", "content": ""}],
+                          "continue_final_message": True, "add_generation_prompt": False}, "messages")):
+        refused = httpx.post(url, json=sent)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+        assert "continue_final_message" in refused.json()["error"]["message"]
+
+
 def test_penalties_reach_the_engine_through_the_openai_client(client):
     """presence_penalty and frequency_penalty (OpenAI's fields) and repetition_penalty (vLLM's) shape the answer:
     with strict verification it is the LLM's own penalised answer, which differs from its plain one."""

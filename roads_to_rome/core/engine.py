@@ -165,10 +165,12 @@ class Engine:
         return self.encode_messages([{"role": "user", "content": message}])
 
     def encode_messages(self, messages: list[dict], template_kwargs: dict | None = None,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False) -> list[int]:
         """Messages in the model's chat template, ready for the assistant's answer; `template_kwargs`: variables
         the template reads (Qwen3's `enable_thinking`, say); `tools`: the functions the model may call (OpenAI's
-        shape), which the template shows it."""
+        shape), which the template shows it. `add_generation_prompt` false ends the prompt after the last message;
+        `continue_final_message` leaves the last message open, for the answer to go on writing it."""
         import inspect
 
         import jinja2
@@ -180,10 +182,17 @@ class Engine:
         if clash := sorted(own.intersection(template_kwargs or {})):
             raise R2RError(f"chat_template_kwargs may not set {', '.join(clash)}: the chat template's call sets it")
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                      tokenize=True, return_dict=False, **(template_kwargs or {}))
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=True, return_dict=False,
+                **(template_kwargs or {}))
         except jinja2.TemplateError as e:  # the template's own refusal (raise_exception), or a variable it cannot use
             raise R2RError(f"the chat template refused these messages: {e}") from None
+        except ValueError as e:  # transformers': the template did not write the last message where it can go on
+            if not continue_final_message:
+                raise
+            raise R2RError(f"the chat template cannot leave the last message open ({e}): ask without "
+                           "continue_final_message") from None
 
     def encode_raw(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]

@@ -116,7 +116,7 @@ UNSUPPORTED = {"best_of": 1, "functions": None, "function_call": None,
                "guided_grammar": None, "use_beam_search": False,
                "length_penalty": 1.0, "truncate_prompt_tokens": None,
                "logits_processors": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-               "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
+               "chat_template": None,
                "return_tokens_as_token_ids": False}
 NEUTRAL = {"functions": ([],), "function_call": ("none",), "suffix": ("",), "logits_processors": ([],)}
 
@@ -347,6 +347,25 @@ class ChatBody(CommonBody):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: whether the prompt ends with the assistant's turn opened, or with the last message left open (the
+    # reply goes on writing it: a prefill)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def template_options(self) -> dict:
+        """How the chat template ends the prompt (`Engine.encode_messages`), or a 400 naming what to change."""
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise APIError(400, "continue_final_message goes on writing the last message, add_generation_prompt "
+                                    "opens a new one: set add_generation_prompt to false",
+                               param="add_generation_prompt")
+            last = self.messages[-1]
+            if last.role != "assistant" or not last.text():
+                raise APIError(400, "continue_final_message goes on writing the last message, which must be an "
+                                    f"assistant message with text in it (the last one is a {last.role} message"
+                                    f"{'' if last.text() else ' without text'})", param="messages")
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def top_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import html
 import importlib.resources
 import json
@@ -187,8 +188,8 @@ async def chat_completions(body: ChatBody, http: HTTPRequest):
     tools = body.tool_use(s.tool_parser)
     messages = [m.for_template() for m in body.messages]
     chars = len(json.dumps([messages, tools.prompt_tools], ensure_ascii=False))  # what the template will hold
-    prompt_ids = await tokenize(s, chars, s.engine.encode_messages, messages, body.chat_template_kwargs,
-                                tools.prompt_tools)
+    encode = functools.partial(s.engine.encode_messages, **body.template_options())
+    prompt_ids = await tokenize(s, chars, encode, messages, body.chat_template_kwargs, tools.prompt_tools)
     return await respond(http, s, body, [prompt_ids], tools.output_format or output_format, chat=True, tools=tools)
 
 
