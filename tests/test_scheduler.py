@@ -279,8 +279,8 @@ def test_the_llm_never_reads_a_request_forced_onto_the_slm(kind_pair, tokenizer,
 def test_the_slm_never_reads_a_request_forced_onto_the_llm(kind_pair, tokenizer, prefill_chunk, overlap,
                                                            monkeypatch):
     """"LLM alone" through a pair's scheduler costs the LLM alone, the prompt included, alone and beside routed
-    rows that join, leave and roll back: the SLM reads and proposes for the routed rows only, and each answer is
-    the one it gets alone."""
+    rows that join, leave and roll back: the SLM reads and proposes for the routed rows only, the policy looks at
+    those alone, and each answer is the one it gets alone."""
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
     prompt = engine.encode_raw("Count to five, then back.")
@@ -292,16 +292,20 @@ def test_the_slm_never_reads_a_request_forced_onto_the_llm(kind_pair, tokenizer,
              for r in requests]  # (strict: the routed answer is the LLM's own)
     most = len(prompt) + 3  # the most real tokens a routed row has: the forced ones outgrow it beside them
     read = longest_rows_handed(slm, monkeypatch)
+    routed_rows, route = [], engine.policy.route
+    monkeypatch.setattr(engine.policy, "route",
+                        lambda logits, *a: (routed_rows.append(len(logits)), route(logits, *a))[1])
     scheduler = Scheduler(engine, 3, prefill_chunk=prefill_chunk)
     sequences = [engine.sequence(r) for r in requests]
     scheduler.add(sequences[0])
     events = []
     while len(sequences[0].generation.token_ids) < 3:
         events += scheduler.turn()
-    assert not read  # the SLM has not run
+    assert not read and not routed_rows  # the SLM has not run, nor has the policy
     for s in sequences[1:]:
         scheduler.add(s)
     events += drive(scheduler)
     assert not [e.error for e in events if isinstance(e, Failure)]
     assert [s.generation.token_ids for s in sequences] == alone
     assert read and max(read) <= most
+    assert routed_rows and max(routed_rows) <= 2  # the policy looks at the routed rows alone

@@ -190,11 +190,17 @@ class Batch:
             step.routed, step.scores = [True] * n, [0.0] * n
         elif not engine.routes:  # one model alone writes every token
             step.routed, step.scores = [False] * n, [0.0] * n
-        else:
-            thresholds = row_thresholds(engine.policy, self.sequences, self.ids.device)
-            to_llm, scores = engine.policy.route(step.slm_logits, step.hidden, step.proposal, thresholds)
-            step.routed = [s.force == "llm" if s.force else bool(x) for s, x in zip(self.sequences, to_llm.tolist())]
-            step.scores = scores.tolist()
+        else:  # the policy looks at the rows the SLM wrote for; a row forced onto the LLM is the LLM's
+            rows = self.layout.writer_rows
+            inputs = (step.slm_logits, step.hidden, step.proposal)
+            if len(rows) < n:
+                index = torch.tensor(rows, device=step.slm_logits.device)
+                inputs = tuple(t.index_select(0, index.to(t.device)) for t in inputs)
+            writing = [self.sequences[i] for i in rows]
+            to_llm, scores = engine.policy.route(*inputs, row_thresholds(engine.policy, writing, self.ids.device))
+            step.routed, step.scores = [s.force == "llm" for s in self.sequences], [0.0] * n
+            for i, s, x, score in zip(rows, writing, to_llm.tolist(), scores.tolist()):
+                step.routed[i], step.scores[i] = (s.force == "llm" if s.force else bool(x)), score
         step.held = [False] * n
         on = engine.deferral.on
         step.deferred = [on and r and s.force is None for s, r in zip(self.sequences, step.routed)]
