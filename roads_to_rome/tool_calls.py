@@ -64,6 +64,33 @@ class ToolCall:
 class ToolSplit:
     content: str  # the text outside the calls (so far: what may be shown)
     calls: list[ToolCall]
+    # Not final: the call being written after those, once its name is known, with its arguments' text so far (a
+    # prefix of what they will be, for a stream to send as they come).
+    writing: ToolCall | None = None
+
+
+# How models write a call: its name first, then its arguments as an object. A call written so is read as it is
+# written, and its arguments' text is the model's own, compacted (`compact_json`), so that what a stream has sent of
+# them is a prefix of the whole.
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)',
+                       re.DOTALL)
+
+
+def compact_json(text: str) -> str:
+    """JSON text (or the start of it) spaced as json.dumps spaces it: no whitespace but a space after each `:` and
+    `,`; strings as written. The compacted start of a text is the start of the compacted whole."""
+    out, in_string, escaped = [], False, False
+    for char in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char in " \t\r\n":
+            continue
+        elif char in ":,":
+            char += " "
+        else:
+            in_string = char == '"'
+        out.append(char)
+    return "".join(out)
 
 
 @dataclass(frozen=True)
@@ -76,10 +103,12 @@ class ToolParser:
     def split(self, text: str, final: bool = True) -> ToolSplit:
         """The calls in `text` and the text around them. Not `final`: what may still turn out to be part of a call
         (a tag being written, an unclosed call, an opening JSON object, whitespace next to calls) is held back, so
-        that what a stream has sent is never taken back: the split of a longer text extends this one's."""
+        that what a stream has sent is never taken back: the split of a longer text extends this one's; the call
+        being written comes as `writing` once its name is known."""
         content: list[str] = []
         calls: list[ToolCall] = []
-        at = self._bare_calls(text, final, content, calls)
+        writing: list[ToolCall] = []
+        at = self._bare_calls(text, final, content, calls, writing)
         while at is not None:
             start = text.find(OPEN, at)
             if start < 0:  # the rest is text, maybe with a tag being written at its end
@@ -91,6 +120,7 @@ class ToolParser:
             if end < 0 and not final:  # a call being written
                 if segment.strip():
                     content.append(segment)
+                writing += self._written(text[start + len(OPEN):], tagged=True)
                 break
             stop = len(text) if end < 0 else end + len(CLOSE)
             call = self._call(text[start + len(OPEN): end if end >= 0 else len(text)], tagged=True)
@@ -101,12 +131,13 @@ class ToolParser:
                     content.append(segment)
                 calls.append(call)
             at = None if end < 0 else stop
-        return ToolSplit("".join(content), calls)
+        return ToolSplit("".join(content), calls, writing[0] if writing else None)
 
-    def _bare_calls(self, text: str, final: bool, content: list[str], calls: list[ToolCall]) -> int | None:
+    def _bare_calls(self, text: str, final: bool, content: list[str], calls: list[ToolCall],
+                    writing: list[ToolCall]) -> int | None:
         """Calls written as bare JSON objects at the reply's start, maybe in a code fence (Qwen2.5-Coder's habits)
         or after Llama 3's `<|python_tag|>`, separated by whitespace or `;`: where the rest begins, or None while
-        what comes may still be one."""
+        what comes may still be one (`writing`: the one being written, once it names an offered function)."""
         decoder, at = json.JSONDecoder(), 0
         fence, opening = FENCE.match(text), text.lstrip()
         if fence:
@@ -128,8 +159,9 @@ class ToolParser:
             except ValueError:
                 if final:
                     break
+                writing += self._written(text[start:], tagged=False)
                 return None  # an object being written, or not JSON at all: known once it ends
-            call = self._call_object(value, tagged=False)
+            call = self._call_object(value, tagged=False, text=text[start:end])
             if call is None:
                 break
             calls.append(call)
@@ -149,13 +181,15 @@ class ToolParser:
             value = json.loads(body)
         except ValueError:
             return None
-        return self._call_object(value, tagged)
+        return self._call_object(value, tagged, body)
 
-    def _call_object(self, value, tagged: bool) -> ToolCall | None:
-        """A call, from the JSON object a model wrote; None when it is not one. Tagged blocks may name any function
-        (the client sees what the model called); bare objects only the offered ones."""
+    def _call_object(self, value, tagged: bool, text: str) -> ToolCall | None:
+        """A call, from the JSON object a model wrote (`text`); None when it is not one. Tagged blocks may name any
+        function (the client sees what the model called); bare objects only the offered ones."""
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
+        if written := self._written(text, tagged):  # written name first: read as one as it came, whatever follows
+            return written[0]
         keys = [key for key in ARGUMENT_KEYS.values() if key in value]  # the arguments, under either syntax's key
         if len(keys) > 1 or (not tagged and (value["name"] not in self.names or len(value) > 1 + len(keys))):
             return None
@@ -168,6 +202,24 @@ class ToolParser:
         if not isinstance(arguments, dict):
             return None
         return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+    def _written(self, body: str, tagged: bool) -> list[ToolCall]:
+        """The call `body` starts, written name first (`CALL_HEAD`), with its arguments' text so far, compacted;
+        none when it is not written so or (bare) names no offered function."""
+        head = CALL_HEAD.match(body)
+        if head is None:
+            return []
+        try:
+            name = json.loads(head[1])
+        except ValueError:  # a bad escape in it
+            return []
+        if not tagged and name not in self.names:
+            return []
+        try:
+            end = json.JSONDecoder().raw_decode(body, head.end())[1]
+        except ValueError:
+            end = len(body)  # the arguments being written
+        return [ToolCall(name, compact_json(body[head.end():end]))]
 
 
 def call_format(functions: list[dict], one: bool, syntax: str = "hermes") -> OutputFormat:

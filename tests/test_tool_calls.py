@@ -14,6 +14,7 @@ from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
+from roads_to_rome.serving.replies import CallsSent
 from roads_to_rome.serving.schemas import Limits
 from roads_to_rome.serving.server import create_app
 from roads_to_rome.tool_calls import ToolCall, ToolParser, call_format, resolve_tool_parser
@@ -70,16 +71,20 @@ UTC = ToolCall("get_time", '{"zone": "UTC"}')
     ('```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```\nDone.', "\nDone.", [UTC]),
     ('```json\n{"answer": 72}\n```', '```json\n{"answer": 72}\n```', []),
     ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
-    ('{"name": "get_time", "arguments": {"zone": "UTC"}, "why": 1}', '{"name": "get_time", "arguments": '
-     '{"zone": "UTC"}, "why": 1}', []),
+    ('{"why": 1, "name": "get_time", "arguments": {"zone": "UTC"}}', '{"why": 1, "name": "get_time", "arguments": '
+     '{"zone": "UTC"}}', []),
+    # written name first, arguments next: a call as it comes, whatever follows
+    ('{"name": "get_time", "arguments": {"zone": "UTC"}, "why": 1}', "", [UTC]),
+    ('{"name": "get_time", "arguments": { "zone" :"UTC" } }', "", [UTC]),
     ('{"answer": 72}', '{"answer": 72}', []),
     # Llama 3's: "parameters", `;` between calls, maybe after <|python_tag|>
     ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}', "", [PARIS]),
     ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; {"name": "get_time", '
      '"parameters": {"zone": "UTC"}}', "", [PARIS, UTC]),
     ('{"name": "get_time", "parameters": {"zone": "UTC"}}; and more', "; and more", [UTC]),
-    ('{"name": "get_time", "parameters": {"zone": "UTC"}, "arguments": {}}', '{"name": "get_time", "parameters": '
-     '{"zone": "UTC"}, "arguments": {}}', []),
+    ('{"name": "get_time", "arguments": {}, "parameters": {"zone": "UTC"}}', "", [ToolCall("get_time", "{}")]),
+    ('{"arguments": {}, "name": "get_time", "parameters": {"zone": "UTC"}}', '{"arguments": {}, "name": '
+     '"get_time", "parameters": {"zone": "UTC"}}', []),
     ("<|python_tag|>print(1)", "<|python_tag|>print(1)", []),
     ("{not json", "{not json", []),
     ("  \n", "  \n", []),
@@ -87,13 +92,18 @@ UTC = ToolCall("get_time", '{"zone": "UTC"}')
 def test_split(text, content, calls):
     split = PARSER.split(text)
     assert (split.content, split.calls) == (content, calls)
-    # A stream sees every prefix: what it shows of one is never taken back by a longer one.
-    shown, sent = "", []
+    # A stream sees every prefix: what it shows of one is never taken back by a longer one, and the calls it sends
+    # as they are written (a call's name, then its arguments piece by piece) add up to the whole reply's.
+    shown, sent, stream, added = "", [], CallsSent(), {}
     for end in range(len(text) + 1):
         part = PARSER.split(text[:end], final=end == len(text))
         assert part.content.startswith(shown) and part.calls[: len(sent)] == sent, (end, part)
         shown, sent = part.content, part.calls
+        for delta in stream.deltas(part):
+            name, arguments = added.get(delta.index, ("", ""))
+            added[delta.index] = (name + (delta.function.name or ""), arguments + delta.function.arguments)
     assert (shown, sent) == (content, calls)
+    assert [ToolCall(*added[k]) for k in sorted(added)] == calls
 
 
 def test_auto_reads_the_chat_template():
@@ -261,9 +271,12 @@ def test_auto_reads_the_calls_a_reply_writes(client, tool_tokenizer):
     assert message.content == "Let me look.\n" and whole_calls(message) == [
         {"name": "get_weather", "arguments": PARIS.arguments}]
     assert whole.choices[0].finish_reason == "tool_calls"
-    content, calls, finish = streamed(ask(client, stream=True, **kw))
+    chunks = list(ask(client, stream=True, **kw))
+    content, calls, finish = streamed(chunks)
     assert (content, [c["name"] for c in calls], finish) == ("Let me look.\n", ["get_weather"], "tool_calls")
     assert calls[0]["arguments"] == PARIS.arguments
+    pieces = [call.function.arguments for chunk in chunks for call in chunk.choices[0].delta.tool_calls or []]
+    assert len(pieces) > 2 and "".join(pieces) == PARIS.arguments  # the arguments come as they are written
     plain = ask(client, tools=[WEATHER], extra_body={"structured_outputs": {"choice": ["It is sunny."]}})
     assert plain.choices[0].message.content == "It is sunny." and plain.choices[0].message.tool_calls is None
     assert plain.choices[0].finish_reason == "stop"

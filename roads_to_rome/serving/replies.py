@@ -29,7 +29,7 @@ from roads_to_rome.reasoning import ReasoningParser, llm_rate, prompt_start, rea
 from roads_to_rome.serving.engine_thread import ErrorReply, Job
 from roads_to_rome.serving.schemas import APIError, llm_away
 from roads_to_rome.text import Detokenizer
-from roads_to_rome.tool_calls import ToolCall, ToolParser, ToolSplit
+from roads_to_rome.tool_calls import ToolParser, ToolSplit
 
 
 @dataclass
@@ -60,8 +60,8 @@ class Reply:
         if self.tools is None:
             return None
         split = self.tools.split(answer, final)
-        if self.one_call:
-            split.calls = split.calls[:1]
+        if self.one_call and split.calls:
+            split.calls, split.writing = split.calls[:1], None
         return split
 
     def whole(self, gens: list[Generation]) -> dict:
@@ -165,14 +165,10 @@ class Reply:
 
     def chunk(self, delta: str | None, finish_reason=None, extra: dict | None = None, role: bool = False,
               reasoning: str | None = None, logprobs=None, index: int = 0,
-              calls: list[tuple[int, ToolCall]] = ()) -> str:
-        """One chunk of choice `index`'s stream; `calls`: tool calls read whole in this step, each with its index
-        among the reply's calls (sent whole: a client adds up `arguments` as OpenAI streams them)."""
+              calls: list[ChoiceDeltaToolCall] = ()) -> str:
+        """One chunk of choice `index`'s stream; `calls`: what it adds to the reply's tool calls (`CallsSent`)."""
         if self.chat:
-            tool_calls = {"tool_calls": [ChoiceDeltaToolCall(
-                index=k, id=call_id(), type="function",
-                function=ChoiceDeltaToolCallFunction(name=call.name, arguments=call.arguments))
-                for k, call in calls]} if calls else {}
+            tool_calls = {"tool_calls": calls} if calls else {}
             if role:
                 d = ChoiceDelta(role="assistant", content="")
             elif reasoning:
@@ -293,7 +289,7 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
     text, sent, finished = "", 0, False
     parser = reply.parser
     start = prompt_start(parser, tokenizer, sequence.prompt_ids) if parser else None
-    sent_thinking, sent_answer, sent_calls, streamed = 0, 0, 0, 0
+    sent_thinking, sent_answer, streamed, calls_sent, made = 0, 0, 0, CallsSent(), 0
     if reply.chat:
         yield reply.chunk(None, role=True, index=index)
     elif reply.echo:
@@ -321,18 +317,39 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
                 split = parser.split(shown, start, finished)
                 thinking, answer = (split.reasoning or "")[sent_thinking:], split.content
                 sent_thinking += len(thinking)
-            if (tool_split := reply.calls(answer, finished)) is not None:  # ... and so is a call being written
-                answer, calls = tool_split.content, list(enumerate(tool_split.calls))[sent_calls:]
-                sent_calls += len(calls)
+            if (tool_split := reply.calls(answer, finished)) is not None:  # ... and so is a call's syntax
+                answer, calls, made = tool_split.content, calls_sent.deltas(tool_split), len(tool_split.calls)
             delta, sent_answer = answer[sent_answer:], max(sent_answer, len(answer))
             extra = {"r2r": {"token_id": token, "source": source, "score": score}}
             if finished:
                 reasoned = reply.reasoned(gen)
                 extra["usage"] = usage([gen], reasoned and [reasoned])
                 ended[index] = ("finished", reasoned)
-            yield reply.chunk(delta, finish_reason(gen, sent_calls) if finished else None, extra,
+            yield reply.chunk(delta, finish_reason(gen, made) if finished else None, extra,
                               reasoning=thinking, logprobs=reply.logprobs(gen, streamed - 1, streamed), index=index,
                               calls=calls)
+
+
+@dataclass
+class CallsSent:
+    """What a stream has sent of a reply's tool calls, as OpenAI streams them: a call's id, name and the start of
+    its arguments once its name is known, then the rest of its arguments as they come (a client adds them up)."""
+
+    ids: list[str] = dataclasses.field(default_factory=list)
+    arguments: list[str] = dataclasses.field(default_factory=list)
+
+    def deltas(self, split: ToolSplit) -> list[ChoiceDeltaToolCall]:
+        out = []
+        for k, call in enumerate(split.calls + ([split.writing] if split.writing else [])):
+            if k == len(self.ids):
+                self.ids.append(call_id())
+                self.arguments.append(call.arguments)
+                out.append(ChoiceDeltaToolCall(index=k, id=self.ids[k], type="function", function=(
+                    ChoiceDeltaToolCallFunction(name=call.name, arguments=call.arguments))))
+            elif len(call.arguments) > len(self.arguments[k]) and call.arguments.startswith(self.arguments[k]):
+                more, self.arguments[k] = call.arguments[len(self.arguments[k]):], call.arguments
+                out.append(ChoiceDeltaToolCall(index=k, function=ChoiceDeltaToolCallFunction(arguments=more)))
+        return out
 
 
 def call_id() -> str:
