@@ -73,8 +73,8 @@ def test_one_model_alone_and_one_token_prompts(slm, llm, tokenizer):
 
 def test_a_model_that_gives_its_top_tokens_only_cannot_score_a_prompt(slm, llm, tokenizer, monkeypatch):
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(1.0))
-    monkeypatch.setattr(llm, "full_logits", False)  # as a remote LLM's
-    with pytest.raises(R2RError, match="whole distribution"):
+    monkeypatch.setattr(llm, "scores_prompts", False)  # as llama.cpp's server
+    with pytest.raises(R2RError, match="no prompt log-probabilities"):
         engine.sequence(Request([1, 2, 3], prompt_logprobs=1))
     assert engine.sequence(Request([1, 2, 3], prompt_logprobs=1, force="slm"))
     with pytest.raises(R2RError, match="0 or more"):

@@ -4,6 +4,7 @@ the xllamacpp wheel; vLLM, from its own virtualenv): the same tokens as the serv
 match the same model run locally, and the faults a user meets (no server, a server that dies mid-generation,
 a wrong model name, another tokenizer)."""
 
+import dataclasses
 import json
 import threading
 
@@ -202,6 +203,42 @@ def test_penalties_and_logit_rules_are_refused_with_a_remote_llm_unless_the_slm_
     plain = engine.run([Request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True), force="llm")])[0]
     banned = SamplingParams(max_new_tokens=4, ignore_eos=True, bad_words=((plain.token_ids[1],),))
     assert plain.token_ids[1] not in engine.run([Request([1, 2, 3], banned, force="llm")])[0].token_ids
+
+
+def test_a_prompt_is_scored_by_a_vllm_llm_as_by_the_same_model_here(server, llm_files, slm, tokenizer):
+    """Prompt log-probabilities (echo with logprobs, vLLM's prompt_logprobs) with the LLM on a server: vLLM's own
+    prompt log-probabilities score the positions routed to it, as the same model run here scores them, and
+    decoding goes on from the prompt read; llama.cpp's server gives none, so it is refused, naming what to do."""
+    from roads_to_rome.core.scheduler import PromptRead
+    from roads_to_rome.core.scoring import score_prompt
+
+    ids = Engine.alone(slm, tokenizer).encode_chat(REMOTE_PROMPTS[0])
+    llm = remote(server.url, tokenizer, slm)
+    request = Request(ids, SamplingParams(max_new_tokens=6, ignore_eos=True), prompt_logprobs=3)
+    if server.engine == "llamacpp":
+        with pytest.raises(R2RError, match="no prompt log-probabilities"):
+            Engine(slm, llm, tokenizer, RandomPolicy(0.5, seed=3)).sequence(request)
+        return
+    scored = {}
+    for name, model in (("remote", llm), ("local", same_model_here(server, llm_files, tokenizer))):
+        for force in ("llm", None):
+            engine = Engine(slm, model, tokenizer, RandomPolicy(0.5, seed=3))
+            sequence = engine.sequence(dataclasses.replace(request, force=force))
+            read = PromptRead(engine, sequence)
+            scored[name, force] = score_prompt(engine, sequence, read.per_model)
+            read.release()
+        scored[name, "run"] = engine.run([request])[0]
+    for force in ("llm", None):
+        (entries, sources), (expected, expected_sources) = scored["remote", force], scored["local", force]
+        assert sources == expected_sources and entries[0] is expected[0] is None
+        assert "llm" in sources and (force or "slm" in sources)
+        for mine, theirs in zip(entries[1:], expected[1:]):
+            assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-3) and mine.rank == theirs.rank
+            assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+    run, here = scored["remote", "run"], scored["local", "run"]
+    assert run.token_ids == here.token_ids and run.prompt_sources == here.prompt_sources
+    assert [e.logprob for e in run.prompt_logprobs[1:]] == pytest.approx([e.logprob for e in here.prompt_logprobs[1:]],
+                                                                          abs=1e-3)
 
 
 def test_vllms_prefix_cache_is_read_from_its_metrics():

@@ -60,6 +60,10 @@ class Backend(Protocol):
     """Whether the logits cover the whole vocabulary; False when only the top log-probabilities are known (a
     remote server's; the rest sit at a floor far below): exact for greedy, not for speculative sampling."""
 
+    scores_prompts: bool
+    """Whether the model can score a given sequence's tokens: a local model's whole logits (`forward_sequence`), or
+    a server's own prompt log-probabilities (`prompt_logprobs`: vLLM's)."""
+
     grouped_reads: bool
     """Whether one read of several rows' new columns costs little more than a read of one row's one column, so that
     grouping routed rows into one LLM call pays (`--defer auto`): on CUDA, and torch's bf16 matrix kernels on a CPU
@@ -144,6 +148,7 @@ class LocalBackend:
     reads columns at once (its `forward`, outputs dropped)."""
 
     remote = False
+    scores_prompts = True  # (from its whole logits)
 
     def health(self) -> None:
         return None

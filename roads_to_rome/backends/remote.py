@@ -71,6 +71,7 @@ class ServerApi:
 
     engine: str
     prefix_cache = "per token"  # how the server's prefix cache reuses a row's tokens, as `kernels` names it
+    scores_prompts = False  # whether it gives a prompt's own log-probabilities (`prompt_logprobs`)
 
     def __init__(self, client: Client, model: str | None):
         self.client = client
@@ -113,6 +114,7 @@ class VllmApi(ServerApi):
     """vLLM's OpenAI-compatible server: /v1/completions takes token ids and returns them as "token_id:N"."""
 
     engine = "vllm"
+    scores_prompts = True
 
     def __init__(self, client: Client, model: str | None):
         super().__init__(client, model)
@@ -134,6 +136,18 @@ class VllmApi(ServerApi):
         for token, tops in zip(logprobs.get("tokens") or [], logprobs.get("top_logprobs") or []):
             steps.append((token_id(token), {token_id(k): float(v) for k, v in (tops or {token: 0.0}).items()}))
         return steps
+
+    def prompt_logprobs(self, ids: list[int], top: int) -> list[dict[int, tuple[float, int]]]:
+        """vLLM's `prompt_logprobs`: for each token after the first, its log-probability and rank there, and the
+        `top` most likely tokens' (by token id)."""
+        out = self.client.post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": 1,
+                                                   "temperature": 0, "prompt_logprobs": top})
+        entries = out["choices"][0].get("prompt_logprobs") or []
+        if len(entries) != len(ids):
+            raise RemoteError(f"the LLM server at {self.client.url} scored {len(entries)} positions of a "
+                              f"{len(ids)}-token prompt")
+        return [{int(token): (float(entry["logprob"]), int(entry["rank"])) for token, entry in position.items()}
+                for position in entries[1:]]
 
 
 def vllm_prefix_cache(client: Client) -> str:
@@ -447,6 +461,18 @@ class RemoteBackend:
 
     def forward_sequence(self, ids: list[int], start: int = 0, cache: RemoteCache | None = None):
         raise R2RError("a remote LLM gives no hidden states: this step needs a local model")
+
+    @property
+    def scores_prompts(self) -> bool:
+        return self.api.scores_prompts
+
+    def prompt_logprobs(self, ids: list[int], top: int) -> list[dict[int, tuple[float, int]]]:
+        """For each of the sequence's tokens after the first: its log-probability and rank under the LLM, and the
+        `top` most likely tokens' there (by token id), as the server computes them (vLLM's `prompt_logprobs`).
+        The server reads the whole sequence for this, past its prefix cache."""
+        if not self.scores_prompts:
+            raise R2RError(f"the {self.api.engine} server at {self.client.url} gives no prompt log-probabilities")
+        return self.api.prompt_logprobs(ids, top)
 
     def select_rows(self, cache: RemoteCache, rows: torch.Tensor) -> None:
         if cache.rows:  # (nothing read yet: its rows come with its first read)

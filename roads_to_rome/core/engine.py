@@ -111,11 +111,12 @@ class Engine:
                 readers = [self.llm]
             else:
                 readers = [self.slm, self.llm]
-            partial = [m.name for m in readers if not m.full_logits]
-            if partial:
-                raise R2RError(f"the prompt's log-probabilities need each model's whole distribution over it; "
-                               f"{partial[0]} gives its top tokens only: leave echo with logprobs (prompt_logprobs) "
-                               "out, or force the SLM")
+            unable = [m.name for m in readers if not m.scores_prompts]
+            if unable:
+                raise R2RError(f"the prompt's log-probabilities need each model's distribution over it; "
+                               f"{unable[0]} gives its top tokens only, and no prompt log-probabilities (llama.cpp's "
+                               "server; vLLM's gives them): leave echo with logprobs (prompt_logprobs) out, or force "
+                               "the SLM")
         vocab = self.writer.vocab_size
         if not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocab:
             bad = next(t for t in request.prompt_ids if not 0 <= t < vocab)

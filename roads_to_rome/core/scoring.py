@@ -40,10 +40,21 @@ def score_prompt(engine: Engine, sequence: Sequence, caches: tuple) -> tuple[lis
             sources = routed_positions(engine, sequence, logits[engine.writer_source], hidden)
         else:
             sources = ["llm"] * len(read)
+        served = None
         if "llm" in sources and "llm" not in logits:
-            logits["llm"] = engine.llm_side.forward_sequence(read, cache=llm_cache)[0]
-        entries = [token_logprob(logits[source][t], ids[t + 1], top) for t, source in enumerate(sources)]
+            if engine.llm.full_logits:
+                logits["llm"] = engine.llm_side.forward_sequence(read, cache=llm_cache)[0]
+            else:  # a server's own (vLLM's); the LLM's cache reads the prompt as any other's
+                served = engine.llm.prompt_logprobs(ids, top)
+        entries = [token_logprob(logits[source][t], ids[t + 1], top) if source in logits
+                   else served_logprob(served[t], ids[t + 1], top) for t, source in enumerate(sources)]
     return [None, *entries], sources
+
+
+def served_logprob(ranked: dict[int, tuple[float, int]], token: int, top: int) -> TokenLogprob:
+    """A position's entry from a server's prompt log-probabilities (token id -> log-probability, rank)."""
+    tops = sorted((rank, t, lp) for t, (lp, rank) in ranked.items() if rank <= top)
+    return TokenLogprob(ranked[token][0], [(t, lp) for _, t, lp in tops], ranked[token][1])
 
 
 def routed_positions(engine: Engine, sequence: Sequence, logits: torch.Tensor, hidden: torch.Tensor) -> list[str]:
