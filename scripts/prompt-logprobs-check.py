@@ -8,6 +8,7 @@ continuation is each way's greedy choice throughout (lm-eval's `is_greedy`) and 
 over items, the Wilcoxon signed-rank test of R2R's per-token NLL against each model's alone.
 
     python scripts/prompt-logprobs-check.py --items 100 --out runs/prompt-logprobs.json
+    python scripts/prompt-logprobs-check.py --items 20 --llm http://127.0.0.1:8000   # `make vllm-server`
 """
 
 import argparse
@@ -29,9 +30,10 @@ from roads_to_rome.serving.server import create_app
 parser = argparse.ArgumentParser()
 parser.add_argument("--items", type=int, default=100, help="GSM8K items 0..N-1")
 parser.add_argument("--out", help="JSON file for every row and the summary")
+parser.add_argument("--llm", help="the LLM: a model spec, or a vLLM server's address (default: the pair's own)")
 args = parser.parse_args()
 
-engine = load_engine(EngineConfig())
+engine = load_engine(EngineConfig(llm=args.llm))
 tokenizer = engine.tokenizer
 ways = {"slm": {"r2r_policy": "slm"}, "llm": {"r2r_policy": "llm"}, "r2r": {}}
 rows = []
