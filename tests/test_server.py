@@ -332,8 +332,8 @@ def test_bad_words_never_come_whichever_model_writes_and_each_answer_is_the_engi
 
 def test_continue_final_message_goes_on_writing_the_assistants_message(client, slm, llm, tokenizer):
     """vLLM's add_generation_prompt and continue_final_message: the prompt is the template's with the last (assistant)
-    message left open, or with no turn opened; the answer is the engine's own from those tokens; what cannot be
-    done is a 400 naming the field."""
+    message left open, or with no turn opened; the answer is the engine's own from those tokens, with echo the
+    message it goes on; what cannot be done is a 400 naming the field."""
     from roads_to_rome.core.request import Request
 
     engine = Engine(slm, llm, tokenizer)
@@ -349,6 +349,19 @@ def test_continue_final_message_goes_on_writing_the_assistants_message(client, s
         own = engine.run([Request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True), force="llm")])[0]
         assert answer.usage.prompt_tokens == len(prompt), options
         assert answer.model_extra["r2r"]["token_ids"] == own.token_ids and answer.choices[0].message.content == own.text
+    # vLLM's chat echo: the content starts with the last message's, an assistant's, whole and streamed
+    options = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    own = engine.run([Request(prefill, SamplingParams(max_new_tokens=12, ignore_eos=True), force="llm")])[0]
+    kw = {"model": "tiny-r2r", "messages": messages, "temperature": 0, "max_tokens": 12,
+          "extra_body": {"r2r_policy": "llm", "ignore_eos": True, **options}}
+    echoed = client.chat.completions.create(**kw)
+    assert echoed.choices[0].message.content == "Let us see: 48" + own.text
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Let us see: 48" + own.text
+    plain, asked = (client.chat.completions.create(model="tiny-r2r", messages=messages[:1], temperature=0,
+                                                   max_tokens=4, extra_body={"r2r_policy": "llm", "echo": echo})
+                    for echo in (False, True))
+    assert asked.choices[0].message.content == plain.choices[0].message.content  # a user's message is not echoed
     url = f"{client.base_url}chat/completions"
     for sent, field in (({"messages": messages, "continue_final_message": True}, "add_generation_prompt"),
                         ({"messages": messages[:1], "continue_final_message": True, "add_generation_prompt": False},

@@ -43,7 +43,9 @@ class Reply:
     parser: ReasoningParser | None = None  # chat replies only: thinking apart from the answer
     tokenizer: object = None
     n: int = 1  # choices per prompt: choice i * n + j is prompt i's j-th
-    echo: list[str] | None = None  # completions: each prompt's text, which its choices' text starts with
+    # Each prompt's text, which its choices' text starts with: completions' `echo`; a chat reply's, the last
+    # message when it is an assistant's (vLLM's chat `echo`)
+    echo: list[str] | None = None
     tools: ToolParser | None = None  # chat replies whose tool calls are read
     one_call: bool = False  # parallel_tool_calls: false: the first call only
     prompt_entries: bool = False  # vLLM's `prompt_logprobs` field: completions' choices and a chat reply carry it
@@ -87,6 +89,8 @@ class Reply:
                     fields["tool_calls"] = [ChatCompletionMessageFunctionToolCall(
                         id=call_id(), type="function", function=Function(name=call.name, arguments=call.arguments))
                         for call in split.calls]
+                if self.echo:  # (the message a continued reply goes on writing)
+                    content = self.echoed(index) + (content or "")
                 message = ChatCompletionMessage(role="assistant", content=content, **fields)
                 choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
                                           finish_reason=finish_reason(gen, len(split.calls) if split else 0), **r2r))
@@ -292,7 +296,7 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
     sent_thinking, sent_answer, streamed, calls_sent, made = 0, 0, 0, CallsSent(), 0
     if reply.chat:
         yield reply.chunk(None, role=True, index=index)
-    elif reply.echo:
+    if reply.echo:
         yield reply.chunk(reply.echoed(index), index=index)
     while not finished:
         event = await job.events.get()

@@ -351,6 +351,7 @@ class ChatBody(CommonBody):
     # reply goes on writing it: a prefill)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the reply's content starts with the last message's, where that is an assistant's
 
     def template_options(self) -> dict:
         """How the chat template ends the prompt (`Engine.encode_messages`), or a 400 naming what to change."""
@@ -366,6 +367,11 @@ class ChatBody(CommonBody):
                                     f"{'' if last.text() else ' without text'})", param="messages")
         return {"add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
+
+    def echoed(self) -> list[str] | None:
+        """What the reply's content starts with (`echo`): the last message's text, where it is an assistant's."""
+        last = self.messages[-1]
+        return [last.text() or ""] if self.echo and last.role == "assistant" else None
 
     def top_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

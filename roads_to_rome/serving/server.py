@@ -190,7 +190,8 @@ async def chat_completions(body: ChatBody, http: HTTPRequest):
     chars = len(json.dumps([messages, tools.prompt_tools], ensure_ascii=False))  # what the template will hold
     encode = functools.partial(s.engine.encode_messages, **body.template_options())
     prompt_ids = await tokenize(s, chars, encode, messages, body.chat_template_kwargs, tools.prompt_tools)
-    return await respond(http, s, body, [prompt_ids], tools.output_format or output_format, chat=True, tools=tools)
+    return await respond(http, s, body, [prompt_ids], tools.output_format or output_format, chat=True, tools=tools,
+                         echo=body.echoed())
 
 
 @routes.post("/v1/completions")
