@@ -373,6 +373,32 @@ def test_continue_final_message_goes_on_writing_the_assistants_message(client, s
         assert "continue_final_message" in refused.json()["error"]["message"]
 
 
+def test_tokenize_and_detokenize_as_vllm_has_them(server, client, tokenizer):
+    """vLLM's /tokenize (a text; or messages, as a chat request's prompt holds them) and /detokenize."""
+    text = "Bonjour! What is 48 / 2?"
+    out = httpx.post(server + "/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert out["tokens"] == tokenizer.encode(text) and out["count"] == len(out["tokens"])
+    assert out["token_strs"] == tokenizer.convert_ids_to_tokens(out["tokens"]) and out["max_model_len"] == 256
+    assert httpx.post(server + "/detokenize", json={"tokens": out["tokens"]}).json() == {"prompt": text}
+    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": "It is"}]
+    for options in ({}, {"add_generation_prompt": False, "continue_final_message": True}):
+        sent = messages if options else messages[:1]
+        ids = httpx.post(server + "/tokenize", json={"model": "tiny-r2r", "messages": sent, **options}).json()["tokens"]
+        assert ids == tokenizer.apply_chat_template(sent, tokenize=True, return_dict=False,
+                                                    **(options or {"add_generation_prompt": True}))
+        reply = client.chat.completions.create(model="tiny-r2r", messages=sent, max_tokens=1, extra_body=options)
+        assert reply.usage.prompt_tokens == len(ids)  # the prompt a chat request holds
+    for path, sent, status, param in (
+            ("/tokenize", {"prompt": text, "chat_template": "{{ x }}"}, 400, "chat_template"),
+            ("/tokenize", {"messages": messages, "continue_final_message": True}, 400, "add_generation_prompt"),
+            ("/tokenize", {"messages": []}, 400, "messages"),
+            ("/tokenize", {"prompt": text, "model": "other"}, 404, "model"),
+            ("/detokenize", {"tokens": [len(tokenizer) + 5]}, 400, "tokens"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens.0")):
+        refused = httpx.post(server + path, json=sent)
+        assert refused.status_code == status and refused.json()["error"]["param"] == param, (sent, refused.text)
+
+
 def test_penalties_reach_the_engine_through_the_openai_client(client):
     """presence_penalty and frequency_penalty (OpenAI's fields) and repetition_penalty (vLLM's) shape the answer:
     with strict verification it is the LLM's own penalised answer, which differs from its plain one."""

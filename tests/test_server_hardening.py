@@ -220,10 +220,10 @@ def test_5_bodies_over_the_limit_are_413_and_health_answers_while_bodies_are_tok
     entered, released = threading.Event(), threading.Event()
     encode = engine.encode_messages
 
-    def held(*args):
+    def held(*args, **kwargs):
         entered.set()
         released.wait(timeout=60)
-        return encode(*args)
+        return encode(*args, **kwargs)
 
     monkeypatch.setattr(engine, "encode_messages", held)
     near = body("48 / 2 " * 8000)
@@ -269,7 +269,7 @@ def test_6_errors_answered_at_once_start_no_threads(server, expected):
 
 
 def test_6_an_unexpected_error_is_a_json_500_without_internals(server, engine, expected, monkeypatch):
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise KeyError("secret internals")
 
     monkeypatch.setattr(engine, "encode_messages", broken)
@@ -348,6 +348,9 @@ def test_10_api_key_host_origin_content_type_and_docs(engine):
         assert 1 <= keyed.usage.completion_tokens == len(keyed.model_extra["r2r"]["token_ids"]) <= 3
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+        for path, sent in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+            assert httpx.post(url + path, json=sent).status_code == 401
+            assert httpx.post(url + path, json=sent, headers=good).status_code == 200
         assert httpx.get(url + "/health").json() == {"status": "ok"}  # health checks need no key: the status only
         foreign = [{"host": "evil.example"}, {"origin": "http://evil.example"}, {"origin": "null"}]
         for headers in foreign:

@@ -17,7 +17,7 @@ from roads_to_rome.errors import R2RError
 from roads_to_rome.serving.schemas import APIError, Limits, error_response
 
 UNCAPPED = ("/health",)  # answered under any load: a supervisor's probe must not read a full server as dead
-KEYED = ("/v1/", "/metrics")
+KEYED = ("/v1/", "/metrics", "/tokenize", "/detokenize")
 SHORT_PROMPT_CHARS = 16384  # a prompt this short tokenizes in milliseconds: a lane of its own, never refused
 
 

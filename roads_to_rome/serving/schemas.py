@@ -339,19 +339,16 @@ class ToolUse:
     stop: tuple[str, ...] = ()
 
 
-class ChatBody(CommonBody):
+class ChatPrompt(BaseModel):
+    """A chat as the model's template writes it into a prompt: what a chat request and /tokenize share."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables the chat template reads
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
     # vLLM's: whether the prompt ends with the assistant's turn opened, or with the last message left open (the
     # reply goes on writing it: a prefill)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    echo: bool = False  # vLLM's: the reply's content starts with the last message's, where that is an assistant's
 
     def template_options(self) -> dict:
         """How the chat template ends the prompt (`Engine.encode_messages`), or a 400 naming what to change."""
@@ -367,6 +364,14 @@ class ChatBody(CommonBody):
                                     f"{'' if last.text() else ' without text'})", param="messages")
         return {"add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
+
+
+class ChatBody(CommonBody, ChatPrompt):
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    echo: bool = False  # vLLM's: the reply's content starts with the last message's, where that is an assistant's
 
     def echoed(self) -> list[str] | None:
         """What the reply's content starts with (`echo`): the last message's text, where it is an assistant's."""
@@ -461,12 +466,43 @@ class CompletionBody(CommonBody):
         return list(prompt)
 
 
+class TokenizeText(BaseModel):
+    """vLLM's /tokenize for a text."""
+
+    model_config = ConfigDict(extra="forbid")
+    requested: str | None = Field(None, alias="model")
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChat(ChatPrompt):
+    """vLLM's /tokenize for messages, in the chat template as a chat request's prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+    requested: str | None = Field(None, alias="model")
+    add_special_tokens: bool = False  # special tokens beside the template's own (a BOS)
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    """vLLM's /detokenize."""
+
+    model_config = ConfigDict(extra="forbid")
+    requested: str | None = Field(None, alias="model")
+    tokens: list[TokenId]
+
+
+def check_model(requested: str | None, model_name: str) -> None:
+    if requested is not None and requested != model_name:
+        raise APIError(404, f"the model {requested!r} does not exist; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+
+
 def check_body(body: CommonBody, model_name: str, limits: Limits) -> OutputFormat | None:
     """What a body's types cannot say: the model it names, the options this server supports and the stop strings'
     limits (before its prompt is tokenized). Returns the format its output must follow, built once here."""
-    if body.requested is not None and body.requested != model_name:
-        raise APIError(404, f"the model {body.requested!r} does not exist; this server serves {model_name!r}",
-                       param="model", code="model_not_found")
+    check_model(body.requested, model_name)
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED and value is not None and value != UNSUPPORTED[name] \
                 and value not in NEUTRAL.get(name, ()):

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI
@@ -27,6 +28,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.staticfiles import StaticFiles
 
@@ -40,11 +42,16 @@ from roads_to_rome.serving.replies import Reply, stream_events, whole_answer
 from roads_to_rome.serving.schemas import (
     APIError,
     ChatBody,
+    ChatPrompt,
     CommonBody,
     CompletionBody,
+    DetokenizeBody,
     Limits,
+    TokenizeChat,
+    TokenizeText,
     ToolUse,
     check_body,
+    check_model,
     error_response,
     llm_away,
     make_sequences,
@@ -186,10 +193,7 @@ async def chat_completions(body: ChatBody, http: HTTPRequest):
     s = server(http)
     output_format = check_body(body, s.model_name, s.limits)
     tools = body.tool_use(s.tool_parser)
-    messages = [m.for_template() for m in body.messages]
-    chars = len(json.dumps([messages, tools.prompt_tools], ensure_ascii=False))  # what the template will hold
-    encode = functools.partial(s.engine.encode_messages, **body.template_options())
-    prompt_ids = await tokenize(s, chars, encode, messages, body.chat_template_kwargs, tools.prompt_tools)
+    prompt_ids = await chat_prompt(s, body, tools.prompt_tools)
     return await respond(http, s, body, [prompt_ids], tools.output_format or output_format, chat=True, tools=tools,
                          echo=body.echoed())
 
@@ -208,6 +212,53 @@ async def completions(body: CompletionBody, http: HTTPRequest):
     echoed = [p if isinstance(p, str) else s.engine.tokenizer.decode(p) for p in body.prompts()] if body.echo \
         else None
     return await respond(http, s, body, prompts, output_format, chat=False, echo=echoed)
+
+
+@routes.post("/tokenize")
+async def tokenize_prompt(body: dict[str, Any], http: HTTPRequest):
+    """vLLM's: a text's tokens, or a chat's (`messages`) as a chat request's prompt holds them."""
+    s = server(http)
+    chat = "messages" in body
+    asked = validated(TokenizeChat if chat else TokenizeText, body)
+    check_model(asked.requested, s.model_name)
+    if chat:
+        tools = [tool.model_dump(exclude_none=True) for tool in asked.tools] if asked.tools else None
+        ids = await chat_prompt(s, asked, tools)
+        bos = s.engine.tokenizer.bos_token_id
+        ids = [bos, *ids] if asked.add_special_tokens and bos is not None and ids[:1] != [bos] else ids
+    else:
+        encode = functools.partial(s.engine.tokenizer.encode, add_special_tokens=asked.add_special_tokens)
+        ids = await tokenize(s, len(asked.prompt), encode, asked.prompt)
+    strings = s.engine.tokenizer.convert_ids_to_tokens(ids) if asked.return_token_strs else None
+    return {"count": len(ids), "max_model_len": s.limits.context_length, "tokens": ids, "token_strs": strings}
+
+
+@routes.post("/detokenize")
+async def detokenize(body: DetokenizeBody, http: HTTPRequest):
+    """vLLM's: the text of token ids."""
+    s = server(http)
+    check_model(body.requested, s.model_name)
+    vocab = s.engine.writer.vocab_size
+    if any(token >= vocab for token in body.tokens):
+        raise APIError(400, f"tokens holds {max(body.tokens)}, beyond the vocabulary: ids are 0 to {vocab - 1}",
+                       param="tokens")
+    return {"prompt": await tokenize(s, 4 * len(body.tokens), s.engine.tokenizer.decode, body.tokens)}
+
+
+def validated(model: type[BaseModel], body: dict):
+    """The body as `model`, or the 400 FastAPI's own validation gives."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in e.errors()]) from None
+
+
+async def chat_prompt(s: ServerState, body: ChatPrompt, prompt_tools: list[dict] | None) -> list[int]:
+    """A chat's prompt tokens, in the model's chat template: the messages, the tools it shows, how it ends."""
+    messages = [m.for_template() for m in body.messages]
+    chars = len(json.dumps([messages, prompt_tools], ensure_ascii=False))  # what the template will hold
+    encode = functools.partial(s.engine.encode_messages, **body.template_options())
+    return await tokenize(s, chars, encode, messages, body.chat_template_kwargs, prompt_tools)
 
 
 async def tokenize(s: ServerState, chars: int, encode, *args) -> list[int]:
