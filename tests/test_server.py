@@ -69,6 +69,22 @@ def test_streamed_answer_equals_non_streamed_under_greedy(client):
         assert chunks[-1].usage.model_extra["llm_rate"] == 1.0
 
 
+def test_continuous_usage_stats_give_each_chunk_its_usage_so_far(client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each token's chunk carries the tokens
+    written so far; the last chunk the whole request's usage."""
+    chunks = list(client.chat.completions.create(
+        model="tiny-r2r", messages=[{"role": "user", "content": "What is 48 / 2?"}], max_tokens=12, stream=True,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    tokens = [c for c in chunks if c.model_extra.get("r2r")]
+    assert [c.usage.completion_tokens for c in tokens] == list(range(1, 13))
+    assert {c.usage.prompt_tokens for c in tokens} == {chunks[-1].usage.prompt_tokens}
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    plain = list(client.chat.completions.create(
+        model="tiny-r2r", messages=[{"role": "user", "content": "What is 48 / 2?"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices and c.choices[0].finish_reason is None)  # at the end only
+
+
 def test_completions_streaming_and_not(client):
     whole = client.completions.create(model="tiny-r2r", prompt="def add(a, b):", max_tokens=15, temperature=0,
                                       extra_body={"r2r_policy": "slm"})
@@ -474,6 +490,37 @@ def test_echo_starts_each_choices_text_with_its_prompt_whole_and_streamed(server
     streamed_logprobs = httpx.post(server + "/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1,
                                                                      "stream": True})
     assert streamed_logprobs.status_code == 400 and streamed_logprobs.json()["error"]["param"] == "stream"
+
+
+def test_truncate_prompt_tokens_and_tokens_named_by_id(server, client, tokenizer):
+    """vLLM's truncate_prompt_tokens (the prompt's last N tokens: the answer is that prompt's) and
+    return_tokens_as_token_ids (log-probabilities name tokens `token_id:N`, text offsets still the text's)."""
+    text = "Natalia sold clips to 48 of her friends in April."
+    ids = tokenizer.encode(text)
+    kw = {"model": "tiny-r2r", "max_tokens": 5, "temperature": 0}
+    llm = {"r2r_policy": "llm"}  # (the server's random policy draws anew for each request)
+    short = client.completions.create(prompt=ids[-4:], extra_body=llm, **kw)
+    cut = client.completions.create(prompt=text, echo=True, extra_body={"truncate_prompt_tokens": 4, **llm}, **kw)
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == tokenizer.decode(ids[-4:]) + short.choices[0].text
+    chat = [{"role": "user", "content": text}]
+    whole = client.chat.completions.create(messages=chat, **kw)
+    kept = client.chat.completions.create(messages=chat, extra_body={"truncate_prompt_tokens": 6}, **kw)
+    assert kept.usage.prompt_tokens == 6 and whole.usage.prompt_tokens > 6
+    everything = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": -1}, **kw)
+    assert everything.usage.prompt_tokens == len(ids)  # (shorter than the server holds: all of it)
+    refused = httpx.post(server + "/v1/completions", json={"prompt": text, "truncate_prompt_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"
+    named = client.completions.create(prompt=text, logprobs=2, echo=True,
+                                      extra_body={"return_tokens_as_token_ids": True, **llm}, **kw)
+    plain = client.completions.create(prompt=text, logprobs=2, echo=True, extra_body=llm, **kw)
+    lp, plain_lp = named.choices[0].logprobs, plain.choices[0].logprobs
+    every = ids + named.model_extra["r2r"]["token_ids"]
+    assert lp.tokens == [f"token_id:{t}" for t in every] and lp.text_offset == plain_lp.text_offset
+    assert all(key.startswith("token_id:") for top in lp.top_logprobs[1:] for key in top)
+    chat_named = client.chat.completions.create(messages=chat, logprobs=True, top_logprobs=1,
+                                                extra_body={"return_tokens_as_token_ids": True}, **kw)
+    tokens = chat_named.model_extra["r2r"]["token_ids"]
+    assert [e.token for e in chat_named.choices[0].logprobs.content] == [f"token_id:{t}" for t in tokens]
 
 
 def test_a_suffix_asks_the_model_to_fill_in_the_middle(server, slm, llm, tokenizer):

@@ -50,6 +50,8 @@ class Reply:
     one_call: bool = False  # parallel_tool_calls: false: the first call only
     prompt_entries: bool = False  # vLLM's `prompt_logprobs` field: completions' choices and a chat reply carry it
     prompt_alone: bool = False  # completions' echo with max_tokens 0: the prompt, nothing written after it
+    running_usage: bool = False  # a stream's chunks each carry their choice's usage so far (vLLM's continuous stats)
+    token_ids: bool = False  # log-probabilities name tokens `token_id:N` (vLLM's `return_tokens_as_token_ids`)
     # Where the tokens given log-probabilities so far end, in tokens and in characters: a stream's next chunk
     # starts there, so its text offset is not summed again from the first token.
     logprobs_upto: tuple[int, int] = (0, 0)
@@ -118,7 +120,7 @@ class Reply:
         if gen.logprobs is None:
             return None
         tokens = gen.token_ids[start:end]
-        entries = [(self._text(token), entry) for token, entry in zip(tokens, gen.logprobs[start:end])]
+        entries = [(self._shown(token), entry) for token, entry in zip(tokens, gen.logprobs[start:end])]
         if self.chat:
             return ChoiceLogprobs(content=[ChatCompletionTokenLogprob(
                 token=text, bytes=list(text.encode()), logprob=entry.logprob,
@@ -128,9 +130,9 @@ class Reply:
         if start != upto:
             offset = sum(len(self._text(t)) for t in gen.token_ids[:start])
         offsets = []
-        for text, _ in entries:
+        for token in tokens:
             offsets.append(offset)
-            offset += len(text)
+            offset += len(self._text(token))
         self.logprobs_upto = (end, offset)
         return Logprobs(tokens=[text for text, _ in entries], token_logprobs=[entry.logprob for _, entry in entries],
                         top_logprobs=[dict(self._tops(entry)) for _, entry in entries], text_offset=offsets)
@@ -138,11 +140,10 @@ class Reply:
     def with_prompt(self, gen: Generation, generated: Logprobs, echoed: int) -> Logprobs:
         """Completions' `echo` with `logprobs`: the prompt's entries (the first without a log-probability, as
         OpenAI's), then the generated tokens', whose offsets follow the echoed text's `echoed` characters."""
-        texts = [self._text(token) for token in gen.prompt_ids]
-        offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=0))
+        offsets = list(itertools.accumulate((len(self._text(t)) for t in gen.prompt_ids[:-1]), initial=0))
         entries = gen.prompt_logprobs
         # (built as is: OpenAI's type has no room for the first token's null, which its API sends)
-        return Logprobs.model_construct(tokens=texts + generated.tokens,
+        return Logprobs.model_construct(tokens=[self._shown(t) for t in gen.prompt_ids] + generated.tokens,
                                         token_logprobs=[None if e is None else e.logprob for e in entries]
                                         + generated.token_logprobs,
                                         top_logprobs=[None if e is None else dict(self._tops(e)) for e in entries]
@@ -164,8 +165,12 @@ class Reply:
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
+    def _shown(self, token: int) -> str:
+        """A token as log-probabilities name it: its text, or vLLM's `token_id:N` (`return_tokens_as_token_ids`)."""
+        return f"token_id:{token}" if self.token_ids else self._text(token)
+
     def _tops(self, entry: TokenLogprob) -> list[tuple[str, float]]:
-        return [(self._text(t), lp) for t, lp in entry.top]
+        return [(self._shown(t), lp) for t, lp in entry.top]
 
     def chunk(self, delta: str | None, finish_reason=None, extra: dict | None = None, role: bool = False,
               reasoning: str | None = None, logprobs=None, index: int = 0,
@@ -329,6 +334,10 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
                 reasoned = reply.reasoned(gen)
                 extra["usage"] = usage([gen], reasoned and [reasoned])
                 ended[index] = ("finished", reasoned)
+            elif reply.running_usage:
+                prompt = len(sequence.prompt_ids)
+                extra["usage"] = CompletionUsage(prompt_tokens=prompt, completion_tokens=streamed,
+                                                 total_tokens=prompt + streamed)
             yield reply.chunk(delta, finish_reason(gen, made) if finished else None, extra,
                               reasoning=thinking, logprobs=reply.logprobs(gen, streamed - 1, streamed), index=index,
                               calls=calls)

@@ -114,15 +114,15 @@ VerifySetting = Annotated[Number | str, AfterValidator(verify_setting)]
 UNSUPPORTED = {"best_of": 1, "functions": None, "function_call": None,
                "echo": False, "suffix": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
                "guided_grammar": None, "use_beam_search": False,
-               "length_penalty": 1.0, "truncate_prompt_tokens": None,
+               "length_penalty": 1.0,
                "logits_processors": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-               "chat_template": None,
-               "return_tokens_as_token_ids": False}
+               "chat_template": None}
 NEUTRAL = {"functions": ([],), "function_call": ("none",), "suffix": ("",), "logits_processors": ([],)}
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = False  # OpenAI's: a last chunk with the usage of the whole request
+    continuous_usage_stats: bool = False  # vLLM's (with include_usage): each token's chunk with its choice's so far
 
 
 class JsonSchemaFormat(BaseModel):
@@ -198,6 +198,9 @@ class CommonBody(BaseModel):
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     # vLLM's: each prompt token's log-probability, with this many most likely tokens (core/scoring.py)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities name tokens `token_id:N`, not their text
+    # vLLM's: the prompt's last this many tokens only (-1: as many as the server holds per request)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # R2R routing knobs (extra body fields)
     r2r_threshold: Number | None = None
     r2r_llm_rate: Number | None = Field(None, ge=0, le=1)
@@ -518,6 +521,17 @@ def check_body(body: CommonBody, model_name: str, limits: Limits) -> OutputForma
                             f"{limits.max_batch + limits.max_queue} sequences at once (--max-batch + --max-queue)",
                        param="n")
     return output_format
+
+
+def truncated(body: CommonBody, prompt_ids: list[int], limits: Limits) -> list[int]:
+    """The prompt as vLLM's `truncate_prompt_tokens` leaves it: its last N tokens (-1: as many as a request holds)."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return prompt_ids
+    if keep == 0:
+        raise APIError(400, "truncate_prompt_tokens keeps the prompt's last N tokens: give N of 1 or more, or -1 for "
+                            "as many as the server holds", param="truncate_prompt_tokens")
+    return prompt_ids[-(limits.context_length if keep == -1 else keep):]
 
 
 def stop_strings(body: CommonBody, limits: Limits) -> tuple[str, ...]:

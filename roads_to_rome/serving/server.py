@@ -55,6 +55,7 @@ from roads_to_rome.serving.schemas import (
     error_response,
     llm_away,
     make_sequences,
+    truncated,
     validation_error,
 )
 from roads_to_rome.tool_calls import resolve_tool_parser
@@ -193,7 +194,7 @@ async def chat_completions(body: ChatBody, http: HTTPRequest):
     s = server(http)
     output_format = check_body(body, s.model_name, s.limits)
     tools = body.tool_use(s.tool_parser)
-    prompt_ids = await chat_prompt(s, body, tools.prompt_tools)
+    prompt_ids = truncated(body, await chat_prompt(s, body, tools.prompt_tools), s.limits)
     return await respond(http, s, body, [prompt_ids], tools.output_format or output_format, chat=True, tools=tools,
                          echo=body.echoed())
 
@@ -207,10 +208,11 @@ async def completions(body: CompletionBody, http: HTTPRequest):
         raise APIError(400, "a suffix goes with a prompt given as text: the prompt and the suffix are framed by the "
                             "model's fill-in-the-middle tokens", param="suffix")
     encode = s.engine.encode_raw if suffix is None else lambda text: s.engine.encode_infill(text, suffix)
-    prompts = [await tokenize(s, len(p) + len(suffix or ""), encode, p) if isinstance(p, str) else p
-               for p in body.prompts()]
-    echoed = [p if isinstance(p, str) else s.engine.tokenizer.decode(p) for p in body.prompts()] if body.echo \
-        else None
+    given = [await tokenize(s, len(p) + len(suffix or ""), encode, p) if isinstance(p, str) else p
+             for p in body.prompts()]
+    prompts = [truncated(body, ids, s.limits) for ids in given]
+    echoed = [p if isinstance(p, str) and len(ids) == len(whole) else s.engine.tokenizer.decode(ids)
+              for p, ids, whole in zip(body.prompts(), prompts, given)] if body.echo else None
     return await respond(http, s, body, prompts, output_format, chat=False, echo=echoed)
 
 
@@ -291,9 +293,11 @@ async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: 
     reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat,
                   reasoning, s.engine.tokenizer, body.n, echo, tools.parser if tools else None,
                   bool(tools and tools.one), prompt_entries=body.prompt_logprobs is not None,
-                  prompt_alone=body.prompt_alone())
+                  prompt_alone=body.prompt_alone(), token_ids=body.return_tokens_as_token_ids)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        reply.running_usage = include_usage and options.continuous_usage_stats
         return StreamingResponse(stream_events(jobs, reply, include_usage), media_type="text/event-stream")
     return await whole_answer(http, jobs, reply, s.limits.max_request_seconds)
 
