@@ -1,13 +1,16 @@
 """Tool calling (OpenAI's `tools`): the functions a chat request offers go to the chat template, and the calls the
 model writes come back out of its reply as `tool_calls`, as vLLM's and llama.cpp's tool parsers hand them to clients.
 
-Two call syntaxes, as vLLM names them. `hermes`, which Qwen2.5's, Qwen3's and Hermes' templates teach: each call a
+Three call syntaxes, as vLLM names them. `hermes`, which Qwen2.5's, Qwen3's and Hermes' templates teach: each call a
 JSON object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`. Qwen2.5-Coder (the default
 pair) writes the object without the tags, alone or in a ```json code fence: a reply that opens with such objects,
 each naming an offered function, is read as calls too. `llama3_json`, which Llama 3.1's and 3.2's templates teach:
-the reply is `{"name": ..., "parameters": {...}}` objects, separated by `;`, maybe after `<|python_tag|>`. Either
-parser reads bare objects with either key. Text outside the calls is the message's content; a block that does not
-hold a call stays in the content, so nothing the model wrote is lost.
+the reply is `{"name": ..., "parameters": {...}}` objects, separated by `;`, maybe after `<|python_tag|>`.
+`mistral`, which Mistral's templates teach: the reply is a JSON list of `{"name": ..., "arguments": {...}}` objects
+after `[TOOL_CALLS]` (a special token: usually gone from the decoded text), and a call's id is 9 letters and digits,
+as those templates require of the ids handed back. Every parser reads every syntax's bare objects, with either key,
+and lists of them. Text outside the calls is the message's content; a block that does not hold a call stays in the
+content, so nothing the model wrote is lost.
 
 `tool_choice`: "auto" parses what the model writes; "required" and a named function hold the reply to calls by a
 grammar (core/grammar.py), tagged or bare as the model prefers under hermes, so that one parser reads every reply;
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from dataclasses import dataclass
 
 from roads_to_rome.core.grammar import OutputFormat
@@ -28,9 +32,11 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FENCE = re.compile(r"\s*```(?:json)?[ \t]*\n")  # a code fence around bare calls
 FENCE_OPENINGS = ("```json\n", "```\n")
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's opening of a call (a special token: usually gone from the decoded text)
+MISTRAL_TAG = "[TOOL_CALLS]"  # Mistral's opening of its list of calls (a special token too)
+TAGS = (PYTHON_TAG, MISTRAL_TAG)
 LLAMA_HINT = '"parameters": dictionary'  # Llama 3.1's and 3.2's templates: `Respond in the format {"name": ...`
-PARSERS = ("auto", "hermes", "llama3_json", "none")
-ARGUMENT_KEYS = {"hermes": "arguments", "llama3_json": "parameters"}  # the key each syntax's calls write
+PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
+ARGUMENT_KEYS = {"hermes": "arguments", "llama3_json": "parameters", "mistral": "arguments"}  # what calls write
 
 
 def check_tool_parser(name: str) -> str:
@@ -51,6 +57,8 @@ def resolve_tool_parser(name: str, tokenizer) -> str | None:
         return None
     if OPEN in template:
         return "hermes"
+    if MISTRAL_TAG in template:
+        return "mistral"
     return "llama3_json" if LLAMA_HINT in template or PYTHON_TAG in template else None
 
 
@@ -99,6 +107,11 @@ class ToolParser:
     it names one of them (a reply that is a JSON answer stays one). It reads either syntax."""
 
     names: frozenset[str]
+    syntax: str = "hermes"  # the call syntax the server's parser names (the ids it gives calls)
+
+    def call_id(self) -> str:
+        """A new call's id: OpenAI's shape, or 9 letters and digits for Mistral's templates."""
+        return secrets.token_hex(5)[:9] if self.syntax == "mistral" else "call_" + secrets.token_hex(12)
 
     def split(self, text: str, final: bool = True) -> ToolSplit:
         """The calls in `text` and the text around them. Not `final`: what may still turn out to be part of a call
@@ -136,22 +149,33 @@ class ToolParser:
     def _bare_calls(self, text: str, final: bool, content: list[str], calls: list[ToolCall],
                     writing: list[ToolCall]) -> int | None:
         """Calls written as bare JSON objects at the reply's start, maybe in a code fence (Qwen2.5-Coder's habits)
-        or after Llama 3's `<|python_tag|>`, separated by whitespace or `;`: where the rest begins, or None while
-        what comes may still be one (`writing`: the one being written, once it names an offered function)."""
+        or after Llama 3's `<|python_tag|>`, separated by whitespace or `;`, or as a JSON list (Mistral's, maybe
+        after `[TOOL_CALLS]`): where the rest begins, or None while what comes may still be one (`writing`: the one
+        being written, once it names an offered function)."""
         decoder, at = json.JSONDecoder(), 0
         fence, opening = FENCE.match(text), text.lstrip()
+        tag = next((tag for tag in TAGS if opening.startswith(tag)), None)
         if fence:
             at = fence.end()
-        elif opening.startswith(PYTHON_TAG):
-            at = len(text) - len(opening) + len(PYTHON_TAG)
-        elif not final and opening and any(f.startswith(opening) for f in (*FENCE_OPENINGS, PYTHON_TAG)):
+        elif tag:
+            at = len(text) - len(opening) + len(tag)
+        elif not final and opening and any(f.startswith(opening) for f in (*FENCE_OPENINGS, *TAGS)):
             return None  # a fence or a tag being opened
+        start = len(text) - len(text[at:].lstrip())
+        listed = text.startswith("[", start)  # Mistral's: the calls as a JSON list
+        if listed:
+            at = start + 1
         while True:
             start = len(text) - len(text[at:].lstrip())
-            if calls and text.startswith(";", start):  # Llama 3's separator
+            if calls and text.startswith("," if listed else ";", start):  # the separator: Mistral's or Llama 3's
                 start = len(text) - len(text[start + 1 :].lstrip())
                 if not final and start == len(text):
                     return None  # the next call may follow
+            if listed and calls and text.startswith("]", start):  # the list's end
+                at = start + 1
+                break
+            if listed and calls and not final and start == len(text):
+                return None  # a separator or the list's end may follow
             if not text.startswith("{", start):
                 break
             try:
@@ -190,7 +214,7 @@ class ToolParser:
             return None
         if written := self._written(text, tagged):  # written name first: read as one as it came, whatever follows
             return written[0]
-        keys = [key for key in ARGUMENT_KEYS.values() if key in value]  # the arguments, under either syntax's key
+        keys = [key for key in dict.fromkeys(ARGUMENT_KEYS.values()) if key in value]  # under any syntax's key
         if len(keys) > 1 or (not tagged and (value["name"] not in self.names or len(value) > 1 + len(keys))):
             return None
         arguments = value[keys[0]] if keys else {}
@@ -227,7 +251,8 @@ def call_format(functions: list[dict], one: bool, syntax: str = "hermes") -> Out
     each function's parameters' schema and spaced as templates write them; `one`: a single call. Under hermes calls
     are tagged, as the template teaches, or bare objects, as Qwen2.5-Coder writes them: the model takes the way it
     prefers (held to tags, that one goes on calling where it would have stopped). The tags are text to the grammar;
-    where the tokenizer has a token for one, that token writes it. Under llama3_json, bare objects, `; ` between."""
+    where the tokenizer has a token for one, that token writes it. Under llama3_json, bare objects, `; ` between;
+    under mistral, a JSON list of them (the grammar leaves out `[TOOL_CALLS]`, which the parser does not need)."""
     objects, key = [], ARGUMENT_KEYS[syntax]
     for function in functions:
         schema = {"type": "object", "properties": {"name": {"const": function["name"]},
@@ -238,6 +263,9 @@ def call_format(functions: list[dict], one: bool, syntax: str = "hermes") -> Out
     object_rule = f"object: {' | '.join(objects)}"
     if syntax == "llama3_json":
         start = "start: object" if one else 'start: object ("; " object)*'
+        return OutputFormat("grammar", f"{start}\n{object_rule}\n")
+    if syntax == "mistral":
+        start = 'start: "[" object "]"' if one else 'start: "[" object (", " object)* "]"'
         return OutputFormat("grammar", f"{start}\n{object_rule}\n")
     opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
     rules = [object_rule, f"tagged: {opening} object {closing}"]

@@ -4,6 +4,7 @@ whole and streamed, earlier calls and tools' answers in the prompt, and what can
 
 import json
 
+import httpx
 import openai
 import pytest
 from tiny import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
@@ -37,6 +38,17 @@ LLAMA_TEMPLATE = (
     "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Mistral's template, cut the same way: the tools before the last user message, earlier calls written back after
+# [TOOL_CALLS] with their ids, which it holds to 9 letters and digits, as Mistral's own templates do.
+MISTRAL_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS]"
+    "{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}"
+    "{% if c.id is not string or c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric "
+    "strings with length 9!') }}{% endif %}{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}, \"id\": \"{{ c.id }}\"}{% if not loop.last %}, {% endif %}{% endfor %}]"
+    "<|im_end|>{% elif m.role == 'tool' %}[TOOL_RESULTS]{\"content\": {{ m.content | tojson }}, \"call_id\": "
+    "\"{{ m.tool_call_id }}\"}[/TOOL_RESULTS]{% else %}{{ m.content }}<|im_end|>{% endif %}{% endfor %}")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]},
@@ -87,6 +99,12 @@ UTC = ToolCall("get_time", '{"zone": "UTC"}')
      '"get_time", "parameters": {"zone": "UTC"}}', []),
     ("<|python_tag|>print(1)", "<|python_tag|>print(1)", []),
     ("{not json", "{not json", []),
+    # Mistral's: a JSON list of calls, maybe after [TOOL_CALLS]
+    ('[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, {"name": "get_time", "arguments": '
+     '{"zone": "UTC"}}]', "", [PARIS, UTC]),
+    ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}] Done.', " Done.", [UTC]),
+    ('[{"answer": 72}]', '[{"answer": 72}]', []),
+    ("[1, 2]", "[1, 2]", []),
     ("  \n", "  \n", []),
 ])
 def test_split(text, content, calls):
@@ -99,7 +117,7 @@ def test_split(text, content, calls):
         part = PARSER.split(text[:end], final=end == len(text))
         assert part.content.startswith(shown) and part.calls[: len(sent)] == sent, (end, part)
         shown, sent = part.content, part.calls
-        for delta in stream.deltas(part):
+        for delta in stream.deltas(part, PARSER):
             name, arguments = added.get(delta.index, ("", ""))
             added[delta.index] = (name + (delta.function.name or ""), arguments + delta.function.arguments)
     assert (shown, sent) == (content, calls)
@@ -111,8 +129,10 @@ def test_auto_reads_the_chat_template():
     tools.chat_template, llama.chat_template = TOOLS_TEMPLATE, LLAMA_TEMPLATE
     assert resolve_tool_parser("auto", tools) == "hermes" and resolve_tool_parser("auto", plain) is None
     assert resolve_tool_parser("auto", llama) == "llama3_json"
+    plain.chat_template = MISTRAL_TEMPLATE
+    assert resolve_tool_parser("auto", plain) == "mistral"
     assert resolve_tool_parser("hermes", plain) == "hermes" and resolve_tool_parser("none", tools) is None
-    with pytest.raises(R2RError, match="auto, hermes, llama3_json, none"):
+    with pytest.raises(R2RError, match="auto, hermes, llama3_json, mistral, none"):
         resolve_tool_parser("qwen", tools)
 
 
@@ -205,6 +225,40 @@ def test_a_llama3_template_gets_llama3_calls_through_the_server(llama_engine):
         assert (content, finish) == ("", "tool_calls")
         assert [{"name": c["name"], "arguments": c["arguments"]} for c in streamed_calls] == calls
         written = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+        auto = client.chat.completions.create(**{**kw, "tool_choice": "auto",
+                                                 "extra_body": {"structured_outputs": {"choice": [written]}}})
+        assert whole_calls(auto.choices[0].message) == [{"name": "get_time", "arguments": UTC.arguments}]
+
+
+def test_a_mistral_template_gets_a_list_of_calls_with_ids_it_takes_back(tool_engine):
+    """Mistral's syntax: a JSON list of calls (held to it by tool_choice, read from it in auto), whole and streamed;
+    each call's id is 9 letters and digits, which its template checks when the calls are handed back."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])  # the same ids as the models'
+    tokenizer.chat_template = MISTRAL_TEMPLATE
+    engine = Engine(tool_engine.slm, tool_engine.llm, tokenizer, RandomPolicy(0.3, seed=0), verify="1")
+    with BackgroundServer(create_app(engine, "mistral", Limits(max_batch=2, max_tokens=160,
+                                                             context_length=2048))) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert client.models.list().data[0].model_extra["r2r"]["tool_call_parser"] == "mistral"
+        question = [{"role": "user", "content": "What is the weather in Paris?"}]
+        kw = {"model": "mistral", "tools": [WEATHER, TIME], "max_tokens": 160, "tool_choice": "required",
+              "temperature": 0, "messages": question}
+        whole = client.chat.completions.create(**kw)
+        text = tokenizer.decode(whole.model_extra["r2r"]["token_ids"], skip_special_tokens=True)
+        assert whole.choices[0].finish_reason == "tool_calls" and text.startswith('[{"name": "') and text[-1] == "]"
+        message = whole.choices[0].message
+        assert message.tool_calls and all(len(c.id) == 9 and c.id.isalnum() for c in message.tool_calls)
+        content, streamed_calls, finish = streamed(client.chat.completions.create(stream=True, **kw))
+        assert (content, finish) == ("", "tool_calls") and all(len(c["id"]) == 9 for c in streamed_calls)
+        assert [{"name": c["name"], "arguments": c["arguments"]} for c in streamed_calls] == whole_calls(message)
+        answered = question + [message.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in message.tool_calls]
+        follow_up = client.chat.completions.create(**{**kw, "tool_choice": "none", "messages": answered})
+        prompt = httpx.post(srv.url + "/tokenize", json={"messages": answered, "tools": [WEATHER, TIME]}).json()
+        assert follow_up.usage.prompt_tokens == prompt["count"]  # the template took the ids back
+        assert all(f'"id": "{c.id}"' in tokenizer.decode(prompt["tokens"]) for c in message.tool_calls)
+        written = '[{"name": "get_time", "arguments": {"zone": "UTC"}}]'
         auto = client.chat.completions.create(**{**kw, "tool_choice": "auto",
                                                  "extra_body": {"structured_outputs": {"choice": [written]}}})
         assert whole_calls(auto.choices[0].message) == [{"name": "get_time", "arguments": UTC.arguments}]

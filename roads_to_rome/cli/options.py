@@ -119,9 +119,10 @@ ReasoningParserOpt = Annotated[str, typer.Option("--reasoning-parser", help="Rea
 ToolCallParserOpt = Annotated[str, typer.Option("--tool-call-parser", help="How chat replies' tool calls are "
                                                 "read: hermes (<tool_call>{...}</tool_call>, Qwen's and Hermes' "
                                                 "templates), llama3_json ({\"name\", \"parameters\"} objects, "
-                                                "Llama 3.1's and 3.2's), none (tools refused), or auto (hermes when "
-                                                "the chat template shows <tool_call>, llama3_json when it teaches "
-                                                "Llama 3's calls).")]
+                                                "Llama 3.1's and 3.2's), mistral ([TOOL_CALLS] and a list of calls), "
+                                                "none (tools refused), or auto (hermes when the chat template shows "
+                                                "<tool_call>, mistral when it shows [TOOL_CALLS], llama3_json when "
+                                                "it teaches Llama 3's calls).")]
 MaxUnverified = Annotated[int | None, typer.Option("--max-unverified", help="With --verify: catch up "
                                                    "and check once this many tokens are unread by the LLM "
                                                    "(default: no limit). --router slm --verify strict "

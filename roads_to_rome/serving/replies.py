@@ -8,7 +8,6 @@ import dataclasses
 import itertools
 import json
 import time
-import uuid
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
@@ -89,7 +88,8 @@ class Reply:
                 if split and split.calls:
                     content = split.content or None
                     fields["tool_calls"] = [ChatCompletionMessageFunctionToolCall(
-                        id=call_id(), type="function", function=Function(name=call.name, arguments=call.arguments))
+                        id=self.tools.call_id(), type="function",
+                        function=Function(name=call.name, arguments=call.arguments))
                         for call in split.calls]
                 if self.echo:  # (the message a continued reply goes on writing)
                     content = self.echoed(index) + (content or "")
@@ -327,7 +327,8 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
                 thinking, answer = (split.reasoning or "")[sent_thinking:], split.content
                 sent_thinking += len(thinking)
             if (tool_split := reply.calls(answer, finished)) is not None:  # ... and so is a call's syntax
-                answer, calls, made = tool_split.content, calls_sent.deltas(tool_split), len(tool_split.calls)
+                answer, made = tool_split.content, len(tool_split.calls)
+                calls = calls_sent.deltas(tool_split, reply.tools)
             delta, sent_answer = answer[sent_answer:], max(sent_answer, len(answer))
             extra = {"r2r": {"token_id": token, "source": source, "score": score}}
             if finished:
@@ -351,11 +352,11 @@ class CallsSent:
     ids: list[str] = dataclasses.field(default_factory=list)
     arguments: list[str] = dataclasses.field(default_factory=list)
 
-    def deltas(self, split: ToolSplit) -> list[ChoiceDeltaToolCall]:
+    def deltas(self, split: ToolSplit, parser: ToolParser) -> list[ChoiceDeltaToolCall]:
         out = []
         for k, call in enumerate(split.calls + ([split.writing] if split.writing else [])):
             if k == len(self.ids):
-                self.ids.append(call_id())
+                self.ids.append(parser.call_id())
                 self.arguments.append(call.arguments)
                 out.append(ChoiceDeltaToolCall(index=k, id=self.ids[k], type="function", function=(
                     ChoiceDeltaToolCallFunction(name=call.name, arguments=call.arguments))))
@@ -363,10 +364,6 @@ class CallsSent:
                 more, self.arguments[k] = call.arguments[len(self.arguments[k]):], call.arguments
                 out.append(ChoiceDeltaToolCall(index=k, function=ChoiceDeltaToolCallFunction(arguments=more)))
         return out
-
-
-def call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 def finish_reason(gen: Generation, calls: int) -> str | None:

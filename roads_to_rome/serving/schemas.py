@@ -403,11 +403,11 @@ class ChatBody(CommonBody, ChatPrompt):
             return ToolUse(None, None)
         if parser is None:
             raise APIError(400, "this model's chat template does not take tools (it shows neither hermes' <tool_call> "
-                                "syntax nor Llama 3's JSON calls), so the server cannot read calls from its replies; "
-                                "if it does take them, start the server with --tool-call-parser hermes or "
-                                "llama3_json", param="tools")
+                                "syntax, Llama 3's JSON calls nor Mistral's [TOOL_CALLS]), so the server cannot read "
+                                "calls from its replies; if it does take them, start the server with "
+                                "--tool-call-parser hermes, llama3_json or mistral", param="tools")
         prompt_tools = [tool.model_dump(exclude_none=True) for tool in tools]
-        use = ToolUse(prompt_tools, ToolParser(frozenset(names)), one=not self.parallel_tool_calls)
+        use = ToolUse(prompt_tools, ToolParser(frozenset(names), parser), one=not self.parallel_tool_calls)
         if choice == "auto":
             use.stop = (CLOSE,) if parser == "hermes" and not self.parallel_tool_calls else ()
             return use
