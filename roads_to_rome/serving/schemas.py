@@ -379,7 +379,7 @@ class ChatBody(CommonBody, ChatPrompt):
     def echoed(self) -> list[str] | None:
         """What the reply's content starts with (`echo`): the last message's text, where it is an assistant's."""
         last = self.messages[-1]
-        return [last.text() or ""] if self.echo and last.role == "assistant" else None
+        return [last.text()] if self.echo and last.role == "assistant" and last.text() else None
 
     def top_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
