@@ -6,9 +6,13 @@ seed) expect one call of that tool with those arguments; GSM8K dev items expect 
 computes). Prints, for each way, the right replies (the expected call and arguments; an answer in text, neither a
 call nor a call of a function that was not offered), the calls read (tagged or bare), the paired sign test on the
 requests only one way gets right, seconds per request (the ~600-token prompt with the tools is read for each) and
-the LLM's share. `--summary-of FILE`: the summary again from a run's rows.
+the LLM's share. `--summary-of FILE`: the summary again from a run's rows. `--stream`: R2R alone, each request
+answered whole and then streamed: when a streamed call's name arrives, when its arguments are complete and when the
+stream ends (seconds from the request), how many pieces the arguments came in, and whether the calls a client adds
+up from the stream are the whole reply's.
 
     python scripts/tool-check.py --prompts 30 --plain 10 --out runs/tool-check.json
+    python scripts/tool-check.py --stream --prompts 12 --out runs/tool-stream.json
 """
 
 import argparse
@@ -111,7 +115,29 @@ parser.add_argument("--plain", type=int, default=10, help="GSM8K items 0..N-1, w
 parser.add_argument("--tokens", type=int, default=128)
 parser.add_argument("--out", help="JSON file for every row and the summary")
 parser.add_argument("--summary-of", help="a run's JSON file: summarize its rows again (nothing is run)")
+parser.add_argument("--stream", action="store_true", help="R2R alone, whole then streamed: when a call arrives")
 args = parser.parse_args()
+
+
+def streamed_calls(client, question: str) -> dict:
+    """One streamed answer: the calls a client adds up, and when their pieces came (seconds from the request)."""
+    start, calls, named, complete, pieces = time.perf_counter(), {}, None, None, 0
+    for chunk in client.chat.completions.create(
+            model="r2r", messages=[{"role": "user", "content": question}], tools=TOOLS, temperature=0,
+            max_tokens=args.tokens, stream=True):
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+            named = named or time.perf_counter() - start
+            pieces += bool(delta.function.arguments)
+            try:
+                json.loads(entry["arguments"])
+                complete = complete or time.perf_counter() - start
+            except ValueError:
+                pass
+    return {"calls": [calls[k] for k in sorted(calls)], "named_s": named, "arguments_complete_s": complete,
+            "end_s": time.perf_counter() - start, "argument_pieces": pieces}
 
 
 def summarize(rows: list[dict], ways: list[str]) -> dict:
@@ -150,6 +176,35 @@ if args.summary_of:
 requests = tool_requests(args.prompts) + [{"question": item["question"], "call": None}
                                           for item in gsm8k()[: args.plain]]
 engine = load_engine(EngineConfig())
+if args.stream:
+    rows = []
+    with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=1, max_tokens=args.tokens))) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        client.chat.completions.create(model="r2r", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        for k, request in enumerate(tool_requests(args.prompts)):
+            whole = client.chat.completions.create(
+                model="r2r", messages=[{"role": "user", "content": request["question"]}], tools=TOOLS,
+                temperature=0, max_tokens=args.tokens)
+            expected = [{"name": c.function.name, "arguments": c.function.arguments}
+                        for c in whole.choices[0].message.tool_calls or []]
+            row = {"k": k, "question": request["question"], "whole_calls": expected, **streamed_calls(
+                client, request["question"])}
+            row["same_as_whole"] = row["calls"] == expected
+            rows.append(row)
+            print(k, {key: row[key] for key in ("named_s", "arguments_complete_s", "end_s", "argument_pieces",
+                                                "same_as_whole")}, flush=True)
+    called = [r for r in rows if r["calls"]]
+    summary = {"requests": len(rows), "with_calls": len(called), "same_as_whole": sum(r["same_as_whole"] for r in rows),
+               "argument_pieces_per_call": sum(r["argument_pieces"] for r in called) / max(len(called), 1),
+               **{f"mean_{key}": sum(r[key] for r in called) / max(len(called), 1)
+                  for key in ("named_s", "arguments_complete_s", "end_s")},
+               "named_over_end": sum(r["named_s"] / r["end_s"] for r in called) / max(len(called), 1),
+               "settings": {**vars(args), "verify": engine.verify, **measured_on(engine)}}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    raise SystemExit
 ways = {"slm": {"r2r_policy": "slm"}, "llm": {"r2r_policy": "llm"}, "r2r": {}}
 rows = []
 app = create_app(engine, "r2r", Limits(max_batch=1, max_tokens=args.tokens))
