@@ -108,8 +108,10 @@ def test_the_real_pair_calls_a_tool(url):
             with httpx.stream("POST", url, json={**ask, **extra}, timeout=600) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: {") and (choices := json.loads(line[6:]).get("choices")):
-                        for call in choices[0]["delta"].get("tool_calls") or []:
-                            calls.setdefault(call["index"], call["function"])
+                        for call in choices[0]["delta"].get("tool_calls") or []:  # added up, as clients do
+                            entry = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+                            entry["name"] += call["function"].get("name") or ""
+                            entry["arguments"] += call["function"].get("arguments") or ""
                         finish = choices[0]["finish_reason"] or finish
             message = {"tool_calls": [{"function": calls[k]} for k in sorted(calls)]}
         else:
