@@ -161,10 +161,11 @@ def test_a_scored_prompt_is_read_once_by_each_model_and_decoding_goes_on_from_th
         assert len(s.generation.prompt_logprobs) == len(r.prompt_ids)
     assert set(sequences[1].generation.prompt_sources) == {"llm"}
     assert 0 < sequences[0].generation.prompt_sources.count("llm") < len(ids) - 1
-    # Each model reads each token of a row once: the prompt, what is written, and what verification threw away (the
-    # LLM skips the unverified request forced onto the SLM; the SLM reads the one forced onto the LLM beside rows it
-    # writes for). Reading a scored prompt twice would pass these by its length.
-    tokens = [len(r.prompt_ids) + len(s.generation.token_ids) + s.generation.discarded
+    # Each model reads each token of a row once: the prompt, what is written, and what verification threw away, by
+    # a rollback or (under overlap, the SLM writing on while a call is in flight) a deferred token's replacement (the
+    # LLM skips the unverified request forced onto the SLM). Reading a scored prompt twice would pass these by its
+    # length.
+    tokens = [len(r.prompt_ids) + len(s.generation.token_ids) + s.generation.discarded + s.generation.deferred_discarded
               for r, s in zip(requests, sequences)]
     assert columns["slm"] <= sum(tokens)
     assert columns["llm"] <= sum(t for t, s in zip(tokens, sequences) if s.uses_llm)
