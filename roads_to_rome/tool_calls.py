@@ -120,7 +120,7 @@ class ToolParser:
         being written comes as `writing` once its name is known."""
         content: list[str] = []
         calls: list[ToolCall] = []
-        writing: list[ToolCall] = []
+        writing: list[ToolCall | None] = []  # (set by the part that reads the call being written)
         at = self._bare_calls(text, final, content, calls, writing)
         while at is not None:
             start = text.find(OPEN, at)
@@ -133,7 +133,7 @@ class ToolParser:
             if end < 0 and not final:  # a call being written
                 if segment.strip():
                     content.append(segment)
-                writing += self._written(text[start + len(OPEN):], tagged=True)
+                writing.append(self._written(text[start + len(OPEN):], tagged=True))
                 break
             stop = len(text) if end < 0 else end + len(CLOSE)
             call = self._call(text[start + len(OPEN): end if end >= 0 else len(text)], tagged=True)
@@ -147,7 +147,7 @@ class ToolParser:
         return ToolSplit("".join(content), calls, writing[0] if writing else None)
 
     def _bare_calls(self, text: str, final: bool, content: list[str], calls: list[ToolCall],
-                    writing: list[ToolCall]) -> int | None:
+                    writing: list[ToolCall | None]) -> int | None:
         """Calls written as bare JSON objects at the reply's start, maybe in a code fence (Qwen2.5-Coder's habits)
         or after Llama 3's `<|python_tag|>`, separated by whitespace or `;`, or as a JSON list (Mistral's, maybe
         after `[TOOL_CALLS]`): where the rest begins, or None while what comes may still be one (`writing`: the one
@@ -183,7 +183,7 @@ class ToolParser:
             except ValueError:
                 if final:
                     break
-                writing += self._written(text[start:], tagged=False)
+                writing.append(self._written(text[start:], tagged=False))
                 return None  # an object being written, or not JSON at all: known once it ends
             call = self._call_object(value, tagged=False, text=text[start:end])
             if call is None:
@@ -213,7 +213,7 @@ class ToolParser:
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
         if written := self._written(text, tagged):  # written name first: read as one as it came, whatever follows
-            return written[0]
+            return written
         keys = [key for key in dict.fromkeys(ARGUMENT_KEYS.values()) if key in value]  # under any syntax's key
         if len(keys) > 1 or (not tagged and (value["name"] not in self.names or len(value) > 1 + len(keys))):
             return None
@@ -227,23 +227,23 @@ class ToolParser:
             return None
         return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
-    def _written(self, body: str, tagged: bool) -> list[ToolCall]:
+    def _written(self, body: str, tagged: bool) -> ToolCall | None:
         """The call `body` starts, written name first (`CALL_HEAD`), with its arguments' text so far, compacted;
-        none when it is not written so or (bare) names no offered function."""
+        None when it is not written so or (bare) names no offered function."""
         head = CALL_HEAD.match(body)
         if head is None:
-            return []
+            return None
         try:
             name = json.loads(head[1])
         except ValueError:  # a bad escape in it
-            return []
+            return None
         if not tagged and name not in self.names:
-            return []
+            return None
         try:
             end = json.JSONDecoder().raw_decode(body, head.end())[1]
         except ValueError:
             end = len(body)  # the arguments being written
-        return [ToolCall(name, compact_json(body[head.end():end]))]
+        return ToolCall(name, compact_json(body[head.end():end]))
 
 
 def call_format(functions: list[dict], one: bool, syntax: str = "hermes") -> OutputFormat:

@@ -353,6 +353,10 @@ class ChatPrompt(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template gets them (OpenAI's shape), or None."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
     def template_options(self) -> dict:
         """How the chat template ends the prompt (`Engine.encode_messages`), or a 400 naming what to change."""
         if self.continue_final_message:
@@ -406,8 +410,7 @@ class ChatBody(CommonBody, ChatPrompt):
                                 "syntax, Llama 3's JSON calls nor Mistral's [TOOL_CALLS]), so the server cannot read "
                                 "calls from its replies; if it does take them, start the server with "
                                 "--tool-call-parser hermes, llama3_json or mistral", param="tools")
-        prompt_tools = [tool.model_dump(exclude_none=True) for tool in tools]
-        use = ToolUse(prompt_tools, ToolParser(frozenset(names), parser), one=not self.parallel_tool_calls)
+        use = ToolUse(self.template_tools(), ToolParser(frozenset(names), parser), one=not self.parallel_tool_calls)
         if choice == "auto":
             use.stop = (CLOSE,) if parser == "hermes" and not self.parallel_tool_calls else ()
             return use

@@ -224,8 +224,7 @@ async def tokenize_prompt(body: dict[str, Any], http: HTTPRequest):
     asked = validated(TokenizeChat if chat else TokenizeText, body)
     check_model(asked.requested, s.model_name)
     if chat:
-        tools = [tool.model_dump(exclude_none=True) for tool in asked.tools] if asked.tools else None
-        ids = await chat_prompt(s, asked, tools)
+        ids = await chat_prompt(s, asked, asked.template_tools())
         bos = s.engine.tokenizer.bos_token_id
         ids = [bos, *ids] if asked.add_special_tokens and bos is not None and ids[:1] != [bos] else ids
     else:
