@@ -588,6 +588,12 @@ def test_label_cli(run_cli, tmp_path):
         code, out, err = run_cli("label", prompts, "--out", tmp_path / "n", "--judge", "margin" if bad[0] ==
                                  "--margin" else "facts", *bad, *pair)
         assert code != 0 and says in err and "Traceback" not in err
+    code, out, err = run_cli("label", "prompts", "--recipe", "infill", "--functions", "3",
+                             "--out", tmp_path / "i.jsonl")
+    assert code == 0 and "3 prompts in 1 domain(s) (infill)" in out, err
+    assert prompt_sets.load_prompts(tmp_path / "i.jsonl") == prompt_sets.infill_prompt_set(3)
+    code, out, err = run_cli("label", "prompts", "--recipe", "code", "--out", tmp_path / "x.jsonl")
+    assert code != 0 and "--recipe takes default, math or infill" in err and "Traceback" not in err
 
 
 def test_agreement_between_two_judges(tmp_path, slm, llm, tokenizer):
@@ -670,15 +676,16 @@ def test_the_shipped_judge_check_set_is_well_formed():
 
 
 def test_the_committed_datasets_match_their_reports():
-    """data/labels/default (facts labels) and data/labels/onpolicy (on-policy margin labels, the shipped router's)
-    are datasets of token ids and labels; each report.json is its report."""
+    """data/labels/default (facts labels), data/labels/onpolicy (on-policy margin labels, the shipped router's) and
+    data/labels/infill (on-policy margin labels of lines of code filled in) are datasets of token ids and labels;
+    each report.json is its report."""
     root = Path(__file__).parent.parent / "data" / "labels"
     assert label_reports.report(root / "default") == json.loads((root / "report.json").read_text())
-    onpolicy = label_reports.report(root / "onpolicy")
-    assert onpolicy == json.loads((root / "onpolicy" / "report.json").read_text())
-    prompts = [json.loads(line)["id"] for line in (root / "onpolicy" / "prompts.jsonl").read_text().splitlines()]
-    labelled = {r["id"] for r in labels.Parts(root / "onpolicy", "responses").rows()}
-    assert set(prompts[: len(labelled)]) == labelled  # the prompt set's first prompts, in order
+    for name in ("onpolicy", "infill"):
+        assert label_reports.report(root / name) == json.loads((root / name / "report.json").read_text())
+        prompts = [json.loads(line)["id"] for line in (root / name / "prompts.jsonl").read_text().splitlines()]
+        labelled = {r["id"] for r in labels.Parts(root / name, "responses").rows()}
+        assert set(prompts[: len(labelled)]) == labelled  # the prompt set's first prompts, in order
 
 
 def test_a_resume_with_other_settings_is_refused_naming_the_setting(tmp_path, slm, llm, tokenizer):
@@ -706,3 +713,113 @@ def test_a_margin_step_cut_short_leaves_the_old_verdicts_whole(tmp_path, slm, ll
         labels.step_margin_judgements(judges.MarginJudge(3.0), out)
     monkeypatch.undo()
     assert sorted(map(str, labels.Parts(out, "judgements").rows())) == before
+
+
+LIBRARY = {
+    "shapes.py": '''
+def area(width, height):
+    """The area.
+
+    Of a rectangle.
+    """
+    # width times height
+    product = width * height
+
+    return product
+
+
+class Box:
+    def volume(self, depth):
+        base = self.width * self.height
+        if depth < 0:
+            raise ValueError("depth")
+        total = base * depth
+        return total
+
+    def short(self):
+        return 1
+
+    def usage(self):
+        text = """
+no indentation here
+"""
+        first = text.strip()
+        second = first.upper()
+        return second
+''',
+    "test/test_shapes.py": "def test_area():\n    a = 1\n    b = 2\n    c = 3\n    d = 4\n    assert a + b + c + d\n",
+    "broken.py": "def f(:\n",
+}
+
+
+def test_infill_prompts_take_one_line_of_code_out_of_a_library_function(tmp_path):
+    """The infill recipe: each prompt is a function's code before one line of its body, the suffix the code after
+    it, the reference that line, the response stopped at the line's end; signatures, docstrings, comments, blank
+    lines, tests and functions a string keeps from being dedented are never asked for; the seed fixes the set."""
+    for name, text in LIBRARY.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    functions = {name: (source, holes) for name, source, holes in prompt_sets.library_functions(tmp_path)}
+    assert set(functions) == {"shapes.area", "shapes.Box.volume"}  # short, test, undedentable and broken left out
+    area, holes = functions["shapes.area"]
+    assert [area.splitlines()[k] for k in holes] == ["    product = width * height", "    return product"]
+    assert functions["shapes.Box.volume"][0].startswith("def volume(self, depth):\n    base")  # dedented
+    assert len(functions["shapes.Box.volume"][1]) == 5
+    seen = set()
+    for seed in range(6):
+        rows = prompt_sets.infill_prompt_set(2, seed=seed, root=tmp_path)
+        assert rows == prompt_sets.infill_prompt_set(2, seed=seed, root=tmp_path)
+        assert len({r["id"] for r in rows}) == 2
+        for r in rows:
+            source = functions[r["id"].split("/")[1]][0]
+            assert r["prompt"] + r["reference"] + r["suffix"] == source and r["stop"] == ["\n"]
+            assert r["reference"].strip() and not r["reference"].strip().startswith(("#", '"', "def "))
+            seen.add(r["reference"].strip())
+    assert len(seen) > 3  # the seed draws the line too
+    with pytest.raises(R2RError, match="2 functions to fill in, not 3"):
+        prompt_sets.infill_prompt_set(3, root=tmp_path)
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert prompt_sets.load_prompts(path) == rows
+    path.write_text('{"id": "a", "domain": "infill", "prompt": "x", "suffix": "y", "stop": [""]}\n')
+    with pytest.raises(R2RError, match="stop must be a list of non-empty strings"):
+        prompt_sets.load_prompts(path)
+    path.write_text('{"id": "a", "domain": "infill", "prompt": "x", "suffix": 3}\n')
+    with pytest.raises(R2RError, match="suffix must be a string"):
+        prompt_sets.load_prompts(path)
+
+
+def test_the_standard_librarys_infill_prompts_rebuild_its_functions():
+    rows = prompt_sets.infill_prompt_set(40, seed=1)
+    assert len({r["id"] for r in rows}) == 40 and all(r["domain"] == "infill" for r in rows)
+    for r in rows:
+        function = r["prompt"] + r["reference"] + r["suffix"]
+        compile(function, r["id"], "exec")  # a whole function again
+        assert r["reference"].strip() and "\n" not in r["reference"]
+
+
+def test_infill_responses_are_asked_in_the_middle_and_end_at_their_stop(tmp_path, slm, tokenizer):
+    """A prompt with a suffix is read in the fill-in-the-middle format; a response ends at its first stop string
+    (its token kept: what the router meets), as a request with that stop ends."""
+    from roads_to_rome.core.request import Request
+
+    writer = Engine.alone(slm, tokenizer, "slm")
+    writer.fim_ids = (0, 1, 2)  # the tiny tokenizer's special tokens stand in for the FIM markers
+    prompts = [{"id": f"f{i}", "domain": "infill", "prompt": f"def add(a, b):\n    {i}", "suffix": "\n    return c\n",
+                "stop": ["l"]} for i in range(4)] + [{"id": "chat", "domain": "qa", "prompt": "What is 48 / 2?"}]
+    labels.step_responses(prompts, writer, tmp_path, max_new_tokens=24, batch_size=3, writer="slm")
+    rows = {r["id"]: r for r in labels.Parts(tmp_path, "responses").rows()}
+    assert rows["chat"]["prompt_ids"] == writer.encode_chat("What is 48 / 2?")
+    stopped = 0
+    for p in prompts[:4]:
+        r = rows[p["id"]]
+        assert r["prompt_ids"] == writer.encode_infill(p["prompt"], p["suffix"])
+        assert r["prompt_ids"][0] == 0 and r["prompt_ids"][-1] == 2
+        alone = writer.run([Request(r["prompt_ids"], SamplingParams(max_new_tokens=24))])[0].token_ids
+        n = len(r["response_ids"])
+        assert r["response_ids"] == alone[:n]  # the greedy response, cut where it stops
+        assert "l" not in tokenizer.decode(r["response_ids"][:-1])
+        stopped += r["finish_reason"] == "stop"
+        if r["finish_reason"] == "stop":
+            assert "l" in tokenizer.decode(r["response_ids"])
+    assert stopped  # the stop string ended some response, not only the length limit

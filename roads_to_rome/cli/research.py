@@ -256,12 +256,14 @@ def label_prompts(
     out: Path = typer.Option(..., "--out", help="Where to write the JSONL prompt set."),
     recipe: str = typer.Option("default", "--recipe", help="default: math, logic, code and qa from reasoning-gym; "
                                "math: problems with checkable answers for --judge answer (reasoning-gym's worded "
-                               "generators, CHAMP, and word problems the LLM writes)."),
+                               "generators, CHAMP, and word problems the LLM writes); infill: lines of code to "
+                               "fill in the middle, from the functions of Python's standard library."),
     per_domain: int = count(100, "--per-domain", help="default recipe: prompts per domain."),
     generated: int = typer.Option(100, "--generated", min=0, help="math recipe: reasoning-gym prompts."),
     written: int = typer.Option(0, "--written", min=0, help="math recipe: word problems the LLM writes "
                                 "(GSM8K's style, none sharing 8 words in a row with a GSM8K test question)."),
     champ: bool = typer.Option(True, "--champ/--no-champ", help="math recipe: CHAMP's 270 competition problems."),
+    functions: int = count(500, "--functions", help="infill recipe: functions, one line taken out of each."),
     seed: int = typer.Option(0, "--seed"),
     llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
@@ -277,8 +279,10 @@ def label_prompts(
             with progress_bar(RateColumn(), TimeRemainingColumn()) as progress:
                 writer = load_alone(llm, "llm", device, dtype, backend)
                 prompts += prompt_sets.write_word_problems(writer, written, seed, progress=progress)
+    elif recipe == "infill":
+        prompts = prompt_sets.infill_prompt_set(functions, seed)
     else:
-        raise R2RError(f"--recipe takes default or math, got {recipe!r}")
+        raise R2RError(f"--recipe takes default, math or infill, got {recipe!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     domains = sorted({p["domain"] for p in prompts})

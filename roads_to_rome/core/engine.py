@@ -195,6 +195,11 @@ class Engine:
             raise R2RError(f"the chat template cannot leave the last message open ({e}): ask without "
                            "continue_final_message") from None
 
+    def encode_prompt(self, prompt: str, suffix: str | None = None) -> list[int]:
+        """A benchmark item's or a label prompt's tokens: a user message in the chat template, or with `suffix` the
+        text between `prompt` and `suffix`, asked as fill in the middle."""
+        return self.encode_chat(prompt) if suffix is None else self.encode_infill(prompt, suffix)
+
     def encode_raw(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 

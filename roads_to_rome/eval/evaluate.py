@@ -73,9 +73,8 @@ def run_system(benchmark: str, items: list[benchmarks.Item], spec: System, engin
     with path.open("a") as f:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
-            requests = [Request(engine.encode_chat(item.prompt) if item.suffix is None
-                                else engine.encode_infill(item.prompt, item.suffix), params,
-                                target_rate=spec.target_rate) for item in chunk]
+            requests = [Request(engine.encode_prompt(item.prompt, item.suffix), params, target_rate=spec.target_rate)
+                        for item in chunk]
             began = time.perf_counter()
             for item, gen in zip(chunk, engine.run(requests)):
                 extracted, correct = grading.grade(benchmark, item, gen.text)

@@ -36,6 +36,7 @@ import torch
 from roads_to_rome import files
 from roads_to_rome.backends.base import greedy, mask_for
 from roads_to_rome.core.layout import left_pad
+from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError
 from roads_to_rome.models import systems
@@ -134,19 +135,21 @@ def step_responses(prompts: list[dict], engine, out: Path, max_new_tokens: int, 
     todo = [p for p in prompts if p["id"] not in done]
     task = progress.add_task(f"0 responses ({writer.upper()})", total=len(prompts),
                              completed=len(prompts) - len(todo))
-    params = SamplingParams(max_new_tokens=max_new_tokens)
     writing = engine.llm if writer == "llm" else engine.slm
     for i in range(0, len(todo), batch_size):
         chunk = todo[i : i + batch_size]
-        prompt_ids = [engine.encode_chat(p["prompt"]) for p in chunk]
+        prompt_ids = [engine.encode_prompt(p["prompt"], p.get("suffix")) for p in chunk]
         began = time.perf_counter()
-        # An LLM behind a server writes whole responses there; a local model through the engine.
-        written = writing.complete(writing.new_cache(), *left_pad(prompt_ids, engine.pad_id, writing.device),
-                                   max_new_tokens)
+        # An LLM behind a server writes whole responses there (it knows no stop strings); a local model, and
+        # responses with stop strings, through the engine.
+        written = None if any(p.get("stop") for p in chunk) else writing.complete(
+            writing.new_cache(), *left_pad(prompt_ids, engine.pad_id, writing.device), max_new_tokens)
         if written is not None:
             answers = [(ids, "length" if len(ids) == max_new_tokens else "stop") for ids in written]
         else:
-            answers = [(g.token_ids, g.finish_reason) for g in engine.generate(prompt_ids, params)]
+            requests = [Request(ids, SamplingParams(max_new_tokens=max_new_tokens, stop=tuple(p.get("stop", ()))))
+                        for p, ids in zip(chunk, prompt_ids)]
+            answers = [(g.token_ids, g.finish_reason) for g in engine.run(requests)]
         log_throughput(out, "responses", len(chunk), sum(len(a) for a, _ in answers), time.perf_counter() - began)
         parts.write([{"id": p["id"], "domain": p["domain"], "prompt_ids": ids, "response_ids": answer,
                       "finish_reason": finish} for p, ids, (answer, finish) in zip(chunk, prompt_ids, answers)])
@@ -513,7 +516,8 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
         if rollout_judged:
             # A reference belongs to the prompt a response answered: matched by its prompt tokens, never by id alone
             # (another prompt set may reuse the ids, and a regenerated one may differ in a few prompts).
-            by_prompt = {tuple(llm_alone.encode_chat(p["prompt"])): p["reference"] for p in prompt_set}
+            by_prompt = {tuple(llm_alone.encode_prompt(p["prompt"], p.get("suffix"))): p["reference"]
+                         for p in prompt_set}
             responses = Parts(out, "responses").rows()
             references = {r["id"]: by_prompt[tuple(r["prompt_ids"])] for r in responses
                           if tuple(r["prompt_ids"]) in by_prompt}

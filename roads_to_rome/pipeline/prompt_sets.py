@@ -1,11 +1,15 @@
 """The prompts routing labels are made from: a file's (`load_prompts`), reasoning-gym's domains
-(`build_prompt_set`), and math word problems (`math_prompt_set`, and ones an LLM writes, kept only where they
-copy no GSM8K test question)."""
+(`build_prompt_set`), math word problems (`math_prompt_set`, and ones an LLM writes, kept only where they
+copy no GSM8K test question), and lines of code to fill in (`infill_prompt_set`, from Python's standard library)."""
 
 from __future__ import annotations
 
+import ast
 import json
+import random
 import re
+import sysconfig
+import textwrap
 from pathlib import Path
 
 from roads_to_rome.core.request import Request
@@ -25,7 +29,9 @@ DOMAINS = {
 
 
 def load_prompts(path: Path) -> list[dict]:
-    """A JSONL prompt set: {"id", "domain", "prompt", optional "reference"} per line."""
+    """A JSONL prompt set: {"id", "domain", "prompt", optional "reference", "suffix" and "stop"} per line. A prompt
+    with a suffix asks for the text between the two, in the model's fill-in-the-middle format; `stop`: strings that
+    end its response (as a request's stop strings do)."""
     if not path.exists():
         raise R2RError(f"prompt set {path} does not exist")
     prompts, seen = [], set()
@@ -41,9 +47,15 @@ def load_prompts(path: Path) -> list[dict]:
             raise R2RError(f"{path}:{n}: needs non-empty string fields {missing}")
         if row["id"] in seen:
             raise R2RError(f"{path}:{n}: duplicate id {row['id']!r}")
+        if "suffix" in row and not isinstance(row["suffix"], str):
+            raise R2RError(f"{path}:{n}: suffix must be a string (the code after the text to fill in)")
+        stop = row.get("stop", [])
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise R2RError(f"{path}:{n}: stop must be a list of non-empty strings")
         seen.add(row["id"])
         prompts.append({"id": row["id"], "domain": row["domain"], "prompt": row["prompt"],
-                        "reference": str(row.get("reference", ""))})
+                        "reference": str(row.get("reference", ""))}
+                       | ({"suffix": row["suffix"]} if "suffix" in row else {}) | ({"stop": stop} if stop else {}))
     if not prompts:
         raise R2RError(f"prompt set {path} is empty")
     return prompts
@@ -152,4 +164,75 @@ def write_word_problems(llm_engine, count: int, seed: int = 0, batch_size: int =
             progress.advance(task)
             if len(rows) == count:
                 break
+    return rows
+
+
+# Parts of the standard library that are tests, demos, vendored copies or installed packages, not its own code.
+NOT_LIBRARY = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "site-packages", "__pycache__",
+               "tkinter", "pydoc_data", "config-3"}
+
+
+def library_functions(root: Path, min_lines: int = 6, max_lines: int = 40) -> list[tuple[str, str, list[int]]]:
+    """(qualified name, dedented source, `hole_lines`) of each function and method of `min_lines`..`max_lines`
+    lines in the standard library's modules under `root`, in file order (not those a string keeps from being
+    dedented, nor those with no line to ask for)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if NOT_LIBRARY.intersection(path.relative_to(root).parts[:-1]) or path.name.startswith("test_"):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines(keepends=True)
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        for owner in [tree, *(node for node in tree.body if isinstance(node, ast.ClassDef))]:
+            prefix = f"{module}.{owner.name}" if isinstance(owner, ast.ClassDef) else module
+            for node in owner.body:
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if not min_lines <= node.end_lineno - first + 1 <= max_lines:
+                    continue
+                function = textwrap.dedent("".join(lines[first - 1 : node.end_lineno]))
+                try:
+                    holes = hole_lines(function)
+                except SyntaxError:
+                    continue
+                if holes:
+                    found.append((f"{prefix}.{node.name}", function, holes))
+    return found
+
+
+def hole_lines(function: str) -> list[int]:
+    """The lines of a function's body worth asking for: code (not blank, not only a comment), after its signature
+    and docstring."""
+    node = ast.parse(function).body[0]
+    body = node.body[1:] if (isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+                             and isinstance(node.body[0].value.value, str)) else node.body
+    if not body:
+        return []
+    lines = function.splitlines()
+    return [k for k in range(body[0].lineno - 1, len(lines))
+            if lines[k].strip() and not lines[k].strip().startswith("#")]
+
+
+def infill_prompt_set(count: int, seed: int = 0, root: Path | None = None) -> list[dict]:
+    """`count` fill-in-the-middle prompts from the functions of Python's standard library (the interpreter's own
+    `Lib/`, no evaluation set): per function drawn with the seed, one line of its body taken out, the code before
+    it the prompt and the code after it the suffix, the response stopped at the line's end, as `humaneval-infill`
+    asks (its reference: the line)."""
+    root = root or Path(sysconfig.get_paths()["stdlib"])
+    functions = library_functions(root)
+    if len(functions) < count:
+        raise R2RError(f"the standard library under {root} has {len(functions)} functions to fill in, not {count}")
+    rng = random.Random(seed)
+    rows = []
+    for i, (name, function, holes) in enumerate(rng.sample(functions, count)):
+        k = rng.choice(holes)
+        lines = function.splitlines(keepends=True)
+        rows.append({"id": f"infill/{name}/{seed}/{i}", "domain": "infill", "prompt": "".join(lines[:k]),
+                     "suffix": "\n" + "".join(lines[k + 1 :]), "stop": ["\n"],
+                     "reference": lines[k].rstrip("\n")})
     return rows
