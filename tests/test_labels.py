@@ -517,9 +517,14 @@ def test_prompt_sets(tmp_path):
     path.write_text('{"id": "a", "domain": "math"}\n')
     with pytest.raises(R2RError, match="prompt"):
         prompt_sets.load_prompts(path)
-    path.write_text('{"id": "a", "domain": "m", "prompt": "x"}\n{"id": "a", "domain": "m", "prompt": "y"}\n')
-    with pytest.raises(R2RError, match="duplicate"):
-        prompt_sets.load_prompts(path)
+    for bad, says in (('{"id": "a", "domain": "m", "prompt": "x"}\n{"id": "a", "domain": "m", "prompt": "y"}\n',
+                       "duplicate"),
+                      ('{"id": "a", "domain": "m", "prompt": "x", "suffix": "y", "stop": [""]}\n',
+                       "stop must be a list of non-empty strings"),
+                      ('{"id": "a", "domain": "m", "prompt": "x", "suffix": 3}\n', "suffix must be a string")):
+        path.write_text(bad)
+        with pytest.raises(R2RError, match=says):
+            prompt_sets.load_prompts(path)
 
 
 def test_math_prompt_set_is_deterministic_and_checkable():
@@ -780,13 +785,7 @@ def test_infill_prompts_take_one_line_of_code_out_of_a_library_function(tmp_path
         prompt_sets.infill_prompt_set(3, root=tmp_path)
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert prompt_sets.load_prompts(path) == rows
-    path.write_text('{"id": "a", "domain": "infill", "prompt": "x", "suffix": "y", "stop": [""]}\n')
-    with pytest.raises(R2RError, match="stop must be a list of non-empty strings"):
-        prompt_sets.load_prompts(path)
-    path.write_text('{"id": "a", "domain": "infill", "prompt": "x", "suffix": 3}\n')
-    with pytest.raises(R2RError, match="suffix must be a string"):
-        prompt_sets.load_prompts(path)
+    assert prompt_sets.load_prompts(path) == rows  # a suffix and stop strings kept
 
 
 def test_the_standard_librarys_infill_prompts_rebuild_its_functions():
