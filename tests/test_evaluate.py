@@ -127,6 +127,48 @@ def test_eval_r2r_results_belong_to_one_router(run_cli, pair, tmp_path):
     assert code != 0 and "another configuration" in err
 
 
+def test_entropy_matched_to_r2r_routes_short_answers_at_r2rs_rate(run_cli, pair, tmp_path):
+    """Answers shorter than the rate control's warm-up never aim: the matched entropy baseline routes them at the
+    SLM's entropy quantile at R2R's rate over R2R's own tokens, and routes each token by it."""
+    import torch
+
+    from roads_to_rome.data import benchmarks
+    from roads_to_rome.models import load_pair
+    from roads_to_rome.models.systems import alone
+    from roads_to_rome.routing.policies import entropy
+    from roads_to_rome.routing.rate import WARMUP_TOKENS, threshold_at_rate
+    from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig, save_router, slm_identity
+
+    slm, _, tokenizer = load_pair(str(pair[1]), None, "cpu", need_llm=False, dtype="bfloat16")  # as eval loads it
+    config = RouterConfig(hidden_size=slm.hidden_size, embed_size=slm.embedding_table().shape[1], top_k=16, dim=16,
+                          n_blocks=1)
+    torch.manual_seed(0)
+    save_router(tmp_path / "router", RouterCheckpoint(Router(config), 0.5, slm_identity(slm)))
+    code, _, err = run_cli("eval", "--benchmark", "gsm8k", "--systems", "r2r,entropy", "--ids", "0-5",
+                           "--max-new-tokens", str(WARMUP_TOKENS - 4), "--out", tmp_path, *pair,
+                           "--router-path", tmp_path / "router", "--threshold", "0.65")  # about half the tokens
+    assert code == 0, err
+    d, encoder = tmp_path / "gsm8k", alone(slm, tokenizer, "slm")
+    items = {item.id: item for item in benchmarks.load("gsm8k")[:6]}
+
+    def entropies(row):
+        prompt = encoder.encode_prompt(items[row["id"]].prompt)
+        return entropy(slm.forward_sequence(prompt + row["token_ids"][:-1], len(prompt) - 1)[0])
+
+    r2r = read_results(d / "r2r.jsonl")
+    rate = summarize(r2r)["llm_rate"]
+    warmup = json.loads((d / "entropy.config.json").read_text())["warmup"]
+    assert 0 < rate < 1 and warmup == pytest.approx(threshold_at_rate(torch.cat([entropies(r) for r in r2r]), rate),
+                                                    abs=1e-3)
+    checked = 0
+    for row in read_results(d / "entropy.jsonl"):
+        for score, source in zip(entropies(row).tolist(), row["sources"]):
+            if abs(score - warmup) > 0.02:  # decoding step by step rounds apart from one forward over it all
+                assert (source == "L") == (score >= warmup)
+                checked += 1
+    assert checked > 30
+
+
 def test_summary_covers_every_system_run_in_the_directory(run_cli, pair, tmp_path):
     """A benchmark run in chunks or one system at a time still ends in one table over the selected items."""
     common = ["eval", "--benchmark", "gsm8k", "--max-new-tokens", "3", "--out", tmp_path, *pair]

@@ -23,7 +23,7 @@ from roads_to_rome.data.stats import wilson
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval import grading
 from roads_to_rome.models import load_pair
-from roads_to_rome.models.systems import ROUTED, SYSTEMS, System
+from roads_to_rome.models.systems import ENTROPY_WARMUP_THRESHOLD, ROUTED, SYSTEMS, System
 from roads_to_rome.plots import pyplot
 from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
@@ -56,6 +56,8 @@ def run_system(benchmark: str, items: list[benchmarks.Item], spec: System, engin
               # A retrained router is another system: its results must not join the old one's.
               "router": getattr(engine.policy, "identity", None),
               "verify": engine.verify, "max_unverified": engine.max_unverified}
+    if spec.warmup is not None:
+        config["warmup"] = spec.warmup
     if config_path.exists() and json.loads(config_path.read_text()) != config:
         raise R2RError(f"{path} holds results of another configuration ({config_path}); use another --out "
                        "or delete those files")
@@ -289,6 +291,25 @@ class EvalConfig:
         check_max_unverified(self.max_unverified)
 
 
+def entropy_at_rate(slm, tokenizer, items: list[benchmarks.Item], rows: list[dict], rate: float) -> float:
+    """The entropy threshold that routes `rate` of the tokens of these answers (R2R's `rows`), by the SLM's entropy
+    at each of them: what an entropy baseline matched to R2R's rate routes at until a request has scores enough to
+    aim by, and throughout an answer shorter than that (a line of code), where aiming never starts."""
+    import torch
+
+    from roads_to_rome.models.systems import alone
+    from roads_to_rome.routing.rate import threshold_at_rate
+
+    encoder, by_id, scores = alone(slm, tokenizer, "slm"), {r["id"]: r for r in rows}, []
+    for item in items:
+        written = by_id.get(item.id, {}).get("token_ids")
+        if written:
+            prompt = encoder.encode_prompt(item.prompt, item.suffix)
+            logits, _ = slm.forward_sequence(prompt + written[:-1], len(prompt) - 1)
+            scores.append(policies.entropy(logits))
+    return threshold_at_rate(torch.cat(scores), rate) if scores else ENTROPY_WARMUP_THRESHOLD
+
+
 def evaluate(config: EvalConfig, console) -> dict:
     from rich.progress import (
         BarColumn,
@@ -326,8 +347,12 @@ def evaluate(config: EvalConfig, console) -> dict:
         for spec in specs:
             if spec.kind in ("entropy", "random") and spec.value is None:
                 r2r_rows = [r for r in read_results(out_dir / "r2r.jsonl") if r["id"] in item_ids]
-                rate = summarize(r2r_rows)["llm_rate"] if "r2r" in system_names and r2r_rows else c.llm_rate
+                matched = "r2r" in system_names and r2r_rows
+                rate = summarize(r2r_rows)["llm_rate"] if matched else c.llm_rate
                 spec = dataclasses.replace(spec, value=round(rate, 4))
+                if matched and spec.kind == "entropy":
+                    spec = dataclasses.replace(spec, warmup=round(entropy_at_rate(slm_b, tokenizer, items, r2r_rows,
+                                                                                  rate), 4))
             engine = spec.engine(slm_b, llm_b, tokenizer, router_path)
             run_system(benchmark, items, spec, engine, params, out_dir, c.batch_size, progress)
 

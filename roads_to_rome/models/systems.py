@@ -36,6 +36,9 @@ class System:
     name: str
     kind: str  # one of SYSTEMS
     value: float | None = None  # r2r: threshold; entropy/random: target LLM rate; spec: draft tokens per check
+    # entropy aiming at a rate: its threshold (nats) until a request has scores enough to aim by, and for answers
+    # shorter than that throughout (None: ENTROPY_WARMUP_THRESHOLD)
+    warmup: float | None = None
     verify: str | float = "off"
     max_unverified: int | None = None
 
@@ -75,7 +78,7 @@ class System:
                                "--systems)")
             policy, threshold = "router", self.value
         elif self.kind == "entropy":
-            policy, threshold = "entropy", ENTROPY_WARMUP_THRESHOLD
+            policy, threshold = "entropy", ENTROPY_WARMUP_THRESHOLD if self.warmup is None else self.warmup
         else:  # random: its threshold is the rate it routes at
             policy, threshold = "random", self.value
         return routed(slm, llm, tokenizer, policy, threshold, router_path, seed=0, verify=self.verify,
