@@ -23,10 +23,11 @@ from roads_to_rome.data.stats import wilson
 from roads_to_rome.errors import R2RError
 from roads_to_rome.eval import grading
 from roads_to_rome.models import load_pair
-from roads_to_rome.models.systems import ENTROPY_WARMUP_THRESHOLD, ROUTED, SYSTEMS, System
+from roads_to_rome.models.systems import ENTROPY_WARMUP_THRESHOLD, ROUTED, SYSTEMS, System, alone
 from roads_to_rome.plots import pyplot
 from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
+from roads_to_rome.routing.rate import threshold_at_rate
 from roads_to_rome.text import token_pieces
 
 
@@ -296,9 +297,6 @@ def entropy_at_rate(slm, tokenizer, items: list[benchmarks.Item], rows: list[dic
     at each of them: what an entropy baseline matched to R2R's rate routes at until a request has scores enough to
     aim by, and throughout an answer shorter than that (a line of code), where aiming never starts."""
     import torch
-
-    from roads_to_rome.models.systems import alone
-    from roads_to_rome.routing.rate import threshold_at_rate
 
     encoder, by_id, scores = alone(slm, tokenizer, "slm"), {r["id"]: r for r in rows}, []
     for item in items:
