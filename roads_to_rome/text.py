@@ -11,16 +11,16 @@ class Detokenizer:
     completes it; a few tokens of left context keep tokenizers that strip leading spaces honest.
     """
 
-    def __init__(self, tokenizer, context: int = 4):
-        self.tokenizer, self.context = tokenizer, context
+    def __init__(self, tokenizer, context: int = 4, skip_special_tokens: bool = True):
+        self.tokenizer, self.context, self.skip = tokenizer, context, skip_special_tokens
         self.ids: list[int] = []
         self.done = 0  # tokens whose text has been returned
 
     def push(self, token_id: int, final: bool = False) -> str:
         self.ids.append(token_id)
         start = max(self.done - self.context, 0)
-        before = self.tokenizer.decode(self.ids[start : self.done], skip_special_tokens=True)
-        after = self.tokenizer.decode(self.ids[start:], skip_special_tokens=True)
+        before = self.tokenizer.decode(self.ids[start : self.done], skip_special_tokens=self.skip)
+        after = self.tokenizer.decode(self.ids[start:], skip_special_tokens=self.skip)
         if after.endswith("\ufffd") and not final:
             return ""  # incomplete character: wait for the next token
         self.done = len(self.ids)

@@ -120,6 +120,9 @@ def test_generate_prints_text_and_stats(run_cli, pair):
         (["generate", "hi", "--grammar-file", "no-such.gbnf"], "--grammar-file: no file"),
         (["generate", "hi", "--verify", "-2"], "verify takes off, strict or a tolerance"),
         (["generate", "hi", "--verify", "strict", "--max-unverified", "0"], "at least 1"),
+        (["generate", "hi", "--chat-template", "no-such.jinja"], "--chat-template: no file at no-such.jinja"),
+        (["generate", "hi", "--chat-template", "{% for m in messages %}{{ m }}"], "--chat-template is not a valid "
+                                                                                  "Jinja template (line 1"),
     ],
 )
 def test_bad_input_gives_one_line_error(run_cli, pair, args, message):
@@ -141,6 +144,20 @@ def test_bad_models_give_one_line_errors(run_cli, tmp_path, pair):
         code, out, err = run_cli("generate", "hi", "--max-new-tokens", "2", "--device", "cpu", *models_args)
         assert code != 0 and message in err, err
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_generate_writes_the_chat_in_the_template_given(run_cli, pair, tmp_path):
+    """--chat-template (a file, or the template itself) replaces the tokenizer's: the prompt is the messages in it."""
+    template = "{% for m in messages %}{{ m['role'] }} says {{ m['content'] }}\n{% endfor %}answer:"
+    (tmp_path / "plain.jinja").write_text(template)
+    from transformers import AutoTokenizer
+
+    expected = len(AutoTokenizer.from_pretrained(pair[1]).encode("user says What is 48 / 2?\nanswer:"))
+    for given in (template, str(tmp_path / "plain.jinja")):
+        code, out, err = run_cli("generate", "What is 48 / 2?", "--router", "slm", "--max-new-tokens", "2", "--json",
+                                 "--chat-template", given, *pair)
+        assert code == 0, err
+        assert json.loads(out)["prompt_tokens"] == expected
 
 
 def test_chat_streams_and_quits_on_empty_line(run_cli, pair, monkeypatch):

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server on a tiny pair, driven by the official openai client over loopback."""
 
 import concurrent.futures
+import functools
 import json
 import os
 
@@ -67,6 +68,32 @@ def test_streamed_answer_equals_non_streamed_under_greedy(client):
         assert all(p["source"] == "llm" for p in provenance)
         assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
         assert chunks[-1].usage.model_extra["llm_rate"] == 1.0
+
+
+def test_skip_special_tokens_false_shows_them_in_the_text_as_streamed(client, tokenizer):
+    """vLLM's skip_special_tokens: false writes the special tokens the model wrote into the text (streamed the same),
+    and stop strings see them; the end of sequence that ended it stays out unless include_stop_str_in_output."""
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+
+    def ask(stream=False, **extra):
+        sent = dict(model="tiny-r2r", messages=[{"role": "user", "content": "What is 48 / 2?"}], temperature=0,
+                    max_tokens=3, extra_body={"r2r_policy": "slm", **extra})
+        if not stream:
+            return client.chat.completions.create(**sent).choices[0].message.content
+        chunks = client.chat.completions.create(**sent, stream=True)
+        return [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+
+    started = {"logit_bias": {str(start): 100}}
+    assert ask(**started) == "" and ask(**started, skip_special_tokens=True) == ""
+    assert ask(True, **started, skip_special_tokens=False) == ["<|im_start|>"] * 3  # each as it is written
+    for stream in (False, True):
+        text = functools.partial(lambda *a, **k: "".join(ask(*a, **k)), stream)
+        assert text(**started, skip_special_tokens=False) == "<|im_start|>" * 3
+        assert text(**started, skip_special_tokens=False, stop=["m_start|><|im"]) == "<|i"
+        ended = {"logit_bias": {str(end): 100}, "skip_special_tokens": False}
+        assert text(**ended) == ""
+        assert text(**ended, include_stop_str_in_output=True) == "<|im_end|>"
+    assert ask(**started, spaces_between_special_tokens=False) == ""  # accepted: it changes nothing here
 
 
 def test_continuous_usage_stats_give_each_chunk_its_usage_so_far(client):
@@ -413,6 +440,30 @@ def test_tokenize_and_detokenize_as_vllm_has_them(server, client, tokenizer):
             ("/detokenize", {"tokens": [-1]}, 400, "tokens.0")):
         refused = httpx.post(server + path, json=sent)
         assert refused.status_code == status and refused.json()["error"]["param"] == param, (sent, refused.text)
+
+
+def test_a_requests_chat_template_needs_a_server_that_trusts_them(server, slm, llm, tokenizer):
+    """vLLM's `chat_template` on a chat request (and /tokenize): refused, naming the flag, unless the server was
+    started with --trust-request-chat-template; then the prompt is the messages in that template."""
+    template = "{% for m in messages %}{{ m['role'] }} says {{ m['content'] }}\n{% endfor %}answer:"
+    sent = {"messages": [{"role": "user", "content": "What is 48 / 2?"}], "chat_template": template, "max_tokens": 2}
+    refused = httpx.post(server + "/v1/chat/completions", json=sent)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template", refused.text
+    assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=2, max_tokens=8, context_length=256),
+                     trust_request_chat_template=True)
+    expected = tokenizer.encode("user says What is 48 / 2?\nanswer:")
+    with BackgroundServer(app) as srv:
+        reply = httpx.post(srv.url + "/v1/chat/completions", json=sent)
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(expected), reply.text
+        tokens = httpx.post(srv.url + "/tokenize", json={k: sent[k] for k in ("messages", "chat_template")})
+        assert tokens.json()["tokens"] == expected
+        plain = httpx.post(srv.url + "/tokenize", json={"messages": sent["messages"]}).json()["tokens"]
+        assert plain == tokenizer.apply_chat_template(sent["messages"], add_generation_prompt=True, return_dict=False)
+        broken = httpx.post(srv.url + "/v1/chat/completions", json={**sent, "chat_template": "{% if x %}"})
+        assert broken.status_code == 400 and "not valid Jinja (line 1" in broken.json()["error"]["message"]
+        assert httpx.get(srv.url + "/health").json()["status"] == "ok"
 
 
 def test_penalties_reach_the_engine_through_the_openai_client(client):

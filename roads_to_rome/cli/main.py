@@ -20,6 +20,7 @@ from roads_to_rome.cli.options import (
     ApiKey,
     AsJson,
     BackendOpt,
+    ChatTemplateOpt,
     ChoiceOpt,
     Defer,
     DeferGroup,
@@ -72,6 +73,7 @@ from roads_to_rome.cli.options import (
     ToolCallParserOpt,
     TopK,
     TopP,
+    TrustRequestChatTemplate,
     Verify,
     console,
 )
@@ -106,7 +108,7 @@ def generate(
     json_schema: JsonSchemaOpt = None, regex: RegexOpt = None, choice: ChoiceOpt = None,
     grammar_file: GrammarFileOpt = None,
     seed: Seed = None, as_json: AsJson = False, logprobs: Logprobs = None,
-    reasoning_parser: ReasoningParserOpt = "auto",
+    reasoning_parser: ReasoningParserOpt = "auto", chat_template: ChatTemplateOpt = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     llm_retry: LlmRetry = None, llm_api_key: LlmApiKey = None,
 ):
@@ -128,7 +130,7 @@ def generate(
                                       router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
                                       defer=defer, defer_group=defer_group, defer_steps=defer_steps, overlap=overlap,
                                       overlap_ahead=overlap_ahead, threads=threads, llm_retry=llm_retry,
-                                      llm_api_key=llm_api_key))
+                                      llm_api_key=llm_api_key, chat_template=chat_template))
     raw = raw or suffix is not None
     parser = None if raw else reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     if suffix is not None:
@@ -160,7 +162,7 @@ def chat(
     max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     presence_penalty: PresencePenalty = 0.0, frequency_penalty: FrequencyPenalty = 0.0,
     repetition_penalty: RepetitionPenalty = 1.0, min_p: MinP = 0.0, min_tokens: MinTokens = 0,
-    seed: Seed = None, reasoning_parser: ReasoningParserOpt = "auto",
+    seed: Seed = None, reasoning_parser: ReasoningParserOpt = "auto", chat_template: ChatTemplateOpt = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     llm_retry: LlmRetry = None, llm_api_key: LlmApiKey = None,
 ):
@@ -179,7 +181,7 @@ def chat(
                                       router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
                                       defer=defer, defer_group=defer_group, defer_steps=defer_steps, overlap=overlap,
                                       overlap_ahead=overlap_ahead, threads=threads, llm_retry=llm_retry,
-                                      llm_api_key=llm_api_key))
+                                      llm_api_key=llm_api_key, chat_template=chat_template))
     parser = reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     messages = []
     while True:
@@ -231,6 +233,7 @@ def serve(
     max_connections: MaxConnections = 256, max_request_seconds: MaxRequestSeconds = 600.0,
     api_key: ApiKey = None, allow_unauthenticated: AllowUnauthenticated = False, drain_timeout: DrainTimeout = 30.0,
     docs: Docs = False, reasoning_parser: ReasoningParserOpt = "auto", tool_call_parser: ToolCallParserOpt = "auto",
+    chat_template: ChatTemplateOpt = None, trust_request_chat_template: TrustRequestChatTemplate = False,
 ):
     """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) and a playground at /."""
     require_extra("serve", "`r2r serve`")
@@ -250,14 +253,15 @@ def serve(
                                       router_path=router_path, verify=verify, max_unverified=max_unverified,
                                       defer=defer, defer_group=defer_group, defer_steps=defer_steps, overlap=overlap,
                                       overlap_ahead=overlap_ahead, threads=threads, llm_retry=llm_retry,
-                                      llm_api_key=llm_api_key, llama=llama))
+                                      llm_api_key=llm_api_key, llama=llama, chat_template=chat_template))
     limits = Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
                     max_body_bytes=max_body_bytes, max_stop_strings=max_stop_strings, max_stop_chars=max_stop_chars,
                     max_tokenizing=max_tokenizing, max_head_seconds=max_head_seconds, max_body_seconds=max_body_seconds,
                     max_connections=max_connections, max_request_seconds=max_request_seconds,
                     drain_timeout=drain_timeout)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=is_loopback(host),
-                            docs=docs, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
+                            docs=docs, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
+                            trust_request_chat_template=trust_request_chat_template)
     console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
     status = server.run(app, host, port)
     if status:

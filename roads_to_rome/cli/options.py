@@ -123,6 +123,9 @@ ToolCallParserOpt = Annotated[str, typer.Option("--tool-call-parser", help="How 
                                                 "none (tools refused), or auto (hermes when the chat template shows "
                                                 "<tool_call>, mistral when it shows [TOOL_CALLS], llama3_json when "
                                                 "it teaches Llama 3's calls).")]
+ChatTemplateOpt = Annotated[str | None, typer.Option("--chat-template", help="A Jinja chat template, or the path of "
+                                                    "a file holding one, to write chat prompts in instead of the "
+                                                    "tokenizer's own (a base model has none).", show_default=False)]
 MaxUnverified = Annotated[int | None, typer.Option("--max-unverified", help="With --verify: catch up "
                                                    "and check once this many tokens are unread by the LLM "
                                                    "(default: no limit). --router slm --verify strict "
@@ -152,6 +155,9 @@ ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="R2R_API_KEY", h
 AllowUnauthenticated = Annotated[bool, typer.Option("--allow-unauthenticated", help="Serve on a non-loopback --host "
                                                     "without --api-key (refused otherwise): anyone who reaches the "
                                                     "port can use the models.")]
+TrustRequestChatTemplate = Annotated[bool, typer.Option("--trust-request-chat-template", help="Let chat requests "
+                                                        "bring their own chat_template (refused otherwise): a "
+                                                        "client's template runs sandboxed, but may take long.")]
 Docs = Annotated[bool, typer.Option("--docs", help="Serve the API docs at /docs and /openapi.json.")]
 DrainTimeout = Annotated[float, typer.Option("--drain-timeout", min=0, help="On SIGINT/SIGTERM: seconds in-flight "
                                              "requests get to finish before they are cut (a second signal exits at "

@@ -446,7 +446,7 @@ def ends(engine: Engine, s: Sequence, tokens: list[int], then: int | None = None
             return "stop"
         if params.stop:
             in_prefix = max(0, params.min_tokens - (length - len(tail)))  # tail tokens within the first min_tokens
-            decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=True)
+            decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=params.skip_special_tokens)
             if stop_at(decode(tail), params.stop, len(decode(tail[:in_prefix])) if in_prefix else 0):
                 return "stop"
     if length >= params.max_new_tokens:
@@ -461,15 +461,16 @@ def stop_at(text: str, stops: tuple[str, ...], after: int = 0) -> tuple[int, str
 
 
 def final_text(tokenizer, s: Sequence) -> str:
-    """The output's text as a client gets it: up to the stop string or stop token that ended it (through it, with
-    `include_stop_str_in_output`)."""
+    """The output's text as a client gets it: up to the stop string or the token (a stop token, an end of sequence)
+    that ended it (through it, with `include_stop_str_in_output`)."""
     params, gen = s.params, s.generation
     ids = gen.token_ids
-    ended_on_stop_token = gen.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids
-    if ended_on_stop_token and not params.include_stop_str_in_output:
+    ended_on_token = gen.finish_reason == "stop" and ids and ids[-1] in s.ending_ids
+    if ended_on_token and not params.include_stop_str_in_output:
         ids = ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    after = len(tokenizer.decode(ids[: params.min_tokens], skip_special_tokens=True)) if params.min_tokens else 0
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=params.skip_special_tokens)
+    text = decode(ids)
+    after = len(decode(ids[: params.min_tokens])) if params.min_tokens else 0
     found = stop_at(text, params.stop, after) if params.stop else None
     if found is None:
         return text

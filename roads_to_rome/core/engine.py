@@ -167,26 +167,30 @@ class Engine:
 
     def encode_messages(self, messages: list[dict], template_kwargs: dict | None = None,
                         tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                        continue_final_message: bool = False) -> list[int]:
+                        continue_final_message: bool = False, template: str | None = None) -> list[int]:
         """Messages in the model's chat template, ready for the assistant's answer; `template_kwargs`: variables
         the template reads (Qwen3's `enable_thinking`, say); `tools`: the functions the model may call (OpenAI's
         shape), which the template shows it. `add_generation_prompt` false ends the prompt after the last message;
-        `continue_final_message` leaves the last message open, for the answer to go on writing it."""
+        `continue_final_message` leaves the last message open, for the answer to go on writing it. `template`: a
+        Jinja chat template to write them in instead of the tokenizer's."""
         import inspect
 
         import jinja2
 
-        if not getattr(self.tokenizer, "chat_template", None):
+        if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise R2RError("the model's tokenizer has no chat template: give the prompt as plain text (--raw, "
-                           "or /v1/completions on the server)")
+                           "or /v1/completions on the server), or give one (--chat-template)")
         own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) | {"self"}
         if clash := sorted(own.intersection(template_kwargs or {})):
             raise R2RError(f"chat_template_kwargs may not set {', '.join(clash)}: the chat template's call sets it")
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=True, return_dict=False,
+                continue_final_message=continue_final_message, chat_template=template, tokenize=True,
+                return_dict=False,
                 **(template_kwargs or {}))
+        except jinja2.TemplateSyntaxError as e:  # a template given with the request
+            raise R2RError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
         except jinja2.TemplateError as e:  # the template's own refusal (raise_exception), or a variable it cannot use
             raise R2RError(f"the chat template refused these messages: {e}") from None
         except ValueError as e:  # transformers': the template did not write the last message where it can go on

@@ -152,6 +152,7 @@ class Generation:
             "scores": [round(s, 6) for s in self.scores],
             "finish_reason": self.finish_reason,
             "tokens": len(self.token_ids),
+            "prompt_tokens": len(self.prompt_ids),
             **self.counters(),
             "llm_rate": self.llm_rate,
             "avg_params_b": self.avg_params_b,

@@ -51,6 +51,7 @@ class SamplingParams:
     # (vLLM's `bad_words`, each word as its tokenizer writes it: `serving.schemas.bad_words`)
     bad_words: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False  # the stop string or stop token that ended it stays in the text
+    skip_special_tokens: bool = True  # special tokens (<|im_start|>, an end of sequence...) are left out of the text
     output_format: OutputFormat | None = None  # a structured output: the format the output follows (core/grammar.py)
 
     def __post_init__(self):

@@ -278,6 +278,8 @@ class EngineConfig:
     llama: dict | None = None  # a llama.cpp context's sizes: n_ctx (the KV pool its rows share), max_rows
     llm_retry: float | None = None  # an LLM on a server: seconds a failing call is retried (None: the default)
     llm_api_key: str | None = field(default=None, repr=False)  # ... and its key (None: $R2R_LLM_API_KEY)
+    chat_template: str | None = None  # a Jinja chat template, or a file holding one, for the tokenizer's own
+
 
     def __post_init__(self):
         if self.verify is not None:
@@ -287,6 +289,33 @@ class EngineConfig:
             Deferral(self.defer)  # says which modes there are
         object.__setattr__(self, "overlap", parse_overlap(self.overlap))
         object.__setattr__(self, "threads", parse_threads(self.threads))
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", read_chat_template(self.chat_template))
+
+
+def read_chat_template(spec: str) -> str:
+    """--chat-template: the text of a file, or a Jinja template given inline (vLLM's flag)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in spec or "{%" in spec:
+        return spec
+    raise R2RError(f"--chat-template: no file at {spec}, and it is not a Jinja template (no {{{{ or {{%): give the "
+                   "path of a template file or the template itself")
+
+
+def use_chat_template(tokenizer, template: str) -> None:
+    """Make `template` the tokenizer's chat template, compiled once here (as transformers compiles it) so that a
+    syntax error stops the start rather than every chat request."""
+    import jinja2
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}], chat_template=template, tokenize=False)
+    except jinja2.TemplateSyntaxError as e:
+        raise R2RError(f"--chat-template is not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    except jinja2.TemplateError:
+        pass  # the template's own refusal of a lone user message: its requests are checked one by one
+    tokenizer.chat_template = template
 
 
 def parse_threads(spec: str | int | dict | None) -> dict[str, int]:
@@ -316,6 +345,8 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
                                         dtype=config.dtype, backend=config.backend, llama=config.llama,
                                         llm_retry=config.llm_retry, threads=config.threads,
                                         llm_api_key=config.llm_api_key)
+    if config.chat_template is not None:  # what every chat prompt is written in, and what "auto" parsers read
+        use_chat_template(tokenizer, config.chat_template)
     deferral = dataclasses.replace(rule, mode=resolve_defer(mode, llm_b))
     overlap = resolve_overlap(config.overlap if kind not in ("slm", "llm") else "off", slm_b, llm_b)
     return systems.routed(slm_b, llm_b, tokenizer, kind, config.threshold, router_path, config.seed, verify,

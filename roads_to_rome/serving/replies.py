@@ -293,7 +293,7 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
     checked it), with its provenance; its last chunk carries its usage. Sets `ended[index]` when it is over."""
     sequence = job.sequence
     gen, tokenizer = sequence.generation, reply.tokenizer
-    detok = Detokenizer(tokenizer)
+    detok = Detokenizer(tokenizer, skip_special_tokens=sequence.params.skip_special_tokens)
     hold = max((len(s) for s in sequence.params.stop), default=1) - 1  # a stop string may be forming
     text, sent, finished = "", 0, False
     parser = reply.parser

@@ -115,8 +115,7 @@ UNSUPPORTED = {"best_of": 1, "functions": None, "function_call": None,
                "echo": False, "suffix": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
                "guided_grammar": None, "use_beam_search": False,
                "length_penalty": 1.0,
-               "logits_processors": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-               "chat_template": None}
+               "logits_processors": None}
 NEUTRAL = {"functions": ([],), "function_call": ("none",), "suffix": ("",), "logits_processors": ([],)}
 
 
@@ -190,6 +189,9 @@ class CommonBody(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # vLLM's: special tokens the model writes are left out of the text
+    # vLLM's, for its slow tokenizers: transformers' tokenizers write special tokens as they are either way
+    spaces_between_special_tokens: bool = True
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a 64-bit generator takes
     stop: Text | list[Text] | None = None
     stream: bool = False
@@ -347,6 +349,7 @@ class ChatPrompt(BaseModel):
 
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables the chat template reads
+    chat_template: Text | None = None  # vLLM's: the request's own template (a server that trusts them only)
     tools: list[Tool] | None = None
     # vLLM's: whether the prompt ends with the assistant's turn opened, or with the last message left open (the
     # reply goes on writing it: a prefill)
@@ -370,7 +373,7 @@ class ChatPrompt(BaseModel):
                                     f"assistant message with text in it (the last one is a {last.role} message"
                                     f"{'' if last.text() else ' without text'})", param="messages")
         return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+                "continue_final_message": self.continue_final_message, "template": self.chat_template}
 
 
 class ChatBody(CommonBody, ChatPrompt):
@@ -592,7 +595,8 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
                             min_p=body.min_p, logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens,
                             allowed_token_ids=body.allowed_token_ids, stop_token_ids=tuple(body.stop_token_ids or ()),
                             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-                            output_format=output_format, bad_words=bad_words(body, engine.tokenizer))
+                            skip_special_tokens=body.skip_special_tokens, output_format=output_format,
+                            bad_words=bad_words(body, engine.tokenizer))
     try:
         request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                           target_rate=body.r2r_llm_rate, verify=body.r2r_verify,

@@ -71,15 +71,17 @@ class ServerState:
     reasoning: ReasoningParser | None  # splits chat replies' thinking from their answer
     tool_parser: str | None  # the call syntax chat replies' tool calls are read in (None: tools are refused)
     probing: concurrent.futures.ThreadPoolExecutor  # asks a remote LLM whether it is back, off the event loop
+    trust_request_chat_template: bool = False  # chat requests may bring their own template
 
 
 def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = None, api_key: str | None = None,
                loopback_only: bool = True, docs: bool = False, reasoning_parser: str = "auto",
-               tool_call_parser: str = "auto") -> FastAPI:
+               tool_call_parser: str = "auto", trust_request_chat_template: bool = False) -> FastAPI:
     """`loopback_only`: refuse requests whose Host or Origin is not localhost (for a server bound to a
     loopback address). `docs`: serve /docs and /openapi.json. `reasoning_parser`: how chat replies' thinking is
     told from their answer (roads_to_rome/reasoning.py); `tool_call_parser`: how their tool calls are read
-    (roads_to_rome/tool_calls.py)."""
+    (roads_to_rome/tool_calls.py). `trust_request_chat_template`: chat requests may give their own `chat_template`
+    (vLLM's flag; transformers runs templates sandboxed, but a client's may take long to write)."""
     check_api_key(api_key)
     limits = dataclasses.replace(limits or Limits())  # this server's own copy: the caller's is left as it was
     if engine.max_rows is not None and limits.max_batch > engine.max_rows:
@@ -90,7 +92,8 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     reasoning = parser_for(resolve_parser(reasoning_parser, engine.tokenizer))
     state = ServerState(engine, model_name, limits, EngineThread(engine, limits), Tokenizing(limits.max_tokenizing),
                         reasoning, resolve_tool_parser(tool_call_parser, engine.tokenizer),
-                        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-probe"))
+                        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-probe"),
+                        trust_request_chat_template)
 
     async def lifespan(app):
         state.engine_thread.start()
@@ -256,8 +259,13 @@ def validated(model: type[BaseModel], body: dict):
 
 async def chat_prompt(s: ServerState, body: ChatPrompt, prompt_tools: list[dict] | None) -> list[int]:
     """A chat's prompt tokens, in the model's chat template: the messages, the tools it shows, how it ends."""
+    if body.chat_template is not None and not s.trust_request_chat_template:
+        raise APIError(400, "this server writes chats in its own chat template; a request's chat_template needs a "
+                            "server started with --trust-request-chat-template: leave it out",
+                       param="chat_template")
     messages = [m.for_template() for m in body.messages]
-    chars = len(json.dumps([messages, prompt_tools], ensure_ascii=False))  # what the template will hold
+    # what the template will hold, and the template itself
+    chars = len(json.dumps([messages, prompt_tools], ensure_ascii=False)) + len(body.chat_template or "")
     encode = functools.partial(s.engine.encode_messages, **body.template_options())
     return await tokenize(s, chars, encode, messages, body.chat_template_kwargs, prompt_tools)
 
