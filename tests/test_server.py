@@ -483,13 +483,15 @@ def test_penalties_reach_the_engine_through_the_openai_client(client):
 
 def test_structured_outputs_through_the_openai_client_are_the_engines_own_answers(client, slm, llm, tokenizer):
     """OpenAI's response_format (json_object, json_schema) and vLLM's structured_outputs (regex, choice, compact
-    JSON): each answer, whole and streamed, is the engine's own under that format, and follows it."""
+    JSON, structural tags, also as its response_format): each answer, whole and streamed, is the engine's own under
+    that format, and follows it."""
     from roads_to_rome.core.grammar import OutputFormat
     from roads_to_rome.core.request import Request
 
     engine = Engine(slm, llm, tokenizer)
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
               "required": ["ok", "n"], "additionalProperties": False}
+    tag = {"triggers": ["e"], "structures": [{"begin": "e=", "schema": {"type": "integer"}, "end": ";"}]}
     cases = [({"response_format": {"type": "json_object"}}, OutputFormat("json_object")),
              ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
               OutputFormat.json_schema(schema)),
@@ -497,6 +499,9 @@ def test_structured_outputs_through_the_openai_client_are_the_engines_own_answer
               OutputFormat.json_schema(schema, any_whitespace=False)),
              ({"extra_body": {"structured_outputs": {"regex": "[0-9]{2}-[a-z]{1,3}"}}},
               OutputFormat("regex", "[0-9]{2}-[a-z]{1,3}")),
+             ({"extra_body": {"structured_outputs": {"structural_tag": json.dumps(tag)}}},
+              OutputFormat("structural_tag", tag)),
+             ({"response_format": {"type": "structural_tag", **tag}}, OutputFormat("structural_tag", tag)),
              ({"extra_body": {"structured_outputs": {"choice": ["red", "green"]}}},
               OutputFormat("choice", ["red", "green"]))]
     prompt = "What is 48 / 2?"

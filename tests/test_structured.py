@@ -81,6 +81,26 @@ def test_every_kind_of_format_holds_for_r2rs_output_greedy_and_sampled(slm, llm,
     assert "slm" in sources and ("llm" in sources or "fix" in sources)  # both models wrote them
 
 
+def test_a_structural_tag_holds_its_structures_in_free_text(slm, llm, tokenizer):
+    """vLLM's structural tag: the text is free until a trigger; a structure begun there holds JSON following its
+    schema, then its end. The trigger here is a letter the random pair writes often, so structures do come."""
+    fmt = OutputFormat("structural_tag", {"triggers": ["a"], "structures": [
+        {"begin": "a=", "schema": {"type": "integer", "minimum": 0, "maximum": 99}, "end": ";"}]})
+    space = "[ \t\n]*"
+    whole = f"a={space}\\d{{1,2}}{space};"
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0), verify="1")
+    prompts = [engine.encode_chat(p) for p in ("What is 48 / 2?", "def add(a, b):")]
+    structures = 0
+    for seed in (None, 0, 1, 2, 3):
+        sampled = {} if seed is None else {"temperature": 1.0, "seed": seed}
+        for gen in engine.generate(prompts, SamplingParams(max_new_tokens=40, output_format=fmt, ignore_eos=True,
+                                                           **sampled)):
+            # every "a" begins a whole structure, but for one the length may cut at the end
+            assert re.fullmatch(f"(?:[^a]|{whole})*(?:a(?:={space}\\d{{0,2}}{space})?)?", gen.text), gen.text
+            structures += len(re.findall(whole, gen.text))
+    assert structures >= 2
+
+
 def test_min_tokens_does_not_outlast_a_finished_format(slm, tokenizer):
     """A format that allows nothing but its end ends the output even before min_tokens (else no token is left)."""
     engine = Engine.alone(slm, tokenizer, "slm")
@@ -111,6 +131,14 @@ def test_a_reasoning_reply_thinks_freely_then_follows_the_format(slm, tokenizer)
     (lambda: OutputFormat("choice", "[]"), "non-empty list"),
     (lambda: OutputFormat("grammar", "start: undefined_rule"), "grammar structured output is not valid"),
     (lambda: OutputFormat("xml", "<a/>"), "one of json, json_object"),
+    (lambda: OutputFormat("structural_tag", {"triggers": [], "structures": []}), "triggers must be a non-empty"),
+    (lambda: OutputFormat("structural_tag", {"triggers": ["<f"], "structures": [{"begin": "<g>", "schema": {},
+                                                                                "end": ""}]}), "none of the trig"),
+    (lambda: OutputFormat("structural_tag", {"triggers": ["<f"], "structures": [{"begin": "<f>", "end": ""}]}),
+     "structure 0 must have exactly begin"),
+    (lambda: OutputFormat("structural_tag", {"type": "structural_tag", "format": {}}), "`format` form"),
+    (lambda: OutputFormat("structural_tag", {"triggers": ["<f"], "structures": [
+        {"begin": "<f>", "schema": {"type": "foo"}, "end": "</f>"}]}), "structural_tag structured output is not"),
 ])
 def test_a_format_that_cannot_be_followed_is_refused_naming_what_is_wrong(fmt, message):
     with pytest.raises(R2RError, match=message):

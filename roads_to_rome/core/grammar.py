@@ -1,6 +1,6 @@
 """Structured outputs: a format the output must follow (a JSON schema, any JSON object, a regular expression, one of
-several strings, or a Lark or GBNF grammar), as llguidance compiles and walks it (vLLM's `guidance` backend does the
-same).
+several strings, a Lark or GBNF grammar, or free text holding structures such as tool calls: a structural tag), as
+llguidance compiles and walks it (vLLM's `guidance` backend does the same).
 
 `OutputFormat` is what a request asks for (immutable, checked when made). `GrammarWalk` is one sequence's walk
 through it: the tokens allowed at any output index, given the tokens before it. R2R writes a token from either model
@@ -22,17 +22,18 @@ import torch
 
 from roads_to_rome.errors import R2RError
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 KEEP_MASKS = 64  # masks a walk keeps: enough for every token a verification check may look back at
 
 
 @dataclass(frozen=True)
 class OutputFormat:
     """`kind`: json (`spec` a JSON schema, as text), json_object (any JSON object), regex, choice (`spec` a JSON
-    list of the strings), grammar (Lark, or llama.cpp's GBNF). `any_whitespace`: JSON may hold any whitespace
-    between its tokens (vLLM's default); off, it is written compactly. `whitespace`: a regular expression for the
-    whitespace JSON may hold between its tokens instead (vLLM's `whitespace_pattern`; a bound such as
-    `[ \n]{0,4}` keeps a small model from spacing out its answer until the length cuts it)."""
+    list of the strings), grammar (Lark, or llama.cpp's GBNF), structural_tag (`structural_tag_grammar`).
+    `any_whitespace`: JSON may hold any whitespace between its tokens (vLLM's default); off, it is written
+    compactly. `whitespace`: a regular expression for the whitespace JSON may hold between its tokens instead
+    (vLLM's `whitespace_pattern`; a bound such as `[ \n]{0,4}` keeps a small model from spacing out its answer
+    until the length cuts it)."""
 
     kind: str
     spec: str = ""
@@ -68,6 +69,8 @@ class OutputFormat:
                 if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
                     raise ValueError("the choices must be a non-empty list of strings")
                 grammar = llguidance.grammar_from("choice", choices)
+            elif self.kind == "structural_tag":
+                grammar = structural_tag_grammar(self.spec)
             else:
                 grammar = llguidance.grammar_from(self.kind, self.spec)
         except (ValueError, TypeError) as e:
@@ -80,6 +83,38 @@ class OutputFormat:
         error = __import__("llguidance").LLMatcher.validate_grammar(self.grammar(), None)
         if error:
             raise R2RError(f"the {self.kind} structured output is not valid: {one_line(error)}")
+
+
+def structural_tag_grammar(spec: str) -> str:
+    """vLLM's structural tag, `{"triggers": [...], "structures": [{"begin", "schema", "end"}, ...]}`: free text, in
+    which a structure, once its `begin` is written, holds JSON following its `schema` and then its `end`; each
+    `begin` starts with one of the triggers, where the text stops being free. Triggers are matched as text, so one
+    the tokenizer holds as an added token that is not special (Qwen's `<tool_call>`) works, and a special token
+    (Llama's `<|python_tag|>`) cannot be one. A ValueError says what is wrong with the spec."""
+    import llguidance
+
+    tag = json.loads(spec)
+    if not isinstance(tag, dict) or set(tag) - {"type", "triggers", "structures"}:
+        raise ValueError("a structural tag is an object of triggers and structures (xgrammar's newer `format` form "
+                         "is not supported)")
+    triggers, structures = tag.get("triggers"), tag.get("structures")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structures must be a non-empty list of {begin, schema, end}")
+    tags = []
+    for n, structure in enumerate(structures):
+        if not isinstance(structure, dict) or set(structure) != {"begin", "schema", "end"} \
+                or not isinstance(structure["begin"], str) or not isinstance(structure["end"], str) \
+                or not isinstance(structure["schema"], dict):
+            raise ValueError(f"structure {n} must have exactly begin (a string), schema (a JSON schema) and end "
+                             "(a string)")
+        trigger = next((t for t in triggers if structure["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structure {n}'s begin {structure['begin']!r} starts with none of the triggers")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=structure["begin"], grammar=structure["schema"],
+                                         end=structure["end"]))
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
 
 
 def one_line(error: str) -> str:

@@ -134,15 +134,18 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`: text (any), json_object (any JSON object) or json_schema."""
+    """OpenAI's `response_format`: text (any), json_object (any JSON object) or json_schema; or vLLM's
+    structural_tag (free text holding structures: `core.grammar.structural_tag_grammar`)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[Any] | None = None  # structural_tag's: each {begin, schema, end}
+    triggers: list[Any] | None = None  # ... and where the text stops being free
 
 
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: exactly one of the formats, and how JSON is spaced. Fields it has that this
-    server does not do (structural tags, dropping additional properties) are refused by name rather than ignored."""
+    server does not do (dropping additional properties) are refused by name rather than ignored."""
 
     model_config = ConfigDict(extra="forbid")
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -150,12 +153,13 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None  # {triggers, structures}, or that as JSON text
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
 
     def output_format(self) -> OutputFormat:
         given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                 "json_object": self.json_object or None}
+                 "json_object": self.json_object or None, "structural_tag": self.structural_tag}
         kinds = [k for k, v in given.items() if v is not None]
         if len(kinds) != 1:
             raise APIError(400, f"structured_outputs takes exactly one of {', '.join(given)}; got "
@@ -237,6 +241,9 @@ class CommonBody(BaseModel):
             return None
         elif response.type == "json_object":
             fmt, field = OutputFormat("json_object"), "response_format"
+        elif response.type == "structural_tag":
+            fmt = OutputFormat("structural_tag", {"triggers": response.triggers, "structures": response.structures})
+            field = "response_format"
         elif response.json_schema is None:
             raise APIError(400, "response_format of type json_schema needs its json_schema (name and schema)",
                            param="response_format.json_schema")

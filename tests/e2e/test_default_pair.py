@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -318,6 +319,30 @@ def test_under_a_json_schema_strict_verification_gives_the_llms_own_valid_json_o
     else:
         assert gen.token_ids == want
     assert gen.llm_tokens > 0 and gen.sources.count("slm") > 0
+
+
+def test_a_structural_tag_holds_a_tool_call_in_running_text_to_its_schema_on_llamacpp(llamacpp_pair):
+    """The default pair asked for the weather with a tool shown writes a call; a structural tag whose schema allows
+    only kelvin holds the call's arguments to it (free, the model writes celsius), through the shipped router."""
+    from roads_to_rome.core.grammar import OutputFormat
+    from roads_to_rome.routing import policies
+
+    slm, llm, tokenizer = llamacpp_pair
+    engine = Engine(slm, llm, tokenizer, policies.build("router", slm, None, models.router_path_for(None, None)))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+              "required": ["city", "unit"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": schema}}]
+    prompt = engine.encode_messages([{"role": "user", "content": "What's the weather in Paris, in celsius?"}],
+                                    tools=tools)
+    kelvin = {**schema, "properties": {"city": {"type": "string"}, "unit": {"enum": ["kelvin"]}}}
+    tag = {"triggers": ['{"name"'], "structures": [{"begin": '{"name": "get_weather", "arguments": ',
+                                                   "schema": kelvin, "end": "}"}]}
+    call = re.compile(r'\{"name": "get_weather", "arguments": (\{.*\})\}', re.S)
+    free, held = (engine.generate([prompt], SamplingParams(max_new_tokens=60, output_format=fmt))[0]
+                  for fmt in (None, OutputFormat("structural_tag", tag)))
+    assert json.loads(call.search(free.text).group(1))["unit"] == "C", free.text
+    assert json.loads(call.search(held.text).group(1)) == {"city": "Paris", "unit": "kelvin"}, held.text
 
 
 def test_the_readmes_python_example_runs_as_written():
