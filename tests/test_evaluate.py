@@ -285,3 +285,19 @@ def test_the_report_marks_routed_tokens_and_fixes_apart(tokenizer):
     ids = tokenizer("What is 48 / 2?", add_special_tokens=False)["input_ids"][:3]
     page = highlight({"token_ids": ids, "sources": "SLF"}, tokenizer)
     assert page.count('class="llm"') == 1 and page.count('class="fix"') == 1
+
+
+def test_eval_writes_prompts_in_the_chat_template_given_and_resumes_only_with_it(run_cli, pair, tmp_path):
+    import hashlib
+
+    template = "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:"
+    args = ["eval", "--benchmark", "gsm8k", "--systems", "slm", "--ids", "0-1", "--max-new-tokens", "4",
+            "--out", tmp_path, *pair]
+    assert run_cli(*args, "--chat-template", template)[0] == 0
+    config = json.loads((tmp_path / "gsm8k" / "slm.config.json").read_text())
+    assert config["chat_template"] == hashlib.sha256(template.encode()).hexdigest()[:16]
+    code, _, err = run_cli(*args)  # the tokenizer's own template: another configuration
+    assert code != 0 and "another configuration" in err
+    refusing = "{{ raise_exception('not this one') }}"  # the template is what writes the prompts
+    code, _, err = run_cli(*args[:-len(pair) - 2], "--out", tmp_path / "other", *pair, "--chat-template", refusing)
+    assert code != 0 and "the chat template refused these messages: not this one" in err

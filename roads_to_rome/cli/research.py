@@ -14,6 +14,7 @@ from roads_to_rome.cli.common import RateColumn, load_alone, progress_bar
 from roads_to_rome.cli.options import (
     AsJson,
     BackendOpt,
+    ChatTemplateOpt,
     Device,
     Dtype,
     JudgeKind,
@@ -98,6 +99,7 @@ def eval_command(
     verify: VerifyList = "off",  # for r2r, entropy and random: one system each, e.g. r2r+verify=1
     max_unverified: MaxUnverified = None,
     spec_k: int = count(4, "--spec-k", help="Draft tokens per check for the spec system."),
+    chat_template: ChatTemplateOpt = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):
     """Evaluate systems on a benchmark: accuracy with 95% CI, LLM rate, avg. params, speed; JSON, table, plots, HTML."""
@@ -113,7 +115,7 @@ def eval_command(
                         out=out, ids=ids, max_new_tokens=max_new_tokens, batch_size=batch_size, slm=slm, llm=llm,
                         device=device, dtype=dtype, backend=backend, router_path=router_path, threshold=threshold,
                         llm_rate=llm_rate, sweep=sweep_values, verify=parse_verify_list(verify),
-                        max_unverified=max_unverified, spec_k=spec_k)
+                        max_unverified=max_unverified, spec_k=spec_k, chat_template=chat_template)
     table = evaluate(config, console)
     console.print(markdown_table(table), markup=False, highlight=False)
     console.print(f"results, summary.json, plots and report.html in {out / benchmark}")

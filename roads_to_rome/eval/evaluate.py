@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import html
 import json
 import time
@@ -45,7 +46,9 @@ def read_results(path: Path) -> list[dict]:
 
 
 def run_system(benchmark: str, items: list[benchmarks.Item], spec: System, engine: Engine, params: SamplingParams,
-               out_dir: Path, batch_size: int, progress=QUIET):
+               out_dir: Path, batch_size: int, progress=QUIET, chat_template: str | None = None):
+    """Run `spec` on the items it has no results for yet, appending each batch's rows; `chat_template`: the one
+    given for the tokenizer's (`--chat-template`), which the results depend on."""
     path = out_dir / f"{spec.name}.jsonl"
     config_path = out_dir / f"{spec.name}.config.json"
     config = {"benchmark": benchmark, "system": spec.name, "max_new_tokens": params.max_new_tokens,
@@ -59,6 +62,8 @@ def run_system(benchmark: str, items: list[benchmarks.Item], spec: System, engin
               "verify": engine.verify, "max_unverified": engine.max_unverified}
     if spec.warmup is not None:
         config["warmup"] = spec.warmup
+    if chat_template is not None:  # (absent otherwise: runs before the option resume as they were)
+        config["chat_template"] = hashlib.sha256(chat_template.encode()).hexdigest()[:16]
     if config_path.exists() and json.loads(config_path.read_text()) != config:
         raise R2RError(f"{path} holds results of another configuration ({config_path}); use another --out "
                        "or delete those files")
@@ -279,6 +284,7 @@ class EvalConfig:
     verify: tuple[str | float, ...] = ("off",)  # verification settings of the routed systems, one system each
     max_unverified: int | None = None
     spec_k: int = 4  # the spec system's draft tokens per check
+    chat_template: str | None = None  # a Jinja chat template, or a file holding one, for the tokenizer's own
 
     def __post_init__(self):
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -290,6 +296,8 @@ class EvalConfig:
             raise R2RError("--llm-rate and --sweep values must be in [0, 1]")
         object.__setattr__(self, "verify", tuple(parse_verify(v) for v in self.verify))
         check_max_unverified(self.max_unverified)
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", models.read_chat_template(self.chat_template))
 
 
 def entropy_at_rate(slm, tokenizer, items: list[benchmarks.Item], rows: list[dict], rate: float) -> float:
@@ -325,6 +333,8 @@ def evaluate(config: EvalConfig, console) -> dict:
     system_names = list(c.systems)
     needs_llm = any(s != "slm" for s in system_names) or bool(c.sweep)
     slm_b, llm_b, tokenizer = load_pair(c.slm, c.llm, c.device, need_llm=needs_llm, dtype=c.dtype, backend=c.backend)
+    if c.chat_template is not None:
+        models.use_chat_template(tokenizer, c.chat_template)
     router_path = models.router_path_for(c.router_path, c.slm)
     if router_path is not None:
         policies.build("router", slm_b, c.threshold, router_path)  # refuse a router of another SLM before any run
@@ -352,7 +362,7 @@ def evaluate(config: EvalConfig, console) -> dict:
                     spec = dataclasses.replace(spec, warmup=round(entropy_at_rate(slm_b, tokenizer, items, r2r_rows,
                                                                                   rate), 4))
             engine = spec.engine(slm_b, llm_b, tokenizer, router_path)
-            run_system(benchmark, items, spec, engine, params, out_dir, c.batch_size, progress)
+            run_system(benchmark, items, spec, engine, params, out_dir, c.batch_size, progress, c.chat_template)
 
     # The report covers every system with results in this directory for these items, not only this call's:
     # a benchmark run in chunks, or a baseline run on its own, still ends in one table and one plot.

@@ -11,9 +11,11 @@ from roads_to_rome.models.loading import (
     load_pair,
     parse_backends,
     pick_device,
+    read_chat_template,
     resolve,
     router_path_for,
     same_tokenizer,
+    use_chat_template,
 )
 from roads_to_rome.models.packaged import (
     DEFAULT_LLM,
@@ -36,7 +38,8 @@ from roads_to_rome.models.packaged import (
 )
 
 __all__ = ["BACKENDS", "DTYPES", "EngineConfig", "choose_policy", "load_alone", "load_engine", "load_model",
-           "load_pair", "parse_backends", "pick_device", "resolve", "router_path_for", "same_tokenizer",
+           "load_pair", "parse_backends", "pick_device", "read_chat_template", "resolve", "router_path_for",
+           "same_tokenizer", "use_chat_template",
            "DEFAULT_LLM", "DEFAULT_PAIR", "DEFAULT_SLM", "PackagedModel", "assemble_gguf", "bf16_dir", "cache_dir",
            "convert_gguf", "converted_dir", "gguf_path", "install_parts", "is_converted", "is_prepared", "prepare",
            "shipped_router", "tokenizer_dir", "tokenizer_source"]
