@@ -447,16 +447,19 @@ def test_a_requests_chat_template_needs_a_server_that_trusts_them(server, slm, l
     started with --trust-request-chat-template; then the prompt is the messages in that template."""
     template = "{% for m in messages %}{{ m['role'] }} says {{ m['content'] }}\n{% endfor %}answer:"
     sent = {"messages": [{"role": "user", "content": "What is 48 / 2?"}], "chat_template": template, "max_tokens": 2}
-    refused = httpx.post(server + "/v1/chat/completions", json=sent)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template", refused.text
-    assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    in_kwargs = {**sent, "chat_template": None, "chat_template_kwargs": {"chat_template": template}}
+    for asked in (sent, in_kwargs):  # vLLM takes it from chat_template_kwargs too
+        refused = httpx.post(server + "/v1/chat/completions", json=asked)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template", refused.text
+        assert "--trust-request-chat-template" in refused.json()["error"]["message"]
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
     app = create_app(engine, "tiny-r2r", Limits(max_batch=2, max_tokens=8, context_length=256),
                      trust_request_chat_template=True)
     expected = tokenizer.encode("user says What is 48 / 2?\nanswer:")
     with BackgroundServer(app) as srv:
-        reply = httpx.post(srv.url + "/v1/chat/completions", json=sent)
-        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(expected), reply.text
+        for asked in (sent, in_kwargs):
+            reply = httpx.post(srv.url + "/v1/chat/completions", json=asked)
+            assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(expected), reply.text
         tokens = httpx.post(srv.url + "/tokenize", json={k: sent[k] for k in ("messages", "chat_template")})
         assert tokens.json()["tokens"] == expected
         plain = httpx.post(srv.url + "/tokenize", json={"messages": sent["messages"]}).json()["tokens"]

@@ -363,6 +363,15 @@ class ChatPrompt(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    @model_validator(mode="after")
+    def template_in_kwargs(self):
+        """vLLM takes the request's template from `chat_template_kwargs` too."""
+        kwargs = self.chat_template_kwargs or {}
+        if self.chat_template is None and isinstance(kwargs.get("chat_template"), str):
+            self.chat_template = kwargs["chat_template"]
+            self.chat_template_kwargs = {k: v for k, v in kwargs.items() if k != "chat_template"}
+        return self
+
     def template_tools(self) -> list[dict] | None:
         """The tools as the chat template gets them (OpenAI's shape), or None."""
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
