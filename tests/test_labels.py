@@ -589,6 +589,18 @@ def test_label_cli(run_cli, tmp_path):
     assert code == 0, err
     assert {r["judge"] for r in labels.Parts(tmp_path / "m", "judgements").rows()} <= {"margin"}
     assert json.loads((tmp_path / "m" / "responses.json").read_text()) ["writer"] == "slm"
+    # --chat-template: the responses answer prompts in it, and a resume in another is refused
+    template = "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:"
+    args = ["label", prompts, "--out", tmp_path / "t", "--max-new-tokens", "4", "--writer", "slm", "--judge",
+            "margin", "--steps", "responses", *pair]
+    code, out, err = run_cli(*args, "--chat-template", template)
+    assert code == 0, err
+    from transformers import AutoTokenizer
+
+    written = AutoTokenizer.from_pretrained(slm_dir).encode(f"Q: {PROMPTS[0]['prompt']}\nA:")
+    assert labels.Parts(tmp_path / "t", "responses").rows()[0]["prompt_ids"] == written
+    code, out, err = run_cli(*args)
+    assert code != 0 and "made with chat_template" in err
     for bad, says in ((["--margin", "-1"], "must be above 0"), (["--writer", "slm"], "needs --judge margin")):
         code, out, err = run_cli("label", prompts, "--out", tmp_path / "n", "--judge", "margin" if bad[0] ==
                                  "--margin" else "facts", *bad, *pair)

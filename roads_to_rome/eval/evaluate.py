@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import hashlib
 import html
 import json
 import time
@@ -63,7 +62,7 @@ def run_system(benchmark: str, items: list[benchmarks.Item], spec: System, engin
     if spec.warmup is not None:
         config["warmup"] = spec.warmup
     if chat_template is not None:  # (absent otherwise: runs before the option resume as they were)
-        config["chat_template"] = hashlib.sha256(chat_template.encode()).hexdigest()[:16]
+        config["chat_template"] = models.template_hash(chat_template)
     if config_path.exists() and json.loads(config_path.read_text()) != config:
         raise R2RError(f"{path} holds results of another configuration ({config_path}); use another --out "
                        "or delete those files")

@@ -15,6 +15,7 @@ from roads_to_rome.models.loading import (
     resolve,
     router_path_for,
     same_tokenizer,
+    template_hash,
     use_chat_template,
 )
 from roads_to_rome.models.packaged import (
@@ -39,7 +40,7 @@ from roads_to_rome.models.packaged import (
 
 __all__ = ["BACKENDS", "DTYPES", "EngineConfig", "choose_policy", "load_alone", "load_engine", "load_model",
            "load_pair", "parse_backends", "pick_device", "read_chat_template", "resolve", "router_path_for",
-           "same_tokenizer", "use_chat_template",
+           "same_tokenizer", "template_hash", "use_chat_template",
            "DEFAULT_LLM", "DEFAULT_PAIR", "DEFAULT_SLM", "PackagedModel", "assemble_gguf", "bf16_dir", "cache_dir",
            "convert_gguf", "converted_dir", "gguf_path", "install_parts", "is_converted", "is_prepared", "prepare",
            "shipped_router", "tokenizer_dir", "tokenizer_source"]

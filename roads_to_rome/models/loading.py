@@ -304,6 +304,14 @@ def read_chat_template(spec: str) -> str:
                    "path of a template file or the template itself")
 
 
+def template_hash(template: str | None) -> str | None:
+    """What a run records of the template given for the tokenizer's (None: none given), to refuse a resume with
+    another."""
+    import hashlib
+
+    return None if template is None else hashlib.sha256(template.encode()).hexdigest()[:16]
+
+
 def use_chat_template(tokenizer, template: str) -> None:
     """Make `template` the tokenizer's chat template, compiled once here (as transformers compiles it) so that a
     syntax error stops the start rather than every chat request."""

@@ -40,6 +40,7 @@ from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError
 from roads_to_rome.models import systems
+from roads_to_rome.models.loading import template_hash
 from roads_to_rome.pipeline import judges
 from roads_to_rome.pipeline.prompt_sets import load_prompts
 from roads_to_rome.progress import QUIET
@@ -127,9 +128,11 @@ def writer_of(out: Path) -> str:
 
 
 def step_responses(prompts: list[dict], engine, out: Path, max_new_tokens: int, batch_size: int,
-                   progress=QUIET, writer: str = "llm") -> None:
-    """`engine` is the writer alone (`Engine.alone`): the LLM, or with `writer="slm"` the SLM."""
-    same_mode(out, "responses", {"writer": writer, "max_new_tokens": max_new_tokens})
+                   progress=QUIET, writer: str = "llm", chat_template: str | None = None) -> None:
+    """`engine` is the writer alone (`Engine.alone`): the LLM, or with `writer="slm"` the SLM. `chat_template`: the
+    one given for the tokenizer's, which the prompts were written in (recorded: a resume with another is refused)."""
+    same_mode(out, "responses", {"writer": writer, "max_new_tokens": max_new_tokens,
+                                 "chat_template": template_hash(chat_template)})
     parts = Parts(out, "responses")
     done = parts.done()
     todo = [p for p in prompts if p["id"] not in done]
@@ -482,11 +485,12 @@ def step_labels(out: Path) -> Path:
 def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_tokens: int = 256,
         continuation_tokens: int = 32, batch_size: int = 4, progress=QUIET, rollout: bool = False,
         rejoin_tokens: int = REJOIN_TOKENS, margin: bool = False, writer: str = "llm",
-        positions_per_response: int = 0) -> Path | None:
+        positions_per_response: int = 0, chat_template: str | None = None) -> Path | None:
     """`r2r label`: the chosen steps (comma-separated, any subset of STEPS) in pipeline order.
     `load_pair()` gives (SLM, LLM, tokenizer), called only when a step needs a model; `judge_for(llm_alone)`
     gives the judge. `rollout`: the answer judge's; `margin`: the margin judge's (the LLM reads in the prefill
-    step, no continuations). Returns the labelled dataset's path when the labels step ran."""
+    step, no continuations). `chat_template`: the template `load_pair`'s tokenizer was given, if any (recorded with
+    the responses). Returns the labelled dataset's path when the labels step ran."""
     chosen = [s.strip() for s in steps.split(",") if s.strip()]
     if not chosen or any(s not in STEPS for s in chosen):
         raise R2RError(f"--steps takes a comma-separated subset of {','.join(STEPS)}, got {steps!r}")
@@ -504,7 +508,7 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
         llm_alone = systems.alone(llm, tokenizer, "llm")
     if "responses" in chosen:
         writer_alone = llm_alone if writer == "llm" else systems.alone(slm, tokenizer, "slm")
-        step_responses(prompt_set, writer_alone, out, max_new_tokens, batch_size, progress, writer)
+        step_responses(prompt_set, writer_alone, out, max_new_tokens, batch_size, progress, writer, chat_template)
     if "prefill" in chosen:
         step_prefill(slm, out, progress, llm if margin or writer == "slm" else None)
     if "continuations" in chosen and not margin:
