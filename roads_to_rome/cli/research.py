@@ -233,16 +233,10 @@ def label_run(
 ):
     """Run the label pipeline (or some of its steps); re-running resumes where it stopped."""
     require_extra("labels", "`r2r label`")
-    from roads_to_rome.models import load_pair, read_chat_template, use_chat_template
+    from roads_to_rome.models import load_pair, read_chat_template
     from roads_to_rome.pipeline import judges, labels
 
     template = read_chat_template(chat_template) if chat_template is not None else None
-
-    def pair():
-        slm_b, llm_b, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
-        if template is not None:
-            use_chat_template(tokenizer, template)
-        return slm_b, llm_b, tokenizer
 
     def judge_for(llm_alone):
         return judges.build(judge, lambda: llm_alone, judge_url, judge_model, device, margin)
@@ -251,8 +245,9 @@ def label_run(
         judges.MarginJudge(margin)  # a bad --margin is refused before any model loads
 
     with progress_bar(RateColumn(), TimeRemainingColumn()) as progress:
-        dataset = labels.run(prompts, out, steps, pair, judge_for, max_new_tokens, continuation_tokens, batch_size,
-                             progress,
+        dataset = labels.run(prompts, out, steps,
+                             lambda: load_pair(slm, llm, device, dtype=dtype, backend=backend, chat_template=template),
+                             judge_for, max_new_tokens, continuation_tokens, batch_size, progress,
                              rollout=judge == "answer", rejoin_tokens=rejoin_tokens, margin=judge == "margin",
                              writer=writer, positions_per_response=positions_per_response, chat_template=template)
     if dataset:

@@ -331,9 +331,8 @@ def evaluate(config: EvalConfig, console) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     system_names = list(c.systems)
     needs_llm = any(s != "slm" for s in system_names) or bool(c.sweep)
-    slm_b, llm_b, tokenizer = load_pair(c.slm, c.llm, c.device, need_llm=needs_llm, dtype=c.dtype, backend=c.backend)
-    if c.chat_template is not None:
-        models.use_chat_template(tokenizer, c.chat_template)
+    slm_b, llm_b, tokenizer = load_pair(c.slm, c.llm, c.device, need_llm=needs_llm, dtype=c.dtype, backend=c.backend,
+                                        chat_template=c.chat_template)
     router_path = models.router_path_for(c.router_path, c.slm)
     if router_path is not None:
         policies.build("router", slm_b, c.threshold, router_path)  # refuse a router of another SLM before any run

@@ -204,10 +204,12 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
 
 def load_pair(slm: str | None = None, llm: str | None = None, device: str = "auto", need_llm: bool = True,
               dtype: str = "auto", backend: str = "auto", llama: dict | None = None, llm_retry: float | None = None,
-              threads: dict[str, int] | None = None, llm_api_key: str | None = None):
+              threads: dict[str, int] | None = None, llm_api_key: str | None = None,
+              chat_template: str | None = None):
     """Load the SLM and (if `need_llm`) the LLM, each on its backend; refuse pairs whose tokenizers differ.
     `llm_retry`: for an LLM on a server, seconds a failing call is retried (None: `DEFAULT_LLM_RETRY`);
-    `llm_api_key`: its server's key (None: $R2R_LLM_API_KEY, if set).
+    `llm_api_key`: its server's key (None: $R2R_LLM_API_KEY, if set). `chat_template`: a template's text for the
+    tokenizer's own (`use_chat_template`), what every chat prompt is written in and what "auto" parsers read.
 
     `threads`: CPU threads per role ("slm", "llm"); the SLM's also set torch's for this process.
 
@@ -218,6 +220,8 @@ def load_pair(slm: str | None = None, llm: str | None = None, device: str = "aut
     if threads.get("slm"):
         torch.set_num_threads(threads["slm"])
     slm_backend, tokenizer = load_model(slm, "slm", device, dtype, backend, llama, threads=threads.get("slm"))
+    if chat_template is not None:
+        use_chat_template(tokenizer, chat_template)
     if not need_llm:
         return slm_backend, None, tokenizer
     if is_remote(llm):  # an LLM on a serving engine: it must share the SLM's tokenizer (checked on connecting)
@@ -352,9 +356,7 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
                                         need_llm=kind != "slm" or verify != "off",
                                         dtype=config.dtype, backend=config.backend, llama=config.llama,
                                         llm_retry=config.llm_retry, threads=config.threads,
-                                        llm_api_key=config.llm_api_key)
-    if config.chat_template is not None:  # what every chat prompt is written in, and what "auto" parsers read
-        use_chat_template(tokenizer, config.chat_template)
+                                        llm_api_key=config.llm_api_key, chat_template=config.chat_template)
     deferral = dataclasses.replace(rule, mode=resolve_defer(mode, llm_b))
     overlap = resolve_overlap(config.overlap if kind not in ("slm", "llm") else "off", slm_b, llm_b)
     return systems.routed(slm_b, llm_b, tokenizer, kind, config.threshold, router_path, config.seed, verify,
