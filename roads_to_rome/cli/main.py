@@ -62,6 +62,7 @@ from roads_to_rome.cli.options import (
     ReasoningParserOpt,
     RegexOpt,
     RepetitionPenalty,
+    ResponsesStoreMib,
     RouterOpt,
     RouterPath,
     Seed,
@@ -231,11 +232,13 @@ def serve(
     max_body_bytes: MaxBodyBytes = 1 << 20, max_head_seconds: MaxHeadSeconds = 10.0,
     max_body_seconds: MaxBodySeconds = 30.0,
     max_connections: MaxConnections = 256, max_request_seconds: MaxRequestSeconds = 600.0,
+    responses_store_mib: ResponsesStoreMib = 64,
     api_key: ApiKey = None, allow_unauthenticated: AllowUnauthenticated = False, drain_timeout: DrainTimeout = 30.0,
     docs: Docs = False, reasoning_parser: ReasoningParserOpt = "auto", tool_call_parser: ToolCallParserOpt = "auto",
     chat_template: ChatTemplateOpt = None, trust_request_chat_template: TrustRequestChatTemplate = False,
 ):
-    """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) and a playground at /."""
+    """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health) and a
+    playground at /."""
     require_extra("serve", "`r2r serve`")
     from roads_to_rome.models import EngineConfig, load_engine
     from roads_to_rome.reasoning import check_parser
@@ -258,7 +261,7 @@ def serve(
                     max_body_bytes=max_body_bytes, max_stop_strings=max_stop_strings, max_stop_chars=max_stop_chars,
                     max_tokenizing=max_tokenizing, max_head_seconds=max_head_seconds, max_body_seconds=max_body_seconds,
                     max_connections=max_connections, max_request_seconds=max_request_seconds,
-                    drain_timeout=drain_timeout)
+                    drain_timeout=drain_timeout, responses_store_bytes=responses_store_mib << 20)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=is_loopback(host),
                             docs=docs, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
                             trust_request_chat_template=trust_request_chat_template)

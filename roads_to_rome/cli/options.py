@@ -187,5 +187,8 @@ MaxHeadSeconds = Annotated[float, typer.Option("--max-head-seconds", min=0.1, he
 MaxConnections = Annotated[int, typer.Option("--max-connections", min=1, help="Requests in the server at once, "
                                              "streaming ones included (then 429); connections open at once may be "
                                              "twice this (then closed as they open).")]
+ResponsesStoreMib = Annotated[int, typer.Option("--responses-store-mib", min=0, help="Memory for the Responses "
+                                                "API's stored responses (MiB; the least recently used dropped "
+                                                "beyond it; 0 keeps none).")]
 MaxRequestSeconds = Annotated[float, typer.Option("--max-request-seconds", min=0.1, help="A whole (not streamed) "
                                                   "answer's deadline (then 408).")]

@@ -208,8 +208,14 @@ class Reply:
 
 
 async def whole_answer(http, jobs: list[Job], reply: Reply, seconds: float):
-    """Wait for each choice's last step (or the client leaving, or the deadline), then answer in one body. Whatever
-    ends the request early cancels every choice."""
+    """Wait for each choice's last step, then answer in one body (499 when the client left)."""
+    gens = await finished_generations(http, jobs, seconds)
+    return Response(status_code=499) if gens is None else JSONResponse(reply.whole(gens))
+
+
+async def finished_generations(http, jobs: list[Job], seconds: float) -> list[Generation] | None:
+    """Each choice's generation once its last step is done; None when the client left first. Whatever ends the
+    request early (an error, the deadline, the client gone) cancels every choice."""
     deadline, finished = time.monotonic() + seconds, False
     looked = time.monotonic()  # when the client's connection was last looked at
     try:
@@ -222,7 +228,7 @@ async def whole_answer(http, jobs: list[Job], reply: Reply, seconds: float):
                 if event is None or time.monotonic() - looked >= 0.5:
                     looked = time.monotonic()
                     if await http.is_disconnected():
-                        return Response(status_code=499)
+                        return None
                 if isinstance(event, ErrorReply):
                     if event.code == "llm_unavailable":
                         raise llm_away()
@@ -235,10 +241,10 @@ async def whole_answer(http, jobs: list[Job], reply: Reply, seconds: float):
                                    code="request_timeout", kind="server_error")
         finished = True
     finally:
-        if not finished:  # an error, the deadline, the client gone: free every choice's slot
+        if not finished:  # free every choice's slot
             for job in jobs:
                 job.sequence.cancelled = True
-    return JSONResponse(reply.whole([job.sequence.generation for job in jobs]))
+    return [job.sequence.generation for job in jobs]
 
 
 async def stream_events(jobs: list[Job], reply: Reply, include_usage: bool):
@@ -288,9 +294,39 @@ async def merged(generators):
             task.cancel()
 
 
-async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
-    """One choice's chunks: one per token once it is final (at once without verification; with it, once the LLM has
-    checked it), with its provenance; its last chunk carries its usage. Sets `ended[index]` when it is over."""
+@dataclass
+class Delta:
+    """What one token adds to a choice's stream once it is final: the thinking and answer text it lets show, what it
+    adds to the reply's tool calls, its provenance and log-probabilities; the last one its finish reason and usage."""
+
+    token: int
+    source: str
+    score: float | None
+    thinking: str | None  # thinking text (with a reasoning parser)
+    content: str  # answer text
+    calls: list[ChoiceDeltaToolCall]
+    logprobs: ChoiceLogprobs | Logprobs | None
+    in_answer: bool  # the token is the answer's, not the thinking's
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: CompletionUsage | None = None  # the last token's; each token's with `running_usage`
+
+
+@dataclass
+class StreamFailure:
+    """A stream cut by an error, with what it had sent: where a client can resume from."""
+
+    message: str
+    code: str | None
+    token_ids: list[int]
+    text: str
+
+
+async def choice_deltas(job: Job, reply: Reply, index: int, ended: list):
+    """One choice's `Delta`s: one per token once it is final (at once without verification; with it, once the LLM
+    has checked it); text that may still turn out to be a stop string, a thinking tag or a call's syntax is held
+    back, so that nothing sent is taken back. Ends with a `StreamFailure` on an error. Sets `ended[index]` when it is
+    over."""
     sequence = job.sequence
     gen, tokenizer = sequence.generation, reply.tokenizer
     detok = Detokenizer(tokenizer, skip_special_tokens=sequence.params.skip_special_tokens)
@@ -299,18 +335,12 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
     parser = reply.parser
     start = prompt_start(parser, tokenizer, sequence.prompt_ids) if parser else None
     sent_thinking, sent_answer, streamed, calls_sent, made = 0, 0, 0, CallsSent(), 0
-    if reply.chat:
-        yield reply.chunk(None, role=True, index=index)
-    if reply.echo:
-        yield reply.chunk(reply.echoed(index), index=index)
+    in_answer = parser is None
     while not finished:
         event = await job.events.get()
-        if isinstance(event, ErrorReply):  # with what the client has been sent so far, to resume from
+        if isinstance(event, ErrorReply):
             ended[index] = ("error",)
-            error = {"error": {"message": event.message, "type": "server_error", "param": None,
-                               "code": event.code, "r2r": {"index": index, "token_ids": gen.token_ids[:streamed],
-                                                           "text": text[:sent]}}}
-            yield f"data: {json.dumps(error)}\n\n"
+            yield StreamFailure(event.message, event.code, gen.token_ids[:streamed], text[:sent])
             return
         for n, (token, source, score) in enumerate(event.final, 1):
             finished = event.finished and n == len(event.final)
@@ -321,27 +351,47 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
             else:  # a stop string may be forming at the end
                 sent = max(sent, len(text) - hold)
                 shown = text[:sent]
-            thinking, answer, calls = None, shown, None
+            thinking, answer, calls, answering = None, shown, [], in_answer
             if parser:  # what is shown so far, split; a tag being written is held back
                 split = parser.split(shown, start, finished)
                 thinking, answer = (split.reasoning or "")[sent_thinking:], split.content
                 sent_thinking += len(thinking)
+                in_answer = not split.thinking
             if (tool_split := reply.calls(answer, finished)) is not None:  # ... and so is a call's syntax
                 answer, made = tool_split.content, len(tool_split.calls)
                 calls = calls_sent.deltas(tool_split, reply.tools)
-            delta, sent_answer = answer[sent_answer:], max(sent_answer, len(answer))
-            extra = {"r2r": {"token_id": token, "source": source, "score": score}}
+            delta = Delta(token, source, score, thinking, answer[sent_answer:], calls,
+                          reply.logprobs(gen, streamed - 1, streamed), answering, finished)
+            sent_answer = max(sent_answer, len(answer))
             if finished:
                 reasoned = reply.reasoned(gen)
-                extra["usage"] = usage([gen], reasoned and [reasoned])
+                delta.finish_reason, delta.usage = finish_reason(gen, made), usage([gen], reasoned and [reasoned])
                 ended[index] = ("finished", reasoned)
             elif reply.running_usage:
                 prompt = len(sequence.prompt_ids)
-                extra["usage"] = CompletionUsage(prompt_tokens=prompt, completion_tokens=streamed,
-                                                 total_tokens=prompt + streamed)
-            yield reply.chunk(delta, finish_reason(gen, made) if finished else None, extra,
-                              reasoning=thinking, logprobs=reply.logprobs(gen, streamed - 1, streamed), index=index,
-                              calls=calls)
+                delta.usage = CompletionUsage(prompt_tokens=prompt, completion_tokens=streamed,
+                                              total_tokens=prompt + streamed)
+            yield delta
+
+
+async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
+    """One choice's chunks: its `Delta`s as OpenAI's chunks, each with its token's provenance; the last carries its
+    usage. An error ends them with one that says what the client has been sent, to resume from."""
+    if reply.chat:
+        yield reply.chunk(None, role=True, index=index)
+    if reply.echo:
+        yield reply.chunk(reply.echoed(index), index=index)
+    async for delta in choice_deltas(job, reply, index, ended):
+        if isinstance(delta, StreamFailure):
+            error = {"error": {"message": delta.message, "type": "server_error", "param": None, "code": delta.code,
+                               "r2r": {"index": index, "token_ids": delta.token_ids, "text": delta.text}}}
+            yield f"data: {json.dumps(error)}\n\n"
+            return
+        extra = {"r2r": {"token_id": delta.token, "source": delta.source, "score": delta.score}}
+        if delta.usage is not None:
+            extra["usage"] = delta.usage
+        yield reply.chunk(delta.content, delta.finish_reason if delta.finished else None, extra,
+                          reasoning=delta.thinking, logprobs=delta.logprobs, index=index, calls=delta.calls)
 
 
 @dataclass

@@ -55,6 +55,8 @@ class Limits:
     max_connections: int = 256
     max_request_seconds: float = 600.0  # a whole (non-streamed) answer's deadline (408)
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish after a shutdown signal
+    # The Responses API's stored responses (their JSON), the least recently used dropped beyond it
+    responses_store_bytes: int = 64 << 20
 
 
 class APIError(Exception):
@@ -639,10 +641,18 @@ def bad_words(body: CommonBody, tokenizer) -> tuple[tuple[int, ...], ...]:
     return tuple(sequences)
 
 
+def type_label(part) -> bool:
+    """Whether a part of an error's location names a type pydantic tried (a union's member), not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
 async def validation_error(http: HTTPRequest, e: RequestValidationError) -> JSONResponse:
-    """FastAPI's body validation, as an OpenAI-style 400 naming the first bad field."""
-    first = e.errors()[0]
-    loc = [str(x) for x in first["loc"] if x != "body"]
+    """FastAPI's body validation, as an OpenAI-style 400 naming the bad field: of a value that matches no member of
+    a union (text or a list of parts, say), the failure that went deepest into it, which is the one the client
+    meant."""
+    errors = e.errors()
+    first = max(errors, key=lambda error: sum(not type_label(x) for x in error["loc"]))
+    loc = [str(x) for x in first["loc"] if x != "body" and not type_label(x)]
     param = ".".join(loc) if loc and first["type"] != "json_invalid" else None
     if first["type"] == "json_invalid":
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"

@@ -38,7 +38,16 @@ from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser,
 from roads_to_rome.serving.connections import uvicorn_config
 from roads_to_rome.serving.engine_thread import EngineThread, Job
 from roads_to_rome.serving.guard import Guard, Tokenizing, check_api_key
-from roads_to_rome.serving.replies import Reply, stream_events, whole_answer
+from roads_to_rome.serving.replies import Reply, finished_generations, stream_events, whole_answer
+from roads_to_rome.serving.responses import (
+    Draft,
+    ResponsesBody,
+    ResponseStore,
+    drop_oldest,
+    response_events,
+    responses_names,
+    whole_response,
+)
 from roads_to_rome.serving.schemas import (
     APIError,
     ChatBody,
@@ -71,6 +80,7 @@ class ServerState:
     reasoning: ReasoningParser | None  # splits chat replies' thinking from their answer
     tool_parser: str | None  # the call syntax chat replies' tool calls are read in (None: tools are refused)
     probing: concurrent.futures.ThreadPoolExecutor  # asks a remote LLM whether it is back, off the event loop
+    responses: ResponseStore  # the Responses API's stored responses
     trust_request_chat_template: bool = False  # chat requests may bring their own template
 
 
@@ -93,7 +103,7 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     state = ServerState(engine, model_name, limits, EngineThread(engine, limits), Tokenizing(limits.max_tokenizing),
                         reasoning, resolve_tool_parser(tool_call_parser, engine.tokenizer),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-probe"),
-                        trust_request_chat_template)
+                        ResponseStore(limits.responses_store_bytes), trust_request_chat_template)
 
     async def lifespan(app):
         state.engine_thread.start()
@@ -202,6 +212,50 @@ async def chat_completions(body: ChatBody, http: HTTPRequest):
                          echo=body.echoed())
 
 
+@routes.post("/v1/responses")
+async def create_response(body: ResponsesBody, http: HTTPRequest):
+    """OpenAI's Responses API: the input as a chat, answered as output items (serving/responses.py)."""
+    s = server(http)
+    body.checked()
+    with responses_names():
+        chat, conversation = body.chat_request(s.responses.history(body.previous_response_id))
+        output_format = check_body(chat, s.model_name, s.limits)
+        tools = chat.tool_use(s.tool_parser)
+        prompt_ids = await chat_prompt(s, chat, tools.prompt_tools)
+        while body.truncation == "auto" and len(prompt_ids) + (chat.max_tokens or 1) > s.limits.context_length \
+                and drop_oldest(chat):  # OpenAI's: the oldest turns go until the conversation fits
+            prompt_ids = await chat_prompt(s, chat, tools.prompt_tools)
+        prompt_ids = truncated(chat, prompt_ids, s.limits)
+        jobs, reply = await submit(s, chat, [prompt_ids], tools.output_format or output_format, True, tools=tools)
+    draft = Draft(body, chat, conversation, s.model_name, jobs[0].sequence.params.max_new_tokens)
+    if body.stream:
+        return StreamingResponse(response_events(jobs[0], reply, draft, s.responses), media_type="text/event-stream")
+    gens = await finished_generations(http, jobs, s.limits.max_request_seconds)
+    if gens is None:
+        return Response(status_code=499)
+    response = whole_response(draft, reply, gens[0])
+    if body.store:
+        s.responses.put(response, draft)
+    return JSONResponse(response)
+
+
+@routes.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, http: HTTPRequest):
+    stored = server(http).responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"no response {response_id!r} is kept on this server", param="response_id",
+                       code="response_not_found")
+    return stored.response
+
+
+@routes.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, http: HTTPRequest):
+    if not server(http).responses.delete(response_id):
+        raise APIError(404, f"no response {response_id!r} is kept on this server", param="response_id",
+                       code="response_not_found")
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
 @routes.post("/v1/completions")
 async def completions(body: CompletionBody, http: HTTPRequest):
     s = server(http)
@@ -282,6 +336,18 @@ async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: 
     """Each prompt's `n` choices, decoded side by side, answered whole or streamed (choice i * n + j: prompt i's
     j-th), their output held to `output_format`; `echo`: each prompt's text, which its choices' text starts with;
     `tools`: how a chat reply's tool calls are read."""
+    jobs, reply = await submit(s, body, prompts, output_format, chat, echo, tools)
+    if body.stream:
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        reply.running_usage = include_usage and options.continuous_usage_stats
+        return StreamingResponse(stream_events(jobs, reply, include_usage), media_type="text/event-stream")
+    return await whole_answer(http, jobs, reply, s.limits.max_request_seconds)
+
+
+async def submit(s: ServerState, body: CommonBody, prompts: list[list[int]], output_format, chat: bool,
+                 echo: list[str] | None = None, tools: ToolUse | None = None) -> tuple[list[Job], Reply]:
+    """The request's sequences, queued for the engine, and the `Reply` that renders what they write."""
     structured = output_format is not None
     if structured:  # the tokenizer as structured outputs read it: built once, about a second, off the event loop
         try:
@@ -301,12 +367,7 @@ async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: 
                   reasoning, s.engine.tokenizer, body.n, echo, tools.parser if tools else None,
                   bool(tools and tools.one), prompt_entries=body.prompt_logprobs is not None,
                   prompt_alone=body.prompt_alone(), token_ids=body.return_tokens_as_token_ids)
-    if body.stream:
-        options = body.stream_options
-        include_usage = bool(options and options.include_usage)
-        reply.running_usage = include_usage and options.continuous_usage_stats
-        return StreamingResponse(stream_events(jobs, reply, include_usage), media_type="text/event-stream")
-    return await whole_answer(http, jobs, reply, s.limits.max_request_seconds)
+    return jobs, reply
 
 
 def answer_after(parser: ReasoningParser | None, tokenizer, prompt_ids: list[int]) -> int | None:

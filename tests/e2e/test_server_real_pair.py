@@ -120,3 +120,35 @@ def test_the_real_pair_calls_a_tool(url):
         assert finish == "tool_calls" and len(message["tool_calls"]) == 1, (extra, message)
         function = message["tool_calls"][0]["function"]
         assert function["name"] == "get_weather" and json.loads(function["arguments"])["city"] == "Paris", extra
+
+
+def test_the_real_pair_through_the_responses_api_calls_a_tool_and_answers_with_its_result(url):
+    """An agent's loop through OpenAI's Responses API (the openai client's `responses.create`): asked the weather,
+    the pair's reply is a `function_call` item; handed the tool's answer after it (`previous_response_id`, with
+    `tool_choice: "none"`: offered the tool again, this 1.5B model calls it again), it answers with a message that
+    uses it, whole and streamed alike; the prompt is the chat's of the same turns."""
+    import openai
+
+    client = openai.OpenAI(base_url=url.removesuffix("/chat/completions"), api_key="unused", max_retries=0,
+                           timeout=600)
+    tool = {"type": "function", **WEATHER["function"]}
+    asked = client.responses.create(model="r2r", input="What's the weather like in Paris today?", tools=[tool],
+                                    max_output_tokens=64, temperature=0)
+    [call] = [item for item in asked.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] == "Paris", asked.output
+    kw = {"model": "r2r", "previous_response_id": asked.id, "tools": [tool], "tool_choice": "none",
+          "max_output_tokens": 64,
+          "temperature": 0, "input": [{"type": "function_call_output", "call_id": call.call_id,
+                                       "output": "Sunny, 21 degrees Celsius"}]}
+    answered = client.responses.create(**kw)
+    assert answered.status == "completed" and "21" in answered.output_text, answered.output
+    turns = [{"role": "user", "content": "What's the weather like in Paris today?"},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+                                                                    "function": {"name": call.name,
+                                                                                 "arguments": call.arguments}}]},
+             {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 degrees Celsius"}]
+    chat = httpx.post(url, json={"messages": turns, "max_tokens": 64, "temperature": 0}, timeout=600).json()
+    assert chat["usage"]["prompt_tokens"] == answered.usage.input_tokens
+    streamed = list(client.responses.create(stream=True, **kw))
+    assert streamed[-1].type == "response.completed"
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == answered.output_text

@@ -1,0 +1,344 @@
+"""The Responses API (serving/responses.py) through the openai client: each response is the answer the chat path
+gives the same conversation, whole and streamed as the API's events; input items, tools, thinking, structured
+outputs, log-probabilities, stored responses to go on from, and what cannot be done refused by name."""
+
+import json
+
+import httpx
+import openai
+import pytest
+from test_reasoning import thinker  # noqa: F401 (a fixture)
+from test_tool_calls import TIME, WEATHER, tool_engine, tool_tokenizer  # noqa: F401 (fixtures)
+from tiny import tiny_model
+
+from roads_to_rome.backends.torch_backend import TorchBackend
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.routing.policies import RandomPolicy
+from roads_to_rome.serving.background import BackgroundServer
+from roads_to_rome.serving.responses import ResponseStore
+from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.server import create_app
+
+GREEDY = {"temperature": 0, "extra_body": {"r2r_policy": "llm"}}  # the same tokens every time
+
+
+def serve(engine, name, **limits):
+    app = create_app(engine, name, Limits(max_batch=4, **{"max_tokens": 160, "context_length": 2048, **limits}))
+    return BackgroundServer(app)
+
+
+def client_of(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def srv(slm, llm, tokenizer):
+    with serve(Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0)), "tiny", max_tokens=64, context_length=512) \
+            as running:
+        yield running
+
+
+@pytest.fixture
+def client(srv):
+    return client_of(srv)
+
+
+def events_of(stream) -> list:
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    return events
+
+
+def items_streamed(events) -> list[dict]:
+    """The output items a client puts together from the events: each added, its deltas summed, then done."""
+    items = {}
+    for e in events:
+        if e.type == "response.output_item.added":
+            items[e.output_index] = {"type": e.item.type, "text": "", "arguments": "",
+                                     "name": getattr(e.item, "name", None)}
+        elif e.type in ("response.output_text.delta", "response.reasoning_text.delta"):
+            items[e.output_index]["text"] += e.delta
+        elif e.type == "response.function_call_arguments.delta":
+            items[e.output_index]["arguments"] += e.delta
+        elif e.type == "response.output_item.done":
+            done = e.item
+            kept = items[e.output_index]
+            if done.type == "message":
+                assert kept["text"] == done.content[0].text
+            elif done.type == "reasoning":
+                assert kept["text"] == done.content[0].text
+            else:
+                assert kept["arguments"] == done.arguments
+    return [items[k] for k in sorted(items)]
+
+
+def test_a_response_is_the_chat_answer_to_the_same_conversation_whole_and_streamed(client):
+    kw = {"model": "tiny", "max_output_tokens": 20, **GREEDY}
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "48 / 2?"}],
+        max_tokens=20, **GREEDY)
+    whole = client.responses.create(instructions="Be brief.", input="48 / 2?", **kw)
+    assert whole.output_text == chat.choices[0].message.content and whole.object == "response"
+    assert whole.id.startswith("resp_") and whole.model == "tiny" and whole.instructions == "Be brief."
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+    assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
+    assert whole.usage.model_extra["llm_rate"] == 1.0 and whole.max_output_tokens == 20
+    assert whole.model_extra["r2r"]["token_ids"] == chat.model_extra["r2r"]["token_ids"]
+    length = chat.choices[0].finish_reason == "length"
+    assert whole.status == ("incomplete" if length else "completed")
+    assert (whole.incomplete_details.reason if length else whole.incomplete_details) == \
+        ("max_output_tokens" if length else None)
+    [message] = whole.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+
+    events = events_of(client.responses.create(instructions="Be brief.", input="48 / 2?", stream=True, **kw))
+    assert [e.type for e in events[2:4]] == ["response.output_item.added", "response.content_part.added"]
+    assert [e.type for e in events[-4:]] == ["response.output_text.done", "response.content_part.done",
+                                             "response.output_item.done", f"response.{whole.status}"]
+    assert items_streamed(events) == [{"type": "message", "text": whole.output_text, "arguments": "", "name": None}]
+    last = events[-1].response
+    assert last.output_text == whole.output_text and last.usage.output_tokens == whole.usage.output_tokens
+    assert last.model_extra["r2r"]["token_ids"] == whole.model_extra["r2r"]["token_ids"]
+
+
+def test_input_items_are_the_chat_they_say(client):
+    """Messages with text parts, a developer message, an assistant's earlier output handed back: the prompt and the
+    answer are the chat's."""
+    items = [{"role": "developer", "content": "Answer in digits."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is "},
+                                                              {"type": "input_text", "text": "6 * 7?"}]},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "42", "annotations": []}]},
+             {"role": "user", "content": "And 6 * 8?"}]
+    messages = [{"role": "system", "content": "Answer in digits."}, {"role": "user", "content": "What is 6 * 7?"},
+                {"role": "assistant", "content": "42"}, {"role": "user", "content": "And 6 * 8?"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, **GREEDY)
+    response = client.responses.create(model="tiny", input=items, max_output_tokens=12, **GREEDY)
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.output_text == chat.choices[0].message.content
+
+
+def test_stored_responses_are_gone_on_from_retrieved_and_deleted(client):
+    first = client.responses.create(model="tiny", instructions="Be brief.", input="Hi", max_output_tokens=8,
+                                    **GREEDY)
+    follow = client.responses.create(model="tiny", input="Go on", previous_response_id=first.id,
+                                     max_output_tokens=8, **GREEDY)
+    # The instructions of the response gone on from are not carried over (OpenAI's rule); its answer is.
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "Go on"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, **GREEDY)
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+    assert follow.output_text == chat.choices[0].message.content and follow.previous_response_id == first.id
+    again = client.responses.create(model="tiny", input="More", previous_response_id=follow.id,
+                                    max_output_tokens=8, **GREEDY)
+    chat = client.chat.completions.create(model="tiny", max_tokens=8, **GREEDY, messages=messages + [
+        {"role": "assistant", "content": follow.output_text}, {"role": "user", "content": "More"}])
+    assert again.usage.input_tokens == chat.usage.prompt_tokens
+
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.retrieve(first.id)
+    assert gone.value.code == "response_not_found"
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.create(model="tiny", input="x", previous_response_id=first.id)
+    assert gone.value.code == "previous_response_not_found" and gone.value.param == "previous_response_id"
+    unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    streamed = events_of(client.responses.create(model="tiny", input="Hi", max_output_tokens=4, stream=True))
+    assert client.responses.retrieve(streamed[-1].response.id).output_text == streamed[-1].response.output_text
+
+
+def test_the_store_keeps_the_most_recently_used_within_its_budget():
+    store = ResponseStore(budget=1500)  # room for 7 of these
+
+    class Draft:
+        conversation = [{"role": "user", "content": "x" * 100}]
+
+    for name in "abc":
+        store.put({"id": name, "output": []}, Draft())
+    assert list(store.kept) == ["a", "b", "c"] and store.size < 1500
+    store.get("a")  # used: kept longest
+    for name in "defgh":
+        store.put({"id": name, "output": []}, Draft())
+    assert "a" in store.kept and "b" not in store.kept and store.size <= 1500
+    store.put({"id": "big", "output": [], "pad": "y" * 2000}, Draft())  # over the whole budget: not kept
+    assert "big" not in store.kept and store.delete("a") and not store.delete("a")
+
+
+@pytest.fixture(scope="module")
+def tools_client(tool_engine):  # noqa: F811
+    with serve(tool_engine, "tools") as running:
+        yield client_of(running)
+
+
+FLAT = [{"type": "function", **tool["function"]} for tool in (WEATHER, TIME)]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_time"}])
+def test_calls_are_function_call_items_whole_and_streamed(tools_client, choice):
+    kw = {"model": "tools", "input": "What is the weather in Paris?", "tools": FLAT, "tool_choice": choice,
+          "max_output_tokens": 160, **GREEDY}
+    whole = tools_client.responses.create(**kw)
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert calls and all(c.call_id.startswith("call_") and c.id.startswith("fc_") for c in calls)
+    assert whole.status == "completed" and not [i for i in whole.output if i.type == "message"]
+    if isinstance(choice, dict):
+        assert [c.name for c in calls] == ["get_time"]
+        assert json.loads(calls[0].arguments)["zone"] in ("UTC", "CET")
+    events = events_of(tools_client.responses.create(stream=True, **kw))
+    assert [(i["type"], i["name"], i["arguments"]) for i in items_streamed(events)] == \
+        [("function_call", c.name, c.arguments) for c in calls]
+    assert sum(e.type == "response.function_call_arguments.delta" for e in events) > len(calls)  # as written
+    assert [i.arguments for i in events[-1].response.output] == [c.arguments for c in calls]
+
+
+def test_a_reply_with_text_and_a_call_and_the_calls_answer_handed_back(tools_client):
+    written = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n' \
+              '</tool_call>'
+    kw = {"model": "tools", "input": "What is the weather in Paris?", "tools": FLAT, "max_output_tokens": 160,
+          "temperature": 0, "extra_body": {"structured_outputs": {"choice": [written]}, "r2r_policy": "llm"}}
+    whole = tools_client.responses.create(**kw)
+    assert [item.type for item in whole.output] == ["message", "function_call"]
+    assert whole.output_text == "Let me look.\n" and whole.output[1].name == "get_weather"
+    events = events_of(tools_client.responses.create(stream=True, **kw))
+    assert [(i["type"], i["text"]) for i in items_streamed(events)] == [("message", "Let me look.\n"),
+                                                                        ("function_call", "")]
+    call = whole.output[1]
+    items = [{"role": "user", "content": "What is the weather in Paris?"},
+             {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}]
+    answered = tools_client.responses.create(model="tools", input=items, tools=FLAT, max_output_tokens=24,
+                                             temperature=0)
+    messages = [items[0], {"role": "assistant", "content": None, "tool_calls": [{
+        "id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}]
+    chat = tools_client.chat.completions.create(model="tools", messages=messages, tools=[WEATHER, TIME],
+                                                max_tokens=24, temperature=0)
+    assert answered.usage.input_tokens == chat.usage.prompt_tokens
+    # ... and going on from the stored response with the tool's answer is the same prompt
+    gone_on = tools_client.responses.create(model="tools", previous_response_id=whole.id, tools=FLAT,
+                                            max_output_tokens=24, temperature=0, input=[
+                                                {"type": "function_call_output", "call_id": call.call_id,
+                                                 "output": "Sunny, 21 C"}])
+    messages[1]["content"] = "Let me look.\n"
+    chat = tools_client.chat.completions.create(model="tools", messages=messages, tools=[WEATHER, TIME],
+                                                max_tokens=24, temperature=0)
+    assert gone_on.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_thinking_is_a_reasoning_item_whole_and_streamed(thinker):  # noqa: F811
+    tokenizer, model = thinker
+    engine = Engine(TorchBackend(model, name="thinker"), TorchBackend(tiny_model(tokenizer, hidden=64, seed=1)),
+                    tokenizer, RandomPolicy(0.0, seed=0))
+    with serve(engine, "thinker", max_tokens=64, context_length=256) as running:
+        client = client_of(running)
+        chat = client.chat.completions.create(model="thinker", max_tokens=24, temperature=0,
+                                              messages=[{"role": "user", "content": "What is 48 / 2?"}])
+        kw = {"model": "thinker", "input": "What is 48 / 2?", "max_output_tokens": 24, "temperature": 0}
+        whole = client.responses.create(**kw)
+        events = events_of(client.responses.create(stream=True, **kw))
+        cut = client.responses.create(**{**kw, "max_output_tokens": 2})
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == chat.choices[0].message.model_extra[
+        "reasoning"] and reasoning.summary == []
+    assert message.content[0].text == chat.choices[0].message.content
+    assert whole.usage.output_tokens_details.reasoning_tokens == \
+        chat.usage.completion_tokens_details.reasoning_tokens
+    assert items_streamed(events) == [{"type": "reasoning", "text": reasoning.content[0].text, "arguments": "",
+                                       "name": None},
+                                      {"type": "message", "text": message.content[0].text, "arguments": "",
+                                       "name": None}]
+    assert cut.status == "incomplete" and [item.type for item in cut.output] == ["reasoning"]
+
+
+def test_text_format_holds_the_output_to_a_schema_and_vllms_structured_outputs_go_through(client, slm, llm,
+                                                                                         tokenizer):
+    """text.format (json_object, json_schema) gives the engine's own answer under that format; vLLM's
+    structured_outputs, an extra field, goes to the chat path as it is."""
+    from roads_to_rome.core.grammar import OutputFormat
+    from roads_to_rome.core.request import Request
+    from roads_to_rome.core.sampling import SamplingParams
+
+    engine = Engine(slm, llm, tokenizer)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    prompt = engine.encode_chat("A number")
+    for fmt, own_format in ((({"type": "json_schema", "name": "number", "schema": schema}),
+                             OutputFormat.json_schema(schema)), ({"type": "json_object"}, OutputFormat("json_object"))):
+        response = client.responses.create(model="tiny", input="A number", max_output_tokens=24, **GREEDY,
+                                           text={"format": fmt})
+        own = engine.run([Request(prompt, SamplingParams(max_new_tokens=24, output_format=own_format),
+                                  force="llm")])[0]
+        assert response.model_extra["r2r"]["token_ids"] == own.token_ids and response.output_text == own.text
+        assert response.text.format.type == fmt["type"]
+    compact = client.responses.create(model="tiny", input="A number", max_output_tokens=24, temperature=0,
+                                      extra_body={"r2r_policy": "llm", "structured_outputs": {
+                                          "json": schema, "disable_any_whitespace": True}})
+    assert 0 <= json.loads(compact.output_text)["n"] <= 99
+
+
+def test_the_answers_log_probabilities_come_when_included(client):
+    kw = {"model": "tiny", "input": "Hi", "max_output_tokens": 6, **GREEDY}
+    whole = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          logprobs=True, top_logprobs=2, **GREEDY)
+    entries = whole.output[0].content[0].logprobs
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in entries] == \
+        [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in chat.choices[0].logprobs.content]
+    events = events_of(client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2,
+                                               stream=True, **kw))
+    streamed = [e for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    assert [e.token for e in streamed] == [e.token for e in entries][:len(streamed)]
+    assert [e.token for e in events[-1].response.output[0].content[0].logprobs] == [e.token for e in entries]
+    assert client.responses.create(**kw).output[0].content[0].logprobs == []
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(srv, client):
+    """A conversation longer than the server holds (512 tokens) is refused as it is, and answered without its oldest
+    turns under truncation "auto", its instructions kept: the prompt is the chat's of what is left."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}: " + "words " * 30}
+             for i in range(12)] + [{"role": "user", "content": "Last"}]
+    kw = {"model": "tiny", "instructions": "Be brief.", "input": turns, "max_output_tokens": 16, **GREEDY}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**kw)
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "input"
+    fitted = client.responses.create(truncation="auto", **kw)
+    assert fitted.truncation == "auto" and fitted.usage.input_tokens + 16 <= 512
+    for dropped in range(1, len(turns)):
+        messages = [{"role": "system", "content": "Be brief."}] + turns[dropped:]
+        if httpx.post(srv.url + "/tokenize", json={"messages": messages}).json()["count"] + 16 <= 512:
+            break
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, **GREEDY)
+    assert (fitted.usage.input_tokens, fitted.output_text) == (chat.usage.prompt_tokens,
+                                                               chat.choices[0].message.content)
+
+
+@pytest.mark.parametrize("fields, param, says", [
+    ({"messages": [{"role": "user", "content": "x"}]}, "messages", "input"),
+    ({"max_tokens": 5}, "max_tokens", "max_output_tokens"),
+    ({"max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens is at most"),
+    ({"background": True}, "background", "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type", "function"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0", "item_reference"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.message.content",
+     "input_text"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+     "input.0.function_call.arguments", "JSON object"),
+    ({"top_logprobs": 2}, "top_logprobs", "include"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format.schema",
+     ""),
+    ({"tool_choice": "required"}, "tool_choice", "no tools"),
+])
+def test_what_cannot_be_done_is_a_400_naming_the_field(srv, client, fields, param, says):
+    body = {"model": "tiny", "input": "Hi", **fields}
+    r = httpx.post(srv.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"] or "").startswith(param) and says in error["message"], error
+    assert client.responses.create(model="tiny", input="Hi", max_output_tokens=2).status in ("completed",
+                                                                                          "incomplete")
