@@ -1,7 +1,7 @@
 """Schemathesis against the server's own `/openapi.json`: generated bodies for `/v1/chat/completions`,
-`/v1/completions` and `/v1/models`, valid and invalid ones, with a fixed seed. Every answer is a success or a 4xx
-in OpenAI's error shape: never a 5xx, never a dropped connection. R2R_FUZZ_EXAMPLES sets the examples per operation
-(a longer run: R2R_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz.py)."""
+`/v1/completions`, `/v1/responses` (and its stored responses) and `/v1/models`, valid and invalid ones, with a
+fixed seed. Every answer is a success or a 4xx in OpenAI's error shape: never a 5xx, never a dropped connection.
+R2R_FUZZ_EXAMPLES sets the examples per operation (a longer run: R2R_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz.py)."""
 
 import os
 
@@ -29,7 +29,9 @@ def api(slm, llm, tokenizer):
 NEGATIVE, POSITIVE = schemathesis.GenerationMode.NEGATIVE, schemathesis.GenerationMode.POSITIVE
 # Valid and invalid bodies; `GET /v1/models` takes no input, so it has no invalid one.
 RUNS = [("POST /v1/chat/completions", POSITIVE), ("POST /v1/chat/completions", NEGATIVE),
-        ("POST /v1/completions", POSITIVE), ("POST /v1/completions", NEGATIVE), ("GET /v1/models", POSITIVE)]
+        ("POST /v1/completions", POSITIVE), ("POST /v1/completions", NEGATIVE), ("GET /v1/models", POSITIVE),
+        ("POST /v1/responses", POSITIVE), ("POST /v1/responses", NEGATIVE),
+        ("GET /v1/responses/{response_id}", POSITIVE), ("DELETE /v1/responses/{response_id}", POSITIVE)]
 
 
 # Hypothesis drives schemathesis's strategies directly (its pytest plugin does not run under this pytest).
@@ -62,7 +64,7 @@ def reach_the_engine(body: dict) -> None:
     """A valid body as a client would send it to this server: its model's name, a few new tokens, one choice (random
     strings and sizes would all be refused before the engine)."""
     body["model"] = "tiny-r2r"
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(name), int):
             body[name] = 1 + abs(body[name]) % 32
     body.pop("n", None)
@@ -87,6 +89,16 @@ def reach_the_engine(body: dict) -> None:
     # arguments are a JSON object's text.
     body.pop("tools", None)
     body.pop("tool_choice", None)
+    # A Responses request: no stored response to go on from, an earlier call's arguments as a JSON object's text,
+    # top_logprobs only with the log-probabilities included, a text format as for chat.
+    body.pop("previous_response_id", None)
+    body.pop("top_logprobs", None)
+    for item in body.get("input") if isinstance(body.get("input"), list) else []:
+        if isinstance(item, dict) and item.get("type") == "function_call":
+            item["arguments"] = "{}"
+    if isinstance(body.get("text"), dict) and isinstance(body["text"].get("format"), dict) \
+            and body["text"]["format"].get("type") == "json_schema":
+        body["text"].pop("format")
     for message in body.get("messages") or []:
         if isinstance(message, dict):
             calls = message.get("tool_calls") if message.get("role") == "assistant" else None

@@ -15,7 +15,7 @@ from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.responses import ResponseStore
+from roads_to_rome.serving.responses import ResponsesBody, ResponseStore
 from roads_to_rome.serving.schemas import Limits
 from roads_to_rome.serving.server import create_app
 
@@ -139,6 +139,16 @@ def test_stored_responses_are_gone_on_from_retrieved_and_deleted(client):
     assert again.usage.input_tokens == chat.usage.prompt_tokens
 
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    # The input a response was asked with, listed back a page at a time, as the openai client pages it
+    items = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Go on"}]}]
+    listed = client.responses.create(model="tiny", input=items, max_output_tokens=2)
+    shown = list(client.responses.input_items.list(listed.id, order="asc", limit=2))
+    assert [(i.role, i.content[0].text) for i in shown] == [("user", "Hi"), ("assistant", first.output_text),
+                                                            ("user", "Go on")]
+    assert shown[1].content[0].type == "output_text" and len({i.id for i in shown}) == 3
+    newest = client.responses.input_items.list(listed.id, limit=1)
+    assert [i.id for i in newest.data] == [shown[-1].id] and newest.has_more
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError) as gone:
         client.responses.retrieve(first.id)
@@ -154,20 +164,24 @@ def test_stored_responses_are_gone_on_from_retrieved_and_deleted(client):
 
 
 def test_the_store_keeps_the_most_recently_used_within_its_budget():
-    store = ResponseStore(budget=1500)  # room for 7 of these
-
     class Draft:
         conversation = [{"role": "user", "content": "x" * 100}]
+        body = ResponsesBody(input="y" * 100)
 
+    one = ResponseStore(budget=10**6)
+    one.put({"id": "a", "output": []}, Draft())
+    budget = 7 * one.size + one.size // 2  # room for 7 of these
+    store = ResponseStore(budget)
     for name in "abc":
         store.put({"id": name, "output": []}, Draft())
-    assert list(store.kept) == ["a", "b", "c"] and store.size < 1500
+    assert list(store.kept) == ["a", "b", "c"] and store.size == 3 * one.size
     store.get("a")  # used: kept longest
     for name in "defgh":
         store.put({"id": name, "output": []}, Draft())
-    assert "a" in store.kept and "b" not in store.kept and store.size <= 1500
-    store.put({"id": "big", "output": [], "pad": "y" * 2000}, Draft())  # over the whole budget: not kept
+    assert list(store.kept) == ["c", "a", "d", "e", "f", "g", "h"] and store.size <= budget
+    store.put({"id": "big", "output": [], "pad": "y" * budget}, Draft())  # over the whole budget: not kept
     assert "big" not in store.kept and store.delete("a") and not store.delete("a")
+    assert store.size == 6 * one.size
 
 
 @pytest.fixture(scope="module")

@@ -381,6 +381,20 @@ def whole_response(draft: Draft, reply: Reply, gen: Generation) -> dict:
     return draft.response(status, output, gen, reasoned)
 
 
+def listed_items(given: list) -> list[dict]:
+    """A request's input items as the API lists them back: each with an id, a message's content as parts."""
+    items = []
+    for item in given:
+        listed = item.model_dump(by_alias=True, exclude_none=True)
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[item.type]
+        listed.setdefault("id", new_id(prefix))
+        if item.type == "message" and isinstance(item.content, str):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            listed["content"] = [{"type": kind, "text": item.content}]
+        items.append({"type": item.type, **listed})
+    return items
+
+
 def conversation_of(response: dict) -> list[dict]:
     """A response's output as chat messages, for a later request to go on from: its answer and its calls in one
     assistant message (its thinking left out, as templates leave out earlier turns')."""
@@ -545,6 +559,7 @@ async def response_events(job: Job, reply: Reply, draft: Draft, store: ResponseS
 class Stored:
     response: dict
     conversation: list[dict]  # the chat it ends, without its instructions: what a later request goes on from
+    input_items: list[dict]  # its request's input, as the API lists it
     size: int
 
 
@@ -564,10 +579,11 @@ class ResponseStore:
 
     def put(self, response: dict, draft: Draft) -> None:
         conversation = draft.conversation + conversation_of(response)
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
+        items = listed_items(draft.body.input)
+        size = len(json.dumps(response)) + len(json.dumps(conversation)) + len(json.dumps(items))
         if size > self.budget:
             return
-        self.kept[response["id"]] = Stored(response, conversation, size)
+        self.kept[response["id"]] = Stored(response, conversation, items, size)
         self.size += size
         while self.size > self.budget:
             self.size -= self.kept.popitem(last=False)[1].size

@@ -20,10 +20,10 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import uvicorn
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Query
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -246,6 +246,24 @@ async def retrieve_response(response_id: str, http: HTTPRequest):
         raise APIError(404, f"no response {response_id!r} is kept on this server", param="response_id",
                        code="response_not_found")
     return stored.response
+
+
+@routes.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, http: HTTPRequest, order: Literal["asc", "desc"] = "desc",
+                           limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None):
+    """A stored response's input items, a page at a time (OpenAI's cursor: `after` an item's id)."""
+    stored = server(http).responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"no response {response_id!r} is kept on this server", param="response_id",
+                       code="response_not_found")
+    items = stored.input_items[::-1] if order == "desc" else stored.input_items
+    ids = [item["id"] for item in items]
+    if after is not None and after not in ids:
+        raise APIError(400, f"after names {after!r}, which is not one of this response's input items", param="after")
+    start = ids.index(after) + 1 if after is not None else 0
+    page = items[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
 
 
 @routes.delete("/v1/responses/{response_id}")
