@@ -222,6 +222,10 @@ def test_a_reply_with_text_and_a_call_and_the_calls_answer_handed_back(tools_cli
     events = events_of(tools_client.responses.create(stream=True, **kw))
     assert [(i["type"], i["text"]) for i in items_streamed(events)] == [("message", "Let me look.\n"),
                                                                         ("function_call", "")]
+    with tools_client.responses.stream(**kw) as stream:  # the openai client's own accumulator of the events
+        final = stream.get_final_response()
+    assert [(i.type, getattr(i, "arguments", None)) for i in final.output] == \
+        [(i.type, getattr(i, "arguments", None)) for i in whole.output] and final.output_text == whole.output_text
     call = whole.output[1]
     items = [{"role": "user", "content": "What is the weather in Paris?"},
              {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
