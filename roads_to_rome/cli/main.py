@@ -237,8 +237,8 @@ def serve(
     docs: Docs = False, reasoning_parser: ReasoningParserOpt = "auto", tool_call_parser: ToolCallParserOpt = "auto",
     chat_template: ChatTemplateOpt = None, trust_request_chat_template: TrustRequestChatTemplate = False,
 ):
-    """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health) and a
-    playground at /."""
+    """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health), with
+    Anthropic's /v1/messages, and a playground at /."""
     require_extra("serve", "`r2r serve`")
     from roads_to_rome.models import EngineConfig, load_engine
     from roads_to_rome.reasoning import check_parser

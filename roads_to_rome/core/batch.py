@@ -352,7 +352,7 @@ class Batch:
                 continue
             if i in step.ended:
                 gen.finish_reason, s.checks.ends = s.checks.ends, None
-                gen.text = final_text(self.engine.tokenizer, s)
+                gen.text, gen.stop_reason = final_text(self.engine.tokenizer, s)
                 events.append(Step(s, gen.token_ids[-1], gen.sources[-1], gen.scores[-1], True, 0,
                                    verification.settle(s, True)))
                 continue
@@ -366,7 +366,7 @@ class Batch:
                 s.checks.ends, reason = reason, None
             if reason:
                 gen.finish_reason = reason
-                gen.text = final_text(self.engine.tokenizer, s)
+                gen.text, gen.stop_reason = final_text(self.engine.tokenizer, s)
             else:
                 keep.append(i)
             events.append(Step(s, token, source, float(score), reason is not None, dropped.get(i, 0),
@@ -460,12 +460,14 @@ def stop_at(text: str, stops: tuple[str, ...], after: int = 0) -> tuple[int, str
     return min(((at, stop) for at, stop in found if at >= 0), key=lambda f: f[0], default=None)
 
 
-def final_text(tokenizer, s: Sequence) -> str:
+def final_text(tokenizer, s: Sequence) -> tuple[str, str | int | None]:
     """The output's text as a client gets it: up to the stop string or the token (a stop token, an end of sequence)
-    that ended it (through it, with `include_stop_str_in_output`)."""
+    that ended it (through it, with `include_stop_str_in_output`); and what stopped it, as vLLM's `stop_reason`
+    says: the stop string, or the stop token's id (None: an end of sequence, or no stop)."""
     params, gen = s.params, s.generation
     ids = gen.token_ids
     ended_on_token = gen.finish_reason == "stop" and ids and ids[-1] in s.ending_ids
+    reason = ids[-1] if ended_on_token and ids[-1] in params.stop_token_ids else None
     if ended_on_token and not params.include_stop_str_in_output:
         ids = ids[:-1]
     decode = functools.partial(tokenizer.decode, skip_special_tokens=params.skip_special_tokens)
@@ -473,9 +475,9 @@ def final_text(tokenizer, s: Sequence) -> str:
     after = len(decode(ids[: params.min_tokens])) if params.min_tokens else 0
     found = stop_at(text, params.stop, after) if params.stop else None
     if found is None:
-        return text
+        return text, reason
     at, stop = found
-    return text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+    return (text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]), stop
 
 
 def count_time(t: Timings, writer_source: str, writer_s: float, router_s: float, llm_s: float, total_s: float,

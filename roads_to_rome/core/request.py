@@ -102,6 +102,7 @@ class Generation:
     scores: list[float] = field(default_factory=list)  # the policy's score behind each decision
     text: str = ""
     finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it (vLLM's; None: EOS)
     elapsed_s: float = 0.0  # from the start of the call to this row's last token
     params_b: tuple[float, float, float] = (0.0, 0.0, 0.0)  # SLM, router, LLM parameters (billions)
     timings: Timings = field(default_factory=Timings)

@@ -14,7 +14,7 @@ import urllib.parse
 from fastapi.responses import JSONResponse, Response
 
 from roads_to_rome.errors import R2RError
-from roads_to_rome.serving.schemas import APIError, Limits, error_response
+from roads_to_rome.serving.schemas import APIError, Limits, error_response, shaped
 
 UNCAPPED = ("/health",)  # answered under any load: a supervisor's probe must not read a full server as dead
 KEYED = ("/v1/", "/metrics", "/tokenize", "/detokenize")
@@ -59,7 +59,7 @@ class Guard:
             refusal = error_response(429, f"the server is handling {self.in_flight} requests, its limit "
                                           "(--max-connections); retry later", code="too_many_connections",
                                      kind="rate_limit_error")
-            return await refusal(scope, receive, send)
+            return await shaped(scope["path"], refusal)(scope, receive, send)
         self.in_flight += capped
         try:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -70,7 +70,7 @@ class Guard:
                 if refusal is None:
                     receive = replay(body, receive)
             if refusal is not None:
-                return await refusal(scope, receive, send)
+                return await shaped(scope["path"], refusal)(scope, receive, send)
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= capped
@@ -79,6 +79,8 @@ class Guard:
         if self.api_key is None:
             return True
         sent = headers.get("authorization", "")
+        if "x-api-key" in headers:  # Anthropic's clients send the key so
+            return hmac.compare_digest(headers["x-api-key"].encode(), self.api_key.encode())
         return hmac.compare_digest(sent.encode(), f"Bearer {self.api_key}".encode())
 
     def refusal(self, scope, headers: dict) -> JSONResponse | None:
@@ -93,8 +95,8 @@ class Guard:
                 return error_response(403, f"requests from web pages at {origin} are refused: this server answers "
                                            "only its own playground on localhost", code="forbidden_origin")
         if scope["path"].startswith(KEYED) and not scope["state"]["key_ok"]:
-            return error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' "
-                                       "with the key the server was started with (--api-key)",
+            return error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' (or "
+                                       "'x-api-key: KEY') with the key the server was started with (--api-key)",
                                   code="invalid_api_key")
         if scope["method"] == "POST":
             kind = headers.get("content-type", "").split(";")[0].strip().lower()

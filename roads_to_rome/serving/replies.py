@@ -24,11 +24,28 @@ from openai.types.completion_usage import CompletionTokensDetails
 from pydantic import BaseModel
 
 from roads_to_rome.core.request import Generation, TokenLogprob
-from roads_to_rome.reasoning import ReasoningParser, llm_rate, prompt_start, reason
+from roads_to_rome.reasoning import Reasoned, ReasoningParser, llm_rate, prompt_start, reason
 from roads_to_rome.serving.engine_thread import ErrorReply, Job
 from roads_to_rome.serving.schemas import APIError, llm_away
 from roads_to_rome.text import Detokenizer
-from roads_to_rome.tool_calls import ToolParser, ToolSplit
+from roads_to_rome.tool_calls import ToolCall, ToolParser, ToolSplit
+
+
+@dataclass
+class ReplyParts:
+    """A finished chat reply taken apart: what every API's whole answer is built from."""
+
+    reasoned: Reasoned | None  # its thinking apart (with a reasoning parser)
+    content: str  # its answer's text outside its calls
+    calls: list[ToolCall]
+
+    @property
+    def thinking(self) -> str | None:
+        return self.reasoned.reasoning if self.reasoned else None
+
+    def shows_text(self) -> bool:
+        """Whether the answer's text is shown as its own part: when it holds text, or when nothing else came."""
+        return bool(self.content.strip()) or not (self.calls or self.thinking is not None)
 
 
 @dataclass
@@ -58,6 +75,13 @@ class Reply:
     def reasoned(self, gen):
         return reason(self.parser, self.tokenizer, gen) if self.parser else None
 
+    def parts(self, gen: Generation) -> ReplyParts:
+        """A finished reply's thinking, its answer's text outside its calls, and its calls."""
+        reasoned = self.reasoned(gen)
+        content = reasoned.content if reasoned else gen.text
+        split = self.calls(content, final=True)
+        return ReplyParts(reasoned, split.content if split and split.calls else content, split.calls if split else [])
+
     def calls(self, answer: str, final: bool) -> ToolSplit | None:
         """The tool calls in a reply's answer (so far) and the content around them; None: calls are not read."""
         if self.tools is None:
@@ -79,29 +103,30 @@ class Reply:
             logprobs = self.logprobs(gen, 0, len(gen.token_ids))
             r2r = {"r2r": provenance(gen)} if len(gens) > 1 else {}
             if self.chat:
-                reasoned.append(self.reasoned(gen))
-                fields, content = {}, gen.text
-                if reasoned[-1] is not None:  # both names: vLLM's `reasoning`, and SGLang's and llama.cpp's
-                    fields = {"reasoning": reasoned[-1].reasoning, "reasoning_content": reasoned[-1].reasoning}
-                    content = reasoned[-1].content
-                split = self.calls(content, final=True)
-                if split and split.calls:
-                    content = split.content or None
+                parts = self.parts(gen)
+                reasoned.append(parts.reasoned)
+                fields, content = {}, parts.content
+                if parts.reasoned is not None:  # both names: vLLM's `reasoning`, and SGLang's and llama.cpp's
+                    fields = {"reasoning": parts.reasoned.reasoning, "reasoning_content": parts.reasoned.reasoning}
+                if parts.calls:
+                    content = content or None
                     fields["tool_calls"] = [ChatCompletionMessageFunctionToolCall(
                         id=self.tools.call_id(), type="function",
                         function=Function(name=call.name, arguments=call.arguments))
-                        for call in split.calls]
+                        for call in parts.calls]
                 if self.echo:  # (the message a continued reply goes on writing)
                     content = self.echoed(index) + (content or "")
                 message = ChatCompletionMessage(role="assistant", content=content, **fields)
                 choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
-                                          finish_reason=finish_reason(gen, len(split.calls) if split else 0), **r2r))
+                                          finish_reason=finish_reason(gen, len(parts.calls)),
+                                          stop_reason=gen.stop_reason, **r2r))
             else:
                 if logprobs is not None and gen.prompt_logprobs is not None:
                     logprobs = self.with_prompt(gen, logprobs, len(self.echoed(index)))
                 scored = {"prompt_logprobs": self.prompt_entries_of(gen)} if self.prompt_entries else {}
                 choices.append(CompletionChoice(index=index, text=self.echoed(index) + gen.text, logprobs=logprobs,
-                                                finish_reason=gen.finish_reason, **r2r, **scored))
+                                                finish_reason=gen.finish_reason, stop_reason=gen.stop_reason, **r2r,
+                                                **scored))
         extra = {"r2r": provenance(gens[0])} if len(gens) == 1 else {}
         if self.chat and self.prompt_entries:  # (one prompt: vLLM gives its entries beside the choices)
             extra["prompt_logprobs"] = self.prompt_entries_of(gens[0])
@@ -174,8 +199,10 @@ class Reply:
 
     def chunk(self, delta: str | None, finish_reason=None, extra: dict | None = None, role: bool = False,
               reasoning: str | None = None, logprobs=None, index: int = 0,
-              calls: list[ChoiceDeltaToolCall] = ()) -> str:
-        """One chunk of choice `index`'s stream; `calls`: what it adds to the reply's tool calls (`CallsSent`)."""
+              calls: list[ChoiceDeltaToolCall] = (), stop_reason: str | int | None = None) -> str:
+        """One chunk of choice `index`'s stream; `calls`: what it adds to the reply's tool calls (`CallsSent`);
+        the last one's `stop_reason` says which stop string or stop token ended it (vLLM's)."""
+        stopped = {"stop_reason": stop_reason} if finish_reason is not None else {}
         if self.chat:
             tool_calls = {"tool_calls": calls} if calls else {}
             if role:
@@ -185,7 +212,7 @@ class Reply:
                                 **({"content": delta} if delta else {}), **tool_calls)
             else:
                 d = ChoiceDelta(**({"content": delta} if delta is not None else {}), **tool_calls)
-            choice = ChunkChoice(index=index, delta=d, finish_reason=finish_reason,
+            choice = ChunkChoice(index=index, delta=d, finish_reason=finish_reason, **stopped,
                                  **({"logprobs": logprobs.model_dump()} if logprobs is not None else {}))
             out = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                       model=self.model_name, choices=[choice],
@@ -195,7 +222,7 @@ class Reply:
             shown = logprobs.model_dump(exclude_unset=True) if logprobs is not None else None
             out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_name,
                    "choices": [{"index": index, "text": delta or "", "logprobs": shown,
-                                "finish_reason": finish_reason}],
+                                "finish_reason": finish_reason, **stopped}],
                    **{k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
                       for k, v in (extra or {}).items()}}
         return f"data: {json.dumps(out)}\n\n"
@@ -391,7 +418,8 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
         if delta.usage is not None:
             extra["usage"] = delta.usage
         yield reply.chunk(delta.content, delta.finish_reason if delta.finished else None, extra,
-                          reasoning=delta.thinking, logprobs=delta.logprobs, index=index, calls=delta.calls)
+                          reasoning=delta.thinking, logprobs=delta.logprobs, index=index, calls=delta.calls,
+                          stop_reason=job.sequence.generation.stop_reason if delta.finished else None)
 
 
 @dataclass

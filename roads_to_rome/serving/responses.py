@@ -363,22 +363,17 @@ def logprob_entries(logprobs) -> list[dict]:
 
 
 def whole_response(draft: Draft, reply: Reply, gen: Generation) -> dict:
-    """A finished reply as a response: its thinking, its answer (when it has text, or nothing else came), its
-    calls. The answer's log-probabilities are its tokens' after the thinking."""
-    reasoned = reply.reasoned(gen)
-    content = reasoned.content if reasoned else gen.text
-    split = reply.calls(content, final=True)
-    calls = split.calls if split else []
-    if calls:
-        content = split.content
+    """A finished reply as a response: its thinking, its answer's text, its calls. The answer's log-probabilities
+    are its tokens' after the thinking."""
+    parts = reply.parts(gen)
     status = "incomplete" if gen.finish_reason == "length" else "completed"
-    output = [reasoning_item(reasoned.reasoning)] if reasoned and reasoned.reasoning is not None else []
-    if content.strip() or not (calls or output):
-        thought = reasoned.reasoning_tokens if reasoned else 0
+    output = [reasoning_item(parts.thinking)] if parts.thinking is not None else []
+    if parts.shows_text():
+        thought = parts.reasoned.reasoning_tokens if parts.reasoned else 0
         logprobs = logprob_entries(reply.logprobs(gen, thought, len(gen.token_ids)))
-        output.append(message_item(content, logprobs if gen.logprobs is not None else None, status))
-    output += [call_item(reply.tools.call_id(), call.name, call.arguments) for call in calls]
-    return draft.response(status, output, gen, reasoned)
+        output.append(message_item(parts.content, logprobs if gen.logprobs is not None else None, status))
+    output += [call_item(reply.tools.call_id(), call.name, call.arguments) for call in parts.calls]
+    return draft.response(status, output, gen, parts.reasoned)
 
 
 def listed_items(given: list) -> list[dict]:

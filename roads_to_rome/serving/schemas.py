@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from roads_to_rome.core.engine import Engine
@@ -74,6 +74,24 @@ def error_response(status: int, message: str, param: str | None = None, code: st
                    kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API (serving/messages.py), whose errors have its shape
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                         429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def shaped(path: str, response: Response) -> Response:
+    """An error answer as the API at `path` shapes errors: OpenAI's (`error_response`), or on the Messages API's
+    routes Anthropic's (`{"type": "error", "error": {"type", "message"}}`)."""
+    if not (path.startswith(MESSAGES_PATH) and isinstance(response, JSONResponse)):
+        return response
+    error = json.loads(response.body)["error"]
+    body = {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(response.status_code, "api_error"),
+                                       "message": error["message"]}}
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(body, status_code=response.status_code, headers=headers)
 
 
 LLM_RETRY_AFTER_S = 5  # what a request refused while the LLM is away is told (Retry-After): the probe's pace

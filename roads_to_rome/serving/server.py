@@ -38,6 +38,7 @@ from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser,
 from roads_to_rome.serving.connections import uvicorn_config
 from roads_to_rome.serving.engine_thread import EngineThread, Job
 from roads_to_rome.serving.guard import Guard, Tokenizing, check_api_key
+from roads_to_rome.serving.messages import CountTokensBody, MessageDraft, MessagesBody, message_events, whole_message
 from roads_to_rome.serving.replies import Reply, finished_generations, stream_events, whole_answer
 from roads_to_rome.serving.responses import (
     Draft,
@@ -64,6 +65,7 @@ from roads_to_rome.serving.schemas import (
     error_response,
     llm_away,
     make_sequences,
+    shaped,
     truncated,
     validation_error,
 )
@@ -117,7 +119,7 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     app.state.r2r = state
     # The handlers are coroutines: Starlette runs a plain function in a worker thread, one per error at once.
     app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(RequestValidationError, body_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
     app.add_middleware(Guard, api_key=api_key, loopback_only=loopback_only, limits=limits)
@@ -128,17 +130,22 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     return app
 
 
-async def api_error(_: HTTPRequest, e: APIError) -> JSONResponse:
-    return e.response()
+async def api_error(http: HTTPRequest, e: APIError) -> Response:
+    return shaped(http.url.path, e.response())
 
 
-async def http_error(_: HTTPRequest, e: HTTPException) -> JSONResponse:
-    return error_response(e.status_code, str(e.detail))
+async def http_error(http: HTTPRequest, e: HTTPException) -> Response:
+    return shaped(http.url.path, error_response(e.status_code, str(e.detail)))
 
 
-async def internal_error(http: HTTPRequest, e: Exception) -> JSONResponse:
+async def body_error(http: HTTPRequest, e: RequestValidationError) -> Response:
+    return shaped(http.url.path, await validation_error(http, e))
+
+
+async def internal_error(http: HTTPRequest, e: Exception) -> Response:
     log.error("internal error on %s", http.url.path, exc_info=e)
-    return error_response(500, "internal error (the server's log has the details)", kind="server_error")
+    return shaped(http.url.path, error_response(500, "internal error (the server's log has the details)",
+                                                kind="server_error"))
 
 
 routes = APIRouter()
@@ -272,6 +279,34 @@ async def delete_response(response_id: str, http: HTTPRequest):
         raise APIError(404, f"no response {response_id!r} is kept on this server", param="response_id",
                        code="response_not_found")
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+@routes.post("/v1/messages")
+async def create_message(body: MessagesBody, http: HTTPRequest):
+    """Anthropic's Messages API: the messages as a chat, answered as content blocks (serving/messages.py)."""
+    s = server(http)
+    body.checked()
+    chat = body.chat_request()
+    output_format = check_body(chat, s.model_name, s.limits)
+    tools = chat.tool_use(s.tool_parser)
+    prompt_ids = truncated(chat, await chat_prompt(s, chat, tools.prompt_tools), s.limits)
+    jobs, reply = await submit(s, chat, [prompt_ids], tools.output_format or output_format, True, tools=tools)
+    draft = MessageDraft(s.model_name, len(prompt_ids))
+    if body.stream:
+        return StreamingResponse(message_events(jobs[0], reply, draft), media_type="text/event-stream")
+    gens = await finished_generations(http, jobs, s.limits.max_request_seconds)
+    return Response(status_code=499) if gens is None else JSONResponse(whole_message(draft, reply, gens[0]))
+
+
+@routes.post("/v1/messages/count_tokens")
+async def count_message_tokens(body: CountTokensBody, http: HTTPRequest):
+    """The prompt tokens a Messages request would take."""
+    s = server(http)
+    body.checked()
+    chat = body.chat_request(stream=False)
+    check_model(chat.requested, s.model_name)
+    tools = chat.tool_use(s.tool_parser)
+    return {"input_tokens": len(await chat_prompt(s, chat, tools.prompt_tools))}
 
 
 @routes.post("/v1/completions")

@@ -152,3 +152,25 @@ def test_the_real_pair_through_the_responses_api_calls_a_tool_and_answers_with_i
     streamed = list(client.responses.create(stream=True, **kw))
     assert streamed[-1].type == "response.completed"
     assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == answered.output_text
+
+
+def test_the_real_pair_through_the_messages_api_uses_a_tool_and_answers_with_its_result(url):
+    """The same agent's loop through Anthropic's Messages API (the anthropic client): a `tool_use` block, then,
+    handed the `tool_result`, a text answer that uses it; the prompt is the chat's of the same turns."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=url.removesuffix("/v1/chat/completions"), api_key="unused", max_retries=0,
+                                 timeout=600)
+    tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"]}
+    ask = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+    asked = client.messages.create(model="r2r", max_tokens=64, tools=[tool], messages=ask,
+                                   extra_body={"temperature": 0})
+    [call] = [block for block in asked.content if block.type == "tool_use"]
+    assert asked.stop_reason == "tool_use" and call.name == "get_weather" and call.input["city"] == "Paris"
+    turns = ask + [{"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in asked.content]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                 "content": "Sunny, 21 degrees Celsius"}]}]
+    answered = client.messages.create(model="r2r", max_tokens=64, tools=[tool], tool_choice={"type": "none"},
+                                      messages=turns, extra_body={"temperature": 0})
+    assert answered.stop_reason == "end_turn" and "21" in answered.content[-1].text, answered.content
