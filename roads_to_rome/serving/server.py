@@ -1,10 +1,12 @@
 """An OpenAI-compatible HTTP server for R2R, with continuous batching and per-token provenance.
 
 The rooms: schemas.py (limits, bodies, checks), guard.py (what never reaches a handler), engine_thread.py (the
-supervised thread that drives the engine's `Scheduler`), replies.py (whole answers and streams). Here: the app, its
-routes and errors, and `run`. A request is checked in full before it queues, so nothing a client sends can fail the
-batch; its prompt is then read in chunks between decode steps, so running streams keep going. Every error is an
-OpenAI-style JSON body; internals go to the server's log, not to clients.
+supervised thread that drives the engine's `Scheduler`), replies.py (whole answers and streams), responses.py and
+messages.py (OpenAI's Responses API and Anthropic's Messages API: their requests as chats, their answers from the
+same replies). Here: the app, its routes and errors, and `run`. A request is checked in full before it queues, so
+nothing a client sends can fail the batch; its prompt is then read in chunks between decode steps, so running
+streams keep going. Every error is a JSON body in the shape of the API asked (OpenAI's, or Anthropic's on
+/v1/messages); internals go to the server's log, not to clients.
 """
 
 from __future__ import annotations
