@@ -1,6 +1,7 @@
 """Schemathesis against the server's own `/openapi.json`: generated bodies for `/v1/chat/completions`,
-`/v1/completions`, `/v1/responses` (and its stored responses) and `/v1/models`, valid and invalid ones, with a
-fixed seed. Every answer is a success or a 4xx in OpenAI's error shape: never a 5xx, never a dropped connection.
+`/v1/completions`, `/v1/responses` (and its stored responses), `/v1/messages` and `/v1/models`, valid and invalid
+ones, with a fixed seed. Every answer is a success or a 4xx in its API's error shape (OpenAI's; Anthropic's on
+/v1/messages): never a 5xx, never a dropped connection.
 R2R_FUZZ_EXAMPLES sets the examples per operation (a longer run: R2R_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz.py)."""
 
 import os
@@ -31,7 +32,8 @@ NEGATIVE, POSITIVE = schemathesis.GenerationMode.NEGATIVE, schemathesis.Generati
 RUNS = [("POST /v1/chat/completions", POSITIVE), ("POST /v1/chat/completions", NEGATIVE),
         ("POST /v1/completions", POSITIVE), ("POST /v1/completions", NEGATIVE), ("GET /v1/models", POSITIVE),
         ("POST /v1/responses", POSITIVE), ("POST /v1/responses", NEGATIVE),
-        ("GET /v1/responses/{response_id}", POSITIVE), ("DELETE /v1/responses/{response_id}", POSITIVE)]
+        ("GET /v1/responses/{response_id}", POSITIVE), ("DELETE /v1/responses/{response_id}", POSITIVE),
+        ("POST /v1/messages", POSITIVE), ("POST /v1/messages", NEGATIVE), ("POST /v1/messages/count_tokens", POSITIVE)]
 
 
 # Hypothesis drives schemathesis's strategies directly (its pytest plugin does not run under this pytest).
@@ -50,7 +52,10 @@ def test_every_generated_request_gets_a_success_or_an_openai_error(api, label, m
             reach_the_engine(case.body)
         response = case.call(timeout=60)  # a dropped connection raises here
         assert response.status_code < 500, f"{label} {case.body!r}: {response.status_code} {response.text[:300]}"
-        if response.status_code >= 400:
+        if response.status_code >= 400 and label.startswith("POST /v1/messages"):
+            body = response.json()
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, response.text
+        elif response.status_code >= 400:
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"], response.text
         answered.append(response.status_code == 200)
@@ -99,6 +104,10 @@ def reach_the_engine(body: dict) -> None:
     if isinstance(body.get("text"), dict) and isinstance(body["text"].get("format"), dict) \
             and body["text"]["format"].get("type") == "json_schema":
         body["text"].pop("format")
+    # A Messages request: its schemas as for chat
+    body.pop("output_format", None)
+    if isinstance(body.get("output_config"), dict):
+        body["output_config"].pop("format", None)
     for message in body.get("messages") or []:
         if isinstance(message, dict):
             calls = message.get("tool_calls") if message.get("role") == "assistant" else None
