@@ -225,13 +225,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def stop_reason(gen: Generation, calls: int) -> tuple[str, str | None]:
-    """Anthropic's stop_reason and stop_sequence: calls made, the token limit, a stop sequence, or the end."""
+def stop_reason(gen: Generation, calls: int, sequences: tuple[str, ...]) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence: the token limit, calls made, one of the request's stop
+    `sequences`, or the end."""
     if gen.finish_reason == "length":
         return "max_tokens", None
     if calls:
         return "tool_use", None
-    if isinstance(gen.stop_reason, str):
+    if isinstance(gen.stop_reason, str) and gen.stop_reason in sequences:
         return "stop_sequence", gen.stop_reason
     return "end_turn", None
 
@@ -252,6 +253,7 @@ def message_usage(gen: Generation | None, prompt_tokens: int, reasoned=None) -> 
 class MessageDraft:
     model_name: str
     prompt_tokens: int
+    stop_sequences: tuple[str, ...] = ()  # the request's
     id: str = field(default_factory=lambda: new_id("msg"))
 
     def message(self, content: list[dict], gen: Generation | None = None, reason: tuple = (None, None),
@@ -280,7 +282,7 @@ def whole_message(draft: MessageDraft, reply: Reply, gen: Generation) -> dict:
         blocks.append({"type": "text", "text": parts.content})
     blocks += [{"type": "tool_use", "id": new_id("toolu"), "name": call.name, "input": call_input(call.arguments)}
                for call in parts.calls]
-    return draft.message(blocks, gen, stop_reason(gen, len(parts.calls)), parts.reasoned)
+    return draft.message(blocks, gen, stop_reason(gen, len(parts.calls), draft.stop_sequences), parts.reasoned)
 
 
 @dataclass
@@ -380,7 +382,7 @@ async def message_events(job: Job, reply: Reply, draft: MessageDraft):
                 for chunk in events.finish():
                     yield chunk
                 gen = job.sequence.generation
-                reason = stop_reason(gen, len(events.calls))
+                reason = stop_reason(gen, len(events.calls), draft.stop_sequences)
                 whole = message_usage(gen, draft.prompt_tokens, ended[0][1])
                 yield events.event("message_delta", delta={"stop_reason": reason[0], "stop_sequence": reason[1]},
                                    usage=whole, r2r=provenance(gen))

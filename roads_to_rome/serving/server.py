@@ -293,7 +293,7 @@ async def create_message(body: MessagesBody, http: HTTPRequest):
     tools = chat.tool_use(s.tool_parser)
     prompt_ids = truncated(chat, await chat_prompt(s, chat, tools.prompt_tools), s.limits)
     jobs, reply = await submit(s, chat, [prompt_ids], tools.output_format or output_format, True, tools=tools)
-    draft = MessageDraft(s.model_name, len(prompt_ids))
+    draft = MessageDraft(s.model_name, len(prompt_ids), tuple(body.stop_sequences or ()))
     if body.stream:
         return StreamingResponse(message_events(jobs[0], reply, draft), media_type="text/event-stream")
     gens = await finished_generations(http, jobs, s.limits.max_request_seconds)
