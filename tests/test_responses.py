@@ -4,18 +4,19 @@ outputs, log-probabilities, stored responses to go on from, and what cannot be d
 
 import json
 
+import anthropic
 import httpx
 import openai
 import pytest
 from test_reasoning import thinker  # noqa: F401 (a fixture)
 from test_tool_calls import TIME, WEATHER, tool_engine, tool_tokenizer  # noqa: F401 (fixtures)
-from tiny import tiny_model
+from tiny import tiny_model, tiny_tokenizer
 
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.responses import ResponsesBody, ResponseStore
+from roads_to_rome.serving.responses import ResponsesBody, ResponseStore, conversation_of
 from roads_to_rome.serving.schemas import Limits
 from roads_to_rome.serving.server import create_app
 
@@ -360,3 +361,57 @@ def test_what_cannot_be_done_is_a_400_naming_the_field(srv, client, fields, para
     assert (error["param"] or "").startswith(param) and says in error["message"], error
     assert client.responses.create(model="tiny", input="Hi", max_output_tokens=2).status in ("completed",
                                                                                           "incomplete")
+
+
+# A template that shows an assistant's thinking (as Qwen3's does for a tool loop's turns) and its calls.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+    "</think>{% endif %}{{ m.content or '' }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}"
+    "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_thinking_handed_back_reaches_templates_that_show_it_from_every_api():
+    """A tool loop's earlier thinking, handed back as a chat message's `reasoning_content`, a Responses reasoning
+    item or a Messages thinking block, is the same prompt; a stored response's thinking goes on with it."""
+
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = THINKING_TEMPLATE
+    engine = Engine(TorchBackend(tiny_model(tokenizer, hidden=32, seed=0)), None, tokenizer)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    chat = [{"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": "Let me see.", "reasoning_content": "Ask the clock.",
+             "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    items = [{"role": "user", "content": "Time?"},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "Ask the clock."}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Let me see."}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"zone": "UTC"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "12:00"}]
+    blocks = [{"role": "user", "content": "Time?"},
+              {"role": "assistant", "content": [{"type": "thinking", "thinking": "Ask the clock.", "signature": ""},
+                                                {"type": "text", "text": "Let me see."},
+                                                {"type": "tool_use", "id": "call_1", "name": "get_time",
+                                                 "input": {"zone": "UTC"}}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "12:00"}]}]
+    tools = [{"type": "function", "function": TIME["function"]}]
+    with serve(engine, "thinking", max_tokens=8, context_length=512) as running:
+        shown = httpx.post(running.url + "/tokenize", json={"messages": chat}).json()
+        assert "<think>Ask the clock.</think>" in tokenizer.decode(shown["tokens"])
+        bare = httpx.post(running.url + "/tokenize", json={"messages": [
+            {k: v for k, v in m.items() if k != "reasoning_content"} for m in chat]}).json()
+        assert bare["count"] < shown["count"]
+        assert httpx.post(running.url + "/tokenize", json={"messages": [
+            {"role": "user", "content": "x", "reasoning_content": "y"}]}).status_code == 400
+        response = client_of(running).responses.create(model="thinking", input=items, max_output_tokens=2,
+                                                       tools=[{"type": "function", **TIME["function"]}])
+        counted = anthropic.Anthropic(base_url=running.url, api_key="unused", max_retries=0).messages.count_tokens(
+            model="thinking", messages=blocks, tools=[{"name": "get_time",
+                                                      "input_schema": TIME["function"]["parameters"]}])
+        with_tools = httpx.post(running.url + "/tokenize", json={"messages": chat, "tools": tools}).json()
+    assert response.usage.input_tokens == counted.input_tokens == with_tools["count"]
+    assert conversation_of({"output": [
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Hm."}]},
+        {"type": "message", "content": [{"type": "output_text", "text": "Yes."}]}]}) == [
+        {"role": "assistant", "content": "Yes.", "reasoning_content": "Hm."}]

@@ -49,11 +49,12 @@ class ToolResultBlock(BaseModel):
 
 
 class ThinkingBlock(BaseModel):
-    """An earlier reply's thinking, handed back: left out of the prompt, as reasoning models' chat templates leave
-    out earlier turns' thinking."""
+    """An earlier reply's thinking, handed back: its message's `reasoning_content`, for templates that show it
+    (Qwen3's, within a tool loop); others leave it out. Redacted thinking holds none."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # signature, data
     type: Literal["thinking", "redacted_thinking"]
+    thinking: Text | None = None
 
 
 def block_kind(block: Any) -> str | None:
@@ -187,8 +188,8 @@ class CountTokensBody(MessagesBody):
 
 
 def chat_messages(messages: list[Message]) -> list[dict]:
-    """Messages as a chat: an assistant's text and calls in one message; in a user's, each tool result a `tool`
-    message (in the order given) and its text a user message; earlier thinking left out."""
+    """Messages as a chat: an assistant's thinking, text and calls in one message; in a user's, each tool result a
+    `tool` message (in the order given) and its text a user message."""
     out: list[dict] = []
     for message in messages:
         if isinstance(message.content, str):
@@ -198,8 +199,10 @@ def chat_messages(messages: list[Message]) -> list[dict]:
             text = "".join(b.text for b in message.content if isinstance(b, TextBlock))
             calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                      for b in message.content if isinstance(b, ToolUseBlock)]
+            thought = [b.thinking for b in message.content if isinstance(b, ThinkingBlock) and b.thinking]
             out.append({"role": "assistant", "content": text if text or not calls else None,
-                        **({"tool_calls": calls} if calls else {})})
+                        **({"tool_calls": calls} if calls else {}),
+                        **({"reasoning_content": "".join(thought)} if thought else {})})
             continue
         text: list[str] = []
         for block in message.content:

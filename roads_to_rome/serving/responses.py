@@ -70,12 +70,23 @@ class FunctionCallOutputItem(BaseModel):
     output: Text | list[ContentPart]
 
 
-class ReasoningItem(BaseModel):
-    """An earlier reply's thinking, handed back: read and left out of the prompt, as reasoning models' chat
-    templates leave out earlier turns' thinking."""
-
+class ReasoningPart(BaseModel):
     model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning_text", "summary_text"]
+    text: Text
+
+
+class ReasoningItem(BaseModel):
+    """An earlier reply's thinking, handed back: it goes with the assistant's message after it, as its
+    `reasoning_content`, for templates that show it (Qwen3's, within a tool loop); others leave it out."""
+
+    model_config = ConfigDict(extra="allow")  # id, status, encrypted_content
     type: Literal["reasoning"]
+    content: list[ReasoningPart] | None = None
+    summary: list[ReasoningPart] = []
+
+    def text(self) -> str:
+        return "".join(part.text for part in (self.content or self.summary))
 
 
 def one_message(given: Any) -> Any:
@@ -226,21 +237,28 @@ class ResponsesBody(BaseModel):
 
 def input_messages(given: list) -> list[dict]:
     """Input items as chat messages: calls in a row go into one assistant message (after its text, where the item
-    before them is an assistant's message), a tool's answer is a `tool` message, earlier thinking is left out."""
+    before them is an assistant's message), a tool's answer is a `tool` message, thinking goes with the assistant's
+    message after it."""
     messages: list[dict] = []
+    thinking: str | None = None  # a reasoning item's, for the next assistant message
     for item in given:
+        if isinstance(item, ReasoningItem):
+            thinking = (thinking or "") + item.text()
+            continue
+        last = messages[-1] if messages else None
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": text_of(item.content)})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and thinking is None:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": text_of(item.output)})
+        if thinking is not None and messages[-1] is not last and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"], thinking = thinking, None
     return messages
 
 
@@ -391,16 +409,20 @@ def listed_items(given: list) -> list[dict]:
 
 
 def conversation_of(response: dict) -> list[dict]:
-    """A response's output as chat messages, for a later request to go on from: its answer and its calls in one
-    assistant message (its thinking left out, as templates leave out earlier turns')."""
-    text, calls = "", []
+    """A response's output as chat messages, for a later request to go on from: its thinking, answer and calls in
+    one assistant message (templates that show earlier thinking within a tool loop get it)."""
+    text, calls, thinking = "", [], None
     for item in response["output"]:
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            thinking = (thinking or "") + "".join(part["text"] for part in item["content"])
+        elif item["type"] == "message":
             text += "".join(part.get("text", "") for part in item["content"])
         elif item["type"] == "function_call":
             calls.append({"id": item["call_id"], "type": "function",
                           "function": {"name": item["name"], "arguments": item["arguments"]}})
     message = {"role": "assistant", "content": text if text or not calls else None}
+    if thinking is not None:
+        message["reasoning_content"] = thinking
     return [{**message, "tool_calls": calls} if calls else message]
 
 

@@ -314,11 +314,17 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's answer: to which call
+    # An assistant's thinking, handed back (vLLM's names): templates that show it (Qwen3's, for the turns after the
+    # last user message: a tool loop's) get it as `reasoning_content`; others leave it out.
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     @model_validator(mode="after")
     def complete(self):
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"only an assistant message holds tool_calls, not a {self.role} one")
+        if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
+            raise ValueError(f"only an assistant message holds its thinking, not a {self.role} one")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content is missing (only an assistant message with tool_calls may leave it out)")
         return self
@@ -335,7 +341,9 @@ class ChatMessage(BaseModel):
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
-        out.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None})
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        out.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id),
+                                      ("reasoning_content", thinking)) if v is not None})
         return out
 
 
