@@ -3,11 +3,13 @@ gives the same conversation, whole and streamed as the API's events; input items
 outputs, log-probabilities, stored responses to go on from, and what cannot be done refused by name."""
 
 import json
+import time
 
 import anthropic
 import httpx
 import openai
 import pytest
+from conftest import assert_idle_soon
 from test_reasoning import thinker  # noqa: F401 (a fixture)
 from test_tool_calls import TIME, WEATHER, tool_engine, tool_tokenizer  # noqa: F401 (fixtures)
 from tiny import tiny_model, tiny_tokenizer
@@ -185,6 +187,43 @@ def test_the_store_keeps_the_most_recently_used_within_its_budget():
     assert store.size == 6 * one.size
 
 
+def test_background_responses_are_fetched_when_done_and_cancelled_while_written(srv, client, tokenizer):
+    kw = {"model": "tiny", "input": "48 / 2?", "max_output_tokens": 20, **GREEDY}
+    foreground = client.responses.create(**kw)
+    queued = client.responses.create(background=True, **kw)
+    assert queued.background and queued.status in ("queued", "in_progress") and queued.output == []
+    fetched = queued
+    for _ in range(600):
+        fetched = client.responses.retrieve(queued.id)
+        if fetched.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    assert fetched.status == foreground.status and fetched.output_text == foreground.output_text
+    assert fetched.model_extra["r2r"]["token_ids"] == foreground.model_extra["r2r"]["token_ids"]
+    assert client.responses.cancel(queued.id).status == fetched.status  # done: left as it is
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.cancel(foreground.id)
+    assert refused.value.param == "response_id"
+    for fields, param in (({"store": False}, "store"), ({"stream": True}, "stream")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(background=True, **fields, **kw)
+        assert refused.value.param == param
+
+    # A long one (no end of sequence, 2000 tokens), on a server that holds it: going on from it while it is
+    # written is refused; cancelled, it stops, its slot freed.
+    slm = TorchBackend(tiny_model(tokenizer, hidden=32, seed=0, max_positions=4096))
+    with serve(Engine(slm, None, tokenizer), "long", max_tokens=4000, context_length=4096) as running:
+        long = client_of(running)
+        started = long.responses.create(model="long", input="Go on", max_output_tokens=2000, background=True,
+                                        extra_body={"ignore_eos": True})
+        with pytest.raises(openai.BadRequestError) as refused:
+            long.responses.create(model="long", input="x", previous_response_id=started.id)
+        assert refused.value.param == "previous_response_id"
+        assert long.responses.cancel(started.id).status == "cancelled"
+        assert long.responses.retrieve(started.id).status == "cancelled"
+        assert_idle_soon(running.url)
+
+
 @pytest.fixture(scope="module")
 def tools_client(tool_engine):  # noqa: F811
     with serve(tool_engine, "tools") as running:
@@ -341,7 +380,7 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(srv,
     ({"messages": [{"role": "user", "content": "x"}]}, "messages", "input"),
     ({"max_tokens": 5}, "max_tokens", "max_output_tokens"),
     ({"max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens is at most"),
-    ({"background": True}, "background", "background"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type", "function"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0", "item_reference"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.message.content",

@@ -1,11 +1,13 @@
 """OpenAI's Responses API (`/v1/responses`), as vLLM serves it: a request's input items become a chat, which the chat
 path answers (tools, thinking, structured outputs and R2R's knobs alike), and the reply comes back as output items:
-the thinking as a `reasoning` item, the answer as a `message`, each tool call as a `function_call`; whole, or streamed
-as the API's typed events. Responses are kept (`store`, the default) for a later request to go on from
-(`previous_response_id`) and for GET and DELETE: in memory, the least recently used dropped beyond a budget."""
+the thinking as a `reasoning` item, the answer as a `message`, each tool call as a `function_call`; whole, streamed
+as the API's typed events, or in the background (answered at once as queued, fetched when done). Responses are kept
+(`store`, the default) for a later request to go on from (`previous_response_id`) and for GET, DELETE and cancel: in
+memory, the least recently used dropped beyond a budget."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
@@ -19,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from roads_to_rome.core.request import Generation
-from roads_to_rome.serving.engine_thread import Job
+from roads_to_rome.serving.engine_thread import ErrorReply, Job
 from roads_to_rome.serving.replies import Reply, StreamFailure, choice_deltas, provenance, usage
 from roads_to_rome.serving.schemas import APIError, ChatBody, Number, Text, json_object_text
 
@@ -146,8 +148,7 @@ CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "max_comp
                "request", "echo": "input", "add_generation_prompt": "input",
                "continue_final_message": "input", "prompt_logprobs": "/v1/completions"}
 # Responses fields for what this server does not do, refused unless absent
-UNDONE = {"background": "background responses (answer in the foreground: leave it out)",
-          "prompt": "stored prompt templates (give the input itself)",
+UNDONE = {"prompt": "stored prompt templates (give the input itself)",
           "conversation": "conversation objects (go on from a response with previous_response_id)",
           "max_tool_calls": "a cap on hosted tool calls (this server runs no hosted tools)"}
 
@@ -172,6 +173,7 @@ class ResponsesBody(BaseModel):
     top_logprobs: int | None = None
     stream: bool = False
     store: bool = True
+    background: bool = False  # answered at once, queued; the client fetches the response (GET) once it is done
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     truncation: Literal["disabled", "auto"] | None = None
@@ -187,6 +189,12 @@ class ResponsesBody(BaseModel):
             if extra.get(name) not in (None, False):
                 raise APIError(400, f"{name}: this server does not do {what}", param=name,
                                code="unsupported_parameter")
+        if self.background and not self.store:
+            raise APIError(400, "a background response is kept for the client to fetch: leave store true",
+                           param="store")
+        if self.background and self.stream:
+            raise APIError(400, "a background response is fetched when it is done (GET /v1/responses/{id}), not "
+                                "streamed: leave stream out, or background", param="stream")
 
     def chat_request(self, history: list[dict]) -> tuple[ChatBody, list[dict]]:
         """The chat that answers this request: its instructions, the conversation it goes on from (`history`: a
@@ -339,7 +347,7 @@ class Draft:
                                else body.tool_choice or "auto"),
                "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
                "top_logprobs": body.top_logprobs, "truncation": body.truncation or "disabled",
-               "usage": None, "user": body.user, "metadata": body.metadata or {}, "background": False}
+               "usage": None, "user": body.user, "metadata": body.metadata or {}, "background": body.background}
         if gen is not None:
             out["usage"] = response_usage(usage([gen], reasoned and [reasoned]).model_dump(exclude_unset=True))
             out["r2r"] = provenance(gen)
@@ -587,6 +595,47 @@ class ResponseStore:
     def __init__(self, budget: int):
         self.budget, self.size = budget, 0
         self.kept: OrderedDict[str, Stored] = OrderedDict()
+        self.running: dict[str, tuple[asyncio.Task, Job, Draft]] = {}  # background responses being written
+
+    def start(self, job: Job, reply: Reply, draft: Draft) -> dict:
+        """A background response: kept as queued at once, written on (`in_progress` from its first token), and kept
+        again once it is done (or failed)."""
+        queued = draft.response("queued", [])
+        self.put(queued, draft)
+        self.running[draft.id] = (asyncio.create_task(self.finish(job, reply, draft, queued)), job, draft)
+        return queued
+
+    async def finish(self, job: Job, reply: Reply, draft: Draft, shown: dict) -> None:
+        try:
+            while True:
+                event = await job.events.get()
+                if isinstance(event, ErrorReply):
+                    self.put(draft.response("failed", [], error={"code": "server_error", "message": event.message}),
+                             draft)
+                    return
+                shown["status"] = "in_progress"  # (what a GET meanwhile shows)
+                if event.finished:
+                    break
+            self.put(whole_response(draft, reply, job.sequence.generation), draft)
+        finally:
+            self.running.pop(draft.id, None)
+
+    def cancel(self, response_id: str) -> dict:
+        """A background response stopped where it is (one that is done is left as it is); a 404 or 400 naming it
+        when there is none to cancel."""
+        if response_id in self.running:
+            task, job, draft = self.running.pop(response_id)
+            job.sequence.cancelled = True  # its slot is freed at the engine's next step
+            task.cancel()
+            self.put(draft.response("cancelled", []), draft)
+        stored = self.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no response {response_id!r} is kept on this server", param="response_id",
+                           code="response_not_found")
+        if not stored.response["background"]:
+            raise APIError(400, "only a background response can be cancelled: this one was answered when asked",
+                           param="response_id")
+        return stored.response
 
     def get(self, response_id: str) -> Stored | None:
         stored = self.kept.get(response_id)
@@ -606,6 +655,9 @@ class ResponseStore:
             self.size -= self.kept.popitem(last=False)[1].size
 
     def delete(self, response_id: str) -> bool:
+        """Forget a response (a background one being written is cancelled first)."""
+        if response_id in self.running:
+            self.cancel(response_id)
         stored = self.kept.pop(response_id, None)
         if stored is not None:
             self.size -= stored.size
@@ -621,4 +673,8 @@ class ResponseStore:
                                 "kept in memory when stored, the least recently used dropped beyond the server's "
                                 "budget, all of them at a restart): send the conversation as input instead",
                            param="previous_response_id", code="previous_response_not_found")
+        if stored.response["status"] in ("queued", "in_progress"):
+            raise APIError(400, f"previous_response_id {response_id!r} is still being written: fetch it (GET "
+                                "/v1/responses/{id}) until it is done, then go on from it",
+                           param="previous_response_id")
         return [dict(m) for m in stored.conversation]

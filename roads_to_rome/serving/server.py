@@ -237,6 +237,8 @@ async def create_response(body: ResponsesBody, http: HTTPRequest):
         prompt_ids = truncated(chat, prompt_ids, s.limits)
         jobs, reply = await submit(s, chat, [prompt_ids], tools.output_format or output_format, True, tools=tools)
     draft = Draft(body, chat, conversation, s.model_name, jobs[0].sequence.params.max_new_tokens)
+    if body.background:
+        return JSONResponse(s.responses.start(jobs[0], reply, draft))
     if body.stream:
         return StreamingResponse(response_events(jobs[0], reply, draft, s.responses), media_type="text/event-stream")
     gens = await finished_generations(http, jobs, s.limits.max_request_seconds)
@@ -273,6 +275,12 @@ async def list_input_items(response_id: str, http: HTTPRequest, order: Literal["
     page = items[start:start + limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+
+
+@routes.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, http: HTTPRequest):
+    """A background response stopped where it is."""
+    return server(http).responses.cancel(response_id)
 
 
 @routes.delete("/v1/responses/{response_id}")
