@@ -187,7 +187,17 @@ def test_the_store_keeps_the_most_recently_used_within_its_budget():
     assert store.size == 6 * one.size
 
 
-def test_background_responses_are_fetched_when_done_and_cancelled_while_written(srv, client, tokenizer):
+LONG = 8000  # tokens without an end of sequence: longer to write than a slot may take to be freed (5 s)
+
+
+@pytest.fixture(scope="module")
+def long_srv(tokenizer):
+    slm = TorchBackend(tiny_model(tokenizer, hidden=32, seed=0, max_positions=LONG + 192))
+    with serve(Engine(slm, None, tokenizer), "long", max_tokens=LONG, context_length=LONG + 192) as running:
+        yield running
+
+
+def test_background_responses_are_fetched_when_done_and_cancelled_while_written(srv, client, long_srv):
     kw = {"model": "tiny", "input": "48 / 2?", "max_output_tokens": 20, **GREEDY}
     foreground = client.responses.create(**kw)
     queued = client.responses.create(background=True, **kw)
@@ -209,19 +219,16 @@ def test_background_responses_are_fetched_when_done_and_cancelled_while_written(
             client.responses.create(background=True, **fields, **kw)
         assert refused.value.param == param
 
-    # A long one (no end of sequence, 2000 tokens), on a server that holds it: going on from it while it is
-    # written is refused; cancelled, it stops, its slot freed.
-    slm = TorchBackend(tiny_model(tokenizer, hidden=32, seed=0, max_positions=4096))
-    with serve(Engine(slm, None, tokenizer), "long", max_tokens=4000, context_length=4096) as running:
-        long = client_of(running)
-        started = long.responses.create(model="long", input="Go on", max_output_tokens=2000, background=True,
-                                        extra_body={"ignore_eos": True})
-        with pytest.raises(openai.BadRequestError) as refused:
-            long.responses.create(model="long", input="x", previous_response_id=started.id)
-        assert refused.value.param == "previous_response_id"
-        assert long.responses.cancel(started.id).status == "cancelled"
-        assert long.responses.retrieve(started.id).status == "cancelled"
-        assert_idle_soon(running.url)
+    # A long one: going on from it while it is written is refused; cancelled, it stops, its slot freed.
+    long = client_of(long_srv)
+    started = long.responses.create(model="long", input="Go on", max_output_tokens=LONG, background=True,
+                                    extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError) as refused:
+        long.responses.create(model="long", input="x", previous_response_id=started.id)
+    assert refused.value.param == "previous_response_id"
+    assert long.responses.cancel(started.id).status == "cancelled"
+    assert long.responses.retrieve(started.id).status == "cancelled"
+    assert_idle_soon(long_srv.url)
 
 
 @pytest.fixture(scope="module")
@@ -454,3 +461,24 @@ def test_thinking_handed_back_reaches_templates_that_show_it_from_every_api():
         {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Hm."}]},
         {"type": "message", "content": [{"type": "output_text", "text": "Yes."}]}]}) == [
         {"role": "assistant", "content": "Yes.", "reasoning_content": "Hm."}]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"input": "hi", "max_output_tokens": LONG}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": LONG, "background": True}),  # deleted while written
+])
+def test_a_client_that_leaves_frees_its_slot(long_srv, path, body):
+    """A stream the client hangs up on after its first token, and a background response deleted while it is
+    written: each frees its slot (written out, they would hold it longer than `assert_idle_soon` waits)."""
+    srv = long_srv
+    body = {"model": "long", "temperature": 0, "ignore_eos": True, **body}
+    if body.get("background"):
+        started = httpx.post(srv.url + path, json=body, timeout=60).json()
+        assert httpx.delete(f"{srv.url}{path}/{started['id']}", timeout=60).json()["deleted"]
+    else:
+        with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and "delta" in line:
+                    break  # one token, then hang up
+    assert_idle_soon(srv.url)
