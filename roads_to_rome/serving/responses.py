@@ -644,6 +644,8 @@ class ResponseStore:
         return stored
 
     def put(self, response: dict, draft: Draft) -> None:
+        """Keep a response, in place of what was kept under its id (a background one's earlier state)."""
+        self.forget(response["id"])
         conversation = draft.conversation + conversation_of(response)
         items = listed_items(draft.body.input)
         size = len(json.dumps(response)) + len(json.dumps(conversation)) + len(json.dumps(items))
@@ -658,6 +660,9 @@ class ResponseStore:
         """Forget a response (a background one being written is cancelled first)."""
         if response_id in self.running:
             self.cancel(response_id)
+        return self.forget(response_id)
+
+    def forget(self, response_id: str) -> bool:
         stored = self.kept.pop(response_id, None)
         if stored is not None:
             self.size -= stored.size
