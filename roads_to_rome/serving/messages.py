@@ -8,7 +8,6 @@ may come as its `x-api-key` header."""
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -17,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from roads_to_rome.core.request import Generation
 from roads_to_rome.serving.engine_thread import Job
-from roads_to_rome.serving.replies import Reply, StreamFailure, choice_deltas, provenance, usage
+from roads_to_rome.serving.replies import Reply, StreamFailure, choice_deltas, new_id, provenance, usage
 from roads_to_rome.serving.schemas import APIError, ChatBody, Number, Text
 
 # ---- the request -------------------------------------------------------------------------------------------------
@@ -223,10 +222,6 @@ def chat_messages(messages: list[Message]) -> list[dict]:
 
 
 # ---- the reply ---------------------------------------------------------------------------------------------------
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
-
 
 def stop_reason(gen: Generation, calls: int, sequences: tuple[str, ...]) -> tuple[str, str | None]:
     """Anthropic's stop_reason and stop_sequence: the token limit, calls made, one of the request's stop

@@ -7,7 +7,9 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
@@ -234,10 +236,11 @@ class Reply:
         return f"data: {json.dumps(out)}\n\n"
 
 
-async def whole_answer(http, jobs: list[Job], reply: Reply, seconds: float):
-    """Wait for each choice's last step, then answer in one body (499 when the client left)."""
+async def whole_answer(http, jobs: list[Job], seconds: float, render: Callable[[list[Generation]], dict]):
+    """Wait for each choice's last step, then answer in one body, as `render` writes the generations (chat and
+    completions: `Reply.whole`; the Responses and Messages APIs their own); 499 when the client left."""
     gens = await finished_generations(http, jobs, seconds)
-    return Response(status_code=499) if gens is None else JSONResponse(reply.whole(gens))
+    return Response(status_code=499) if gens is None else JSONResponse(render(gens))
 
 
 async def finished_generations(http, jobs: list[Job], seconds: float) -> list[Generation] | None:
@@ -442,6 +445,11 @@ class CallsSent:
                 more, self.arguments[k] = call.arguments[len(self.arguments[k]):], call.arguments
                 out.append(ChoiceDeltaToolCall(index=k, function=ChoiceDeltaToolCallFunction(arguments=more)))
         return out
+
+
+def new_id(prefix: str) -> str:
+    """An id for a response, message or item: its kind's prefix, then 32 random hex digits."""
+    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 def finish_reason(gen: Generation, calls: int) -> str | None:

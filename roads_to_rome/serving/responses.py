@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import secrets
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -22,7 +21,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Dis
 
 from roads_to_rome.core.request import Generation
 from roads_to_rome.serving.engine_thread import ErrorReply, Job
-from roads_to_rome.serving.replies import Reply, StreamFailure, choice_deltas, provenance, usage
+from roads_to_rome.serving.replies import Reply, StreamFailure, choice_deltas, new_id, provenance, usage
 from roads_to_rome.serving.schemas import APIError, ChatBody, Number, Text, json_object_text
 
 LOGPROBS = "message.output_text.logprobs"  # what `include` names to get the answer's log-probabilities
@@ -238,7 +237,7 @@ class ResponsesBody(BaseModel):
         try:
             return ChatBody.model_validate(chat), conversation
         except ValidationError as e:
-            errors = [{**error, "loc": ("body", *renamed_loc(error["loc"]))}
+            errors = [{**error, "loc": ("body", *responses_param(".".join(map(str, error["loc"]))).split("."))}
                       for error in e.errors()]
             raise RequestValidationError(errors) from None
 
@@ -285,20 +284,21 @@ def drop_oldest(chat: ChatBody) -> bool:
     return True
 
 
-def renamed_loc(loc: tuple) -> tuple:
-    """Where a chat field's error sits, named as the Responses request has it (a message's index is not an input
-    item's, so `input` alone)."""
-    head = {"max_tokens": ("max_output_tokens",), "response_format": ("text", "format"), "messages": ("input",),
-            "tools": ("tools",)}.get(loc[0] if loc else None)
-    if head is None:
-        return loc
-    return head if loc[0] == "messages" else head + tuple(loc[1:])
-
-
+# Chat fields as a Responses request names them, the longer names first (an input item's index is not a message's:
+# `input` alone)
 RENAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-           "response_format.json_schema.schema": "text.format.schema", "response_format": "text.format",
-           "response_format.json_schema": "text.format", "messages": "input"}
-WORDS = ("max_tokens", "max_completion_tokens", "response_format")  # renamed in messages' text too
+           "response_format.json_schema": "text.format", "response_format": "text.format", "messages": "input"}
+
+
+def responses_param(param: str) -> str:
+    """A chat field's name (dotted, as errors name it) as the Responses request has it."""
+    for chat, own in RENAMES.items():
+        if param == chat or param.startswith(chat + "."):
+            return own if chat == "messages" else own + param[len(chat):]
+    return param
+
+
+WORDS = ("max_tokens", "max_completion_tokens", "response_format")  # renamed in errors' text too
 
 
 @contextmanager
@@ -307,16 +307,12 @@ def responses_names():
     try:
         yield
     except APIError as e:
-        e.param = RENAMES.get(e.param, e.param)
+        e.param = responses_param(e.param) if e.param else e.param
         e.message = re.sub(r"\b(" + "|".join(WORDS) + r")\b", lambda m: RENAMES[m[1]], e.message)
         raise
 
 
 # ---- the response ------------------------------------------------------------------------------------------------
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(16)}"
-
 
 @dataclass
 class Draft:
@@ -628,10 +624,7 @@ class ResponseStore:
             job.sequence.cancelled = True  # its slot is freed at the engine's next step
             task.cancel()
             self.put(draft.response("cancelled", []), draft)
-        stored = self.get(response_id)
-        if stored is None:
-            raise APIError(404, f"no response {response_id!r} is kept on this server", param="response_id",
-                           code="response_not_found")
+        stored = self.stored(response_id)
         if not stored.response["background"]:
             raise APIError(400, "only a background response can be cancelled: this one was answered when asked",
                            param="response_id")
@@ -641,6 +634,14 @@ class ResponseStore:
         stored = self.kept.get(response_id)
         if stored is not None:
             self.kept.move_to_end(response_id)
+        return stored
+
+    def stored(self, response_id: str) -> Stored:
+        """The response kept under this id, or the 404 naming it."""
+        stored = self.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no response {response_id!r} is kept on this server", param="response_id",
+                           code="response_not_found")
         return stored
 
     def put(self, response: dict, draft: Draft) -> None:
@@ -657,7 +658,7 @@ class ResponseStore:
             self.size -= self.kept.popitem(last=False)[1].size
 
     def delete(self, response_id: str) -> bool:
-        """Forget a response (a background one being written is cancelled first)."""
+        """Forget a response (a background one being written is cancelled first); False when none was kept."""
         if response_id in self.running:
             self.cancel(response_id)
         return self.forget(response_id)

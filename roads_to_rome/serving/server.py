@@ -35,13 +35,14 @@ from starlette.exceptions import HTTPException
 from starlette.staticfiles import StaticFiles
 
 from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.errors import R2RError
 from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser, thinking_until
 from roads_to_rome.serving.connections import uvicorn_config
 from roads_to_rome.serving.engine_thread import EngineThread, Job
 from roads_to_rome.serving.guard import Guard, Tokenizing, check_api_key
 from roads_to_rome.serving.messages import CountTokensBody, MessageDraft, MessagesBody, message_events, whole_message
-from roads_to_rome.serving.replies import Reply, finished_generations, stream_events, whole_answer
+from roads_to_rome.serving.replies import Reply, stream_events, whole_answer
 from roads_to_rome.serving.responses import (
     Draft,
     ResponsesBody,
@@ -214,11 +215,8 @@ async def favicon():
 @routes.post("/v1/chat/completions")
 async def chat_completions(body: ChatBody, http: HTTPRequest):
     s = server(http)
-    output_format = check_body(body, s.model_name, s.limits)
-    tools = body.tool_use(s.tool_parser)
-    prompt_ids = truncated(body, await chat_prompt(s, body, tools.prompt_tools), s.limits)
-    return await respond(http, s, body, [prompt_ids], tools.output_format or output_format, chat=True, tools=tools,
-                         echo=body.echoed())
+    prompt_ids, output_format, tools = await checked_chat(s, body)
+    return await respond(http, s, body, [prompt_ids], output_format, chat=True, tools=tools, echo=body.echoed())
 
 
 @routes.post("/v1/responses")
@@ -228,45 +226,32 @@ async def create_response(body: ResponsesBody, http: HTTPRequest):
     body.checked()
     with responses_names():
         chat, conversation = body.chat_request(s.responses.history(body.previous_response_id))
-        output_format = check_body(chat, s.model_name, s.limits)
-        tools = chat.tool_use(s.tool_parser)
-        prompt_ids = await chat_prompt(s, chat, tools.prompt_tools)
-        while body.truncation == "auto" and len(prompt_ids) + (chat.max_tokens or 1) > s.limits.context_length \
-                and drop_oldest(chat):  # OpenAI's: the oldest turns go until the conversation fits
-            prompt_ids = await chat_prompt(s, chat, tools.prompt_tools)
-        prompt_ids = truncated(chat, prompt_ids, s.limits)
-        jobs, reply = await submit(s, chat, [prompt_ids], tools.output_format or output_format, True, tools=tools)
+        jobs, reply, _ = await queue_chat(s, chat, fit=body.truncation == "auto")
     draft = Draft(body, chat, conversation, s.model_name, jobs[0].sequence.params.max_new_tokens)
     if body.background:
         return JSONResponse(s.responses.start(jobs[0], reply, draft))
     if body.stream:
         return StreamingResponse(response_events(jobs[0], reply, draft, s.responses), media_type="text/event-stream")
-    gens = await finished_generations(http, jobs, s.limits.max_request_seconds)
-    if gens is None:
-        return Response(status_code=499)
-    response = whole_response(draft, reply, gens[0])
-    if body.store:
-        s.responses.put(response, draft)
-    return JSONResponse(response)
+
+    def kept(gens):
+        response = whole_response(draft, reply, gens[0])
+        if body.store:
+            s.responses.put(response, draft)
+        return response
+
+    return await whole_answer(http, jobs, s.limits.max_request_seconds, kept)
 
 
 @routes.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, http: HTTPRequest):
-    stored = server(http).responses.get(response_id)
-    if stored is None:
-        raise APIError(404, f"no response {response_id!r} is kept on this server", param="response_id",
-                       code="response_not_found")
-    return stored.response
+    return server(http).responses.stored(response_id).response
 
 
 @routes.get("/v1/responses/{response_id}/input_items")
 async def list_input_items(response_id: str, http: HTTPRequest, order: Literal["asc", "desc"] = "desc",
                            limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None):
     """A stored response's input items, a page at a time (OpenAI's cursor: `after` an item's id)."""
-    stored = server(http).responses.get(response_id)
-    if stored is None:
-        raise APIError(404, f"no response {response_id!r} is kept on this server", param="response_id",
-                       code="response_not_found")
+    stored = server(http).responses.stored(response_id)
     items = stored.input_items[::-1] if order == "desc" else stored.input_items
     ids = [item["id"] for item in items]
     if after is not None and after not in ids:
@@ -285,9 +270,9 @@ async def cancel_response(response_id: str, http: HTTPRequest):
 
 @routes.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, http: HTTPRequest):
-    if not server(http).responses.delete(response_id):
-        raise APIError(404, f"no response {response_id!r} is kept on this server", param="response_id",
-                       code="response_not_found")
+    responses = server(http).responses
+    if not responses.delete(response_id):
+        responses.stored(response_id)  # (the 404 naming it)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
@@ -296,16 +281,12 @@ async def create_message(body: MessagesBody, http: HTTPRequest):
     """Anthropic's Messages API: the messages as a chat, answered as content blocks (serving/messages.py)."""
     s = server(http)
     body.checked()
-    chat = body.chat_request()
-    output_format = check_body(chat, s.model_name, s.limits)
-    tools = chat.tool_use(s.tool_parser)
-    prompt_ids = truncated(chat, await chat_prompt(s, chat, tools.prompt_tools), s.limits)
-    jobs, reply = await submit(s, chat, [prompt_ids], tools.output_format or output_format, True, tools=tools)
+    jobs, reply, prompt_ids = await queue_chat(s, body.chat_request())
     draft = MessageDraft(s.model_name, len(prompt_ids), tuple(body.stop_sequences or ()))
     if body.stream:
         return StreamingResponse(message_events(jobs[0], reply, draft), media_type="text/event-stream")
-    gens = await finished_generations(http, jobs, s.limits.max_request_seconds)
-    return Response(status_code=499) if gens is None else JSONResponse(whole_message(draft, reply, gens[0]))
+    return await whole_answer(http, jobs, s.limits.max_request_seconds,
+                              lambda gens: whole_message(draft, reply, gens[0]))
 
 
 @routes.post("/v1/messages/count_tokens")
@@ -405,7 +386,28 @@ async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: 
         include_usage = bool(options and options.include_usage)
         reply.running_usage = include_usage and options.continuous_usage_stats
         return StreamingResponse(stream_events(jobs, reply, include_usage), media_type="text/event-stream")
-    return await whole_answer(http, jobs, reply, s.limits.max_request_seconds)
+    return await whole_answer(http, jobs, s.limits.max_request_seconds, reply.whole)
+
+
+async def checked_chat(s: ServerState, chat: ChatBody, fit: bool = False
+                       ) -> tuple[list[int], OutputFormat | None, ToolUse]:
+    """A chat request checked in full: its prompt, the format its output follows (its own, or its tool choice's),
+    how its tools are used. `fit`: the oldest turns go until the conversation fits (OpenAI's `truncation:
+    "auto"`)."""
+    output_format = check_body(chat, s.model_name, s.limits)
+    tools = chat.tool_use(s.tool_parser)
+    prompt_ids = await chat_prompt(s, chat, tools.prompt_tools)
+    while fit and len(prompt_ids) + (chat.max_tokens or 1) > s.limits.context_length and drop_oldest(chat):
+        prompt_ids = await chat_prompt(s, chat, tools.prompt_tools)
+    return truncated(chat, prompt_ids, s.limits), tools.output_format or output_format, tools
+
+
+async def queue_chat(s: ServerState, chat: ChatBody, fit: bool = False) -> tuple[list[Job], Reply, list[int]]:
+    """A chat that another API's request became (Responses, Messages), checked and queued as a chat request's would
+    be; with its prompt."""
+    prompt_ids, output_format, tools = await checked_chat(s, chat, fit)
+    jobs, reply = await submit(s, chat, [prompt_ids], output_format, True, tools=tools)
+    return jobs, reply, prompt_ids
 
 
 async def submit(s: ServerState, body: CommonBody, prompts: list[list[int]], output_format, chat: bool,
