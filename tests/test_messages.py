@@ -73,19 +73,21 @@ def test_a_message_is_the_chat_answer_to_the_same_conversation_whole_and_streame
     whole = client.messages.create(model="tiny", max_tokens=20, system="Be brief.", messages=messages, **GREEDY)
     assert [b.type for b in whole.content] == ["text"] and whole.content[0].text == asked.choices[0].message.content
     assert whole.id.startswith("msg_") and whole.role == "assistant" and whole.model == "tiny"
-    assert whole.usage.input_tokens == asked.usage.prompt_tokens
+    prompt = whole.usage.input_tokens + whole.usage.cache_read_input_tokens  # (the API's rule: kept tokens apart)
+    assert prompt == asked.usage.prompt_tokens and whole.usage.cache_read_input_tokens > 0  # the chat's prompt kept
     assert whole.usage.output_tokens == asked.usage.completion_tokens and whole.usage.model_extra["llm_rate"] == 1.0
     assert whole.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[asked.choices[0].finish_reason]
     assert whole.model_extra["r2r"]["token_ids"] == asked.model_extra["r2r"]["token_ids"]
     counted = client.messages.count_tokens(model="tiny", system="Be brief.", messages=messages)
-    assert counted.input_tokens == whole.usage.input_tokens
+    assert counted.input_tokens == prompt
 
     body = {"model": "tiny", "max_tokens": 20, "system": [{"type": "text", "text": "Be brief."}],
             "messages": messages, "temperature": 0, "r2r_policy": "llm"}
     events = events_of(srv, body)
     assert [e["type"] for e in events[:2]] == ["message_start", "content_block_start"]
     assert [e["type"] for e in events[-3:]] == ["content_block_stop", "message_delta", "message_stop"]
-    assert events[0]["message"]["usage"]["input_tokens"] == whole.usage.input_tokens
+    assert events[0]["message"]["usage"]["input_tokens"] == prompt  # (before the prompt is looked up)
+    assert events[-2]["usage"]["input_tokens"] + events[-2]["usage"]["cache_read_input_tokens"] == prompt
     assert [(b["type"], b["text"]) for b in blocks_streamed(events)] == [("text", whole.content[0].text)]
     assert events[-2]["delta"]["stop_reason"] == whole.stop_reason
     assert events[-2]["usage"]["output_tokens"] == whole.usage.output_tokens

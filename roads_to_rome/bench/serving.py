@@ -26,10 +26,12 @@ from roads_to_rome.backends.remote import is_remote
 from roads_to_rome.bench.measure import kernels
 from roads_to_rome.core.engine import DEFAULT_VERIFY, Counters, Engine
 from roads_to_rome.core.llm_calls import DEFER_MODES, Deferral
+from roads_to_rome.core.prefix_cache import KEPT_ROWS
 from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
 from roads_to_rome.errors import R2RError
 from roads_to_rome.models import load_pair, systems
 from roads_to_rome.models.loading import choose_policy
+from roads_to_rome.plots import pyplot
 from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
 from roads_to_rome.serving.background import BackgroundServer
@@ -186,3 +188,99 @@ def load_figures(answers: list[tuple[int, int, float]], seconds: float) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "llm_rate": sum(a[1] for a in answers) / max(tokens, 1),
             "p50_s": float(np.percentile(latencies, 50)), "p95_s": float(np.percentile(latencies, 95))}
+
+
+def conversations(slm: str | None, llm: str | None, device: str, dtype: str, clients: int, turns: int, n_tokens: int,
+                  backend: str = "auto", prefix_tokens: int = 16384, rounds: int = 1, progress=QUIET,
+                  threads: dict | None = None) -> dict:
+    """Conversations through the server with prefix caching and without, side by side: each of `clients` clients
+    holds one conversation of `turns` GSM8K dev questions, each turn's prompt the earlier turns with their answers
+    and the next question, streamed; `rounds` times over, the two servers taking turns. Greedy decoding gives both
+    the same answers: they differ only in what they read of each prompt. Per turn: prompt tokens, tokens found
+    kept, time to the first token; per conversation, its seconds."""
+    slm_backend, llm_backend, tokenizer = load_pair(
+        slm, llm, device, dtype=dtype, backend=backend, threads=threads,
+        llama={"max_rows": clients + KEPT_ROWS, "n_ctx": clients * 4096 + prefix_tokens})
+    kind, router_path = choose_policy(None, None, slm)
+    policy = policies.build(kind, slm_backend, None, router_path)
+    engine = systems.routed(slm_backend, llm_backend, tokenizer, policy, verify=DEFAULT_VERIFY)
+    questions = [gsm8k_prompt(item) for item in gsm8k()[: clients * turns]]
+    settings = {"kept": prefix_tokens, "none": 0}
+    measured: dict[str, list] = {name: [] for name in settings}  # per round: each client's turns
+    task = progress.add_task("conversations", total=rounds * len(settings) * clients * turns)
+    for _ in range(rounds):
+        for name, kept in settings.items():
+            limits = Limits(max_batch=clients, max_tokens=n_tokens, prefix_cache_tokens=kept)
+            with BackgroundServer(create_app(engine, "r2r", limits)) as server:
+                client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+
+                def converse(first: int) -> list[dict]:
+                    messages, done = [], []
+                    for question in questions[first : first + turns]:
+                        messages.append({"role": "user", "content": question})
+                        done.append(timed_turn(client, messages, n_tokens))
+                        messages.append({"role": "assistant", "content": done[-1]["text"]})
+                        progress.advance(task)
+                    return done
+
+                with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+                    measured[name].append(list(pool.map(converse, range(0, clients * turns, turns))))
+    return {"clients": clients, "turns": turns, "tokens": n_tokens, "rounds": rounds, "prefix_cache_tokens":
+            prefix_tokens, "dtype": dtype, "backend": backend, "device": str(slm_backend.device),
+            "threads": threads or {}, "kernels": kernels(slm=slm_backend, llm=llm_backend), "policy": policy.name,
+            **conversation_figures(measured)}
+
+
+def timed_turn(client, messages: list[dict], n_tokens: int) -> dict:
+    """One turn, streamed: its answer's text, seconds to the first token and to the last, its usage."""
+    start, first = time.perf_counter(), None
+    text, usage = [], None
+    stream = client.chat.completions.create(model="r2r", messages=messages, temperature=0, max_tokens=n_tokens,
+                                            stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            text.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    end = time.perf_counter()
+    return {"text": "".join(text), "ttft_s": (first or end) - start, "seconds": end - start,
+            "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+            "completion_tokens": usage.completion_tokens}
+
+
+def conversation_figures(measured: dict[str, list]) -> dict:
+    """Per setting and turn, the means over clients and rounds; each setting's mean conversation; the ratios of the
+    setting without kept prompts to the one with (above 1: prefix caching is faster)."""
+    per_turn, whole = {}, {}
+    for name, per_round in measured.items():
+        talks = [talk for clients in per_round for talk in clients]
+        per_turn[name] = [{key: float(np.mean([talk[t][key] for talk in talks]))
+                           for key in ("prompt_tokens", "cached_tokens", "ttft_s", "seconds", "completion_tokens")}
+                          for t in range(len(talks[0]))]
+        whole[name] = {"seconds": float(np.mean([sum(turn["seconds"] for turn in talk) for talk in talks])),
+                       "ttft_s": float(np.mean([sum(turn["ttft_s"] for turn in talk) for talk in talks]))}
+    kept, none = per_turn["kept"], per_turn["none"]
+    texts = {name: [turn["text"] for clients in per_round for talk in clients for turn in talk]
+             for name, per_round in measured.items()}
+    return {"per_turn": per_turn, "conversation": whole,
+            "x_ttft_per_turn": [b["ttft_s"] / a["ttft_s"] for a, b in zip(kept, none)],
+            "x_ttft": whole["none"]["ttft_s"] / whole["kept"]["ttft_s"],
+            "x_seconds": whole["none"]["seconds"] / whole["kept"]["seconds"],
+            "same_answers": sum(a == b for a, b in zip(texts["kept"], texts["none"])), "answers": len(texts["kept"])}
+
+
+def plot_conversations(result: dict, path) -> None:
+    """Each turn's time to the first token, with prefix caching and without, against the turn's prompt length."""
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for name, label in (("none", "no prefix caching"), ("kept", "prefix caching")):
+        turns = result["per_turn"][name]
+        axis.plot([t["prompt_tokens"] for t in turns], [t["ttft_s"] for t in turns], marker="o", label=label)
+    axis.set_xlabel("prompt tokens (the conversation so far)")
+    axis.set_ylabel("time to first token (s)")
+    axis.set_title(f"{result['clients']} conversation(s) at once, {result['backend']} on {result['device']}")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

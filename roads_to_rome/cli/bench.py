@@ -21,6 +21,7 @@ from roads_to_rome.cli.options import (
     MaxUnverified,
     Out,
     OverlapAhead,
+    PrefixCacheTokens,
     Slm,
     Threads,
     VerifyList,
@@ -175,6 +176,37 @@ def bench_serve(
                          progress, parse_threads(threads))
     console.print(tables.bench_serve(result))
     save(result, out)
+
+
+@bench_app.command("prefix")
+def bench_prefix(
+    clients: int = count(2, "--clients", help="Conversations held at once, one client each."),
+    turns: int = count(4, "--turns", help="Questions per conversation (GSM8K dev items, each client its own)."),
+    tokens: int = count(128, "--tokens", help="max_tokens per turn."),
+    prefix_cache_tokens: PrefixCacheTokens = 16384,
+    rounds: int = count(1, "--rounds", help="Times over, the two servers taking turns (figures pool the rounds)."),
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
+    threads: Threads = None, out: Out = None,
+):
+    """Prefix caching: multi-turn conversations through the server with it and without, side by side. Each turn's
+    prompt holds the conversation so far; with prefix caching each model reads only what it has not kept. Time to
+    the first token per turn and the conversations' seconds, in one run (a plot beside --out's JSON)."""
+    require_extra("serve", "`r2r bench prefix`")
+    require_extra("eval", "`r2r bench prefix`")
+    from roads_to_rome.bench.serving import conversations, plot_conversations
+    from roads_to_rome.models.loading import parse_threads, pick_dtype
+
+    if prefix_cache_tokens < 1:
+        raise R2RError("--prefix-cache-tokens is what the server with prefix caching keeps: give 1 or more")
+    dtype = pick_dtype(dtype, device)
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console, transient=True) as progress:
+        result = conversations(slm, llm, device, dtype, clients, turns, tokens, backend, prefix_cache_tokens, rounds,
+                               progress, parse_threads(threads))
+    console.print(tables.bench_prefix(result))
+    save(result, out)
+    if out:
+        plot_conversations(result, out.with_suffix(".png"))
+        console.print(f"plot in {out.with_suffix('.png')}")
 
 
 def show_phases(result: dict, modes: tuple[str, str], setting: str, out: Path | None) -> None:

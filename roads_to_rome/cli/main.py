@@ -29,6 +29,7 @@ from roads_to_rome.cli.options import (
     Docs,
     DrainTimeout,
     Dtype,
+    EnablePrefixCaching,
     FrequencyPenalty,
     GrammarFileOpt,
     Host,
@@ -58,6 +59,7 @@ from roads_to_rome.cli.options import (
     OverlapAhead,
     Port,
     PrefillChunk,
+    PrefixCacheTokens,
     PresencePenalty,
     ReasoningParserOpt,
     RegexOpt,
@@ -228,6 +230,7 @@ def serve(
     llm_retry: LlmRetry = None, llm_api_key: LlmApiKey = None,
     max_batch: MaxBatch = 8, max_queue: MaxQueue = 64, max_tokens: MaxTokens = 4096,
     kv_cache_tokens: KvCacheTokens = None, prefill_chunk: PrefillChunk = 64,
+    prefix_cache_tokens: PrefixCacheTokens = 16384, enable_prefix_caching: EnablePrefixCaching = True,
     max_stop_strings: MaxStopStrings = 4, max_stop_chars: MaxStopChars = 256, max_tokenizing: MaxTokenizing = 4,
     max_body_bytes: MaxBodyBytes = 1 << 20, max_head_seconds: MaxHeadSeconds = 10.0,
     max_body_seconds: MaxBodySeconds = 30.0,
@@ -240,6 +243,8 @@ def serve(
     """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health), with
     Anthropic's /v1/messages, and a playground at /."""
     require_extra("serve", "`r2r serve`")
+    from roads_to_rome.backends.llamacpp import MAX_SEQUENCES
+    from roads_to_rome.core.prefix_cache import KEPT_ROWS
     from roads_to_rome.models import EngineConfig, load_engine
     from roads_to_rome.reasoning import check_parser
     from roads_to_rome.serving import server
@@ -250,7 +255,10 @@ def serve(
     check_parser(reasoning_parser)
     check_tool_parser(tool_call_parser)
     check_exposure(host, api_key, allow_unauthenticated)
-    llama = {"max_rows": max_batch, "n_ctx": kv_cache_tokens or max_batch * 4096}
+    prefix_cache_tokens = prefix_cache_tokens if enable_prefix_caching else 0
+    # llama.cpp: each kept prompt holds one of a context's sequences, beside the batch's rows
+    kept_rows = min(KEPT_ROWS, MAX_SEQUENCES - max_batch) if prefix_cache_tokens else 0
+    llama = {"max_rows": max_batch + max(kept_rows, 0), "n_ctx": kv_cache_tokens or max_batch * 4096}
     engine = load_engine(EngineConfig(slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
                                       policy=router.value if router else None, threshold=threshold,
                                       router_path=router_path, verify=verify, max_unverified=max_unverified,
@@ -258,6 +266,7 @@ def serve(
                                       overlap_ahead=overlap_ahead, threads=threads, llm_retry=llm_retry,
                                       llm_api_key=llm_api_key, llama=llama, chat_template=chat_template))
     limits = Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
+                    prefix_cache_tokens=prefix_cache_tokens,
                     max_body_bytes=max_body_bytes, max_stop_strings=max_stop_strings, max_stop_chars=max_stop_chars,
                     max_tokenizing=max_tokenizing, max_head_seconds=max_head_seconds, max_body_seconds=max_body_seconds,
                     max_connections=max_connections, max_request_seconds=max_request_seconds,

@@ -172,6 +172,13 @@ MaxQueue = Annotated[int, typer.Option("--max-queue", min=1, help="Requests wait
 MaxTokens = Annotated[int, typer.Option("--max-tokens", min=1, help="The most new tokens a request may ask for.")]
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", min=1, help="Prompt tokens read between two decode "
                                            "steps (running streams keep going while a long prompt is read).")]
+PrefixCacheTokens = Annotated[int, typer.Option("--prefix-cache-tokens", min=0, help="Prompt tokens each model keeps "
+                                                "read for later prompts that begin the same way (a conversation's "
+                                                "next turn, a shared system message), the least recently used "
+                                                "dropped beyond it or when a request needs the KV room; 0: none.")]
+EnablePrefixCaching = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
+                                                   help="Prefix caching (vLLM's switch; --prefix-cache-tokens sizes "
+                                                   "it).")]
 MaxStopStrings = Annotated[int, typer.Option("--max-stop-strings", min=1, help="Stop strings one request may give "
                                              "(then 400).")]
 MaxStopChars = Annotated[int, typer.Option("--max-stop-chars", min=1, help="The longest stop string, in characters.")]

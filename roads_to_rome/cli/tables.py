@@ -206,6 +206,26 @@ def bench_serve(result: dict) -> Table:
     return table
 
 
+def bench_prefix(result: dict) -> Table:
+    """`r2r bench prefix`: each turn's time to the first token with prefix caching and without."""
+    table = Table("turn", "prompt tokens", "found kept", "TTFT s kept", "TTFT s none", "× TTFT", "turn s kept",
+                  "turn s none",
+                  title=f"{result['clients']} conversation(s) of {result['turns']} turns, up to {result['tokens']} "
+                        f"tokens each, {result['rounds']} round(s) ({result['policy']}; {result['backend']}, "
+                        f"{result['dtype']}, {result['device']}); same answers {result['same_answers']}/"
+                        f"{result['answers']}", title_justify="left")
+    kept, none = result["per_turn"]["kept"], result["per_turn"]["none"]
+    for t, (a, b, x) in enumerate(zip(kept, none, result["x_ttft_per_turn"]), 1):
+        table.add_row(str(t), f"{a['prompt_tokens']:.0f}", f"{a['cached_tokens']:.0f}", f"{a['ttft_s']:.2f}",
+                      f"{b['ttft_s']:.2f}", f"{x:.2f}×", f"{a['seconds']:.1f}", f"{b['seconds']:.1f}")
+    whole = result["conversation"]
+    table.add_row("all", "", "", f"{whole['kept']['ttft_s']:.2f}", f"{whole['none']['ttft_s']:.2f}",
+                  f"{result['x_ttft']:.2f}×", f"{whole['kept']['seconds']:.1f}", f"{whole['none']['seconds']:.1f}",
+                  end_section=True)
+    table.caption = f"a whole conversation: {result['x_seconds']:.2f}× faster with prefix caching"
+    return table
+
+
 def bench_steps(result: dict, ks: list[int], backend: str, dtype: str, context: int) -> Table:
     """`r2r bench steps`: milliseconds per forward step."""
     title = f"ms per forward step ({backend}, {dtype}, {result['device']}, {context}-token cache)"

@@ -268,6 +268,8 @@ class Counters:
     steps: int = 0  # decode steps (of a whole batch)
     llm_calls: int = 0  # LLM catch-ups
     routed_rows: int = 0  # rows whose routed token an LLM call served, summed over the calls
+    prefix_queries: int = 0  # prompt tokens looked up among the kept prompts (core/prefix_cache.py)
+    prefix_hits: int = 0  # ... of them found there, not read again
 
     @property
     def routed_rows_per_call(self) -> float:

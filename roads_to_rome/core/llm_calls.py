@@ -285,12 +285,25 @@ class LLMCalls:
                                  always=not len(rows)))
 
     def append_rows(self, cache: QueuedCache, other: QueuedCache) -> None:
-        def append(inner, other_inner):
+        def append(inner):
             if other.error is not None:
                 raise other.error
-            self.backend.append_rows(inner, other_inner)
+            self.backend.append_rows(inner, other.inner)  # (as it is then: a queued copy may have made it)
 
-        self._settle(self._queue(cache, append, other.inner))
+        self._settle(self._queue(cache, append))
+
+    def copy_rows(self, cache: QueuedCache, rows: list[int]) -> QueuedCache:
+        """The backend's copy, made on the worker behind what is queued: the new cache's operations queue after it."""
+        copied = self.new_cache()
+        copied.length = cache.length
+
+        def copy(_):
+            if cache.error is not None:
+                raise cache.error
+            copied.inner = self.backend.copy_rows(cache.inner, list(rows))
+
+        self._settle(self._queue(copied, copy))
+        return copied
 
     def pad_left(self, cache: QueuedCache, n: int) -> None:
         if cache.length:  # an empty cache stays empty (`Backend.pad_left`)

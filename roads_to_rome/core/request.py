@@ -98,6 +98,9 @@ COUNTERS = {
 class Generation:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
+    # Prompt tokens taken from a kept read of an earlier prompt that began the same way instead of read again
+    # (core/prefix_cache.py): the fewest over the models that read the prompt.
+    cached_tokens: int = 0
     sources: list[str] = field(default_factory=list)  # per token: "slm", "llm" (routed) or "fix" (verification)
     scores: list[float] = field(default_factory=list)  # the policy's score behind each decision
     text: str = ""

@@ -10,6 +10,7 @@ import torch
 
 from roads_to_rome.core.batch import Batch
 from roads_to_rome.core.layout import NO_ROWS
+from roads_to_rome.core.prefix_cache import KEPT_ROWS, PrefixCache
 from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step
 from roads_to_rome.core.scoring import score_prompt
 from roads_to_rome.errors import R2RError
@@ -23,15 +24,21 @@ class Scheduler:
 
     Each turn admits waiting sequences, first come first served, while a slot is free and their KV tokens fit;
     reads one chunk of one admitted prompt (chunked prefill, round robin); and runs one decode step of the batch.
+    With prefix caching, each model keeps the prompts it has read (core/prefix_cache.py), and a newcomer's read
+    starts from the longest beginning of its prompt one of them shares.
     The server drives it from its engine thread, a turn at a time between arrivals; `Engine.run` and
     `Engine.stream` (generate, chat, eval, the label pipeline) to the end. A sequence leaves reporting it once:
     its last `Step` (finished) or a `Failure`."""
 
-    def __init__(self, engine: Engine, max_batch: int | None = None, prefill_chunk: int | None = None):
+    def __init__(self, engine: Engine, max_batch: int | None = None, prefill_chunk: int | None = None,
+                 prefix_tokens: int = 0):
         """`max_batch`: sequences decoding or having their prompt read at once (None: no limit).
         `prefill_chunk`: prompt tokens each model reads per turn, a newcomer's prompt alone, between decode steps
-        (None: newcomers join the batch at once and its next decode step reads their prompts together)."""
+        (None: newcomers join the batch at once and its next decode step reads their prompts together, unless
+        prefix caching reads each alone). `prefix_tokens`: prompt tokens each model keeps for newcomers that begin
+        the same way (0: none; a model behind a server keeps none here, its server caches)."""
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
+        self.prefixes = prefix_caches(engine, prefix_tokens, max_batch)
         self.batch = Batch(engine)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.reading: collections.deque[tuple[Sequence, PromptRead]] = collections.deque()  # admitted, prompt in chunks
@@ -60,6 +67,7 @@ class Scheduler:
         """Waiting sequences take a slot while one is free and their KV tokens fit; the cancelled ones leave. A
         sequence that asks for its prompt's log-probabilities has them scored as it is admitted."""
         left, capacity = [], self.engine.kv_capacity
+        prefixes = [p for p in self.prefixes if p is not None and p.model.kv_capacity is not None]
         while self.waiting:
             s = self.waiting[0]
             need = s.request.kv_tokens
@@ -71,11 +79,13 @@ class Scheduler:
                 continue
             if self.max_batch is not None and self.admitted >= self.max_batch:
                 break
-            if capacity is not None and self.kv_in_use + need > capacity:
-                break  # the head waits for room
+            if capacity is not None:
+                if self.kv_in_use + need > capacity:
+                    break  # the head waits for room
+                make_room(prefixes, capacity - self.kv_in_use - need)
             self.waiting.popleft()
             if s.request.prompt_logprobs is not None:
-                read = PromptRead(self.engine, s)
+                read = PromptRead(self.engine, s, self.prefixes, reuse=False)  # (scored from its first token)
                 try:  # (the scoring models read the whole prompt at once: a turn as long as an unchunked prefill)
                     s.generation.prompt_logprobs, s.generation.prompt_sources = score_prompt(
                         self.engine, s, read.per_model)
@@ -84,8 +94,16 @@ class Scheduler:
                     left.append(Failure(s, e))
                     continue
                 self.reading.append((s, read))  # the prompt is read: what is left of it is the other model's
-            elif self.prefill_chunk:
-                self.reading.append((s, PromptRead(self.engine, s)))
+            elif self.prefill_chunk or any(self.prefixes):
+                try:
+                    read = PromptRead(self.engine, s, self.prefixes)
+                except Exception as e:  # only this sequence fails
+                    left.append(Failure(s, e))
+                    continue
+                self.reading.append((s, read))
+                if any(self.prefixes):
+                    self.engine.counters.prefix_queries += read.goal
+                    self.engine.counters.prefix_hits += s.generation.cached_tokens
             else:
                 self.joining.append(s)
             self.kv_in_use += need
@@ -127,6 +145,7 @@ class Scheduler:
                 self.reading.rotate(-1)  # the next prompt gets the next chunk
                 return left
             self.reading.popleft()
+            prefill.keep()
             self.batch.add([s], prefill)  # leaves the batch as it was if it fails
         except Exception as e:  # only this sequence was being read: only it fails
             if self.reading and self.reading[0][0] is s:
@@ -168,27 +187,55 @@ class PromptRead:
     the batch. A model does not read a prompt it will never be asked about (`Engine.readers`): the LLM a request
     forced onto the SLM, the SLM one forced onto the LLM."""
 
-    def __init__(self, engine: Engine, sequence: Sequence):
+    def __init__(self, engine: Engine, sequence: Sequence, prefixes: tuple = (None, None), reuse: bool = True):
+        """`prefixes`: the writer's and the LLM's kept prompts (`Scheduler.prefixes`); `reuse`: whether the read may
+        start from one of them (not when every position's output is wanted: a scored prompt)."""
         writes, reads = engine.readers(sequence)
         writer, llm = engine.writer if writes else None, engine.llm_side if reads else None
+        self.prompt, self.goal = sequence.prompt_ids, len(sequence.prompt_ids) - 1
+        started = [(None, 0) if m is None or p is None or not reuse else p.take(self.prompt[: self.goal])
+                   for m, p in zip((writer, llm), prefixes)]
         # (writer's cache, LLM's), None for a model that does not read it: as `Layout.join` takes them
-        self.per_model = tuple(None if m is None else m.new_cache() for m in (writer, llm))
-        self.models = [(m, c) for m, c in zip((writer, llm), self.per_model) if m is not None]
+        self.per_model = tuple(None if m is None else cache if cache is not None else m.new_cache()
+                               for m, (cache, _) in zip((writer, llm), started))
+        self.models = [(m, c, p) for m, c, p in zip((writer, llm), self.per_model, prefixes) if m is not None]
         self.ids = torch.tensor([sequence.prompt_ids], device=engine.writer.device)
-        self.goal = len(sequence.prompt_ids) - 1
+        sequence.generation.cached_tokens = min(n for m, (_, n) in zip((writer, llm), started) if m is not None)
 
     @property
     def done(self) -> bool:
-        return all(c.length >= self.goal for _, c in self.models)
+        return all(c.length >= self.goal for _, c, _ in self.models)
 
     def advance(self, chunk: int) -> None:
         """Read up to `chunk` more prompt tokens with each model."""
-        for model, cache in self.models:
+        for model, cache, _ in self.models:
             end = min(cache.length + chunk, self.goal)
             if end > cache.length:
                 model.read(cache, self.ids[:, cache.length : end], torch.ones_like(self.ids[:, :end]))
 
+    def keep(self) -> None:
+        """Each model with kept prompts keeps a copy of what it has read (the whole prompt, if it scored it)."""
+        for _, cache, prefixes in self.models:
+            if prefixes is not None:
+                prefixes.keep(self.prompt[: cache.length], cache)
+
     def release(self) -> None:
         """Give back what the caches hold now (see `Batch.release`)."""
-        for model, cache in self.models:
+        for model, cache, _ in self.models:
             model.select_rows(cache, NO_ROWS)
+
+
+def prefix_caches(engine: Engine, tokens: int, max_batch: int | None) -> tuple[PrefixCache | None, ...]:
+    """The writer's and the LLM's kept prompts (None: it keeps none). A backend with a fixed number of rows (llama.cpp's
+    sequences) keeps as many prompts as it holds beyond the batch's rows."""
+    rows = KEPT_ROWS if engine.max_rows is None else min(KEPT_ROWS, engine.max_rows - (max_batch or engine.max_rows))
+    return tuple(None if m is None or m.remote or not tokens or rows < 1 else PrefixCache(m, tokens, rows)
+                 for m in (engine.writer, engine.llm_side))
+
+
+def make_room(prefixes: list[PrefixCache], room: int) -> None:
+    """Kept prompts go, the least recently used first, until each model's hold at most `room` KV tokens (counted
+    whole, though a kept prompt shares its cells with the sequence it was copied from while that one runs)."""
+    for p in prefixes:
+        while p.tokens > room:
+            p.evict()

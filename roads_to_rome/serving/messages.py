@@ -236,14 +236,16 @@ def stop_reason(gen: Generation, calls: int, sequences: tuple[str, ...]) -> tupl
 
 
 def message_usage(gen: Generation | None, prompt_tokens: int, reasoned=None) -> dict:
-    """Anthropic's usage (nothing is read from a cache here), R2R's figures beside."""
+    """Anthropic's usage, R2R's figures beside: the prompt tokens prefix caching found are
+    `cache_read_input_tokens`, apart from `input_tokens` (the API's rule: the three together are the prompt)."""
     if gen is None:
         return {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
                 "cache_read_input_tokens": 0}
     chat = usage([gen], reasoned and [reasoned]).model_dump(exclude_unset=True)
     chat.pop("completion_tokens_details", None)
-    return {"input_tokens": chat.pop("prompt_tokens"), "output_tokens": chat.pop("completion_tokens"),
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+    cached = chat.pop("prompt_tokens_details")["cached_tokens"]
+    return {"input_tokens": chat.pop("prompt_tokens") - cached, "output_tokens": chat.pop("completion_tokens"),
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
             **{k: v for k, v in chat.items() if k != "total_tokens"}}
 
 

@@ -22,7 +22,7 @@ from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaTool
 from openai.types.chat.chat_completion_message_function_tool_call import ChatCompletionMessageFunctionToolCall, Function
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_choice import Logprobs
-from openai.types.completion_usage import CompletionTokensDetails
+from openai.types.completion_usage import CompletionTokensDetails, PromptTokensDetails
 from pydantic import BaseModel
 
 from roads_to_rome.core.request import Generation, TokenLogprob
@@ -464,7 +464,8 @@ def provenance(gen: Generation) -> dict:
 
 
 def usage(gens: list[Generation], reasoned: list | None = None, per_prompt: int = 1) -> CompletionUsage:
-    """OpenAI's usage of one request's choices (`per_prompt` for each prompt, which is counted once), plus R2R's
+    """OpenAI's usage of one request's choices (`per_prompt` for each prompt, which is counted once, as are the
+    tokens of it its first choice took from prefix caching, `cached_tokens`), plus R2R's
     figures (`Generation.counters`, summed; the LLM's rate and the activated parameters over all their tokens); with
     a reasoning parser (`reasoned`: each choice's split), the thinking's tokens and the LLM's share of the thinking
     and of the answer apart."""
@@ -481,6 +482,8 @@ def usage(gens: list[Generation], reasoned: list | None = None, per_prompt: int 
                     "llm_rate_thinking": llm_rate([s for think, _ in parts for s in think]),
                     "llm_rate_answer": llm_rate([s for _, answer in parts for s in answer])}
     prompt = sum(len(gen.prompt_ids) for gen in gens[::per_prompt])
+    cached = sum(gen.cached_tokens for gen in gens[::per_prompt])
     return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
                            llm_rate=rate,
                            avg_activated_params_b=slm + router + rate * llm, **counters, **thinking)

@@ -353,7 +353,8 @@ class Draft:
 def response_usage(chat: dict) -> dict:
     """A chat reply's usage as the Responses API counts it, R2R's figures beside."""
     details = chat.pop("completion_tokens_details", None) or {}
-    return {"input_tokens": chat.pop("prompt_tokens"), "input_tokens_details": {"cached_tokens": 0},
+    cached = chat.pop("prompt_tokens_details")["cached_tokens"]
+    return {"input_tokens": chat.pop("prompt_tokens"), "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": chat.pop("completion_tokens"),
             "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens") or 0},
             "total_tokens": chat.pop("total_tokens"), **chat}

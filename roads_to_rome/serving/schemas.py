@@ -40,6 +40,8 @@ class Limits:
     # Prompt tokens read per model between two decode steps: large enough to read a prompt near the best rate,
     # small enough that running streams keep getting tokens while it is read (README, "Serving").
     prefill_chunk: int = 64
+    # Prompt tokens each model keeps read for newcomers whose prompt begins the same way (0: no prefix caching)
+    prefix_cache_tokens: int = 16384
     max_body_bytes: int = 1 << 20  # a request body's limit (413 beyond): 8x what the longest context holds
     # OpenAI's limit. Every row decodes its tail and searches it for each stop string every step, on the engine
     # thread, and a stream holds back the longest one's length: both stay small.

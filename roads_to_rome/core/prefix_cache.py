@@ -1,0 +1,96 @@
+"""Prompts read before, kept so that a newcomer whose prompt begins the same way reads only the rest (prefix caching,
+as vLLM's automatic prefix caching and llama.cpp's `cache_prompt` do): a conversation's next turn, an agent loop's
+next step, the n choices of one prompt, prompts that share a system message.
+
+Each model keeps its own (`PrefixCache`): a kept prompt is a one-row cache of that model holding exactly its tokens,
+copied (`Backend.copy_rows`) when the scheduler's `PromptRead` has read it. A newcomer's read starts from a copy of
+the kept cache that shares the longest beginning with its prompt, cut back to what they share. The least recently
+used kept prompt goes first when the budget in tokens or in rows is spent, or when a newcomer needs its KV room
+(`Scheduler.admit`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from roads_to_rome.core.layout import NO_ROWS
+
+KEPT_ROWS = 16  # prompts each model keeps at most (on llama.cpp each holds one of the context's sequences)
+
+
+@dataclass
+class Kept:
+    tokens: np.ndarray  # what the cache holds
+    cache: object  # one row, no padding
+
+
+class PrefixCache:
+    """One model's kept prompts, least recently used first."""
+
+    def __init__(self, model, max_tokens: int, max_rows: int = KEPT_ROWS):
+        """`model`: the backend (or the LLM's queue, `LLMCalls`) whose caches these are; `max_tokens`: the tokens
+        kept at most; `max_rows`: the prompts kept at most."""
+        self.model, self.max_tokens, self.max_rows = model, max_tokens, max_rows
+        self.kept: OrderedDict[int, Kept] = OrderedDict()
+        self.tokens = 0  # held by the kept caches together
+        self._keys = itertools.count()
+
+    def take(self, ids: list[int] | tuple[int, ...]) -> tuple[object | None, int]:
+        """A new cache holding the longest beginning of `ids` a kept prompt shares (a copy: the kept one stays), and
+        how many tokens that is; (None, 0) when no kept prompt begins as `ids` does."""
+        ids = np.asarray(ids, dtype=np.int64)
+        best, key = 0, None
+        for k, kept in self.kept.items():
+            shared = common_prefix(kept.tokens, ids)
+            if shared > best:
+                best, key = shared, k
+        if key is None:
+            return None, 0
+        self.kept.move_to_end(key)
+        cache = self.model.copy_rows(self.kept[key].cache, [0])
+        self.model.truncate(cache, best)
+        return cache, best
+
+    def keep(self, ids: list[int] | tuple[int, ...], cache) -> None:
+        """Keep a copy of `cache`, one unpadded row holding exactly `ids`. A kept prompt that begins `ids` goes (this
+        one holds it too); one that `ids` begins stays, and nothing new is kept."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not len(ids) or len(ids) > self.max_tokens or not self.max_rows:
+            return
+        for k, kept in list(self.kept.items()):
+            shared = common_prefix(kept.tokens, ids)
+            if shared == len(ids):
+                self.kept.move_to_end(k)
+                return
+            if shared == len(kept.tokens):
+                self._drop(k)
+        while self.kept and (self.tokens + len(ids) > self.max_tokens or len(self.kept) >= self.max_rows):
+            self.evict()
+        self.kept[next(self._keys)] = Kept(ids, self.model.copy_rows(cache, [0]))
+        self.tokens += len(ids)
+
+    def evict(self) -> bool:
+        """Let the least recently used kept prompt go; False when none is kept."""
+        if not self.kept:
+            return False
+        self._drop(next(iter(self.kept)))
+        return True
+
+    def clear(self) -> None:
+        while self.evict():
+            pass
+
+    def _drop(self, key: int) -> None:
+        kept = self.kept.pop(key)
+        self.tokens -= len(kept.tokens)
+        self.model.select_rows(kept.cache, NO_ROWS)  # (llama.cpp: its sequence goes back to the context now)
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many tokens `a` and `b` share from their first."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n

@@ -1,0 +1,182 @@
+"""Prefix caching: prompts read before, kept per model, so that a prompt that begins the same way reads only the
+rest (core/prefix_cache.py, the scheduler's `PromptRead`), on every backend, in the LLM's queue (--overlap), and
+through the server's three APIs."""
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from conftest import HAS_LLAMA
+from tiny import save_gguf
+
+from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.prefix_cache import PrefixCache, common_prefix
+from roads_to_rome.core.request import Failure, Request
+from roads_to_rome.core.sampling import SamplingParams
+from roads_to_rome.core.scheduler import Scheduler
+from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RandomPolicy
+from roads_to_rome.serving.background import BackgroundServer
+from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.server import create_app
+
+
+def drive(scheduler, requests, engine):
+    """Each request queued after the one before has finished (a conversation's turns): their generations."""
+    gens = []
+    for request in requests:
+        s = engine.sequence(request)
+        scheduler.add(s)
+        for _ in range(10_000):
+            if scheduler.idle:
+                break
+            failed = [e.error for e in scheduler.turn() if isinstance(e, Failure)]
+            assert not failed, failed
+        gens.append(s.generation)
+    return gens
+
+
+def columns_read(model, monkeypatch) -> list[int]:
+    """Each read's new columns, as the model is handed them from now on (a local model's `read` is its forward)."""
+    read = []
+
+    def spying(original):
+        def spy(cache, new_ids, *args, **kwargs):
+            read.append(new_ids.shape[1])
+            return original(cache, new_ids, *args, **kwargs)
+        return spy
+
+    for name in ("forward", "forward_all"):
+        monkeypatch.setattr(model, name, spying(getattr(model, name)))
+    return read
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prompt_that_begins_as_an_earlier_one_reads_only_the_rest_and_answers_the_same(kind_pair, tokenizer,
+                                                                                         overlap, monkeypatch):
+    """A conversation's second turn begins with the first turn's prompt: each model starts from what it kept of that
+    read and reads only the rest, in chunks, and the answers are the ones a scheduler that keeps nothing gives (strict
+    verification: the LLM's own, however the rows were routed). A third prompt shares only the first's first tokens
+    and starts from them; a request forced onto the SLM takes nothing from the LLM."""
+    slm, llm = kind_pair
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
+    first = engine.encode_raw("A conversation about the capital of France, its rivers and its bridges. " * 2)
+    params = SamplingParams(max_new_tokens=8)
+    alone = Engine(slm, llm, tokenizer, AlwaysLLM())
+    answer = alone.generate([first], params)[0].token_ids
+    second = first + answer + engine.encode_raw(" And of Spain?")
+    third = first[:10] + engine.encode_raw(" something else entirely")
+    scheduler = Scheduler(engine, 4, prefill_chunk=7, prefix_tokens=4096)
+    writer_reads, llm_reads = columns_read(slm, monkeypatch), columns_read(llm, monkeypatch)
+    gens = drive(scheduler, [Request(first, params)], engine)
+    assert gens[0].token_ids == answer and gens[0].cached_tokens == 0
+    del writer_reads[:], llm_reads[:]
+    gens += drive(scheduler, [Request(second, params)], engine)
+    assert gens[1].cached_tokens == len(first) - 1  # what the first read kept: all but its last token
+    rest = len(second) - 1 - gens[1].cached_tokens
+    assert writer_reads[: -(-rest // 7)] == [7] * (rest // 7) + ([rest % 7] if rest % 7 else [])
+    assert llm_reads[: -(-rest // 7)] == writer_reads[: -(-rest // 7)]
+    gens += drive(scheduler, [Request(third, params), Request(second, params, force="slm")], engine)
+    assert gens[2].cached_tokens == common_prefix(np.asarray(first), np.asarray(third)) > 0
+    assert gens[3].cached_tokens == len(second) - 1  # the SLM's own kept read
+    assert [g.token_ids for g in gens[:3]] == [g.token_ids for g in
+                                               alone.generate([first, second, third], params)]
+    assert gens[3].token_ids == Engine(slm, llm, tokenizer, AlwaysSLM()).generate([second], params)[0].token_ids
+    assert engine.counters.prefix_hits == sum(g.cached_tokens for g in gens)
+    assert engine.counters.prefix_queries == sum(len(g.prompt_ids) - 1 for g in gens)
+
+
+def test_what_a_model_keeps_one_prompt_beginning_another_the_budget_and_the_rows(slm, tokenizer):
+    """A kept prompt that a newer one begins with goes (the newer holds it); one the newer begins stays alone; the
+    least recently used goes first beyond the tokens or rows allowed; a copy taken holds exactly the shared tokens."""
+    prefixes = PrefixCache(slm, max_tokens=40, max_rows=2)
+
+    def read(ids):
+        cache = slm.new_cache()
+        slm.forward_sequence(ids, cache=cache)
+        return cache
+
+    a = list(range(5, 25))
+    prefixes.keep(a, read(a))
+    prefixes.keep(a[:12], read(a[:12]))  # begins the kept one: nothing new
+    assert [len(k.tokens) for k in prefixes.kept.values()] == [20]
+    longer = a + [40, 41]
+    prefixes.keep(longer, read(longer))  # holds the kept one: takes its place
+    assert [len(k.tokens) for k in prefixes.kept.values()] == [22] and prefixes.tokens == 22
+    b = [7] * 10
+    prefixes.keep(b, read(b))
+    cache, n = prefixes.take(a[:15] + [99, 98])  # `longer` used last: `b` is the least recently used
+    assert n == 15 and cache.length == 15
+    whole, _ = slm.forward_sequence(a[:15] + [99, 98])
+    logits, _ = slm.forward(cache, torch.tensor([[99, 98]]), torch.ones(1, 17, dtype=torch.long))
+    assert (logits[0] - whole[-1]).abs().max() < 1e-4  # the copy reads on as the whole prompt would
+    c = [9] * 12
+    prefixes.keep(c, read(c))  # two rows at most: `b` goes
+    assert sorted(len(k.tokens) for k in prefixes.kept.values()) == [12, 22] and prefixes.tokens == 34
+    d = [11] * 30
+    prefixes.keep(d, read(d))  # 40 tokens at most: both go
+    assert [len(k.tokens) for k in prefixes.kept.values()] == [30]
+    prefixes.keep([1] * 41, read([1] * 41))  # more than the budget: not kept
+    assert prefixes.tokens == 30
+    assert prefixes.take([2, 3]) == (None, 0)
+
+
+@pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python is not installed")
+def test_llamacpp_kept_prompts_hold_spare_sequences_and_give_their_kv_room_to_requests(slm, llm, tokenizer,
+                                                                                      tmp_path):
+    """On llama.cpp a kept prompt holds one of the context's sequences and its cells: the scheduler keeps as many
+    prompts as there are sequences beyond its batch's, and lets kept prompts go when a request needs their room
+    rather than make it wait for ever."""
+    from roads_to_rome.backends.llamacpp import LlamaCppBackend
+
+    models = []
+    for name, model in (("slm", slm.model), ("llm", llm.model)):
+        save_gguf(model, tokenizer, tmp_path / f"{name}.gguf")
+        models.append(LlamaCppBackend(tmp_path / f"{name}.gguf", name=name, n_ctx=256, max_rows=8,
+                                      vocab_size=len(tokenizer)))
+    engine = Engine(*models, tokenizer, RandomPolicy(0.3, seed=0))
+    scheduler = Scheduler(engine, 6, prefill_chunk=16, prefix_tokens=4096)
+    assert [p.max_rows for p in scheduler.prefixes] == [2, 2]
+    prompts = [engine.encode_raw(f"number {i} " * 3) for i in range(5)]
+    params = SamplingParams(max_new_tokens=4)
+    gens = drive(scheduler, [Request(p, params) for p in prompts] + [Request(prompts[4], params)], engine)
+    assert [len(p.kept) for p in scheduler.prefixes] == [2, 2] and gens[-1].cached_tokens == len(prompts[4]) - 1
+    prompt = engine.encode_raw("x y " * 5)
+    big = Request(prompt, SamplingParams(max_new_tokens=256 - len(prompt) - 2, ignore_eos=True))
+    gens = drive(scheduler, [big], engine)  # admitted once kept prompts made room: its every cell is written
+    assert len(gens[0].token_ids) == big.params.max_new_tokens
+    assert max(p.tokens for p in scheduler.prefixes) <= 256 - big.params.max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def server(slm, llm, tokenizer):
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
+    with BackgroundServer(create_app(engine, "tiny-r2r", Limits(max_tokens=16, context_length=512))) as srv:
+        yield srv
+
+
+def test_the_server_says_what_its_apis_took_from_kept_prompts(server):
+    """Each API reports the prompt tokens prefix caching found as it names them: chat's
+    `prompt_tokens_details.cached_tokens`, the Responses API's `input_tokens_details.cached_tokens` (a response
+    gone on from), Anthropic's `cache_read_input_tokens` (apart from `input_tokens`); /metrics counts them."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    system = {"role": "system", "content": "You answer questions about capitals, rivers and bridges. " * 3}
+    first = client.chat.completions.create(model="tiny-r2r", max_tokens=4, temperature=0,
+                                           messages=[system, {"role": "user", "content": "France?"}])
+    again = client.chat.completions.create(model="tiny-r2r", max_tokens=4, temperature=0,
+                                           messages=[system, {"role": "user", "content": "Spain?"}])
+    shared = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 < shared < again.usage.prompt_tokens
+    response = client.responses.create(model="tiny-r2r", input="Tell me about rivers " * 10, max_output_tokens=4)
+    later = client.responses.create(model="tiny-r2r", input="And bridges?", previous_response_id=response.id,
+                                    max_output_tokens=4)
+    assert later.usage.input_tokens_details.cached_tokens >= response.usage.input_tokens - 1
+    body = {"model": "tiny-r2r", "max_tokens": 4, "system": system["content"],
+            "messages": [{"role": "user", "content": "Italy?"}]}
+    usage = httpx.post(server.url + "/v1/messages", json=body).json()["usage"]
+    assert usage["cache_read_input_tokens"] == shared
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == httpx.post(
+        server.url + "/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    metrics = httpx.get(server.url + "/metrics").text
+    hits = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("r2r:prefix_cache_hits"))
+    assert hits >= shared * 2
