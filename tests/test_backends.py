@@ -247,6 +247,24 @@ def test_copied_rows_go_on_apart_and_leave_the_source_as_it_was(backend, kind, t
     assert close(logits[1], alone[1], kind)
 
 
+def test_a_row_copied_out_of_its_batch_and_trimmed_of_its_padding_reads_on_alone(backend, kind, tokenizer):
+    """What prefix caching keeps of a finished row: copied out of a left-padded batch and its padding trimmed, it
+    reads on, and is cut back, as the row read alone would be."""
+    rows = token_rows(tokenizer)
+    cache, ids, mask = prefilled(backend, rows, tokenizer)
+    short = min(range(len(rows)), key=lambda i: len(rows[i]))
+    pad = ids.shape[1] - len(rows[short])
+    assert pad > 0
+    alone = backend.copy_rows(cache, [short])
+    backend.trim_left(alone, pad)
+    assert alone.length == len(rows[short])
+    for keep, token in ((alone.length, 7), (3, 9)):
+        backend.truncate(alone, keep)
+        logits, _ = backend.forward(alone, torch.tensor([[token]], device=backend.device),
+                                    torch.ones(1, keep + 1, dtype=torch.long, device=backend.device))
+        assert close(logits[0], backend.forward_sequence(rows[short][:keep] + [token])[0][-1], kind)
+
+
 def prefilled(backend, rows, tokenizer):
     ids, mask = left_pad(rows, tokenizer.pad_token_id, backend.device)
     cache = backend.new_cache()

@@ -54,9 +54,9 @@ def columns_read(model, monkeypatch) -> list[int]:
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_prompt_that_begins_as_an_earlier_one_reads_only_the_rest_and_answers_the_same(kind_pair, tokenizer,
                                                                                          overlap, monkeypatch):
-    """A conversation's second turn begins with the first turn's prompt: each model starts from what it kept of that
-    read and reads only the rest, in chunks, and the answers are the ones a scheduler that keeps nothing gives (strict
-    verification: the LLM's own, however the rows were routed). A third prompt shares only the first's first tokens
+    """A conversation's second turn begins with the first turn's prompt and answer: each model starts from what it
+    kept of them and reads only the rest, in chunks, and the answers are the ones a scheduler that keeps nothing gives
+    (strict verification: the LLM's own, however the rows were routed). A third prompt shares only the first's first tokens
     and starts from them; a request forced onto the SLM takes nothing from the LLM."""
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
@@ -72,10 +72,14 @@ def test_a_prompt_that_begins_as_an_earlier_one_reads_only_the_rest_and_answers_
     assert gens[0].token_ids == answer and gens[0].cached_tokens == 0
     del writer_reads[:], llm_reads[:]
     gens += drive(scheduler, [Request(second, params)], engine)
-    assert gens[1].cached_tokens == len(first) - 1  # what the first read kept: all but its last token
-    rest = len(second) - 1 - gens[1].cached_tokens
-    assert writer_reads[: -(-rest // 7)] == [7] * (rest // 7) + ([rest % 7] if rest % 7 else [])
-    assert llm_reads[: -(-rest // 7)] == writer_reads[: -(-rest // 7)]
+    # What each model read of the first turn: its prompt and answer, the SLM all but the answer's last token, the
+    # LLM (lazy, and a rejected token's column forgotten) as far as it caught up: no further. The reported figure is
+    # the fewer.
+    slm_kept = len(first) + len(answer) - 1
+    assert len(first) <= gens[1].cached_tokens <= slm_kept
+    for reads, kept in ((writer_reads, slm_kept), (llm_reads, gens[1].cached_tokens)):
+        rest = len(second) - 1 - kept  # read in chunks of 7 from there
+        assert reads[: -(-rest // 7)] == [7] * (rest // 7) + ([rest % 7] if rest % 7 else [])
     gens += drive(scheduler, [Request(third, params), Request(second, params, force="slm")], engine)
     assert gens[2].cached_tokens == common_prefix(np.asarray(first), np.asarray(third)) > 0
     assert gens[3].cached_tokens == len(second) - 1  # the SLM's own kept read
@@ -145,7 +149,9 @@ def test_llamacpp_kept_prompts_hold_spare_sequences_and_give_their_kv_room_to_re
     big = Request(prompt, SamplingParams(max_new_tokens=256 - len(prompt) - 2, ignore_eos=True))
     gens = drive(scheduler, [big], engine)  # admitted once kept prompts made room: its every cell is written
     assert len(gens[0].token_ids) == big.params.max_new_tokens
-    assert max(p.tokens for p in scheduler.prefixes) <= 256 - big.params.max_new_tokens
+    assert max(p.tokens for p in scheduler.prefixes) > 200  # what the SLM read of it is kept, in turn
+    gens = drive(scheduler, [Request(prompts[0], params)], engine)  # ... and goes to make room
+    assert gens[0].cached_tokens == 0 and max(p.tokens for p in scheduler.prefixes) < 200
 
 
 @pytest.fixture(scope="module")

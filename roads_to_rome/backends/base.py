@@ -132,6 +132,10 @@ class Backend(Protocol):
     def truncate(self, cache: Cache, length: int) -> None:
         """Forget every column from `length` on (no-op when the cache holds fewer)."""
 
+    def trim_left(self, cache: Cache, n: int) -> None:
+        """Forget the first n columns, padding in every row (a row copied out of its batch, kept alone: prefix
+        caching); the columns after them keep their positions."""
+
     def shift_rows(self, cache: Cache, shifts: list[int]) -> None:
         """Move row i's columns right by shifts[i]: its last shifts[i] columns are forgotten and as many
         padding columns come in on its left (a row rolled back by verification stays left-padded)."""

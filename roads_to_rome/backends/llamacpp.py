@@ -184,6 +184,12 @@ class LlamaCppBackend(LocalBackend):
                 llama_cpp.llama_memory_seq_rm(self._memory, seq, max(0, length - pad), -1)
             cache.length = length
 
+    def trim_left(self, cache: LlamaCache, n: int) -> None:
+        # Padding is bookkeeping here: a row's column c sits at position c - pad before and after.
+        if n and cache.length:
+            cache.pads[:] = [p - n for p in cache.pads]
+            cache.length -= n
+
     def shift_rows(self, cache: LlamaCache, shifts: list[int]) -> None:
         # A row's column c sits at position c - pad: one more padding column per shift keeps every kept
         # token's position, so only the dropped tail leaves the sequence.

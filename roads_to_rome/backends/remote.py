@@ -495,6 +495,10 @@ class RemoteBackend:
             cache.rows = [row[: max(0, len(row) - drop)] for row in cache.rows]
             cache.length = length
 
+    def trim_left(self, cache: RemoteCache, n: int) -> None:
+        if cache.length:  # (padding is never sent)
+            cache.length -= n
+
     def shift_rows(self, cache: RemoteCache, shifts: list[int]) -> None:
         cache.rows = [row[: max(0, len(row) - s)] if s else row for row, s in zip(cache.rows, shifts)]
 

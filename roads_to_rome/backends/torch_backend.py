@@ -58,6 +58,12 @@ class TorchCache:
         if self.length:
             self.replace([t[rows] for t in self.tensors()])
 
+    def trim_left(self, n: int) -> None:
+        # (positions were applied as the keys were written: they count real tokens only, not these columns)
+        if n and self.length:
+            self.replace([t[:, :, n:].contiguous() for t in self.tensors()])
+            self.length -= n
+
     def append_rows(self, other: TorchCache) -> None:
         if self.length != other.length:
             raise ValueError("caches must cover the same columns")
@@ -96,8 +102,13 @@ class DynamicTorchCache(TorchCache):
             layer.keys, layer.values = keys, values
 
     def copy_rows(self, rows: torch.Tensor) -> DynamicTorchCache:
+        if not self.length:
+            return DynamicTorchCache(copy.deepcopy(self.kv))
+        held = self.tensors()
+        self.replace([t[:0] for t in held])  # the structure copied without the batch's every row
         copied = DynamicTorchCache(copy.deepcopy(self.kv), self.length)
-        copied.select_rows(rows)
+        self.replace(held)
+        copied.replace([t[rows] for t in held])
         return copied
 
     def pad_left(self, n: int) -> None:
@@ -336,6 +347,9 @@ class TorchBackend(LocalBackend):
 
     def truncate(self, cache: TorchCache, length: int) -> None:
         cache.truncate(length)
+
+    def trim_left(self, cache: TorchCache, n: int) -> None:
+        cache.trim_left(n)
 
     @torch.inference_mode()
     def shift_rows(self, cache: TorchCache, shifts: list[int]) -> None:

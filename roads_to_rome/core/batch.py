@@ -14,7 +14,8 @@ keeps its own KV cache. Per step (`Batch.step`):
      verification.py), a row whose token it rejects goes back there, and its token replaces the
      SLM's in the rows routed now;
   5. the chosen tokens become a new column; finished rows leave the batch (a row waiting for the
-     LLM's word on where it ends, or too far ahead of the call in flight, stands still).
+     LLM's word on where it ends, or too far ahead of the call in flight, stands still), each model
+     keeping what it read of them for a later prompt that begins the same way (prefix caching).
 
 The LLM reads lazily: nothing until the first routed token, then everything since its last read.
 Because every row gains exactly one token per step, both caches stay rectangular: the SLM's
@@ -101,8 +102,9 @@ class Batch:
     already is, then its cache rows are appended. Finished and cancelled sequences leave.
     """
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, prefixes: tuple = (None, None)):
+        """`prefixes`: the writer's and the LLM's kept prompts (core/prefix_cache.py; None: a model keeps none)."""
+        self.engine, self.prefixes = engine, prefixes
         self.sequences: list[Sequence] = []
         self.layout = Layout(engine)  # the token streams and both caches
         self.call: Call | None = None  # (overlap) the LLM's catch-up in flight
@@ -333,13 +335,13 @@ class Batch:
     def _emit(self, step: StepRecord, times: tuple[float, ...]) -> list[Step | Failure]:
         """5. Rows whose check rejected a token go back to it (their later tokens are discarded and the LLM's
         token goes in its place); rows that stand still stay where they are; then the new column is appended, each
-        row's token recorded, and finished rows leave the batch. A row whose output ends on a token the LLM has
-        yet to check stays, standing still, until it has."""
+        row's token recorded, and finished rows leave the batch, kept where a model keeps what it read (prefix
+        caching). A row whose output ends on a token the LLM has yet to check stays, standing still, until it has."""
         dropped = self._roll_back(step)
         self.layout.append_column(step.chosen)
         t0, t1, t2, t3 = times
         now = time.perf_counter()
-        events, keep = [], []
+        events, keep, finished = [], [], []
         self.engine.counters.steps += 1
         llm_ran = step.reads is not None
         for i, (s, token, source, score) in enumerate(zip(self.sequences, step.chosen.tolist(), step.sources,
@@ -355,6 +357,7 @@ class Batch:
                 gen.text, gen.stop_reason = final_text(self.engine.tokenizer, s)
                 events.append(Step(s, gen.token_ids[-1], gen.sources[-1], gen.scores[-1], True, 0,
                                    verification.settle(s, True)))
+                finished.append(i)
                 continue
             gen.elapsed_s = now - s.started
             if step.held[i]:
@@ -367,10 +370,13 @@ class Batch:
             if reason:
                 gen.finish_reason = reason
                 gen.text, gen.stop_reason = final_text(self.engine.tokenizer, s)
+                finished.append(i)
             else:
                 keep.append(i)
             events.append(Step(s, token, source, float(score), reason is not None, dropped.get(i, 0),
                                verification.settle(s, reason is not None)))
+        if finished and any(self.prefixes):
+            self.layout.keep_rows(finished, self.prefixes)
         self._keep(keep)
         return events
 

@@ -127,6 +127,17 @@ class Layout:
             raise
         return joining
 
+    def keep_rows(self, rows: list[int], prefixes: tuple) -> None:
+        """Each model with kept prompts (`prefixes`: the writer's, the LLM's) keeps what it has read of these rows,
+        each alone, its padding trimmed (core/prefix_cache.py)."""
+        for cache, held, kept in ((self.writer_cache, self.writer_rows, prefixes[0]),
+                                  (self.llm_cache, self.llm_rows, prefixes[1])):
+            place = {row: k for k, row in enumerate(held)}  # batch row -> its row in the cache
+            for i in rows if kept is not None and cache is not None else ():
+                pad = int((self.mask[i] == 0).sum())  # (a row's padding is on its left)
+                if i in place and cache.length > pad:
+                    kept.keep(self.ids[i, pad : cache.length].tolist(), cache, place[i], pad)
+
     def append_column(self, tokens: torch.Tensor) -> None:
         """Write a column of tokens after the last one, growing the buffers (doubling them) when full."""
         rows, room = self._ids.shape

@@ -314,6 +314,11 @@ class LLMCalls:
         cache.length = min(cache.length, length)
         self._settle(self._queue(cache, self.backend.truncate, length))
 
+    def trim_left(self, cache: QueuedCache, n: int) -> None:
+        if cache.length:
+            cache.length -= n
+        self._settle(self._queue(cache, self.backend.trim_left, n))
+
     def shift_rows(self, cache: QueuedCache, shifts: list[int]) -> None:
         self._settle(self._queue(cache, self.backend.shift_rows, list(shifts)))
 

@@ -3,7 +3,9 @@ as vLLM's automatic prefix caching and llama.cpp's `cache_prompt` do): a convers
 next step, the n choices of one prompt, prompts that share a system message.
 
 Each model keeps its own (`PrefixCache`): a kept prompt is a one-row cache of that model holding exactly its tokens,
-copied (`Backend.copy_rows`) when the scheduler's `PromptRead` has read it. A newcomer's read starts from a copy of
+copied (`Backend.copy_rows`) when the scheduler's `PromptRead` has read it, and again, with its answer, when the
+sequence leaves the batch finished (what the model read of it, its padding trimmed). A newcomer's read starts from a
+copy of
 the kept cache that shares the longest beginning with its prompt, cut back to what they share. The least recently
 used kept prompt goes first when the budget in tokens or in rows is spent, or when a newcomer needs its KV room
 (`Scheduler.admit`)."""
@@ -54,9 +56,9 @@ class PrefixCache:
         self.model.truncate(cache, best)
         return cache, best
 
-    def keep(self, ids: list[int] | tuple[int, ...], cache) -> None:
-        """Keep a copy of `cache`, one unpadded row holding exactly `ids`. A kept prompt that begins `ids` goes (this
-        one holds it too); one that `ids` begins stays, and nothing new is kept."""
+    def keep(self, ids: list[int] | tuple[int, ...], cache, row: int = 0, pad: int = 0) -> None:
+        """Keep a copy of `cache`'s `row`, which holds `pad` padding columns and then exactly `ids`. A kept prompt
+        that begins `ids` goes (this one holds it too); if one holds `ids` already, nothing new is kept."""
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids) or len(ids) > self.max_tokens or not self.max_rows:
             return
@@ -69,7 +71,10 @@ class PrefixCache:
                 self._drop(k)
         while self.kept and (self.tokens + len(ids) > self.max_tokens or len(self.kept) >= self.max_rows):
             self.evict()
-        self.kept[next(self._keys)] = Kept(ids, self.model.copy_rows(cache, [0]))
+        copied = self.model.copy_rows(cache, [row])
+        if pad:
+            self.model.trim_left(copied, pad)
+        self.kept[next(self._keys)] = Kept(ids, copied)
         self.tokens += len(ids)
 
     def evict(self) -> bool:

@@ -39,7 +39,7 @@ class Scheduler:
         the same way (0: none; a model behind a server keeps none here, its server caches)."""
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.prefixes = prefix_caches(engine, prefix_tokens, max_batch)
-        self.batch = Batch(engine)
+        self.batch = Batch(engine, self.prefixes)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.reading: collections.deque[tuple[Sequence, PromptRead]] = collections.deque()  # admitted, prompt in chunks
         self.joining: list[Sequence] = []  # admitted, to join the batch at the next decode step
@@ -167,7 +167,7 @@ class Scheduler:
         try:
             stepped = self.batch.step()
         except Exception as e:  # a step runs every row at once: fail the sequences in it, start a fresh batch
-            failed, self.batch = self.batch, Batch(self.engine)
+            failed, self.batch = self.batch, Batch(self.engine, self.prefixes)
             failed.release()
             return events + [self._leave(s, Failure(s, e)) for s in before]
         return events + [self._leave(e.sequence, e) if isinstance(e, Failure) or e.finished else e for e in stepped]
