@@ -1,6 +1,7 @@
 """The command line on a tiny pair: JSON contract, highlighting, and one-line errors."""
 
 import json
+import re
 
 import pytest
 from tiny import save_pair, tiny_tokenizer
@@ -163,10 +164,13 @@ def test_generate_writes_the_chat_in_the_template_given(run_cli, pair, tmp_path)
 def test_chat_streams_and_quits_on_empty_line(run_cli, pair, monkeypatch):
     import io
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("What is 48 / 2?\n\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is 48 / 2?\nAnd 48 / 3?\n\n"))
     code, out, err = run_cli("chat", "--max-new-tokens", "5", "--router", "random", *pair)
     assert code == 0, err
-    assert "LLM rate" in out
+    assert out.count("LLM rate") == 2
+    # The second turn reads only what follows the first turn's prompt and answer (prefix caching)
+    kept = re.findall(r"prompt tokens +(\d+) \((\d+) kept read from before", out)
+    assert len(kept) == 1 and 0 < int(kept[0][1]) < int(kept[0][0])
 
 
 def test_benchmarks_run_and_report_ratios(run_cli, pair, tmp_path):

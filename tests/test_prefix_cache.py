@@ -56,8 +56,8 @@ def test_a_prompt_that_begins_as_an_earlier_one_reads_only_the_rest_and_answers_
                                                                                          overlap, monkeypatch):
     """A conversation's second turn begins with the first turn's prompt and answer: each model starts from what it
     kept of them and reads only the rest, in chunks, and the answers are the ones a scheduler that keeps nothing gives
-    (strict verification: the LLM's own, however the rows were routed). A third prompt shares only the first's first tokens
-    and starts from them; a request forced onto the SLM takes nothing from the LLM."""
+    (strict verification: the LLM's own, however the rows were routed). A third prompt shares only the first's first
+    tokens and starts from them; a request forced onto the SLM takes nothing from the LLM."""
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
     first = engine.encode_raw("A conversation about the capital of France, its rivers and its bridges. " * 2)
@@ -88,6 +88,30 @@ def test_a_prompt_that_begins_as_an_earlier_one_reads_only_the_rest_and_answers_
     assert gens[3].token_ids == Engine(slm, llm, tokenizer, AlwaysSLM()).generate([second], params)[0].token_ids
     assert engine.counters.prefix_hits == sum(g.cached_tokens for g in gens)
     assert engine.counters.prefix_queries == sum(len(g.prompt_ids) - 1 for g in gens)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_finished_row_kept_out_of_a_padded_batch_answers_as_read_afresh(kind_pair, tokenizer, overlap):
+    """A short prompt decodes beside a long one (left-padded in the batch); each model keeps what it read of it, its
+    padding trimmed. A next turn that begins with its prompt and answer starts from there and answers as it would read
+    afresh: the LLM's own answer (strict verification), and the SLM's own when forced onto it."""
+    slm, llm = kind_pair
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
+    short, long = engine.encode_raw("Count to five."), engine.encode_raw("A much longer prompt about bridges. " * 3)
+    params = SamplingParams(max_new_tokens=6)
+    scheduler = Scheduler(engine, 4, prefill_chunk=5, prefix_tokens=4096)
+    sequences = [engine.sequence(Request(p, params)) for p in (short, long)]
+    for s in sequences:
+        scheduler.add(s)
+    while not scheduler.idle:
+        assert not [e.error for e in scheduler.turn() if isinstance(e, Failure)]
+    answer = sequences[0].generation.token_ids
+    follow = short + answer + engine.encode_raw(" and back")
+    gens = drive(scheduler, [Request(follow, params), Request(follow + [5], params, force="slm")], engine)
+    assert gens[0].cached_tokens >= len(short) + len(answer) - 3 and gens[1].cached_tokens >= len(follow) - 1
+    assert gens[0].token_ids == Engine(slm, llm, tokenizer, AlwaysLLM()).generate([follow], params)[0].token_ids
+    assert gens[1].token_ids == Engine(slm, llm, tokenizer, AlwaysSLM()).generate([follow + [5]],
+                                                                                  params)[0].token_ids
 
 
 def test_what_a_model_keeps_one_prompt_beginning_another_the_budget_and_the_rows(slm, tokenizer):

@@ -261,13 +261,19 @@ def conversation_figures(measured: dict[str, list]) -> dict:
         whole[name] = {"seconds": float(np.mean([sum(turn["seconds"] for turn in talk) for talk in talks])),
                        "ttft_s": float(np.mean([sum(turn["ttft_s"] for turn in talk) for talk in talks]))}
     kept, none = per_turn["kept"], per_turn["none"]
-    texts = {name: [turn["text"] for clients in per_round for talk in clients for turn in talk]
-             for name, per_round in measured.items()}
+    talks = {name: [talk for clients in per_round for talk in clients] for name, per_round in measured.items()}
+    # Where each conversation's answers first differ between the two (None: nowhere): a near-tie read another way
+    # falls the other way, and every later turn's prompt differs from there.
+    first_difference = [next((t + 1 for t, (a, b) in enumerate(zip(x, y)) if a["text"] != b["text"]), None)
+                        for x, y in zip(talks["kept"], talks["none"])]
     return {"per_turn": per_turn, "conversation": whole,
             "x_ttft_per_turn": [b["ttft_s"] / a["ttft_s"] for a, b in zip(kept, none)],
             "x_ttft": whole["none"]["ttft_s"] / whole["kept"]["ttft_s"],
             "x_seconds": whole["none"]["seconds"] / whole["kept"]["seconds"],
-            "same_answers": sum(a == b for a, b in zip(texts["kept"], texts["none"])), "answers": len(texts["kept"])}
+            "first_difference": first_difference,
+            "same_answers": sum(a["text"] == b["text"] for x, y in zip(talks["kept"], talks["none"])
+                                for a, b in zip(x, y)),
+            "answers": sum(len(x) for x in talks["kept"])}
 
 
 def plot_conversations(result: dict, path) -> None:

@@ -172,6 +172,9 @@ def chat(
     """Chat interactively; answers stream in with the LLM's tokens highlighted, a reasoning model's thinking dimmed.
     Empty line or Ctrl-D quits."""
     from roads_to_rome import reasoning
+    from roads_to_rome.core.prefix_cache import PREFIX_TOKENS
+    from roads_to_rome.core.request import Cancelled
+    from roads_to_rome.core.scheduler import Scheduler
     from roads_to_rome.models import EngineConfig, load_engine
     from roads_to_rome.text import Detokenizer
 
@@ -186,6 +189,9 @@ def chat(
                                       overlap_ahead=overlap_ahead, threads=threads, llm_retry=llm_retry,
                                       llm_api_key=llm_api_key, chat_template=chat_template))
     parser = reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
+    # One scheduler for the whole chat: each turn's prompt begins with the conversation so far, which the models keep
+    # read (prefix caching), so a turn reads only its new message.
+    session = Scheduler(engine, max_batch=1, prefix_tokens=PREFIX_TOKENS)
     messages = []
     while True:
         try:
@@ -199,7 +205,7 @@ def chat(
         prompt_ids = engine.encode_messages(messages)
         start = reasoning.prompt_start(parser, engine.tokenizer, prompt_ids) if parser else None
         try:
-            for steps in engine.stream([prompt_ids], params, results):
+            for steps in engine.stream([prompt_ids], params, results, session):
                 for step in steps:
                     for n, (token, source, _) in enumerate(step.final, 1):  # only what verification cannot take back
                         thinking = parser is not None and parser.split(text, start, final=False).thinking
@@ -210,6 +216,7 @@ def chat(
                         console.print(piece, style=tables.style(source, thinking), end="", markup=False,
                                       highlight=False)
         except KeyboardInterrupt:
+            session.cut(Cancelled())
             console.print("\n[dim](interrupted)[/]")
         console.print()
         if results:

@@ -48,6 +48,9 @@ def stats(generation, engine, terminal: bool, reasoned=None) -> Table:
         ("time SLM / router / LLM", f"{t.slm_s:.2f} / {t.router_s:.3f} / {t.llm_s:.2f} s"),
         *((f"{role} ran on", b.kernels) for role, b in models),
     ]
+    if generation.cached_tokens:
+        rows.insert(1, ("prompt tokens", f"{len(generation.prompt_ids)} ({generation.cached_tokens} kept read from "
+                                         "before: prefix caching)"))
     if reasoned is not None:
         shares = [f"{rate:.1%}" if rate is not None else "-" for rate in (reasoned.llm_rate_thinking,
                                                                           reasoned.llm_rate_answer)]
@@ -222,7 +225,9 @@ def bench_prefix(result: dict) -> Table:
     table.add_row("all", "", "", f"{whole['kept']['ttft_s']:.2f}", f"{whole['none']['ttft_s']:.2f}",
                   f"{result['x_ttft']:.2f}×", f"{whole['kept']['seconds']:.1f}", f"{whole['none']['seconds']:.1f}",
                   end_section=True)
-    table.caption = f"a whole conversation: {result['x_seconds']:.2f}× faster with prefix caching"
+    differ = ", ".join("-" if t is None else str(t) for t in result["first_difference"])
+    table.caption = (f"a whole conversation: {result['x_seconds']:.2f}× faster with prefix caching; first turn whose "
+                     f"answers differ, per conversation: {differ}")
     return table
 
 

@@ -237,20 +237,23 @@ class Engine:
             pass
         return [s.generation for s in sequences]
 
-    def stream(self, prompts: list[list[int]], params: SamplingParams, results: list | None = None):
+    def stream(self, prompts: list[list[int]], params: SamplingParams, results: list | None = None,
+               scheduler: Scheduler | None = None):
         """Decode all prompts as one batch, yielding the list of `Step`s each decode step adds
         (`step.sequence.index` is the prompt's position in `prompts`).
 
         `results`, when given, is filled with one `Generation` per prompt (complete once the
-        generator is exhausted)."""
+        generator is exhausted). `scheduler`: one a client keeps between calls (a chat's, whose prompts each begin
+        with the one before: its kept prompts make the next read short); by default a new one."""
         sequences = [self.sequence(Request(p, params), i) for i, p in enumerate(prompts)]
         if results is not None:
             results[:] = [s.generation for s in sequences]
-        yield from self._decode(sequences)
+        yield from self._decode(sequences, scheduler)
 
-    def _decode(self, sequences: list[Sequence]):
+    def _decode(self, sequences: list[Sequence], scheduler: Scheduler | None = None):
         """The offline client of the scheduler: every sequence queued at once, turns to the end; an error is raised."""
-        scheduler = Scheduler(self, max_batch=self.max_rows)  # more sequences than the backend holds wait
+        # (more sequences than the backend holds wait)
+        scheduler = scheduler if scheduler is not None else Scheduler(self, max_batch=self.max_rows)
         for s in sequences:
             scheduler.add(s)
         while not scheduler.idle:

@@ -21,6 +21,7 @@ import numpy as np
 from roads_to_rome.core.layout import NO_ROWS
 
 KEPT_ROWS = 16  # prompts each model keeps at most (on llama.cpp each holds one of the context's sequences)
+PREFIX_TOKENS = 16384  # tokens each model keeps by default (the server's --prefix-cache-tokens, a chat's)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.grammar import OutputFormat
+from roads_to_rome.core.prefix_cache import PREFIX_TOKENS
 from roads_to_rome.core.request import Request, Sequence
 from roads_to_rome.core.sampling import (
     MAX_LOGIT_BIAS,
@@ -41,7 +42,7 @@ class Limits:
     # small enough that running streams keep getting tokens while it is read (README, "Serving").
     prefill_chunk: int = 64
     # Prompt tokens each model keeps read for newcomers whose prompt begins the same way (0: no prefix caching)
-    prefix_cache_tokens: int = 16384
+    prefix_cache_tokens: int = PREFIX_TOKENS
     max_body_bytes: int = 1 << 20  # a request body's limit (413 beyond): 8x what the longest context holds
     # OpenAI's limit. Every row decodes its tail and searches it for each stop string every step, on the engine
     # thread, and a stream holds back the longest one's length: both stay small.
