@@ -7,7 +7,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import HAS_LLAMA
+from conftest import HAS_LLAMA, make_backend
 from tiny import save_gguf
 
 from roads_to_rome.core.engine import Engine
@@ -176,6 +176,23 @@ def test_llamacpp_kept_prompts_hold_spare_sequences_and_give_their_kv_room_to_re
     assert max(p.tokens for p in scheduler.prefixes) > 200  # what the SLM read of it is kept, in turn
     gens = drive(scheduler, [Request(prompts[0], params)], engine)  # ... and goes to make room
     assert gens[0].cached_tokens == 0 and max(p.tokens for p in scheduler.prefixes) < 200
+
+
+@pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python is not installed")
+def test_a_server_that_stops_gives_its_kept_prompts_back(slm, llm, tokenizer, tmp_path):
+    """The backends outlive a server (tests, benches): its kept prompts' llama.cpp sequences go back as it stops, so
+    the next server on them has every row it counts on."""
+    engine = Engine(make_backend("llamacpp", slm.model, tokenizer, tmp_path, "slm"),
+                    make_backend("llamacpp", llm.model, tokenizer, tmp_path, "llm"), tokenizer,
+                    RandomPolicy(0.3, seed=0))  # 8 sequences per model
+    for _ in range(3):  # each server keeps up to 6 prompts beside its batch of 2
+        app = create_app(engine, "tiny", Limits(max_batch=2, max_tokens=4, context_length=512))
+        with BackgroundServer(app) as srv:
+            for i in range(8):
+                r = httpx.post(srv.url + "/v1/completions", json={"prompt": f"prompt {i} " * 4, "max_tokens": 4})
+                assert r.status_code == 200, r.text
+            assert [len(p.kept) for p in app.state.r2r.engine_thread.scheduler.prefixes] == [6, 6]
+        assert not any(p.kept for p in app.state.r2r.engine_thread.scheduler.prefixes)
 
 
 @pytest.fixture(scope="module")

@@ -131,6 +131,12 @@ class Scheduler:
         self.batch.release()
         return [self._leave(s, Failure(s, error)) for s in cut]
 
+    def forget_kept(self) -> None:
+        """Let go of every kept prompt now (on llama.cpp: their sequences and cells go back to the context)."""
+        for prefixes in self.prefixes:
+            if prefixes is not None:
+                prefixes.clear()
+
     def _read_one_chunk(self) -> list[Failure]:
         left = []
         while self.reading and self.reading[0][0].cancelled:

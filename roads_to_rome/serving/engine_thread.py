@@ -126,6 +126,7 @@ class EngineThread:
         try:
             while self._turn():
                 pass
+            self.scheduler.forget_kept()  # (the backends may serve another server next: a test's, a bench's)
         except BaseException as e:  # noqa: BLE001 - whatever ended the loop, no request may wait for ever
             self._fail(e)
 
