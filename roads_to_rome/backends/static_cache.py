@@ -60,9 +60,11 @@ class StaticKV:
         values.index_copy_(2, self.write_at, value_states.to(values.dtype))
         return keys, values
 
-    def rows_of(self, index: torch.Tensor) -> StaticKV:
-        """These rows, in this order, in new buffers (graphs over the old ones do not apply to them)."""
-        return StaticKV([t[index] for t in self.keys], [t[index] for t in self.values])
+    def rows_of(self, index: torch.Tensor, columns: int) -> StaticKV:
+        """These rows, in this order, their first `columns` columns, in new buffers (graphs over the old ones do not
+        apply to them; a read beyond them grows them). A copy kept aside (prefix caching) holds what it holds, not
+        the batch's whole capacity."""
+        return StaticKV([t[index, :, :columns] for t in self.keys], [t[index, :, :columns] for t in self.values])
 
 
 @dataclass

@@ -140,7 +140,7 @@ class StaticTorchCache(TorchCache):
     def copy_rows(self, rows: torch.Tensor) -> StaticTorchCache:
         if not self.length:
             return StaticTorchCache(self.reserve)
-        return StaticTorchCache(self.reserve, self.kv.rows_of(rows), self.length)
+        return StaticTorchCache(self.reserve, self.kv.rows_of(rows, self.length), self.length)
 
     def pad_left(self, n: int) -> None:
         if not self.length:
