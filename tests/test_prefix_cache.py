@@ -227,3 +227,21 @@ def test_the_server_says_what_its_apis_took_from_kept_prompts(server):
     metrics = httpx.get(server.url + "/metrics").text
     hits = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("r2r:prefix_cache_hits"))
     assert hits >= shared * 2
+
+
+def test_the_prefix_bench_pairs_each_turn_with_its_twin_and_finds_where_answers_part():
+    """`r2r bench prefix`'s figures: per turn means over conversations, ratios of whole conversations, and the turn
+    where each conversation's answers first differ between the two servers."""
+    from roads_to_rome.bench.serving import conversation_figures
+
+    def turn(ttft, text):
+        return {"text": text, "ttft_s": ttft, "seconds": 2 * ttft, "prompt_tokens": 10, "cached_tokens": 5,
+                "completion_tokens": 3}
+
+    measured = {"kept": [[[turn(1, "a"), turn(1, "b")], [turn(2, "c"), turn(1, "d")]]],
+                "none": [[[turn(2, "a"), turn(3, "x")], [turn(4, "y"), turn(1, "d")]]]}
+    figures = conversation_figures(measured)
+    assert figures["per_turn"]["kept"][0]["ttft_s"] == 1.5 and figures["per_turn"]["none"][1]["ttft_s"] == 2.0
+    assert figures["x_ttft"] == 2.0 and figures["x_seconds"] == 2.0
+    assert figures["x_ttft_per_turn"] == [2.0, 2.0]
+    assert figures["first_difference"] == [2, 1] and (figures["same_answers"], figures["answers"]) == (2, 4)

@@ -26,7 +26,7 @@ from roads_to_rome.backends.remote import is_remote
 from roads_to_rome.bench.measure import kernels
 from roads_to_rome.core.engine import DEFAULT_VERIFY, Counters, Engine
 from roads_to_rome.core.llm_calls import DEFER_MODES, Deferral
-from roads_to_rome.core.prefix_cache import KEPT_ROWS
+from roads_to_rome.core.prefix_cache import KEPT_ROWS, PREFIX_TOKENS
 from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
 from roads_to_rome.errors import R2RError
 from roads_to_rome.models import load_pair, systems
@@ -191,7 +191,7 @@ def load_figures(answers: list[tuple[int, int, float]], seconds: float) -> dict:
 
 
 def conversations(slm: str | None, llm: str | None, device: str, dtype: str, clients: int, turns: int, n_tokens: int,
-                  backend: str = "auto", prefix_tokens: int = 16384, rounds: int = 1, progress=QUIET,
+                  backend: str = "auto", prefix_tokens: int = PREFIX_TOKENS, rounds: int = 1, progress=QUIET,
                   threads: dict | None = None) -> dict:
     """Conversations through the server with prefix caching and without, side by side: each of `clients` clients
     holds one conversation of `turns` GSM8K dev questions, each turn's prompt the earlier turns with their answers
@@ -252,16 +252,15 @@ def timed_turn(client, messages: list[dict], n_tokens: int) -> dict:
 def conversation_figures(measured: dict[str, list]) -> dict:
     """Per setting and turn, the means over clients and rounds; each setting's mean conversation; the ratios of the
     setting without kept prompts to the one with (above 1: prefix caching is faster)."""
-    per_turn, whole = {}, {}
-    for name, per_round in measured.items():
-        talks = [talk for clients in per_round for talk in clients]
-        per_turn[name] = [{key: float(np.mean([talk[t][key] for talk in talks]))
-                           for key in ("prompt_tokens", "cached_tokens", "ttft_s", "seconds", "completion_tokens")}
-                          for t in range(len(talks[0]))]
-        whole[name] = {"seconds": float(np.mean([sum(turn["seconds"] for turn in talk) for talk in talks])),
-                       "ttft_s": float(np.mean([sum(turn["ttft_s"] for turn in talk) for talk in talks]))}
-    kept, none = per_turn["kept"], per_turn["none"]
     talks = {name: [talk for clients in per_round for talk in clients] for name, per_round in measured.items()}
+    per_turn, whole = {}, {}
+    for name, held in talks.items():
+        per_turn[name] = [{key: float(np.mean([talk[t][key] for talk in held]))
+                           for key in ("prompt_tokens", "cached_tokens", "ttft_s", "seconds", "completion_tokens")}
+                          for t in range(len(held[0]))]
+        whole[name] = {"seconds": float(np.mean([sum(turn["seconds"] for turn in talk) for talk in held])),
+                       "ttft_s": float(np.mean([sum(turn["ttft_s"] for turn in talk) for talk in held]))}
+    kept, none = per_turn["kept"], per_turn["none"]
     # Where each conversation's answers first differ between the two (None: nowhere): a near-tie read another way
     # falls the other way, and every later turn's prompt differs from there.
     first_difference = [next((t + 1 for t, (a, b) in enumerate(zip(x, y)) if a["text"] != b["text"]), None)

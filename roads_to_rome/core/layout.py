@@ -130,13 +130,15 @@ class Layout:
     def keep_rows(self, rows: list[int], prefixes: tuple) -> None:
         """Each model with kept prompts (`prefixes`: the writer's, the LLM's) keeps what it has read of these rows,
         each alone, its padding trimmed (core/prefix_cache.py)."""
+        pads = {i: int((self.mask[i] == 0).sum()) for i in rows}  # (a row's padding is on its left)
         for cache, held, kept in ((self.writer_cache, self.writer_rows, prefixes[0]),
                                   (self.llm_cache, self.llm_rows, prefixes[1])):
+            if kept is None or cache is None:
+                continue
             place = {row: k for k, row in enumerate(held)}  # batch row -> its row in the cache
-            for i in rows if kept is not None and cache is not None else ():
-                pad = int((self.mask[i] == 0).sum())  # (a row's padding is on its left)
-                if i in place and cache.length > pad:
-                    kept.keep(self.ids[i, pad : cache.length].tolist(), cache, place[i], pad)
+            for i in rows:
+                if i in place and cache.length > pads[i]:
+                    kept.keep(self.ids[i, pads[i] : cache.length].tolist(), cache, place[i], pads[i])
 
     def append_column(self, tokens: torch.Tensor) -> None:
         """Write a column of tokens after the last one, growing the buffers (doubling them) when full."""

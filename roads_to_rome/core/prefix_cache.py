@@ -5,10 +5,9 @@ next step, the n choices of one prompt, prompts that share a system message.
 Each model keeps its own (`PrefixCache`): a kept prompt is a one-row cache of that model holding exactly its tokens,
 copied (`Backend.copy_rows`) when the scheduler's `PromptRead` has read it, and again, with its answer, when the
 sequence leaves the batch finished (what the model read of it, its padding trimmed). A newcomer's read starts from a
-copy of
-the kept cache that shares the longest beginning with its prompt, cut back to what they share. The least recently
-used kept prompt goes first when the budget in tokens or in rows is spent, or when a newcomer needs its KV room
-(`Scheduler.admit`)."""
+copy of the kept cache that shares the longest beginning with its prompt, cut back to what they share. The least
+recently used kept prompt goes first when the budget in tokens or in rows is spent, or when a newcomer needs its KV
+room (`Scheduler.admit`)."""
 
 from __future__ import annotations
 
