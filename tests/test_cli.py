@@ -228,6 +228,34 @@ def test_serving_benchmark_runs(run_cli, pair, tmp_path):
     assert code == 2 and "--llm http://" in err
 
 
+def test_prefix_benchmark_shares_a_system_message_between_clients(run_cli, pair, tmp_path):
+    """`r2r bench prefix --shots N`: every conversation opens with the same worked examples and the clients arrive
+    one after another, so that each after the first finds them kept; the server without prefix caching finds
+    nothing."""
+    code, out, err = run_cli("bench", "prefix", "--clients", "1", "--turns", "1", "--shots", "1", *pair)
+    assert code == 2 and "the server refused a turn" in err and "tokens per request" in err  # a 512-token context
+    slm_dir, llm_dir = save_pair(tmp_path, max_positions=4096)  # the tiny tokenizer writes a token per few letters
+    pair = ["--slm", slm_dir, "--llm", llm_dir, "--device", "cpu"]
+    code, out, err = run_cli("bench", "prefix", "--clients", "2", "--turns", "2", "--tokens", "3", "--shots", "2",
+                             "--out", tmp_path / "p.json", *pair)
+    assert code == 0, err
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert result["shots"] == 2 and "a shared system message of 2" in out
+    from transformers import AutoTokenizer
+
+    from roads_to_rome.bench.serving import few_shot_message
+    from roads_to_rome.data.benchmarks import gsm8k
+
+    kept, none = result["per_turn"]["kept"], result["per_turn"]["none"]
+    system = len(AutoTokenizer.from_pretrained(pair[1]).encode(few_shot_message(gsm8k()[998:1000])))
+    assert 2 * kept[0]["cached_tokens"] >= system - 2  # the second client's first turn (a mean over the two)
+    assert all(turn["cached_tokens"] == 0 for turn in none)
+    assert kept[1]["cached_tokens"] > kept[0]["cached_tokens"]  # the second turns find their own first too
+    assert (tmp_path / "p.png").exists()
+    code, out, err = run_cli("bench", "prefix", "--clients", "500", "--turns", "2", "--shots", "1", *pair)
+    assert code == 2 and "1000 GSM8K dev items" in err
+
+
 def test_step_cost_benchmark_runs(run_cli, pair, tmp_path):
     code, out, err = run_cli("bench", "steps", "--context", "8", "--new-tokens", "1,4", "--out", tmp_path / "t.json",
                              *pair)

@@ -74,14 +74,14 @@ def tiny_model(tokenizer, hidden: int = 32, layers: int = 2, seed: int = 0, dtyp
     return model
 
 
-def save_pair(tmp_path, tokenizer=None, llm_tokenizer=None):
+def save_pair(tmp_path, tokenizer=None, llm_tokenizer=None, max_positions: int = 512):
     """Write a tiny SLM and LLM (same tokenizer unless `llm_tokenizer` is given) as model directories."""
     tokenizer = tokenizer or tiny_tokenizer()
     llm_tokenizer = llm_tokenizer or tokenizer
     dirs = []
     for name, tok, hidden, seed in (("slm", tokenizer, 32, 0), ("llm", llm_tokenizer, 64, 1)):
         path = tmp_path / name
-        tiny_model(tok, hidden=hidden, seed=seed).save_pretrained(path)
+        tiny_model(tok, hidden=hidden, seed=seed, max_positions=max_positions).save_pretrained(path)
         tok.save_pretrained(path)
         dirs.append(path)
     return dirs

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from roads_to_rome.bench.measure import kernels
 from roads_to_rome.core.engine import DEFAULT_VERIFY, Counters, Engine
 from roads_to_rome.core.llm_calls import DEFER_MODES, Deferral
 from roads_to_rome.core.prefix_cache import KEPT_ROWS, PREFIX_TOKENS
-from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
+from roads_to_rome.data.benchmarks import GSM8K_DEV_ITEMS, gsm8k, gsm8k_prompt, gsm8k_worked
 from roads_to_rome.errors import R2RError
 from roads_to_rome.models import load_pair, systems
 from roads_to_rome.models.loading import choose_policy
@@ -192,19 +193,27 @@ def load_figures(answers: list[tuple[int, int, float]], seconds: float) -> dict:
 
 def conversations(slm: str | None, llm: str | None, device: str, dtype: str, clients: int, turns: int, n_tokens: int,
                   backend: str = "auto", prefix_tokens: int = PREFIX_TOKENS, rounds: int = 1, progress=QUIET,
-                  threads: dict | None = None) -> dict:
+                  threads: dict | None = None, shots: int = 0) -> dict:
     """Conversations through the server with prefix caching and without, side by side: each of `clients` clients
     holds one conversation of `turns` GSM8K dev questions, each turn's prompt the earlier turns with their answers
     and the next question, streamed; `rounds` times over, the two servers taking turns. Greedy decoding gives both
     the same answers: they differ only in what they read of each prompt. Per turn: prompt tokens, tokens found
-    kept, time to the first token; per conversation, its seconds."""
+    kept, time to the first token; per conversation, its seconds.
+
+    With `shots`, every conversation opens with the same system message: that many worked GSM8K dev solutions (the
+    last dev items, no question of the conversations), as few-shot prompts and agents' long instructions are shared
+    by every request. The clients then arrive one after another, each once the one before has its first token, so
+    that what the first read can be found by the others (clients that start together all read it at once)."""
     slm_backend, llm_backend, tokenizer = load_pair(
         slm, llm, device, dtype=dtype, backend=backend, threads=threads,
         llama={"max_rows": clients + KEPT_ROWS, "n_ctx": clients * 4096 + prefix_tokens})
     kind, router_path = choose_policy(None, None, slm)
     policy = policies.build(kind, slm_backend, None, router_path)
     engine = systems.routed(slm_backend, llm_backend, tokenizer, policy, verify=DEFAULT_VERIFY)
-    questions = [gsm8k_prompt(item) for item in gsm8k()[: clients * turns]]
+    items = gsm8k()
+    questions = [gsm8k_prompt(item) for item in items[: clients * turns]]
+    examples = items[GSM8K_DEV_ITEMS - shots: GSM8K_DEV_ITEMS] if shots else []
+    opening = [{"role": "system", "content": few_shot_message(examples)}] if shots else []
     settings = {"kept": prefix_tokens, "none": 0}
     measured: dict[str, list] = {name: [] for name in settings}  # per round: each client's turns
     task = progress.add_task("conversations", total=rounds * len(settings) * clients * turns)
@@ -214,32 +223,52 @@ def conversations(slm: str | None, llm: str | None, device: str, dtype: str, cli
             with BackgroundServer(create_app(engine, "r2r", limits)) as server:
                 client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
 
-                def converse(first: int) -> list[dict]:
-                    messages, done = [], []
-                    for question in questions[first : first + turns]:
-                        messages.append({"role": "user", "content": question})
-                        done.append(timed_turn(client, messages, n_tokens))
-                        messages.append({"role": "assistant", "content": done[-1]["text"]})
-                        progress.advance(task)
+                # Client k may start once client k - 1 has its first token (with shots; all at once otherwise).
+                arrived = [threading.Event() for _ in range(clients + 1)]
+                for event in arrived[: 1 if shots else clients]:
+                    event.set()
+
+                def converse(k: int) -> list[dict]:
+                    arrived[k].wait()
+                    messages, done = list(opening), []
+                    try:
+                        for question in questions[k * turns: (k + 1) * turns]:
+                            messages.append({"role": "user", "content": question})
+                            done.append(timed_turn(client, messages, n_tokens, arrived[k + 1].set))
+                            messages.append({"role": "assistant", "content": done[-1]["text"]})
+                            progress.advance(task)
+                    finally:
+                        arrived[k + 1].set()  # an answer without text, or a failed one, lets the next start too
                     return done
 
                 with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-                    measured[name].append(list(pool.map(converse, range(0, clients * turns, turns))))
-    return {"clients": clients, "turns": turns, "tokens": n_tokens, "rounds": rounds, "prefix_cache_tokens":
-            prefix_tokens, "dtype": dtype, "backend": backend, "device": str(slm_backend.device),
+                    measured[name].append(list(pool.map(converse, range(clients))))
+    return {"clients": clients, "turns": turns, "tokens": n_tokens, "rounds": rounds, "shots": shots,
+            "prefix_cache_tokens": prefix_tokens, "dtype": dtype, "backend": backend, "device": str(slm_backend.device),
             "threads": threads or {}, "kernels": kernels(slm=slm_backend, llm=llm_backend), "policy": policy.name,
             **conversation_figures(measured)}
 
 
-def timed_turn(client, messages: list[dict], n_tokens: int) -> dict:
+def few_shot_message(examples: list[dict]) -> str:
+    """A system message of worked GSM8K solutions, as a few-shot prompt gives them."""
+    shown = "\n\n".join(f"Question: {item['question']}\nAnswer: {gsm8k_worked(item)}" for item in examples)
+    return f"You solve math word problems step by step. Worked examples:\n\n{shown}"
+
+
+def timed_turn(client, messages: list[dict], n_tokens: int, on_first_token=lambda: None) -> dict:
     """One turn, streamed: its answer's text, seconds to the first token and to the last, its usage."""
     start, first = time.perf_counter(), None
     text, usage = [], None
-    stream = client.chat.completions.create(model="r2r", messages=messages, temperature=0, max_tokens=n_tokens,
-                                            stream=True, stream_options={"include_usage": True})
+    try:
+        stream = client.chat.completions.create(model="r2r", messages=messages, temperature=0, max_tokens=n_tokens,
+                                                stream=True, stream_options={"include_usage": True})
+    except openai.BadRequestError as e:
+        raise R2RError(f"the server refused a turn: {e.message}") from None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
-            first = first or time.perf_counter()
+            if first is None:
+                first = time.perf_counter()
+                on_first_token()
             text.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage = chunk.usage
@@ -284,7 +313,8 @@ def plot_conversations(result: dict, path) -> None:
         axis.plot([t["prompt_tokens"] for t in turns], [t["ttft_s"] for t in turns], marker="o", label=label)
     axis.set_xlabel("prompt tokens (the conversation so far)")
     axis.set_ylabel("time to first token (s)")
-    axis.set_title(f"{result['clients']} conversation(s) at once, {result['backend']} on {result['device']}")
+    shared = f", {result['shots']}-shot system message" if result.get("shots") else ""
+    axis.set_title(f"{result['clients']} conversation(s) at once{shared}, {result['backend']} on {result['device']}")
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -185,23 +185,31 @@ def bench_prefix(
     tokens: int = count(128, "--tokens", help="max_tokens per turn."),
     prefix_cache_tokens: PrefixCacheTokens = 16384,
     rounds: int = count(1, "--rounds", help="Times over, the two servers taking turns (figures pool the rounds)."),
+    shots: int = typer.Option(0, "--shots", min=0, help="A system message of this many worked GSM8K solutions opens "
+                              "every conversation, the same for all (few-shot prompting; an agent's long "
+                              "instructions); the clients then arrive one after another."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     threads: Threads = None, out: Out = None,
 ):
     """Prefix caching: multi-turn conversations through the server with it and without, side by side. Each turn's
-    prompt holds the conversation so far; with prefix caching each model reads only what it has not kept. Time to
-    the first token per turn and the conversations' seconds, in one run (a plot beside --out's JSON)."""
+    prompt holds the conversation so far; with prefix caching each model reads only what it has not kept (with
+    --shots, also the system message every conversation shares). Time to the first token per turn and the
+    conversations' seconds, in one run (a plot beside --out's JSON)."""
     require_extra("serve", "`r2r bench prefix`")
     require_extra("eval", "`r2r bench prefix`")
     from roads_to_rome.bench.serving import conversations, plot_conversations
+    from roads_to_rome.data.benchmarks import GSM8K_DEV_ITEMS
     from roads_to_rome.models.loading import parse_threads, pick_dtype
 
     if prefix_cache_tokens < 1:
         raise R2RError("--prefix-cache-tokens is what the server with prefix caching keeps: give 1 or more")
+    if clients * turns + shots > GSM8K_DEV_ITEMS:
+        raise R2RError(f"--clients x --turns questions and --shots examples come from the {GSM8K_DEV_ITEMS} GSM8K "
+                       f"dev items without overlapping: ask for {GSM8K_DEV_ITEMS} or fewer in all")
     dtype = pick_dtype(dtype, device)
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console, transient=True) as progress:
         result = conversations(slm, llm, device, dtype, clients, turns, tokens, backend, prefix_cache_tokens, rounds,
-                               progress, parse_threads(threads))
+                               progress, parse_threads(threads), shots)
     console.print(tables.bench_prefix(result))
     save(result, out)
     if out:

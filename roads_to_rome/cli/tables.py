@@ -211,10 +211,12 @@ def bench_serve(result: dict) -> Table:
 
 def bench_prefix(result: dict) -> Table:
     """`r2r bench prefix`: each turn's time to the first token with prefix caching and without."""
+    shots = result.get("shots", 0)
+    shared = f", a shared system message of {shots} worked examples, arriving one after another" if shots else ""
     table = Table("turn", "prompt tokens", "found kept", "TTFT s kept", "TTFT s none", "× TTFT", "turn s kept",
                   "turn s none",
                   title=f"{result['clients']} conversation(s) of {result['turns']} turns, up to {result['tokens']} "
-                        f"tokens each, {result['rounds']} round(s) ({result['policy']}; {result['backend']}, "
+                        f"tokens each{shared}, {result['rounds']} round(s) ({result['policy']}; {result['backend']}, "
                         f"{result['dtype']}, {result['device']}); same answers {result['same_answers']}/"
                         f"{result['answers']}", title_justify="left")
     kept, none = result["per_turn"]["kept"], result["per_turn"]["none"]

@@ -22,11 +22,13 @@ import csv
 import importlib.resources
 import json
 import random
+import re
 from dataclasses import dataclass, field
 
 from roads_to_rome.errors import R2RError
 
 BENCHMARKS = ("gsm8k", "aime2025", "gpqa", "humaneval", "humaneval-infill")
+GSM8K_DEV_ITEMS = 1000  # items 0-999 are for development; the rest are held out for final figures
 MATH_INSTRUCTION = "Reason step by step, then finish with 'The answer is N'."
 GPQA_INSTRUCTION = "Think step by step, then finish with 'The answer is (X)' where X is A, B, C or D."
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. "
@@ -66,6 +68,13 @@ def gsm8k() -> list[dict]:
 
 def gsm8k_prompt(item: dict) -> str:
     return f"{item['question']}\n{MATH_INSTRUCTION}"
+
+
+def gsm8k_worked(item: dict) -> str:
+    """The reference's worked solution as a model is asked to write one: its calculator notes (`<<48/2=24>>`) taken
+    out and its `#### N` said as MATH_INSTRUCTION asks."""
+    steps = re.sub(r"<<[^>]*>>", "", item["solution"]).split("####")[0].strip()
+    return f"{steps}\nThe answer is {item['answer']}."
 
 
 def load(name: str) -> list[Item]:
