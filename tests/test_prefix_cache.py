@@ -149,6 +149,27 @@ def test_what_a_model_keeps_one_prompt_beginning_another_the_budget_and_the_rows
     assert prefixes.take([2, 3]) == (None, 0)
 
 
+def test_a_salted_prompt_is_found_only_with_its_salt(slm):
+    """`cache_salt` fences kept prompts: one kept with a salt is found by that salt alone, one kept without by
+    requests without one; a longer prompt with another salt does not take the place of the one it extends."""
+    prefixes = PrefixCache(slm, max_tokens=200)
+
+    def read(ids):
+        cache = slm.new_cache()
+        slm.forward_sequence(ids, cache=cache)
+        return cache
+
+    a = list(range(5, 25))
+    prefixes.keep(a, read(a), salt="alice")
+    assert prefixes.take(a) == (None, 0) and prefixes.take(a, "bob") == (None, 0)
+    assert prefixes.take(a + [1], "alice")[1] == 20
+    prefixes.keep(a + [1, 2], read(a + [1, 2]), salt="bob")  # extends alice's, but is bob's: both stay
+    prefixes.keep(a[:10], read(a[:10]))
+    assert sorted((k.salt or "", len(k.tokens)) for k in prefixes.kept.values()) == [("", 10), ("alice", 20),
+                                                                                    ("bob", 22)]
+    assert prefixes.take(a)[1] == 10 and prefixes.take(a + [1, 2], "bob")[1] == 22
+
+
 @pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python is not installed")
 def test_llamacpp_kept_prompts_hold_spare_sequences_and_give_their_kv_room_to_requests(slm, llm, tokenizer,
                                                                                       tmp_path):
@@ -227,6 +248,32 @@ def test_the_server_says_what_its_apis_took_from_kept_prompts(server):
     metrics = httpx.get(server.url + "/metrics").text
     hits = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("r2r:prefix_cache_hits"))
     assert hits >= shared * 2
+
+
+def test_a_request_shares_kept_prompts_only_with_requests_of_its_cache_salt(server):
+    """vLLM's `cache_salt` on the server: a user who gives a secret salt neither finds what others read nor lets
+    them find what it read (a kept prompt answers sooner and says so in `cached_tokens`); the same salt shares, on
+    every API (the Responses and Messages APIs take it as an extra field). An empty salt is a 400."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    system = {"role": "system", "content": "You answer questions about mountains, lakes and passes. " * 3}
+
+    def cached(question, salt=None):
+        out = client.chat.completions.create(model="tiny-r2r", max_tokens=2, temperature=0,
+                                             messages=[system, {"role": "user", "content": question}],
+                                             extra_body={} if salt is None else {"cache_salt": salt})
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("Alps?", "alice-secret") == 0
+    assert cached("Andes?") == 0 and cached("Andes?", "bob-secret") == 0  # alice's is hers alone
+    assert cached("Rockies?", "alice-secret") > 20 and cached("Urals?") > 20 and cached("Urals?", "bob-secret") > 20
+    later = client.responses.create(model="tiny-r2r", instructions=system["content"], input="Atlas?",
+                                    max_output_tokens=2, extra_body={"cache_salt": "carol-secret"})
+    assert later.usage.input_tokens_details.cached_tokens == 0
+    body = {"model": "tiny-r2r", "max_tokens": 2, "system": system["content"], "cache_salt": "carol-secret",
+            "messages": [{"role": "user", "content": "Pyrenees?"}]}
+    assert httpx.post(server.url + "/v1/messages", json=body).json()["usage"]["cache_read_input_tokens"] > 20
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
 def test_the_prefix_bench_pairs_each_turn_with_its_twin_and_finds_where_answers_part():

@@ -376,7 +376,7 @@ class Batch:
             events.append(Step(s, token, source, float(score), reason is not None, dropped.get(i, 0),
                                verification.settle(s, reason is not None)))
         if finished and any(self.prefixes):
-            self.layout.keep_rows(finished, self.prefixes)
+            self.layout.keep_rows(finished, self.prefixes, [self.sequences[i].request.cache_salt for i in finished])
         self._keep(keep)
         return events
 

@@ -127,18 +127,18 @@ class Layout:
             raise
         return joining
 
-    def keep_rows(self, rows: list[int], prefixes: tuple) -> None:
+    def keep_rows(self, rows: list[int], prefixes: tuple, salts: list[str | None]) -> None:
         """Each model with kept prompts (`prefixes`: the writer's, the LLM's) keeps what it has read of these rows,
-        each alone, its padding trimmed (core/prefix_cache.py)."""
+        each alone, its padding trimmed, for requests with the row's salt (core/prefix_cache.py)."""
         pads = {i: int((self.mask[i] == 0).sum()) for i in rows}  # (a row's padding is on its left)
         for cache, held, kept in ((self.writer_cache, self.writer_rows, prefixes[0]),
                                   (self.llm_cache, self.llm_rows, prefixes[1])):
             if kept is None or cache is None:
                 continue
             place = {row: k for k, row in enumerate(held)}  # batch row -> its row in the cache
-            for i in rows:
+            for i, salt in zip(rows, salts):
                 if i in place and cache.length > pads[i]:
-                    kept.keep(self.ids[i, pads[i] : cache.length].tolist(), cache, place[i], pads[i])
+                    kept.keep(self.ids[i, pads[i] : cache.length].tolist(), cache, place[i], pads[i], salt)
 
     def append_column(self, tokens: torch.Tensor) -> None:
         """Write a column of tokens after the last one, growing the buffers (doubling them) when full."""

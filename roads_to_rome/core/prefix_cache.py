@@ -7,7 +7,11 @@ copied (`Backend.copy_rows`) when the scheduler's `PromptRead` has read it, and 
 sequence leaves the batch finished (what the model read of it, its padding trimmed). A newcomer's read starts from a
 copy of the kept cache that shares the longest beginning with its prompt, cut back to what they share. The least
 recently used kept prompt goes first when the budget in tokens or in rows is spent, or when a newcomer needs its KV
-room (`Scheduler.admit`)."""
+room (`Scheduler.admit`).
+
+A request's `cache_salt` (vLLM's field) fences what it keeps and finds: only requests with the same salt share,
+and those without one share only among themselves. On a server shared by users who must not learn each other's
+prompts (a kept prompt is read faster, and `cached_tokens` says so), each user's secret salt keeps them apart."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ PREFIX_TOKENS = 16384  # tokens each model keeps by default (the server's --pref
 class Kept:
     tokens: np.ndarray  # what the cache holds
     cache: object  # one row, no padding
+    salt: str | None  # only requests with this `cache_salt` find it
 
 
 class PrefixCache:
@@ -40,12 +45,14 @@ class PrefixCache:
         self.tokens = 0  # held by the kept caches together
         self._keys = itertools.count()
 
-    def take(self, ids: list[int] | tuple[int, ...]) -> tuple[object | None, int]:
-        """A new cache holding the longest beginning of `ids` a kept prompt shares (a copy: the kept one stays), and
-        how many tokens that is; (None, 0) when no kept prompt begins as `ids` does."""
+    def take(self, ids: list[int] | tuple[int, ...], salt: str | None = None) -> tuple[object | None, int]:
+        """A new cache holding the longest beginning of `ids` a prompt kept with `salt` shares (a copy: the kept one
+        stays), and how many tokens that is; (None, 0) when no such kept prompt begins as `ids` does."""
         ids = np.asarray(ids, dtype=np.int64)
         best, key = 0, None
         for k, kept in self.kept.items():
+            if kept.salt != salt:
+                continue
             shared = common_prefix(kept.tokens, ids)
             if shared > best:
                 best, key = shared, k
@@ -56,13 +63,16 @@ class PrefixCache:
         self.model.truncate(cache, best)
         return cache, best
 
-    def keep(self, ids: list[int] | tuple[int, ...], cache, row: int = 0, pad: int = 0) -> None:
-        """Keep a copy of `cache`'s `row`, which holds `pad` padding columns and then exactly `ids`. A kept prompt
-        that begins `ids` goes (this one holds it too); if one holds `ids` already, nothing new is kept."""
+    def keep(self, ids: list[int] | tuple[int, ...], cache, row: int = 0, pad: int = 0, salt: str | None = None):
+        """Keep a copy of `cache`'s `row`, which holds `pad` padding columns and then exactly `ids`, for requests
+        with `salt`. A prompt kept with it that begins `ids` goes (this one holds it too); if one holds `ids` already,
+        nothing new is kept."""
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids) or len(ids) > self.max_tokens or not self.max_rows:
             return
         for k, kept in list(self.kept.items()):
+            if kept.salt != salt:
+                continue
             shared = common_prefix(kept.tokens, ids)
             if shared == len(ids):
                 self.kept.move_to_end(k)
@@ -74,7 +84,7 @@ class PrefixCache:
         copied = self.model.copy_rows(cache, [row])
         if pad:
             self.model.trim_left(copied, pad)
-        self.kept[next(self._keys)] = Kept(ids, copied)
+        self.kept[next(self._keys)] = Kept(ids, copied, salt)
         self.tokens += len(ids)
 
     def evict(self) -> bool:

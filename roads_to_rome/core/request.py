@@ -36,6 +36,9 @@ class Request:
     # The prompt's own log-probabilities, with this many most likely tokens at each position (core/scoring.py; None:
     # not asked for).
     prompt_logprobs: int | None = None
+    # Kept prompts are shared only with requests that give the same salt (core/prefix_cache.py; None: among those
+    # that give none).
+    cache_salt: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
@@ -49,6 +52,9 @@ class Request:
         if self.verify is not None:
             object.__setattr__(self, "verify", parse_verify(self.verify))
         check_max_unverified(self.max_unverified)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise R2RError("cache_salt fences a request's kept prompts off from others': give a non-empty string, "
+                           "or leave it out")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise R2RError(f"prompt_logprobs is how many likely tokens to show: 0 or more, not {self.prompt_logprobs}")
 

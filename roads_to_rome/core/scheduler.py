@@ -199,7 +199,8 @@ class PromptRead:
         writes, reads = engine.readers(sequence)
         writer, llm = engine.writer if writes else None, engine.llm_side if reads else None
         self.prompt, self.goal = sequence.prompt_ids, len(sequence.prompt_ids) - 1
-        started = [(None, 0) if m is None or p is None or not reuse else p.take(self.prompt[: self.goal])
+        self.salt = sequence.request.cache_salt
+        started = [(None, 0) if m is None or p is None or not reuse else p.take(self.prompt[: self.goal], self.salt)
                    for m, p in zip((writer, llm), prefixes)]
         # (writer's cache, LLM's), None for a model that does not read it: as `Layout.join` takes them
         self.per_model = tuple(None if m is None else cache if cache is not None else m.new_cache()
@@ -223,7 +224,7 @@ class PromptRead:
         """Each model with kept prompts keeps a copy of what it has read (the whole prompt, if it scored it)."""
         for _, cache, prefixes in self.models:
             if prefixes is not None:
-                prefixes.keep(self.prompt[: cache.length], cache)
+                prefixes.keep(self.prompt[: cache.length], cache, salt=self.salt)
 
     def release(self) -> None:
         """Give back what the caches hold now (see `Batch.release`)."""

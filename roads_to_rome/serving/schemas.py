@@ -228,6 +228,8 @@ class CommonBody(BaseModel):
     # vLLM's: each prompt token's log-probability, with this many most likely tokens (core/scoring.py)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities name tokens `token_id:N`, not their text
+    # vLLM's: prompts kept for prefix caching are shared only with requests that give the same salt
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # vLLM's: the prompt's last this many tokens only (-1: as many as the server holds per request)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # R2R routing knobs (extra body fields)
@@ -648,7 +650,7 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
         request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                           target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
                           max_unverified=body.r2r_max_unverified, thinking_until=thinking_until,
-                          prompt_logprobs=body.prompt_top_count())
+                          prompt_logprobs=body.prompt_top_count(), cache_salt=body.cache_salt)
         return engine.sequence(request)  # here, not in the engine thread, where it would fail the whole batch
     except R2RError as e:
         raise APIError(400, str(e)) from None
