@@ -73,6 +73,22 @@ def test_at_most_max_batch_sequences_run_and_each_leaves_once(engine):
     assert scheduler.kv_in_use == 0
 
 
+@pytest.mark.parametrize("by_priority", [False, True])
+def test_waiting_sequences_are_admitted_by_arrival_or_by_priority(engine, by_priority):
+    """First come first served; with `by_priority`, the lowest priority first and arrival order among equals (vLLM's
+    order), a running sequence never stopped for a newcomer."""
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    priorities = [0, 5, -1, 5, 0]
+    scheduler = Scheduler(engine, max_batch=1, by_priority=by_priority)
+    first = engine.sequence(Request(engine.encode_raw("running"), params), 9)
+    scheduler.add(first)
+    scheduler.turn()  # it runs; then the others arrive
+    for i, priority in enumerate(priorities):
+        scheduler.add(engine.sequence(Request(engine.encode_raw(f"prompt {i}"), params, priority=priority), i))
+    done = [e.sequence.index for e in drive(scheduler) if isinstance(e, Step) and e.finished]
+    assert done == ([9, 2, 0, 4, 1, 3] if by_priority else [9, 0, 1, 2, 3, 4])
+
+
 def test_admission_waits_for_kv_room_and_refuses_what_can_never_fit(slm, llm, tokenizer):
     engine = Engine(slm, llm, tokenizer, AlwaysLLM())
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)

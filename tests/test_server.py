@@ -4,6 +4,7 @@ import concurrent.futures
 import functools
 import json
 import os
+import time
 
 import httpx
 import openai
@@ -600,3 +601,44 @@ def test_a_suffix_asks_the_model_to_fill_in_the_middle(server, slm, llm, tokeniz
     own = engine.run([Request(framed, SamplingParams(max_new_tokens=8), force="llm")])[0]
     assert answer.model_extra["r2r"]["token_ids"] == own.token_ids and answer.usage.prompt_tokens == len(framed)
     assert ids_prompt.status_code == 400 and ids_prompt.json()["error"]["param"] == "suffix"
+
+
+def test_priority_orders_waiting_requests_on_a_server_that_schedules_by_it(server, slm, llm, tokenizer, monkeypatch):
+    """vLLM's `priority` with `--scheduling-policy priority`: of the requests waiting for the one slot, the lowest
+    priority goes first, whichever came first; a server scheduling first come first served refuses the field."""
+    refused = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "priority": -1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+    read = slm._read
+
+    def slow(*args, **kwargs):  # so that the first request holds the slot until its client hangs up
+        time.sleep(0.02)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(slm, "_read", slow)
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=1, max_tokens=480, context_length=512,
+                                                scheduling_policy="priority"))
+    with BackgroundServer(app) as srv:
+        finished = []
+
+        def complete(priority):
+            r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                           json={"prompt": f"priority {priority}", "max_tokens": 2, "priority": priority})
+            assert r.status_code == 200, r.text
+            finished.append(priority)
+
+        body = {"prompt": "hold the slot", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body) as running, \
+                concurrent.futures.ThreadPoolExecutor(3) as pool:
+            lines = running.iter_lines()
+            next(lines)  # it holds the slot; then the others queue, the least urgent first
+            waiting = []
+            for priority in (10, 3, -5):
+                waiting.append(pool.submit(complete, priority))
+                for _ in range(200):
+                    if httpx.get(srv.url + "/health").json()["waiting"] == len(waiting):
+                        break
+            assert httpx.get(srv.url + "/health").json()["waiting"] == 3
+        for future in waiting:  # the stream hung up: its slot goes to the waiting ones in turn
+            future.result()
+        assert finished == [-5, 3, 10]

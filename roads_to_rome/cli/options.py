@@ -179,6 +179,10 @@ PrefixCacheTokens = Annotated[int, typer.Option("--prefix-cache-tokens", min=0, 
 EnablePrefixCaching = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
                                                    help="Prefix caching (vLLM's switch; --prefix-cache-tokens sizes "
                                                    "it).")]
+SchedulingPolicy = Enum("SchedulingPolicy", {name: name for name in ("fcfs", "priority")}, type=str)
+SchedulingPolicyOpt = Annotated[SchedulingPolicy, typer.Option("--scheduling-policy", help="fcfs: waiting requests "
+                                "are admitted first come first served; priority: by the request's `priority` (lower "
+                                "first; vLLM's field and flag), then in arrival order.")]
 MaxStopStrings = Annotated[int, typer.Option("--max-stop-strings", min=1, help="Stop strings one request may give "
                                              "(then 400).")]
 MaxStopChars = Annotated[int, typer.Option("--max-stop-chars", min=1, help="The longest stop string, in characters.")]

@@ -39,6 +39,8 @@ class Request:
     # Kept prompts are shared only with requests that give the same salt (core/prefix_cache.py; None: among those
     # that give none).
     cache_salt: str | None = None
+    # Where it waits among others, lower first (vLLM's order): a scheduler that orders by priority reads it.
+    priority: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 class Scheduler:
     """Which sequences decode, which wait, and when a newcomer's prompt is read: the one loop every client drives.
 
-    Each turn admits waiting sequences, first come first served, while a slot is free and their KV tokens fit;
+    Each turn admits waiting sequences, first come first served (or by priority, then arrival: `by_priority`),
+    while a slot is free and their KV tokens fit;
     reads one chunk of one admitted prompt (chunked prefill, round robin); and runs one decode step of the batch.
     With prefix caching, each model keeps the prompts it has read (core/prefix_cache.py), and a newcomer's read
     starts from the longest beginning of its prompt one of them shares.
@@ -31,13 +32,16 @@ class Scheduler:
     its last `Step` (finished) or a `Failure`."""
 
     def __init__(self, engine: Engine, max_batch: int | None = None, prefill_chunk: int | None = None,
-                 prefix_tokens: int = 0):
+                 prefix_tokens: int = 0, by_priority: bool = False):
         """`max_batch`: sequences decoding or having their prompt read at once (None: no limit).
         `prefill_chunk`: prompt tokens each model reads per turn, a newcomer's prompt alone, between decode steps
         (None: newcomers join the batch at once and its next decode step reads their prompts together, unless
         prefix caching reads each alone). `prefix_tokens`: prompt tokens each model keeps for newcomers that begin
-        the same way (0: none; a model behind a server keeps none here, its server caches)."""
+        the same way (0: none; a model behind a server keeps none here, its server caches). `by_priority`: waiting
+        sequences are admitted by their request's priority (lower first), then in arrival order; running ones are
+        never stopped for a newcomer (vLLM's priority scheduling also preempts them)."""
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
+        self.by_priority = by_priority
         self.prefixes = prefix_caches(engine, prefix_tokens, max_batch)
         self.batch = Batch(engine, self.prefixes)
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -46,7 +50,12 @@ class Scheduler:
         self.kv_in_use = 0  # KV tokens held by admitted sequences (each its prompt and max new tokens)
 
     def add(self, sequence: Sequence) -> None:
-        self.waiting.append(sequence)
+        if not self.by_priority:
+            self.waiting.append(sequence)
+            return
+        priority = sequence.request.priority  # behind those as urgent or more, ahead of the rest
+        place = next((i for i, s in enumerate(self.waiting) if s.request.priority > priority), len(self.waiting))
+        self.waiting.insert(place, sequence)
 
     @property
     def admitted(self) -> int:

@@ -66,7 +66,8 @@ class EngineThread:
 
     def __init__(self, engine: Engine, limits: Limits, on_failure: Callable[[BaseException], None] | None = None):
         self.engine, self.limits, self.on_failure = engine, limits, on_failure
-        self.scheduler = Scheduler(engine, limits.max_batch, limits.prefill_chunk, limits.prefix_cache_tokens)
+        self.scheduler = Scheduler(engine, limits.max_batch, limits.prefill_chunk, limits.prefix_cache_tokens,
+                                   by_priority=limits.scheduling_policy == "priority")
         self.metrics = Metrics(engine, self.load)
         self.jobs: dict[int, Job] = {}  # id(sequence) -> its job, until the sequence leaves the scheduler
         self.wakeup = threading.Condition()

@@ -43,6 +43,8 @@ class Limits:
     prefill_chunk: int = 64
     # Prompt tokens each model keeps read for newcomers whose prompt begins the same way (0: no prefix caching)
     prefix_cache_tokens: int = PREFIX_TOKENS
+    # "fcfs": waiting requests are admitted in arrival order; "priority": by their `priority` (lower first), then so
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_body_bytes: int = 1 << 20  # a request body's limit (413 beyond): 8x what the longest context holds
     # OpenAI's limit. Every row decodes its tail and searches it for each stop string every step, on the engine
     # thread, and a stream holds back the longest one's length: both stay small.
@@ -230,6 +232,7 @@ class CommonBody(BaseModel):
     return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities name tokens `token_id:N`, not their text
     # vLLM's: prompts kept for prefix caching are shared only with requests that give the same salt
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower is admitted first (--scheduling-policy priority)
     # vLLM's: the prompt's last this many tokens only (-1: as many as the server holds per request)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # R2R routing knobs (extra body fields)
@@ -566,6 +569,9 @@ def check_body(body: CommonBody, model_name: str, limits: Limits) -> OutputForma
                 and value not in NEUTRAL.get(name, ()):
             raise APIError(400, f"{name}={value!r} is not supported by this server (it would change the answer); "
                                 f"leave it out", param=name, code="unsupported_parameter")
+    if body.priority and limits.scheduling_policy != "priority":
+        raise APIError(400, "priority orders waiting requests only on a server started with --scheduling-policy "
+                            "priority: leave it out (or 0)", param="priority")
     stop_strings(body, limits)
     body.top_count()
     body.prompt_top_count()
@@ -650,7 +656,8 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
         request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                           target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
                           max_unverified=body.r2r_max_unverified, thinking_until=thinking_until,
-                          prompt_logprobs=body.prompt_top_count(), cache_salt=body.cache_salt)
+                          prompt_logprobs=body.prompt_top_count(), cache_salt=body.cache_salt,
+                          priority=body.priority)
         return engine.sequence(request)  # here, not in the engine thread, where it would fail the whole batch
     except R2RError as e:
         raise APIError(400, str(e)) from None
