@@ -39,6 +39,21 @@ def chat(client, content, **kw):
                                           temperature=0, **kw)
 
 
+def test_every_reply_carries_its_request_id(server):
+    """X-Request-Id: the client's, where it is one a log line can carry as it is, else a fresh one; on refusals
+    too (the guard's, a bad body's)."""
+    given = httpx.get(server + "/health", headers={"X-Request-Id": "proxy-1.a:b"})
+    assert given.headers["x-request-id"] == "proxy-1.a:b"
+    fresh = [httpx.get(server + "/v1/models", headers=headers).headers["x-request-id"]
+             for headers in ({}, {}, {"X-Request-Id": "x" * 200}, {"X-Request-Id": "a b\tc"})]
+    assert len(set(fresh)) == 4 and all(len(i) == 32 for i in fresh)
+    refused = httpx.post(server + "/v1/chat/completions", content=b"{", headers={"X-Request-Id": "bad-body",
+                                                                              "Content-Type": "application/json"})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-body"
+    not_json = httpx.post(server + "/v1/chat/completions", content=b"hi", headers={"X-Request-Id": "plain"})
+    assert not_json.status_code == 415 and not_json.headers["x-request-id"] == "plain"
+
+
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny-r2r"]
     assert httpx.get(server + "/health").json()["status"] == "ok"
@@ -225,7 +240,9 @@ def test_load_8_concurrent_streaming_clients(server, client):
     assert rss_after_200 <= 1.10 * rss_after_20, (rss_after_20, rss_after_200)
 
 
-def test_an_engine_failure_fails_only_the_requests_in_flight(server, client, slm, monkeypatch):
+def test_an_engine_failure_fails_only_the_requests_in_flight(server, client, slm, monkeypatch, caplog):
+    """The failed request's error names its id (the client's X-Request-Id), under which the log has what happened;
+    the client sees no internals."""
     original = slm.forward
     calls = {"n": 0}
 
@@ -236,11 +253,14 @@ def test_an_engine_failure_fails_only_the_requests_in_flight(server, client, slm
         return original(*args, **kwargs)
 
     monkeypatch.setattr(slm, "forward", failing_once)
-    response = httpx.post(server + "/v1/chat/completions",
+    response = httpx.post(server + "/v1/chat/completions", headers={"X-Request-Id": "trace-4711"},
                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-    assert response.status_code == 500
+    assert response.status_code == 500 and response.headers["x-request-id"] == "trace-4711"
     error = response.json()["error"]
     assert error["type"] == "server_error" and "simulated" not in error["message"]  # internals stay in the log
+    assert "the server's log has the details under request trace-4711" in error["message"]
+    logged = [r for r in caplog.records if "trace-4711" in r.getMessage()]
+    assert logged and "simulated device failure" in str(logged[0].exc_info[1])
     assert chat(client, "What is 48 / 2?", max_tokens=3).usage.completion_tokens >= 1
 
 

@@ -328,9 +328,10 @@ def test_an_engine_thread_that_dies_fails_requests_in_flight_and_health_says_fai
     monkeypatch.setattr(thread.scheduler, "advance", fails_on_the_third_step)
     served.start()
     until(lambda: _up(url), "the server starts")
-    response = post(url, body(max_tokens=50))
+    response = post(url, body(max_tokens=50), headers={"X-Request-Id": "dying-1"})
     assert response.status_code == 500 and response.json()["error"]["code"] == "engine_failed", response.text
     assert "RuntimeError" not in response.text and "bug" not in response.text
+    assert "under request dying-1" in response.json()["error"]["message"]
     served.join(10)
     assert result == [1], "run() returns 1 once the engine's thread has failed, for a supervisor to restart"
 

@@ -20,6 +20,7 @@ from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step
 from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.errors import LLMUnavailable, R2RError, RemoteError
+from roads_to_rome.serving import request_ids
 from roads_to_rome.serving.metrics import Metrics
 from roads_to_rome.serving.schemas import LLM_AWAY, APIError, Limits
 
@@ -38,10 +39,12 @@ class ErrorReply:
 
 
 class Job:
-    """A sequence and the asyncio queue its handler reads its `Step`s (or an `ErrorReply`) from."""
+    """A sequence and the asyncio queue its handler reads its `Step`s (or an `ErrorReply`) from; made while its HTTP
+    request is handled, whose id it keeps for the log (serving/request_ids.py)."""
 
     def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop):
         self.sequence, self.loop, self.events = sequence, loop, asyncio.Queue()
+        self.request_id = request_ids.current.get()
         self.arrived = time.monotonic()
         self.first_token_at: float | None = None
 
@@ -149,13 +152,18 @@ class EngineThread:
         return True
 
     def _fail(self, error: BaseException) -> None:
-        log.critical("the engine thread failed: every request in flight ends with an error", exc_info=error)
-        self._abandon(ErrorReply(ENGINE_FAILED, 500, "engine_failed"), failed=error)
+        with self.wakeup:
+            ids = sorted({job.request_id for job in self.jobs.values()})
+        log.critical("the engine thread failed: every request in flight ends with an error (requests %s)",
+                     ", ".join(ids) or "none", exc_info=error)
+        self._abandon(lambda job: ErrorReply(f"the engine failed while this request was in flight "
+                                             f"({request_ids.details(job.request_id)}); the server is restarting: "
+                                             "retry", 500, "engine_failed"), failed=error)
         if self.on_failure is not None:
             self.on_failure(error)
 
-    def _abandon(self, reply: ErrorReply, failed: BaseException | None = None) -> None:
-        """Answer every job from here, without the engine, and forget them."""
+    def _abandon(self, reply: Callable[[Job], ErrorReply], failed: BaseException | None = None) -> None:
+        """Answer every job from here, without the engine, with its `reply`, and forget them."""
         with self.wakeup:
             if failed is not None:
                 self.failed = failed
@@ -163,7 +171,7 @@ class EngineThread:
         for job in jobs:
             job.sequence.cancelled = True
             self.metrics.failed(job.sequence, aborted=False)
-            job.send(reply)
+            job.send(reply(job))
 
     def _watch_drain(self, llm_stalled: Callable[[], bool]) -> None:
         while True:
@@ -172,8 +180,9 @@ class EngineThread:
                     return
                 late = time.monotonic() >= self.deadline + ABANDON_AFTER_S
             if late or llm_stalled():
-                self._abandon(ErrorReply(str(ShuttingDown("the server is shutting down: this request was cut off "
-                                                          "(its LLM server does not answer)")), 503))
+                cut = ErrorReply(str(ShuttingDown("the server is shutting down: this request was cut off (its LLM "
+                                                  "server does not answer)")), 503)
+                self._abandon(lambda job: cut)
                 return
             time.sleep(0.25)
 
@@ -186,23 +195,24 @@ class EngineThread:
             if isinstance(event, Failure):
                 self.metrics.failed(event.sequence, aborted=isinstance(event.error, Cancelled))
                 if not isinstance(event.error, Cancelled):
-                    job.send(error_reply(event.error))
+                    job.send(error_reply(event.error, job.request_id))
                 continue
             job.first_token_at = self.metrics.step(event, job.arrived, job.first_token_at)
             job.send(event)
 
 
-def error_reply(e: Exception) -> ErrorReply:
-    """What a client may see of an engine error: our own messages; other exceptions stay in the log."""
+def error_reply(e: Exception, request_id: str) -> ErrorReply:
+    """What a client may see of an engine error: our own messages; other exceptions stay in the log, under the
+    request's id."""
     if isinstance(e, ShuttingDown):
         return ErrorReply(str(e), 503)
     if isinstance(e, LLMUnavailable):
-        log.error("remote LLM unavailable: %s", e)
+        log.error("remote LLM unavailable, request %s: %s", request_id, e)
         return ErrorReply(LLM_AWAY, 503, "llm_unavailable")
     if isinstance(e, RemoteError):  # its message names an address clients need not know
-        log.error("remote model failure: %s", e)
-        return ErrorReply("the LLM's server failed this request (the server's log has the details)", 502)
+        log.error("remote model failure, request %s: %s", request_id, e)
+        return ErrorReply(f"the LLM's server failed this request ({request_ids.details(request_id)})", 502)
     if isinstance(e, R2RError):
         return ErrorReply(str(e))
-    log.exception("engine failure", exc_info=e)
-    return ErrorReply("internal error in the engine (the server's log has the details)")
+    log.exception("engine failure, request %s", request_id, exc_info=e)
+    return ErrorReply(f"internal error in the engine ({request_ids.details(request_id)})")

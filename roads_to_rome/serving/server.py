@@ -38,6 +38,7 @@ from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.errors import R2RError
 from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser, thinking_until
+from roads_to_rome.serving import request_ids
 from roads_to_rome.serving.connections import uvicorn_config
 from roads_to_rome.serving.engine_thread import EngineThread, Job
 from roads_to_rome.serving.guard import Guard, Tokenizing, check_api_key
@@ -126,6 +127,7 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
     app.add_middleware(Guard, api_key=api_key, loopback_only=loopback_only, limits=limits)
+    app.add_middleware(request_ids.RequestIds)  # (the last added is the outermost)
     app.include_router(routes)
     # The playground's renderers (`make web` puts them there; without them the page shows plain text).
     static = importlib.resources.files(__package__).joinpath("static")
@@ -146,9 +148,8 @@ async def body_error(http: HTTPRequest, e: RequestValidationError) -> Response:
 
 
 async def internal_error(http: HTTPRequest, e: Exception) -> Response:
-    log.error("internal error on %s", http.url.path, exc_info=e)
-    return shaped(http.url.path, error_response(500, "internal error (the server's log has the details)",
-                                                kind="server_error"))
+    log.error("internal error on %s, request %s", http.url.path, request_ids.current.get(), exc_info=e)
+    return shaped(http.url.path, error_response(500, f"internal error ({request_ids.details()})", kind="server_error"))
 
 
 routes = APIRouter()
