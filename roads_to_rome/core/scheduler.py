@@ -6,11 +6,12 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from roads_to_rome.core.batch import Batch
 from roads_to_rome.core.layout import NO_ROWS
-from roads_to_rome.core.prefix_cache import KEPT_ROWS, PrefixCache
+from roads_to_rome.core.prefix_cache import KEPT_ROWS, PrefixCache, common_prefix
 from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step
 from roads_to_rome.core.scoring import score_prompt
 from roads_to_rome.errors import R2RError
@@ -26,7 +27,8 @@ class Scheduler:
     while a slot is free and their KV tokens fit;
     reads one chunk of one admitted prompt (chunked prefill, round robin); and runs one decode step of the batch.
     With prefix caching, each model keeps the prompts it has read (core/prefix_cache.py), and a newcomer's read
-    starts from the longest beginning of its prompt one of them shares.
+    starts from the longest beginning of its prompt one of them shares; a newcomer that shares most of its prompt with
+    one being read (the n choices of a prompt, arriving together) waits for that read and starts from what it kept.
     The server drives it from its engine thread, a turn at a time between arrivals; `Engine.run` and
     `Engine.stream` (generate, chat, eval, the label pipeline) to the end. A sequence leaves reporting it once:
     its last `Step` (finished) or a `Failure`."""
@@ -105,14 +107,11 @@ class Scheduler:
                 self.reading.append((s, read))  # the prompt is read: what is left of it is the other model's
             elif self.prefill_chunk or any(self.prefixes):
                 try:
-                    read = PromptRead(self.engine, s, self.prefixes)
+                    read = PromptRead(self.engine, s, self.prefixes, follows=self._read_to_follow(s))
                 except Exception as e:  # only this sequence fails
                     left.append(Failure(s, e))
                     continue
                 self.reading.append((s, read))
-                if any(self.prefixes):
-                    self.engine.counters.prefix_queries += read.goal
-                    self.engine.counters.prefix_hits += s.generation.cached_tokens
             else:
                 self.joining.append(s)
             self.kv_in_use += need
@@ -146,15 +145,39 @@ class Scheduler:
             if prefixes is not None:
                 prefixes.clear()
 
+    def _read_to_follow(self, s: Sequence) -> PromptRead | None:
+        """The read in progress that shares the longest beginning with `s`'s prompt, if that is most of it (the n
+        choices of one prompt; prompts that share a long system message): `s` waits for it to be read and kept and
+        then reads only the rest, instead of reading it all beside it. None: `s` reads at once."""
+        if not any(self.prefixes):
+            return None
+        goal = len(s.prompt_ids) - 1
+        shared = {id(read): common_prefix(np.asarray(read.prompt[: read.goal]), np.asarray(s.prompt_ids[:goal]))
+                  for other, read in self.reading if other.request.cache_salt == s.request.cache_salt}
+        best = max(self.reading, key=lambda pair: shared.get(id(pair[1]), 0), default=None)
+        if best is None or 2 * shared.get(id(best[1]), 0) < max(goal, 1):
+            return None
+        return best[1]
+
     def _read_one_chunk(self) -> list[Failure]:
         left = []
         while self.reading and self.reading[0][0].cancelled:
             s, _ = self.reading.popleft()
             left.append(self._leave(s, Failure(s, Cancelled())))
-        if not self.reading:
+        reading = {id(read) for _, read in self.reading}
+        for _ in range(len(self.reading)):  # a read that follows one still in progress waits for it
+            if id(self.reading[0][1].follows) not in reading:
+                break
+            self.reading.rotate(-1)
+        else:
             return left
         s, prefill = self.reading[0]
         try:
+            if not prefill.started:
+                prefill.start()
+                if any(self.prefixes):
+                    self.engine.counters.prefix_queries += prefill.goal
+                    self.engine.counters.prefix_hits += s.generation.cached_tokens
             prefill.advance(self.prefill_chunk or prefill.goal)
             if not prefill.done:
                 self.reading.rotate(-1)  # the next prompt gets the next chunk
@@ -202,25 +225,43 @@ class PromptRead:
     the batch. A model does not read a prompt it will never be asked about (`Engine.readers`): the LLM a request
     forced onto the SLM, the SLM one forced onto the LLM."""
 
-    def __init__(self, engine: Engine, sequence: Sequence, prefixes: tuple = (None, None), reuse: bool = True):
+    def __init__(self, engine: Engine, sequence: Sequence, prefixes: tuple = (None, None), reuse: bool = True,
+                 follows: PromptRead | None = None):
         """`prefixes`: the writer's and the LLM's kept prompts (`Scheduler.prefixes`); `reuse`: whether the read may
-        start from one of them (not when every position's output is wanted: a scored prompt)."""
+        start from one of them (not when every position's output is wanted: a scored prompt: its caches are made
+        now). `follows`: a read in progress that shares most of this prompt, to wait for (`Scheduler.admit`)."""
         writes, reads = engine.readers(sequence)
-        writer, llm = engine.writer if writes else None, engine.llm_side if reads else None
+        self.readers = (engine.writer if writes else None, engine.llm_side if reads else None)
+        self.prefixes, self.reuse, self.follows, self.sequence = prefixes, reuse, follows, sequence
         self.prompt, self.goal = sequence.prompt_ids, len(sequence.prompt_ids) - 1
         self.salt = sequence.request.cache_salt
-        started = [(None, 0) if m is None or p is None or not reuse else p.take(self.prompt[: self.goal], self.salt)
-                   for m, p in zip((writer, llm), prefixes)]
-        # (writer's cache, LLM's), None for a model that does not read it: as `Layout.join` takes them
-        self.per_model = tuple(None if m is None else cache if cache is not None else m.new_cache()
-                               for m, (cache, _) in zip((writer, llm), started))
-        self.models = [(m, c, p) for m, c, p in zip((writer, llm), self.per_model, prefixes) if m is not None]
         self.ids = torch.tensor([sequence.prompt_ids], device=engine.writer.device)
-        sequence.generation.cached_tokens = min(n for m, (_, n) in zip((writer, llm), started) if m is not None)
+        # (writer's cache, LLM's), None for a model that does not read it: as `Layout.join` takes them; made when
+        # the read starts (`start`), from a kept prompt where one begins as this one does
+        self.per_model: tuple | None = None
+        self.models: list = []
+        if not reuse:
+            self.start()
+
+    def start(self) -> None:
+        """Make each reading model's cache: a copy of the kept prompt that shares the longest beginning with this
+        one, where there is one (taken now, not when admitted: a read it followed has kept what it read by now)."""
+        started = [(None, 0) if m is None or p is None or not self.reuse else p.take(self.prompt[: self.goal],
+                                                                                    self.salt)
+                   for m, p in zip(self.readers, self.prefixes)]
+        self.per_model = tuple(None if m is None else cache if cache is not None else m.new_cache()
+                               for m, (cache, _) in zip(self.readers, started))
+        self.models = [(m, c, p) for m, c, p in zip(self.readers, self.per_model, self.prefixes) if m is not None]
+        self.sequence.generation.cached_tokens = min(n for m, (_, n) in zip(self.readers, started) if m is not None)
+        self.follows = None  # (waited for: let it go)
+
+    @property
+    def started(self) -> bool:
+        return self.per_model is not None
 
     @property
     def done(self) -> bool:
-        return all(c.length >= self.goal for _, c, _ in self.models)
+        return self.started and all(c.length >= self.goal for _, c, _ in self.models)
 
     def advance(self, chunk: int) -> None:
         """Read up to `chunk` more prompt tokens with each model."""
