@@ -173,11 +173,8 @@ class Scheduler:
             return left
         s, prefill = self.reading[0]
         try:
-            if not prefill.started:
+            if not prefill.started:  # (it waited for the read it follows)
                 prefill.start()
-                if any(self.prefixes):
-                    self.engine.counters.prefix_queries += prefill.goal
-                    self.engine.counters.prefix_hits += s.generation.cached_tokens
             prefill.advance(self.prefill_chunk or prefill.goal)
             if not prefill.done:
                 self.reading.rotate(-1)  # the next prompt gets the next chunk
@@ -228,11 +225,12 @@ class PromptRead:
     def __init__(self, engine: Engine, sequence: Sequence, prefixes: tuple = (None, None), reuse: bool = True,
                  follows: PromptRead | None = None):
         """`prefixes`: the writer's and the LLM's kept prompts (`Scheduler.prefixes`); `reuse`: whether the read may
-        start from one of them (not when every position's output is wanted: a scored prompt: its caches are made
-        now). `follows`: a read in progress that shares most of this prompt, to wait for (`Scheduler.admit`)."""
+        start from one of them (not when every position's output is wanted: a scored prompt). `follows`: a read in
+        progress that shares most of this prompt, to wait for (`Scheduler.admit`): this one starts once it is done;
+        otherwise it starts now."""
         writes, reads = engine.readers(sequence)
         self.readers = (engine.writer if writes else None, engine.llm_side if reads else None)
-        self.prefixes, self.reuse, self.follows, self.sequence = prefixes, reuse, follows, sequence
+        self.engine, self.prefixes, self.reuse, self.follows, self.sequence = engine, prefixes, reuse, follows, sequence
         self.prompt, self.goal = sequence.prompt_ids, len(sequence.prompt_ids) - 1
         self.salt = sequence.request.cache_salt
         self.ids = torch.tensor([sequence.prompt_ids], device=engine.writer.device)
@@ -240,7 +238,7 @@ class PromptRead:
         # the read starts (`start`), from a kept prompt where one begins as this one does
         self.per_model: tuple | None = None
         self.models: list = []
-        if not reuse:
+        if follows is None:
             self.start()
 
     def start(self) -> None:
@@ -254,6 +252,9 @@ class PromptRead:
         self.models = [(m, c, p) for m, c, p in zip(self.readers, self.per_model, self.prefixes) if m is not None]
         self.sequence.generation.cached_tokens = min(n for m, (_, n) in zip(self.readers, started) if m is not None)
         self.follows = None  # (waited for: let it go)
+        if self.reuse and any(self.prefixes):
+            self.engine.counters.prefix_queries += self.goal
+            self.engine.counters.prefix_hits += self.sequence.generation.cached_tokens
 
     @property
     def started(self) -> bool:
