@@ -254,6 +254,12 @@ def test_prefix_benchmark_shares_a_system_message_between_clients(run_cli, pair,
     assert (tmp_path / "p.png").exists()
     code, out, err = run_cli("bench", "prefix", "--clients", "500", "--turns", "2", "--shots", "1", *pair)
     assert code == 2 and "1000 GSM8K dev items" in err
+    code, out, err = run_cli("bench", "prefix", "--clients", "1", "--turns", "2", "--tokens", "2", "--n", "3",
+                             "--out", tmp_path / "n.json", *pair)
+    assert code == 0, err
+    result = json.loads((tmp_path / "n.json").read_text())
+    assert result["n"] == 3 and result["per_turn"]["kept"][1]["cached_tokens"] > 0
+    assert 2 < result["per_turn"]["kept"][0]["completion_tokens"] <= 3 * 2  # three choices of up to two tokens
 
 
 def test_step_cost_benchmark_runs(run_cli, pair, tmp_path):

@@ -193,7 +193,7 @@ def load_figures(answers: list[tuple[int, int, float]], seconds: float) -> dict:
 
 def conversations(slm: str | None, llm: str | None, device: str, dtype: str, clients: int, turns: int, n_tokens: int,
                   backend: str = "auto", prefix_tokens: int = PREFIX_TOKENS, rounds: int = 1, progress=QUIET,
-                  threads: dict | None = None, shots: int = 0) -> dict:
+                  threads: dict | None = None, shots: int = 0, n: int = 1) -> dict:
     """Conversations through the server with prefix caching and without, side by side: each of `clients` clients
     holds one conversation of `turns` GSM8K dev questions, each turn's prompt the earlier turns with their answers
     and the next question, streamed; `rounds` times over, the two servers taking turns. Greedy decoding gives both
@@ -203,10 +203,13 @@ def conversations(slm: str | None, llm: str | None, device: str, dtype: str, cli
     With `shots`, every conversation opens with the same system message: that many worked GSM8K dev solutions (the
     last dev items, no question of the conversations), as few-shot prompts and agents' long instructions are shared
     by every request. The clients then arrive one after another, each once the one before has its first token, so
-    that what the first read can be found by the others (clients that start together all read it at once)."""
+    that what the first read can be found by the others (clients that start together all read it at once).
+
+    With `n` above 1, each turn asks for n choices, sampled (temperature 0.7, seeded), and the conversation goes on
+    with the first: with prefix caching the choices read their prompt once."""
     slm_backend, llm_backend, tokenizer = load_pair(
         slm, llm, device, dtype=dtype, backend=backend, threads=threads,
-        llama={"max_rows": clients + KEPT_ROWS, "n_ctx": clients * 4096 + prefix_tokens})
+        llama={"max_rows": clients * n + KEPT_ROWS, "n_ctx": clients * n * 4096 + prefix_tokens})
     kind, router_path = choose_policy(None, None, slm)
     policy = policies.build(kind, slm_backend, None, router_path)
     engine = systems.routed(slm_backend, llm_backend, tokenizer, policy, verify=DEFAULT_VERIFY)
@@ -219,7 +222,7 @@ def conversations(slm: str | None, llm: str | None, device: str, dtype: str, cli
     task = progress.add_task("conversations", total=rounds * len(settings) * clients * turns)
     for _ in range(rounds):
         for name, kept in settings.items():
-            limits = Limits(max_batch=clients, max_tokens=n_tokens, prefix_cache_tokens=kept)
+            limits = Limits(max_batch=clients * n, max_tokens=n_tokens, prefix_cache_tokens=kept)
             with BackgroundServer(create_app(engine, "r2r", limits)) as server:
                 client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
 
@@ -234,7 +237,7 @@ def conversations(slm: str | None, llm: str | None, device: str, dtype: str, cli
                     try:
                         for question in questions[k * turns: (k + 1) * turns]:
                             messages.append({"role": "user", "content": question})
-                            done.append(timed_turn(client, messages, n_tokens, arrived[k + 1].set))
+                            done.append(timed_turn(client, messages, n_tokens, arrived[k + 1].set, n))
                             messages.append({"role": "assistant", "content": done[-1]["text"]})
                             progress.advance(task)
                     finally:
@@ -243,7 +246,7 @@ def conversations(slm: str | None, llm: str | None, device: str, dtype: str, cli
 
                 with concurrent.futures.ThreadPoolExecutor(clients) as pool:
                     measured[name].append(list(pool.map(converse, range(clients))))
-    return {"clients": clients, "turns": turns, "tokens": n_tokens, "rounds": rounds, "shots": shots,
+    return {"clients": clients, "turns": turns, "tokens": n_tokens, "rounds": rounds, "shots": shots, "n": n,
             "prefix_cache_tokens": prefix_tokens, "dtype": dtype, "backend": backend, "device": str(slm_backend.device),
             "threads": threads or {}, "kernels": kernels(slm=slm_backend, llm=llm_backend), "policy": policy.name,
             **conversation_figures(measured)}
@@ -255,13 +258,15 @@ def few_shot_message(examples: list[dict]) -> str:
     return f"You solve math word problems step by step. Worked examples:\n\n{shown}"
 
 
-def timed_turn(client, messages: list[dict], n_tokens: int, on_first_token=lambda: None) -> dict:
-    """One turn, streamed: its answer's text, seconds to the first token and to the last, its usage."""
+def timed_turn(client, messages: list[dict], n_tokens: int, on_first_token=lambda: None, n: int = 1) -> dict:
+    """One turn, streamed: its (first choice's) answer's text, seconds to the first token of any choice and to the
+    last, its usage. Greedy; n choices are sampled (temperature 0.7, seeded)."""
     start, first = time.perf_counter(), None
     text, usage = [], None
+    sampling = {"temperature": 0} if n == 1 else {"temperature": 0.7, "seed": 0, "n": n}
     try:
-        stream = client.chat.completions.create(model="r2r", messages=messages, temperature=0, max_tokens=n_tokens,
-                                                stream=True, stream_options={"include_usage": True})
+        stream = client.chat.completions.create(model="r2r", messages=messages, max_tokens=n_tokens, stream=True,
+                                                stream_options={"include_usage": True}, **sampling)
     except openai.BadRequestError as e:
         raise R2RError(f"the server refused a turn: {e.message}") from None
     for chunk in stream:
@@ -269,7 +274,8 @@ def timed_turn(client, messages: list[dict], n_tokens: int, on_first_token=lambd
             if first is None:
                 first = time.perf_counter()
                 on_first_token()
-            text.append(chunk.choices[0].delta.content)
+            if chunk.choices[0].index == 0:
+                text.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage = chunk.usage
     end = time.perf_counter()

@@ -188,6 +188,8 @@ def bench_prefix(
     shots: int = typer.Option(0, "--shots", min=0, help="A system message of this many worked GSM8K solutions opens "
                               "every conversation, the same for all (few-shot prompting; an agent's long "
                               "instructions); the clients then arrive one after another."),
+    n: int = count(1, "--n", help="Choices per turn (sampled at temperature 0.7, seeded; the conversation goes on "
+                   "with the first): with prefix caching they read their prompt once."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     threads: Threads = None, out: Out = None,
 ):
@@ -209,7 +211,7 @@ def bench_prefix(
     dtype = pick_dtype(dtype, device)
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console, transient=True) as progress:
         result = conversations(slm, llm, device, dtype, clients, turns, tokens, backend, prefix_cache_tokens, rounds,
-                               progress, parse_threads(threads), shots)
+                               progress, parse_threads(threads), shots, n)
     console.print(tables.bench_prefix(result))
     save(result, out)
     if out:

@@ -213,6 +213,7 @@ def bench_prefix(result: dict) -> Table:
     """`r2r bench prefix`: each turn's time to the first token with prefix caching and without."""
     shots = result.get("shots", 0)
     shared = f", a shared system message of {shots} worked examples, arriving one after another" if shots else ""
+    shared += f", {result['n']} sampled choices per turn" if result.get("n", 1) > 1 else ""
     table = Table("turn", "prompt tokens", "found kept", "TTFT s kept", "TTFT s none", "× TTFT", "turn s kept",
                   "turn s none",
                   title=f"{result['clients']} conversation(s) of {result['turns']} turns, up to {result['tokens']} "
