@@ -463,6 +463,25 @@ def test_tokenize_and_detokenize_as_vllm_has_them(server, client, tokenizer):
         assert refused.status_code == status and refused.json()["error"]["param"] == param, (sent, refused.text)
 
 
+def test_reasoning_effort_reaches_the_chat_template(slm, llm, tokenizer):
+    """OpenAI's chat `reasoning_effort` is the template's `reasoning_effort` (as the Responses API's
+    `reasoning.effort`); one given in chat_template_kwargs wins."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %} effort={{ reasoning_effort | default('') }}"
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=2, max_tokens=8, context_length=256),
+                     trust_request_chat_template=True)
+    sent = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template, "max_tokens": 1}
+    with BackgroundServer(app) as srv:
+        for extra, said in (({}, ""), ({"reasoning_effort": "high"}, "high"),
+                            ({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "minimal"}},
+                             "minimal")):
+            reply = httpx.post(srv.url + "/v1/chat/completions", json={**sent, **extra})
+            assert reply.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(f"hi effort={said}")), extra
+        response = httpx.post(srv.url + "/v1/responses", json={"input": "hi", "reasoning": {"effort": "medium"},
+                                                               "chat_template": template, "max_output_tokens": 1})
+        assert response.json()["usage"]["input_tokens"] == len(tokenizer.encode("hi effort=medium")), response.text
+
+
 def test_a_requests_chat_template_needs_a_server_that_trusts_them(server, slm, llm, tokenizer):
     """vLLM's `chat_template` on a chat request (and /tokenize): refused, naming the flag, unless the server was
     started with --trust-request-chat-template; then the prompt is the messages in that template."""

@@ -231,10 +231,14 @@ def test_a_whole_answer_past_its_deadline_is_408_and_frees_its_slot(server, engi
 
 @pytest.mark.parametrize("field,value", [("best_of", 2), ("functions", [{"name": "f"}]),
                                          ("guided_json", {"type": "object"}), ("suffix", "x"),
-                                         ("use_beam_search", True), ("logits_processors", ["a.b"])])
+                                         ("use_beam_search", True), ("logits_processors", ["a.b"]),
+                                         ("web_search_options", {}), ("audio", {"voice": "alloy", "format": "wav"}),
+                                         ("modalities", ["text", "audio"])])
 def test_fields_that_would_change_the_answer_are_400s_naming_them(server, field, value):
     response = post(server, body(**{field: value}))
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+    neutral = post(server, body(max_tokens=1, modalities=["text"], web_search_options=None))
+    assert neutral.status_code == 200, neutral.text
 
 
 @pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -2.01),

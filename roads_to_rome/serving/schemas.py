@@ -140,8 +140,9 @@ UNSUPPORTED = {"best_of": 1, "functions": None, "function_call": None,
                "echo": False, "suffix": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
                "guided_grammar": None, "use_beam_search": False,
                "length_penalty": 1.0,
-               "logits_processors": None}
-NEUTRAL = {"functions": ([],), "function_call": ("none",), "suffix": ("",), "logits_processors": ([],)}
+               "logits_processors": None, "web_search_options": None, "audio": None, "modalities": None}
+NEUTRAL = {"functions": ([],), "function_call": ("none",), "suffix": ("",), "logits_processors": ([],),
+           "modalities": (["text"],)}
 
 
 class StreamOptions(BaseModel):
@@ -434,6 +435,15 @@ class ChatBody(CommonBody, ChatPrompt):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     echo: bool = False  # vLLM's: the reply's content starts with the last message's, where that is an assistant's
+    # OpenAI's, for reasoning models: handed to the chat template as `reasoning_effort` (as the Responses API's
+    # `reasoning.effort`), for templates that read it; others ignore it, as their models have no such setting
+    reasoning_effort: Text | None = None
+
+    @model_validator(mode="after")
+    def effort_to_template(self):
+        if self.reasoning_effort is not None:
+            self.chat_template_kwargs = {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+        return self
 
     def echoed(self) -> list[str] | None:
         """What the reply's content starts with (`echo`): the last message's text, where it is an assistant's."""
