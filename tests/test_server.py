@@ -681,3 +681,35 @@ def test_priority_orders_waiting_requests_on_a_server_that_schedules_by_it(serve
         for future in waiting:  # the stream hung up: its slot goes to the waiting ones in turn
             future.result()
         assert finished == [-5, 3, 10]
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_token_ids_whole_and_streamed(server, client, tokenizer):
+    """vLLM's `return_token_ids`: a chat reply's prompt ids beside its choices, a completion choice's in it, each
+    choice's own ids; streamed, the prompt's in a choice's first chunk and each chunk's token. Without it, neither."""
+    messages = [{"role": "user", "content": "What is 48 / 2?"}]
+    prompt = httpx.post(server + "/tokenize", json={"messages": messages}).json()["tokens"]
+    extra = {"return_token_ids": True, "r2r_policy": "slm"}
+    whole = client.chat.completions.create(model="tiny-r2r", messages=messages, max_tokens=5, temperature=0, n=2,
+                                           extra_body=extra)
+    assert whole.model_extra["prompt_token_ids"] == prompt
+    for choice in whole.choices:
+        assert choice.model_extra["token_ids"] == choice.model_extra["r2r"]["token_ids"] and choice.model_extra[
+            "token_ids"]
+    chunks = list(client.chat.completions.create(model="tiny-r2r", messages=messages, max_tokens=5, temperature=0,
+                                                 stream=True, extra_body=extra))
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt
+    assert not any("prompt_token_ids" in (c.model_extra or {}) for c in chunks[1:])
+    streamed = [t for c in chunks for choice in c.choices for t in choice.model_extra.get("token_ids", [])]
+    assert streamed == whole.choices[0].model_extra["token_ids"]
+    prompts = ["Count to five.", "def add(a, b):"]
+    done = client.completions.create(model="tiny-r2r", prompt=prompts, max_tokens=4, temperature=0, extra_body=extra)
+    for choice, text in zip(done.choices, prompts):
+        assert choice.model_extra["prompt_token_ids"] == tokenizer.encode(text)
+        assert choice.model_extra["token_ids"] == choice.model_extra["r2r"]["token_ids"]
+    parts = list(client.completions.create(model="tiny-r2r", prompt=prompts[0], max_tokens=4, temperature=0,
+                                           stream=True, extra_body=extra))
+    assert parts[0].choices[0].model_extra["prompt_token_ids"] == tokenizer.encode(prompts[0])
+    assert [t for p in parts for c in p.choices for t in c.model_extra.get("token_ids", [])] == \
+        done.choices[0].model_extra["token_ids"]
+    plain = client.chat.completions.create(model="tiny-r2r", messages=messages, max_tokens=2, temperature=0)
+    assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra

@@ -70,6 +70,9 @@ class Reply:
     prompt_alone: bool = False  # completions' echo with max_tokens 0: the prompt, nothing written after it
     running_usage: bool = False  # a stream's chunks each carry their choice's usage so far (vLLM's continuous stats)
     token_ids: bool = False  # log-probabilities name tokens `token_id:N` (vLLM's `return_tokens_as_token_ids`)
+    # vLLM's `return_token_ids`: the prompt's token ids (a chat reply's beside its choices, a completion choice's in
+    # it; a stream's in its first chunk) and each choice's (a stream's: each chunk's)
+    with_ids: bool = False
     # Where the tokens given log-probabilities so far end, in tokens and in characters: a stream's next chunk
     # starts there, so its text offset is not summed again from the first token.
     logprobs_upto: tuple[int, int] = (0, 0)
@@ -104,6 +107,10 @@ class Reply:
             self.logprobs_upto = (0, 0)
             logprobs = self.logprobs(gen, 0, len(gen.token_ids))
             r2r = {"r2r": provenance(gen)} if len(gens) > 1 else {}
+            if self.with_ids:
+                r2r["token_ids"] = list(gen.token_ids)
+                if not self.chat:
+                    r2r["prompt_token_ids"] = list(gen.prompt_ids)
             if self.chat:
                 parts = self.parts(gen)
                 reasoned.append(parts.reasoned)
@@ -132,6 +139,8 @@ class Reply:
         extra = {"r2r": provenance(gens[0])} if len(gens) == 1 else {}
         if self.chat and self.prompt_entries:  # (one prompt: vLLM gives its entries beside the choices)
             extra["prompt_logprobs"] = self.prompt_entries_of(gens[0])
+        if self.chat and self.with_ids:
+            extra["prompt_token_ids"] = list(gens[0].prompt_ids)
         kind = (ChatCompletion, "chat.completion") if self.chat else (Completion, "text_completion")
         out = kind[0](id=self.id, object=kind[1], created=self.created, model=self.model_name, choices=choices,
                       usage=usage(gens, reasoned if self.chat and reasoned[0] is not None else None, self.n), **extra)
@@ -201,10 +210,16 @@ class Reply:
 
     def chunk(self, delta: str | None, finish_reason=None, extra: dict | None = None, role: bool = False,
               reasoning: str | None = None, logprobs=None, index: int = 0,
-              calls: list[ChoiceDeltaToolCall] = (), stop_reason: str | int | None = None) -> str:
+              calls: list[ChoiceDeltaToolCall] = (), stop_reason: str | int | None = None,
+              ids: dict | None = None) -> str:
         """One chunk of choice `index`'s stream; `calls`: what it adds to the reply's tool calls (`CallsSent`);
-        the last one's `stop_reason` says which stop string or stop token ended it (vLLM's)."""
-        stopped = {"stop_reason": stop_reason} if finish_reason is not None else {}
+        the last one's `stop_reason` says which stop string or stop token ended it (vLLM's); `ids`: its
+        `token_ids` and, in a choice's first chunk, its `prompt_token_ids` (`with_ids`)."""
+        in_choice = {"stop_reason": stop_reason} if finish_reason is not None else {}
+        ids = dict(ids or {})
+        if self.chat and "prompt_token_ids" in ids:  # (a chat reply's prompt goes beside its choices)
+            extra = {**(extra or {}), "prompt_token_ids": ids.pop("prompt_token_ids")}
+        in_choice.update(ids)
         if self.chat:
             tool_calls = {"tool_calls": calls} if calls else {}
             if role:
@@ -214,7 +229,7 @@ class Reply:
                                 **({"content": delta} if delta else {}), **tool_calls)
             else:
                 d = ChoiceDelta(**({"content": delta} if delta is not None else {}), **tool_calls)
-            choice = ChunkChoice(index=index, delta=d, finish_reason=finish_reason, **stopped,
+            choice = ChunkChoice(index=index, delta=d, finish_reason=finish_reason, **in_choice,
                                  **({"logprobs": logprobs.model_dump()} if logprobs is not None else {}))
             out = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                       model=self.model_name, choices=[choice],
@@ -224,7 +239,7 @@ class Reply:
             shown = logprobs.model_dump(exclude_unset=True) if logprobs is not None else None
             out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_name,
                    "choices": [{"index": index, "text": delta or "", "logprobs": shown,
-                                "finish_reason": finish_reason, **stopped}],
+                                "finish_reason": finish_reason, **in_choice}],
                    **{k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
                       for k, v in (extra or {}).items()}}
         return f"data: {json.dumps(out)}\n\n"
@@ -407,10 +422,13 @@ async def choice_deltas(job: Job, reply: Reply, index: int, ended: list):
 async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
     """One choice's chunks: its `Delta`s as OpenAI's chunks, each with its token's provenance; the last carries its
     usage. An error ends them with one that says what the client has been sent, to resume from."""
+    prompt = {"prompt_token_ids": list(job.sequence.prompt_ids)} if reply.with_ids else {}
     if reply.chat:
-        yield reply.chunk(None, role=True, index=index)
+        yield reply.chunk(None, role=True, index=index, ids=prompt)
+        prompt = {}
     if reply.echo:
-        yield reply.chunk(reply.echoed(index), index=index)
+        yield reply.chunk(reply.echoed(index), index=index, ids={**prompt, "token_ids": []} if reply.with_ids else None)
+        prompt = {}
     async for delta in choice_deltas(job, reply, index, ended):
         if isinstance(delta, StreamFailure):
             error = {"error": {"message": delta.message, "type": "server_error", "param": None, "code": delta.code,
@@ -422,7 +440,9 @@ async def choice_chunks(job: Job, reply: Reply, index: int, ended: list):
             extra["usage"] = delta.usage
         yield reply.chunk(delta.content, delta.finish_reason if delta.finished else None, extra,
                           reasoning=delta.thinking, logprobs=delta.logprobs, index=index, calls=delta.calls,
-                          stop_reason=job.sequence.generation.stop_reason if delta.finished else None)
+                          stop_reason=job.sequence.generation.stop_reason if delta.finished else None,
+                          ids={**prompt, "token_ids": [delta.token]} if reply.with_ids else None)
+        prompt = {}
 
 
 @dataclass

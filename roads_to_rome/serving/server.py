@@ -432,7 +432,8 @@ async def submit(s: ServerState, body: CommonBody, prompts: list[list[int]], out
     reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat,
                   reasoning, s.engine.tokenizer, body.n, echo, tools.parser if tools else None,
                   bool(tools and tools.one), prompt_entries=body.prompt_logprobs is not None,
-                  prompt_alone=body.prompt_alone(), token_ids=body.return_tokens_as_token_ids)
+                  prompt_alone=body.prompt_alone(), token_ids=body.return_tokens_as_token_ids,
+                  with_ids=body.return_token_ids)
     return jobs, reply
 
 
