@@ -152,12 +152,13 @@ class Scheduler:
         if not any(self.prefixes):
             return None
         goal = len(s.prompt_ids) - 1
-        shared = {id(read): common_prefix(np.asarray(read.prompt[: read.goal]), np.asarray(s.prompt_ids[:goal]))
-                  for other, read in self.reading if other.request.cache_salt == s.request.cache_salt}
-        best = max(self.reading, key=lambda pair: shared.get(id(pair[1]), 0), default=None)
-        if best is None or 2 * shared.get(id(best[1]), 0) < max(goal, 1):
-            return None
-        return best[1]
+        prompt, best, most = np.asarray(s.prompt_ids[:goal]), None, 0
+        for other, read in self.reading:
+            if other.request.cache_salt == s.request.cache_salt:
+                shared = common_prefix(np.asarray(read.prompt[: read.goal]), prompt)
+                if shared > most:
+                    best, most = read, shared
+        return best if 2 * most >= max(goal, 1) else None
 
     def _read_one_chunk(self) -> list[Failure]:
         left = []
