@@ -76,7 +76,8 @@ def test_at_most_max_batch_sequences_run_and_each_leaves_once(engine):
 @pytest.mark.parametrize("by_priority", [False, True])
 def test_waiting_sequences_are_admitted_by_arrival_or_by_priority(engine, by_priority):
     """First come first served; with `by_priority`, the lowest priority first and arrival order among equals (vLLM's
-    order), a running sequence never stopped for a newcomer."""
+    order): the running one is preempted for the more urgent newcomer, and goes back ahead of those as urgent that
+    came after it."""
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     priorities = [0, 5, -1, 5, 0]
     scheduler = Scheduler(engine, max_batch=1, by_priority=by_priority)
@@ -86,7 +87,70 @@ def test_waiting_sequences_are_admitted_by_arrival_or_by_priority(engine, by_pri
     for i, priority in enumerate(priorities):
         scheduler.add(engine.sequence(Request(engine.encode_raw(f"prompt {i}"), params, priority=priority), i))
     done = [e.sequence.index for e in drive(scheduler) if isinstance(e, Step) and e.finished]
-    assert done == ([9, 2, 0, 4, 1, 3] if by_priority else [9, 0, 1, 2, 3, 4])
+    assert done == ([2, 9, 0, 4, 1, 3] if by_priority else [9, 0, 1, 2, 3, 4])
+    assert engine.counters.preemptions == by_priority
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("prefix_tokens", [0, 4096])
+def test_a_more_urgent_request_preempts_a_running_one_which_resumes_as_if_never_stopped(kind_pair, tokenizer, overlap,
+                                                                                       prefix_tokens):
+    """Priority scheduling with one slot: a request more urgent than the running one takes the slot at the next turn.
+    The preempted one waits, then reads its prompt and shown output again (from what each model kept of them, with
+    prefix caching) and goes on. Each answers as it would alone (strict verification: the LLM's own), and a stream
+    of the preempted one shows each of its tokens once."""
+    slm, llm = kind_pair
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompts = [engine.encode_raw("A long answer about the bridges of Paris, please."), engine.encode_raw("Quick: 2+2?")]
+    scheduler = Scheduler(engine, max_batch=1, prefill_chunk=8, prefix_tokens=prefix_tokens, by_priority=True)
+    running, urgent = (engine.sequence(Request(p, params, priority=priority), i)
+                       for i, (p, priority) in enumerate(zip(prompts, (5, -1))))
+    scheduler.add(running)
+    events = []
+    while running.checks.final < 3 or len(running.generation.token_ids) == running.checks.final:  # (some unchecked)
+        events += scheduler.turn()
+    shown = running.checks.final
+    scheduler.add(urgent)
+    events += scheduler.turn()
+    assert running.preemptions == 1 and engine.counters.preemptions == 1
+    assert list(scheduler.waiting) == [running] and scheduler.admitted == 1
+    assert len(running.generation.token_ids) == shown  # what awaited the LLM's word is written again later
+    hits = engine.counters.prefix_hits
+    events += drive(scheduler)
+    assert not [e.error for e in events if isinstance(e, Failure)]
+    assert [e.sequence.index for e in events if isinstance(e, Step) and e.finished] == [1, 0]
+    expected = [g.token_ids for g in Engine(slm, llm, tokenizer, AlwaysLLM()).generate(prompts, params)]
+    assert [running.generation.token_ids, urgent.generation.token_ids] == expected
+    stream = [token for e in events if isinstance(e, Step) and e.sequence is running for token, _, _ in e.final]
+    assert stream == expected[0]
+    # The resumed read started from what each model kept of the preempted row (the LLM's: what it had caught up on)
+    assert engine.counters.prefix_hits - hits >= (len(prompts[0]) - 1 if prefix_tokens else 0)
+    assert scheduler.kv_in_use == 0 and running.generation.cached_tokens == 0
+
+
+def test_preemption_takes_the_least_urgent_and_only_for_a_more_urgent_newcomer(engine):
+    """Two slots, sequences of priority 0 and 3 running: a newcomer of priority 3 waits (no more urgent than
+    either), one of 1 preempts the 3 (the least urgent; among equals, the latest to arrive), and the preempted one
+    resumes before the other 3, which came after it. First come first served preempts nothing."""
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    for by_priority, order in ((True, [0, 3, 1, 2]), (False, [0, 1, 2, 3])):
+        scheduler = Scheduler(engine, max_batch=2, by_priority=by_priority)
+        before = engine.counters.preemptions
+        sequences = [engine.sequence(Request(engine.encode_raw(f"prompt {i}"), params, priority=priority), i)
+                     for i, priority in enumerate((0, 3, 3, 1))]
+        scheduler.add(sequences[0])
+        scheduler.add(sequences[1])
+        events = scheduler.turn()
+        scheduler.add(sequences[2])
+        events += scheduler.turn()
+        assert engine.counters.preemptions == before and scheduler.waiting[0] is sequences[2]
+        scheduler.add(sequences[3])
+        events += drive(scheduler)
+        assert [s.preemptions for s in sequences] == [0, by_priority, 0, 0]
+        finished = [e.sequence.index for e in events if isinstance(e, Step) and e.finished]
+        assert finished == order
+        assert all(len(s.generation.token_ids) == 4 for s in sequences)
 
 
 def test_admission_waits_for_kv_room_and_refuses_what_can_never_fit(slm, llm, tokenizer):

@@ -666,7 +666,7 @@ def test_priority_orders_waiting_requests_on_a_server_that_schedules_by_it(serve
             assert r.status_code == 200, r.text
             finished.append(priority)
 
-        body = {"prompt": "hold the slot", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        body = {"prompt": "hold the slot", "max_tokens": 480, "ignore_eos": True, "stream": True, "priority": -10}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body) as running, \
                 concurrent.futures.ThreadPoolExecutor(3) as pool:
             lines = running.iter_lines()
@@ -681,6 +681,42 @@ def test_priority_orders_waiting_requests_on_a_server_that_schedules_by_it(serve
         for future in waiting:  # the stream hung up: its slot goes to the waiting ones in turn
             future.result()
         assert finished == [-5, 3, 10]
+
+
+def test_a_more_urgent_request_preempts_a_stream_which_then_goes_on_where_it_was(slm, llm, tokenizer, monkeypatch):
+    """Scheduling by priority with one slot: a stream of priority 5 is preempted for a request of priority -1, which
+    answers while the stream waits; the stream then goes on where it was, its text as it is alone, each token shown
+    once. /metrics counts the preemption."""
+    read = slm._read
+
+    def slow(*args, **kwargs):  # so that the stream is still running when the urgent request comes
+        time.sleep(0.02)
+        return read(*args, **kwargs)
+
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=1, max_tokens=200, context_length=256,
+                                                scheduling_policy="priority"))
+    with BackgroundServer(app) as srv:
+        body = {"prompt": "A story about a lighthouse", "max_tokens": 120, "ignore_eos": True, "temperature": 0,
+                "r2r_policy": "slm"}
+        alone = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        monkeypatch.setattr(slm, "_read", slow)
+        shown = []
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True, "priority": 5},
+                          timeout=60) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                shown.append(json.loads(line[6:])["choices"][0]["text"])
+                if len(shown) == 3:
+                    urgent = httpx.post(srv.url + "/v1/completions", timeout=60,
+                                        json={"prompt": "Quick!", "max_tokens": 4, "priority": -1})
+                    assert urgent.status_code == 200, urgent.text
+                    load = httpx.get(srv.url + "/health").json()
+                    assert load["running"] + load["waiting"] == 1  # the stream is not done: the urgent one went first
+        assert "".join(shown) == alone  # it went on from where it was
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert "r2r:num_preemptions_total 1.0" in metrics
 
 
 def test_return_token_ids_gives_the_prompts_and_each_choices_token_ids_whole_and_streamed(server, client, tokenizer):

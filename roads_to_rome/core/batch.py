@@ -55,7 +55,7 @@ class Call:
     rows may leave or join before it answers). Row j's last logits predict its output index `reach[j]`."""
 
     pending: PendingRead
-    sequences: list[Sequence]
+    sequences: list[Sequence | None]  # (None: a row that left, preempted, while it was in flight)
     reach: list[int]
     keep: int  # logits per row: the last `keep` columns read
 
@@ -114,13 +114,26 @@ class Batch:
         bring its prompt already read (`prefill`: the scheduler's chunked prefill, for one sequence)."""
         now = time.perf_counter()
         for s in sequences:
-            s.started = now
+            s.started = s.started or now  # (a preempted sequence that resumes started earlier)
         self._join(sequences, prefill)
 
     def _join(self, sequences: list[Sequence], prefill: PromptRead | None) -> None:
-        self.layout.join([s.prompt_ids for s in sequences], [self.engine.readers(s) for s in sequences],
+        self.layout.join([s.context_ids for s in sequences], [self.engine.readers(s) for s in sequences],
                          prefill.per_model if prefill else None)
         self.sequences += sequences
+
+    def remove(self, sequences: list[Sequence]) -> None:
+        """These sequences leave between steps, unfinished (the scheduler preempts them): each model keeps what it
+        read of them where it keeps prompts, so that their reads resume from there, and each forgets the tokens that
+        await the LLM's word (`verification.forget_unchecked`), to write them again once it is back."""
+        rows = [i for i, s in enumerate(self.sequences) if s in sequences]
+        if any(self.prefixes):
+            self.layout.keep_rows(rows, self.prefixes, [self.sequences[i].request.cache_salt for i in rows])
+        if self.call is not None:  # its answer is for the rows as they were: none of it for these when they are back
+            self.call.sequences = [None if s in sequences else s for s in self.call.sequences]
+        for i in rows:
+            verification.forget_unchecked(self.sequences[i])
+        self._keep([i for i in range(len(self.sequences)) if i not in rows])
 
     @property
     def ids(self) -> torch.Tensor | None:

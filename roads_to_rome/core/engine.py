@@ -273,6 +273,7 @@ class Counters:
     routed_rows: int = 0  # rows whose routed token an LLM call served, summed over the calls
     prefix_queries: int = 0  # prompt tokens looked up among the kept prompts (core/prefix_cache.py)
     prefix_hits: int = 0  # ... of them found there, not read again
+    preemptions: int = 0  # sequences taken out of the batch for more urgent ones, to read on later (scheduler.py)
 
     @property
     def routed_rows_per_call(self) -> float:

@@ -217,6 +217,8 @@ class Sequence:
     checks: Checks = field(default_factory=Checks)  # what the LLM still has to check (core/verification.py)
     ending_ids: frozenset[int] = frozenset()  # tokens that end its output: end-of-sequence ones and its stop tokens
     grammar: GrammarWalk | None = None  # its walk through the structured output it asks for (core/grammar.py)
+    arrival: int = 0  # its place in the order sequences reached the scheduler
+    preemptions: int = 0  # times the scheduler took it out of the batch for a more urgent one (it reads on later)
 
     @property
     def params(self) -> SamplingParams:
@@ -225,6 +227,12 @@ class Sequence:
     @property
     def prompt_ids(self) -> tuple[int, ...]:
         return self.request.prompt_ids
+
+    @property
+    def context_ids(self) -> tuple[int, ...]:
+        """What the models read before its next token: the prompt, and the output so far (a preempted sequence reads
+        both again when it resumes)."""
+        return self.prompt_ids + tuple(self.generation.token_ids)
 
     @property
     def force(self) -> str | None:

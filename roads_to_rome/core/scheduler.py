@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,8 +24,9 @@ if TYPE_CHECKING:
 class Scheduler:
     """Which sequences decode, which wait, and when a newcomer's prompt is read: the one loop every client drives.
 
-    Each turn admits waiting sequences, first come first served (or by priority, then arrival: `by_priority`),
-    while a slot is free and their KV tokens fit;
+    Each turn admits waiting sequences, first come first served (or by priority, then arrival: `by_priority`, which
+    also preempts less urgent admitted sequences to make room for a more urgent one), while a slot is free and their
+    KV tokens fit;
     reads one chunk of one admitted prompt (chunked prefill, round robin); and runs one decode step of the batch.
     With prefix caching, each model keeps the prompts it has read (core/prefix_cache.py), and a newcomer's read
     starts from the longest beginning of its prompt one of them shares; a newcomer that shares most of its prompt with
@@ -40,8 +42,8 @@ class Scheduler:
         (None: newcomers join the batch at once and its next decode step reads their prompts together, unless
         prefix caching reads each alone). `prefix_tokens`: prompt tokens each model keeps for newcomers that begin
         the same way (0: none; a model behind a server keeps none here, its server caches). `by_priority`: waiting
-        sequences are admitted by their request's priority (lower first), then in arrival order; running ones are
-        never stopped for a newcomer (vLLM's priority scheduling also preempts them)."""
+        sequences are admitted by their request's priority (lower first), then in arrival order, and one that finds
+        no room preempts less urgent admitted ones (vLLM's priority scheduling: `_preempt_for`)."""
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.by_priority = by_priority
         self.prefixes = prefix_caches(engine, prefix_tokens, max_batch)
@@ -50,13 +52,19 @@ class Scheduler:
         self.reading: collections.deque[tuple[Sequence, PromptRead]] = collections.deque()  # admitted, prompt in chunks
         self.joining: list[Sequence] = []  # admitted, to join the batch at the next decode step
         self.kv_in_use = 0  # KV tokens held by admitted sequences (each its prompt and max new tokens)
+        self.arrivals = itertools.count()
 
     def add(self, sequence: Sequence) -> None:
+        sequence.arrival = next(self.arrivals)
+        self._queue(sequence)
+
+    def _queue(self, sequence: Sequence) -> None:
+        """Into the waiting queue: at its end, or by priority then arrival (behind those as urgent that came first)."""
         if not self.by_priority:
             self.waiting.append(sequence)
             return
-        priority = sequence.request.priority  # behind those as urgent or more, ahead of the rest
-        place = next((i for i, s in enumerate(self.waiting) if s.request.priority > priority), len(self.waiting))
+        rank = urgency(sequence)
+        place = next((i for i, s in enumerate(self.waiting) if urgency(s) > rank), len(self.waiting))
         self.waiting.insert(place, sequence)
 
     @property
@@ -88,14 +96,15 @@ class Scheduler:
                     f"this request needs {need} KV-cache tokens (prompt and max new tokens), more than the "
                     f"{capacity} the cache holds: ask for fewer new tokens")))
                 continue
-            if self.max_batch is not None and self.admitted >= self.max_batch:
-                break
+            full = self.max_batch is not None and self.admitted >= self.max_batch
+            if full or (capacity is not None and self.kv_in_use + need > capacity):
+                if self.by_priority and self._preempt_for(s):
+                    continue
+                break  # the head waits for room
             if capacity is not None:
-                if self.kv_in_use + need > capacity:
-                    break  # the head waits for room
                 make_room(prefixes, capacity - self.kv_in_use - need)
             self.waiting.popleft()
-            if s.request.prompt_logprobs is not None:
+            if s.request.prompt_logprobs is not None and s.generation.prompt_logprobs is None:
                 read = PromptRead(self.engine, s, self.prefixes, reuse=False)  # (scored from its first token)
                 try:  # (the scoring models read the whole prompt at once: a turn as long as an unchunked prefill)
                     s.generation.prompt_logprobs, s.generation.prompt_sources = score_prompt(
@@ -122,22 +131,66 @@ class Scheduler:
         return self._read_one_chunk() + self._decode_step()
 
     def drop_waiting(self, error: Exception) -> list[Failure]:
-        """Every waiting sequence leaves with this error (a server that stops admitting)."""
-        left = [Failure(s, error) for s in self.waiting]
-        self.waiting.clear()
+        """Every sequence waiting to start leaves with this error (a server that stops admitting); preempted ones
+        stay, to finish as the others in flight do."""
+        left = [Failure(s, error) for s in self.waiting if not s.preemptions]
+        self.waiting = collections.deque(s for s in self.waiting if s.preemptions)
         return left
 
     def cut(self, error: Exception) -> list[Failure]:
-        """Every admitted sequence leaves with this error (a server's drain deadline)."""
-        cut = [s for s, _ in self.reading] + self.joining + self.batch.sequences
-        for s in cut:
+        """Every sequence in flight leaves with this error (a server's drain deadline): the admitted ones, and the
+        preempted ones waiting to resume."""
+        cut, preempted = self._admitted(), [s for s in self.waiting if s.preemptions]
+        self.waiting = collections.deque(s for s in self.waiting if not s.preemptions)
+        for s in cut + preempted:
             s.cancelled = True
         for _, read in self.reading:
             read.release()
         self.reading.clear()
         self.joining.clear()
         self.batch.release()
-        return [self._leave(s, Failure(s, error)) for s in cut]
+        return [self._leave(s, Failure(s, error)) for s in cut] + [Failure(s, error) for s in preempted]
+
+    def _preempt_for(self, s: Sequence) -> bool:
+        """(priority scheduling) Make room for `s` by preempting admitted sequences less urgent than it, the least
+        urgent first (the latest to arrive among equals), as vLLM does: each leaves the batch with what it wrote and
+        goes back to the queue, to read its prompt and output again (from what prefix caching kept of them) when
+        there is room. False, preempting none, when those it could preempt would not make room."""
+        capacity = self.engine.kv_capacity
+        slots = 0 if self.max_batch is None else self.admitted + 1 - self.max_batch  # slots short
+        tokens = 0 if capacity is None else self.kv_in_use + s.request.kv_tokens - capacity  # KV tokens short
+        candidates = [v for v in self._admitted() if urgency(v) > urgency(s) and not v.cancelled]
+        victims = []
+        for v in sorted(candidates, key=urgency, reverse=True):
+            if slots <= 0 and tokens <= 0:
+                break
+            victims.append(v)
+            slots, tokens = slots - 1, tokens - v.request.kv_tokens
+        if slots > 0 or tokens > 0:
+            return False
+        for v in victims:
+            self._preempt(v)
+        return True
+
+    def _admitted(self) -> list[Sequence]:
+        return [s for s, _ in self.reading] + self.joining + self.batch.sequences
+
+    def _preempt(self, s: Sequence) -> None:
+        """`s` leaves the batch (or its prompt's read, keeping what was read) and waits again."""
+        if s in self.batch.sequences:
+            self.batch.remove([s])
+        elif s in self.joining:
+            self.joining.remove(s)
+        else:
+            read = next(read for other, read in self.reading if other is s)
+            self.reading = collections.deque((o, r) for o, r in self.reading if o is not s)
+            if read.started:
+                read.keep()
+            read.release()
+        self.kv_in_use -= s.request.kv_tokens
+        s.preemptions += 1
+        self.engine.counters.preemptions += 1
+        self._queue(s)
 
     def forget_kept(self) -> None:
         """Let go of every kept prompt now (on llama.cpp: their sequences and cells go back to the context)."""
@@ -151,8 +204,8 @@ class Scheduler:
         then reads only the rest, instead of reading it all beside it. None: `s` reads at once."""
         if not any(self.prefixes):
             return None
-        goal = len(s.prompt_ids) - 1
-        prompt, best, most = np.asarray(s.prompt_ids[:goal]), None, 0
+        goal = len(s.context_ids) - 1
+        prompt, best, most = np.asarray(s.context_ids[:goal]), None, 0
         for other, read in self.reading:
             if other.request.cache_salt == s.request.cache_salt:
                 shared = common_prefix(np.asarray(read.prompt[: read.goal]), prompt)
@@ -232,9 +285,10 @@ class PromptRead:
         writes, reads = engine.readers(sequence)
         self.readers = (engine.writer if writes else None, engine.llm_side if reads else None)
         self.engine, self.prefixes, self.reuse, self.follows, self.sequence = engine, prefixes, reuse, follows, sequence
-        self.prompt, self.goal = sequence.prompt_ids, len(sequence.prompt_ids) - 1
+        self.prompt = sequence.context_ids  # (a preempted sequence reads its output again too)
+        self.goal = len(self.prompt) - 1
         self.salt = sequence.request.cache_salt
-        self.ids = torch.tensor([sequence.prompt_ids], device=engine.writer.device)
+        self.ids = torch.tensor([self.prompt], device=engine.writer.device)
         # (writer's cache, LLM's), None for a model that does not read it: as `Layout.join` takes them; made when
         # the read starts (`start`), from a kept prompt where one begins as this one does
         self.per_model: tuple | None = None
@@ -251,11 +305,13 @@ class PromptRead:
         self.per_model = tuple(None if m is None else cache if cache is not None else m.new_cache()
                                for m, (cache, _) in zip(self.readers, started))
         self.models = [(m, c, p) for m, c, p in zip(self.readers, self.per_model, self.prefixes) if m is not None]
-        self.sequence.generation.cached_tokens = min(n for m, (_, n) in zip(self.readers, started) if m is not None)
+        found = min(n for m, (_, n) in zip(self.readers, started) if m is not None)
+        if not self.sequence.preemptions:  # (usage counts what the prompt's first read found kept)
+            self.sequence.generation.cached_tokens = found
         self.follows = None  # (waited for: let it go)
         if self.reuse and any(self.prefixes):
             self.engine.counters.prefix_queries += self.goal
-            self.engine.counters.prefix_hits += self.sequence.generation.cached_tokens
+            self.engine.counters.prefix_hits += found
 
     @property
     def started(self) -> bool:
@@ -282,6 +338,11 @@ class PromptRead:
         """Give back what the caches hold now (see `Batch.release`)."""
         for model, cache, _ in self.models:
             model.select_rows(cache, NO_ROWS)
+
+
+def urgency(s: Sequence) -> tuple[int, int]:
+    """Which of two sequences goes first under priority scheduling: the lower priority, then the earlier arrival."""
+    return s.request.priority, s.arrival
 
 
 def prefix_caches(engine: Engine, tokens: int, max_batch: int | None) -> tuple[PrefixCache | None, ...]:

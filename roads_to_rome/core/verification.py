@@ -178,6 +178,19 @@ def take_back(s: Sequence, rejection: Rejection) -> float | None:
     return score
 
 
+def forget_unchecked(s: Sequence) -> None:
+    """The row's tokens that still await the LLM's word leave its output, as if never written: a preempted row
+    resumes from its final tokens (those shown) and writes the rest again (under greedy decoding, the same)."""
+    gen, checks = s.generation, s.checks
+    keep = checks.final
+    del gen.token_ids[keep:], gen.sources[keep:], gen.scores[keep:]
+    if gen.logprobs is not None:
+        del gen.logprobs[keep:]
+    gen.deferred -= len(checks.routed)  # (counted again when written again)
+    checks.draft_probs = {k: p for k, p in checks.draft_probs.items() if k < keep}
+    checks.routed, checks.ends, checks.checked = [], None, min(checks.checked, keep)
+
+
 def defer(s: Sequence, index: int, logits: torch.Tensor | None) -> None:
     """Row s's token at `index` was routed and waits for the LLM's next call (it keeps the SLM's token for now)."""
     s.checks.routed.append(index)

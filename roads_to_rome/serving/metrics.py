@@ -43,6 +43,9 @@ class EngineCollector(Collector):
                                   "calls (divide by r2r:llm_calls_total for rows per call).",
                                   value=counters.routed_rows)
         yield CounterMetricFamily("r2r:decode_steps", "Decode steps of the whole batch.", value=counters.steps)
+        yield CounterMetricFamily("r2r:num_preemptions", "Requests taken out of the batch for more urgent ones "
+                                  "(--scheduling-policy priority), to read their prompt and output again later.",
+                                  value=counters.preemptions)
         yield CounterMetricFamily("r2r:prefix_cache_queries", "Prompt tokens looked up among the prompts kept for "
                                   "prefix caching.", value=counters.prefix_queries)
         yield CounterMetricFamily("r2r:prefix_cache_hits", "Prompt tokens found among the prompts kept for prefix "
