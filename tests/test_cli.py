@@ -262,6 +262,21 @@ def test_prefix_benchmark_shares_a_system_message_between_clients(run_cli, pair,
     assert 2 < result["per_turn"]["kept"][0]["completion_tokens"] <= 3 * 2  # three choices of up to two tokens
 
 
+def test_priority_benchmark_sends_urgent_requests_beside_a_batch_job(run_cli, pair, tmp_path):
+    """`r2r bench priority`: urgent requests beside a batch job filling the batch, on a server scheduling first come
+    first served (which never preempts) and one scheduling by priority; a table, the JSON and a plot."""
+    code, out, err = run_cli("bench", "priority", "--batch-clients", "1", "--urgent", "2", "--tokens", "48",
+                             "--urgent-tokens", "3", "--out", tmp_path / "u.json", *pair)
+    assert code == 0, err
+    result = json.loads((tmp_path / "u.json").read_text())
+    fcfs, priority = result["by_scheduling"]["fcfs"], result["by_scheduling"]["priority"]
+    assert fcfs["preemptions"] == 0 and priority["preemptions"] <= 2 and priority["batch_requests"] >= 1
+    assert len(fcfs["ttft_s"]) == len(priority["ttft_s"]) == 2 and result["urgent_answers"] == 2
+    assert "urgent requests" in out and (tmp_path / "u.png").exists()
+    code, out, err = run_cli("bench", "priority", "--urgent", "1000", *pair)
+    assert code == 2 and "1000 GSM8K dev items" in err
+
+
 def test_step_cost_benchmark_runs(run_cli, pair, tmp_path):
     code, out, err = run_cli("bench", "steps", "--context", "8", "--new-tokens", "1,4", "--out", tmp_path / "t.json",
                              *pair)

@@ -258,15 +258,18 @@ def few_shot_message(examples: list[dict]) -> str:
     return f"You solve math word problems step by step. Worked examples:\n\n{shown}"
 
 
-def timed_turn(client, messages: list[dict], n_tokens: int, on_first_token=lambda: None, n: int = 1) -> dict:
+def timed_turn(client, messages: list[dict], n_tokens: int, on_first_token=lambda: None, n: int = 1,
+               priority: int = 0) -> dict:
     """One turn, streamed: its (first choice's) answer's text, seconds to the first token of any choice and to the
-    last, its usage. Greedy; n choices are sampled (temperature 0.7, seeded)."""
+    last, its usage. Greedy; n choices are sampled (temperature 0.7, seeded). `priority`: vLLM's field (0: not
+    sent)."""
     start, first = time.perf_counter(), None
     text, usage = [], None
     sampling = {"temperature": 0} if n == 1 else {"temperature": 0.7, "seed": 0, "n": n}
     try:
         stream = client.chat.completions.create(model="r2r", messages=messages, max_tokens=n_tokens, stream=True,
-                                                stream_options={"include_usage": True}, **sampling)
+                                                stream_options={"include_usage": True}, **sampling,
+                                                extra_body={"priority": priority} if priority else None)
     except openai.BadRequestError as e:
         raise R2RError(f"the server refused a turn: {e.message}") from None
     for chunk in stream:
@@ -321,6 +324,119 @@ def plot_conversations(result: dict, path) -> None:
     axis.set_ylabel("time to first token (s)")
     shared = f", {result['shots']}-shot system message" if result.get("shots") else ""
     axis.set_title(f"{result['clients']} conversation(s) at once{shared}, {result['backend']} on {result['device']}")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+# The urgent requests' priority and the batch job's under the priority policy (vLLM's order: lower first).
+URGENT, BATCH_JOB = 0, 10
+
+
+def urgent_requests(slm: str | None, llm: str | None, device: str, dtype: str, batch_clients: int, urgent: int,
+                    n_tokens: int, urgent_tokens: int, backend: str = "auto", rounds: int = 1, progress=QUIET,
+                    threads: dict | None = None, pause_s: float = 1.0) -> dict:
+    """Urgent requests on a server whose batch a batch job fills, scheduling first come first served and by
+    priority, side by side. `batch_clients` clients send GSM8K dev questions back to back (priority 10 under the
+    priority policy), as many as the batch holds (`--max-batch`); once each has its first token, `urgent` other
+    questions (priority 0) come one after another, each `pause_s` after the one before is answered. First come first
+    served, an urgent request waits for a batch request to finish; by priority it preempts one. Per urgent request:
+    seconds to its first token and to its last; the batch job's tokens per second over the run; the preemptions.
+    `rounds` times over, the two servers taking turns."""
+    slm_backend, llm_backend, tokenizer = load_pair(
+        slm, llm, device, dtype=dtype, backend=backend, threads=threads,
+        llama={"max_rows": batch_clients + KEPT_ROWS, "n_ctx": batch_clients * 4096 + PREFIX_TOKENS})
+    kind, router_path = choose_policy(None, None, slm)
+    policy = policies.build(kind, slm_backend, None, router_path)
+    engine = systems.routed(slm_backend, llm_backend, tokenizer, policy, verify=DEFAULT_VERIFY)
+    items = gsm8k()
+    urgent_questions = [gsm8k_prompt(item) for item in items[:urgent]]
+    batch_questions = [gsm8k_prompt(item) for item in items[urgent: GSM8K_DEV_ITEMS]]
+    measured: dict[str, list] = {"fcfs": [], "priority": []}
+    task = progress.add_task("urgent requests", total=rounds * len(measured) * urgent)
+    for _ in range(rounds):
+        for scheduling in measured:
+            by_priority = scheduling == "priority"
+            limits = Limits(max_batch=batch_clients, max_tokens=max(n_tokens, urgent_tokens),
+                            scheduling_policy=scheduling)
+            before = dataclasses.replace(engine.counters)
+            with BackgroundServer(create_app(engine, "r2r", limits)) as server:
+                client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+                started = [threading.Event() for _ in range(batch_clients)]
+                urgent_done = threading.Event()
+
+                def batch_job(k: int) -> list[dict]:
+                    answers, asked = [], k
+                    while not urgent_done.is_set():
+                        question = batch_questions[asked % len(batch_questions)]
+                        answers.append(timed_turn(client, [{"role": "user", "content": question}], n_tokens,
+                                                  started[k].set, priority=BATCH_JOB if by_priority else 0))
+                        asked += batch_clients
+                    return answers
+
+                start = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(batch_clients) as pool:
+                    jobs = [pool.submit(batch_job, k) for k in range(batch_clients)]
+                    try:
+                        for event in started:
+                            event.wait()
+                        answers = []
+                        for question in urgent_questions:
+                            time.sleep(pause_s)
+                            answers.append(timed_turn(client, [{"role": "user", "content": question}], urgent_tokens,
+                                                      priority=URGENT))
+                            progress.advance(task)
+                    finally:
+                        urgent_done.set()
+                    batch = [answer for job in jobs for answer in job.result()]
+                seconds = time.perf_counter() - start
+            measured[scheduling].append({
+                "urgent": answers, "preemptions": (engine.counters - before).preemptions,
+                "batch_requests": len(batch), "batch_tokens": sum(a["completion_tokens"] for a in batch),
+                "seconds": seconds})
+    return {"batch_clients": batch_clients, "urgent": urgent, "tokens": n_tokens, "urgent_tokens": urgent_tokens,
+            "pause_s": pause_s, "rounds": rounds, "dtype": dtype, "backend": backend,
+            "device": str(slm_backend.device), "threads": threads or {},
+            "kernels": kernels(slm=slm_backend, llm=llm_backend), "policy": policy.name,
+            **urgency_figures(measured)}
+
+
+def urgency_figures(measured: dict[str, list]) -> dict:
+    """Per scheduling policy, over rounds: each urgent request's seconds to its first token and to its last (means
+    over rounds), their means and the worst, the batch job's tokens per second, the preemptions; the ratios of first
+    come first served to priority (above 1: priority answers urgent requests sooner), and whether the urgent answers
+    are the same under both (greedy: they should be, but for near-ties read in another batch)."""
+    figures = {}
+    for scheduling, runs in measured.items():
+        ttft = [float(np.mean([run["urgent"][i]["ttft_s"] for run in runs])) for i in range(len(runs[0]["urgent"]))]
+        last = [float(np.mean([run["urgent"][i]["seconds"] for run in runs])) for i in range(len(runs[0]["urgent"]))]
+        figures[scheduling] = {
+            "ttft_s": ttft, "seconds": last, "mean_ttft_s": float(np.mean(ttft)), "worst_ttft_s": max(ttft),
+            "mean_seconds": float(np.mean(last)), "preemptions": sum(run["preemptions"] for run in runs),
+            "batch_requests": sum(run["batch_requests"] for run in runs),
+            "batch_tokens_per_s": sum(run["batch_tokens"] for run in runs) / sum(run["seconds"] for run in runs)}
+    fcfs, priority = figures["fcfs"], figures["priority"]
+    same = sum(a["text"] == b["text"] for x, y in zip(measured["fcfs"], measured["priority"])
+               for a, b in zip(x["urgent"], y["urgent"]))
+    return {"by_scheduling": figures, "x_ttft": fcfs["mean_ttft_s"] / priority["mean_ttft_s"],
+            "x_seconds": fcfs["mean_seconds"] / priority["mean_seconds"],
+            "batch_throughput_kept": priority["batch_tokens_per_s"] / fcfs["batch_tokens_per_s"],
+            "same_urgent_answers": same, "urgent_answers": sum(len(run["urgent"]) for run in measured["fcfs"])}
+
+
+def plot_urgency(result: dict, path) -> None:
+    """Each urgent request's time to its first token, first come first served and by priority."""
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for scheduling, label in (("fcfs", "first come first served"), ("priority", "by priority (preempting)")):
+        ttft = result["by_scheduling"][scheduling]["ttft_s"]
+        axis.plot(range(1, len(ttft) + 1), ttft, marker="o", label=label)
+    axis.set_xlabel("urgent request")
+    axis.set_ylabel("time to first token (s)")
+    axis.set_ylim(bottom=0)
+    axis.set_title(f"{result['batch_clients']} batch-job clients filling the batch, {result['backend']} on "
+                   f"{result['device']}")
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -219,6 +219,40 @@ def bench_prefix(
         console.print(f"plot in {out.with_suffix('.png')}")
 
 
+@bench_app.command("priority")
+def bench_priority(
+    batch_clients: int = count(2, "--batch-clients", help="Clients of a batch job sending questions back to back, "
+                               "as many as the batch holds (--max-batch)."),
+    urgent: int = count(4, "--urgent", help="Urgent questions, one after another once the batch is full."),
+    tokens: int = count(256, "--tokens", help="max_tokens of a batch job's request."),
+    urgent_tokens: int = count(32, "--urgent-tokens", help="max_tokens of an urgent request."),
+    rounds: int = count(1, "--rounds", help="Times over, the two servers taking turns (figures pool the rounds)."),
+    slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
+    threads: Threads = None, out: Out = None,
+):
+    """Priority scheduling: urgent requests on a server whose batch a batch job fills, scheduled first come first
+    served and by priority (preempting), side by side. Each urgent request's time to its first token and to its
+    last, the batch job's tokens per second, in one run (a plot beside --out's JSON)."""
+    require_extra("serve", "`r2r bench priority`")
+    require_extra("eval", "`r2r bench priority`")
+    from roads_to_rome.bench.serving import plot_urgency, urgent_requests
+    from roads_to_rome.data.benchmarks import GSM8K_DEV_ITEMS
+    from roads_to_rome.models.loading import parse_threads, pick_dtype
+
+    if urgent + batch_clients > GSM8K_DEV_ITEMS:
+        raise R2RError(f"--urgent and the batch job's questions come from the {GSM8K_DEV_ITEMS} GSM8K dev items: ask "
+                       "for fewer")
+    dtype = pick_dtype(dtype, device)
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console, transient=True) as progress:
+        result = urgent_requests(slm, llm, device, dtype, batch_clients, urgent, tokens, urgent_tokens, backend,
+                                 rounds, progress, parse_threads(threads))
+    console.print(tables.bench_priority(result))
+    save(result, out)
+    if out:
+        plot_urgency(result, out.with_suffix(".png"))
+        console.print(f"plot in {out.with_suffix('.png')}")
+
+
 def show_phases(result: dict, modes: tuple[str, str], setting: str, out: Path | None) -> None:
     """Print a two-phase throughput comparison (baseline first) and its ratio; optionally save it."""
     console.print(*tables.phases(result, modes, setting), sep="\n")

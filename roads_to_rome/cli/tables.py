@@ -234,6 +234,27 @@ def bench_prefix(result: dict) -> Table:
     return table
 
 
+def bench_priority(result: dict) -> Table:
+    """`r2r bench priority`: urgent requests' times, first come first served and by priority."""
+    table = Table("urgent request", "TTFT s fcfs", "TTFT s priority", "× TTFT", "answered s fcfs",
+                  "answered s priority",
+                  title=f"{result['urgent']} urgent requests (up to {result['urgent_tokens']} tokens) beside "
+                        f"{result['batch_clients']} batch-job clients filling the batch (up to {result['tokens']} "
+                        f"tokens each), {result['rounds']} round(s) ({result['policy']}; {result['backend']}, "
+                        f"{result['dtype']}, {result['device']}); same urgent answers "
+                        f"{result['same_urgent_answers']}/{result['urgent_answers']}", title_justify="left")
+    fcfs, priority = result["by_scheduling"]["fcfs"], result["by_scheduling"]["priority"]
+    for i, (a, b, c, d) in enumerate(zip(fcfs["ttft_s"], priority["ttft_s"], fcfs["seconds"], priority["seconds"]), 1):
+        table.add_row(str(i), f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}×", f"{c:.1f}", f"{d:.1f}")
+    table.add_row("mean", f"{fcfs['mean_ttft_s']:.2f}", f"{priority['mean_ttft_s']:.2f}", f"{result['x_ttft']:.2f}×",
+                  f"{fcfs['mean_seconds']:.1f}", f"{priority['mean_seconds']:.1f}", end_section=True)
+    table.caption = (f"the batch job: {fcfs['batch_tokens_per_s']:.2f} tokens/s first come first served, "
+                     f"{priority['batch_tokens_per_s']:.2f} by priority ({result['batch_throughput_kept']:.0%} kept), "
+                     f"{priority['preemptions']} preemption(s); worst urgent TTFT {fcfs['worst_ttft_s']:.2f} s against "
+                     f"{priority['worst_ttft_s']:.2f} s")
+    return table
+
+
 def bench_steps(result: dict, ks: list[int], backend: str, dtype: str, context: int) -> Table:
     """`r2r bench steps`: milliseconds per forward step."""
     title = f"ms per forward step ({backend}, {dtype}, {result['device']}, {context}-token cache)"
