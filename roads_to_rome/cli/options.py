@@ -182,8 +182,8 @@ EnablePrefixCaching = Annotated[bool, typer.Option("--enable-prefix-caching/--no
 SchedulingPolicy = Enum("SchedulingPolicy", {name: name for name in ("fcfs", "priority")}, type=str)
 SchedulingPolicyOpt = Annotated[SchedulingPolicy, typer.Option("--scheduling-policy", help="fcfs: waiting requests "
                                 "are admitted first come first served; priority: by the request's `priority` (lower "
-                                "first; vLLM's field and flag), then in arrival order, a request that finds no room preempting less urgent "
-                                "running ones (they resume later where they were).")]
+                                "first; vLLM's field and flag), then in arrival order, a request that finds no room "
+                                "preempting less urgent running ones (they resume later where they were).")]
 MaxStopStrings = Annotated[int, typer.Option("--max-stop-strings", min=1, help="Stop strings one request may give "
                                              "(then 400).")]
 MaxStopChars = Annotated[int, typer.Option("--max-stop-chars", min=1, help="The longest stop string, in characters.")]
