@@ -667,19 +667,19 @@ def test_priority_orders_waiting_requests_on_a_server_that_schedules_by_it(serve
             finished.append(priority)
 
         body = {"prompt": "hold the slot", "max_tokens": 480, "ignore_eos": True, "stream": True, "priority": -10}
-        with httpx.stream("POST", srv.url + "/v1/completions", json=body) as running, \
-                concurrent.futures.ThreadPoolExecutor(3) as pool:
-            lines = running.iter_lines()
-            next(lines)  # it holds the slot; then the others queue, the least urgent first
-            waiting = []
-            for priority in (10, 3, -5):
-                waiting.append(pool.submit(complete, priority))
-                for _ in range(200):
-                    if httpx.get(srv.url + "/health").json()["waiting"] == len(waiting):
-                        break
-            assert httpx.get(srv.url + "/health").json()["waiting"] == 3
-        for future in waiting:  # the stream hung up: its slot goes to the waiting ones in turn
-            future.result()
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body) as running:
+                lines = running.iter_lines()
+                next(lines)  # it holds the slot; then the others queue, the least urgent first
+                waiting = []
+                for priority in (10, 3, -5):
+                    waiting.append(pool.submit(complete, priority))
+                    for _ in range(200):
+                        if httpx.get(srv.url + "/health").json()["waiting"] == len(waiting):
+                            break
+                assert httpx.get(srv.url + "/health").json()["waiting"] == 3
+            for future in waiting:  # the stream hung up: its slot goes to the waiting ones in turn
+                future.result()
         assert finished == [-5, 3, 10]
 
 
