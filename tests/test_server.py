@@ -54,6 +54,26 @@ def test_every_reply_carries_its_request_id(server):
     assert not_json.status_code == 415 and not_json.headers["x-request-id"] == "plain"
 
 
+def test_a_bodys_request_id_names_the_request_unless_its_header_does(server):
+    """vLLM's `request_id` field: where the client sends no X-Request-Id, it is the request's id: in the header, in
+    the reply's id (`chatcmpl-<id>`, `cmpl-<id>`, as vLLM's) and in the log; the header wins over it. One a log
+    line cannot carry as it is is a 400 naming it."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "request_id": "job-7.step:3"}
+    named = httpx.post(server + "/v1/chat/completions", json=chat)
+    assert named.headers["x-request-id"] == "job-7.step:3" and named.json()["id"] == "chatcmpl-job-7.step:3"
+    header = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "request_id": "body"},
+                        headers={"X-Request-Id": "proxy-9"})
+    assert header.headers["x-request-id"] == "proxy-9" and header.json()["id"] == "cmpl-proxy-9"
+    fresh = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert fresh.json()["id"] == "cmpl-" + fresh.headers["x-request-id"]
+    streamed = httpx.post(server + "/v1/chat/completions", json={**chat, "stream": True})
+    ids = {json.loads(line[6:])["id"] for line in streamed.text.splitlines() if line.startswith("data: {")}
+    assert streamed.headers["x-request-id"] == "job-7.step:3" and ids == {"chatcmpl-job-7.step:3"}
+    for bad in ("a b", "x" * 129, ""):
+        r = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "request_id": bad})
+        assert r.status_code == 400 and "request_id" in r.text, bad
+
+
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny-r2r"]
     assert httpx.get(server + "/health").json()["status"] == "ok"

@@ -44,7 +44,7 @@ class Job:
 
     def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop):
         self.sequence, self.loop, self.events = sequence, loop, asyncio.Queue()
-        self.request_id = request_ids.current.get()
+        self.request_id = request_ids.get()
         self.arrived = time.monotonic()
         self.first_token_at: float | None = None
 

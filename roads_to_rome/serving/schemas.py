@@ -27,6 +27,7 @@ from roads_to_rome.core.sampling import (
     parse_verify,
 )
 from roads_to_rome.errors import R2RError
+from roads_to_rome.serving import request_ids
 from roads_to_rome.tool_calls import CLOSE, ToolParser, call_format
 
 
@@ -235,6 +236,8 @@ class CommonBody(BaseModel):
     # vLLM's: prompts kept for prefix caching are shared only with requests that give the same salt
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower is admitted first (--scheduling-policy priority)
+    # vLLM's: names the request in the log and the reply's id where the client sends no X-Request-Id
+    request_id: Annotated[str, Field(pattern=f"^{request_ids.USABLE.pattern}$")] | None = None
     # vLLM's: the prompt's last this many tokens only (-1: as many as the server holds per request)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # R2R routing knobs (extra body fields)

@@ -20,7 +20,6 @@ import importlib.resources
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -148,7 +147,7 @@ async def body_error(http: HTTPRequest, e: RequestValidationError) -> Response:
 
 
 async def internal_error(http: HTTPRequest, e: Exception) -> Response:
-    log.error("internal error on %s, request %s", http.url.path, request_ids.current.get(), exc_info=e)
+    log.error("internal error on %s, request %s", http.url.path, request_ids.get(), exc_info=e)
     return shaped(http.url.path, error_response(500, f"internal error ({request_ids.details()})", kind="server_error"))
 
 
@@ -216,6 +215,7 @@ async def favicon():
 @routes.post("/v1/chat/completions")
 async def chat_completions(body: ChatBody, http: HTTPRequest):
     s = server(http)
+    request_ids.name(body.request_id)
     prompt_ids, output_format, tools = await checked_chat(s, body)
     return await respond(http, s, body, [prompt_ids], output_format, chat=True, tools=tools, echo=body.echoed())
 
@@ -304,6 +304,7 @@ async def count_message_tokens(body: CountTokensBody, http: HTTPRequest):
 @routes.post("/v1/completions")
 async def completions(body: CompletionBody, http: HTTPRequest):
     s = server(http)
+    request_ids.name(body.request_id)
     output_format = check_body(body, s.model_name, s.limits)
     suffix = body.suffix or None
     if suffix is not None and not all(isinstance(p, str) for p in body.prompts()):
@@ -429,7 +430,7 @@ async def submit(s: ServerState, body: CommonBody, prompts: list[list[int]], out
         raise llm_away()
     jobs = [Job(sequence, asyncio.get_running_loop()) for sequence in sequences]
     s.engine_thread.submit(jobs)
-    reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), s.model_name, chat,
+    reply = Reply(("chatcmpl-" if chat else "cmpl-") + request_ids.get(), int(time.time()), s.model_name, chat,
                   reasoning, s.engine.tokenizer, body.n, echo, tools.parser if tools else None,
                   bool(tools and tools.one), prompt_entries=body.prompt_logprobs is not None,
                   prompt_alone=body.prompt_alone(), token_ids=body.return_tokens_as_token_ids,
