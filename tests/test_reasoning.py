@@ -136,6 +136,11 @@ def test_the_server_hands_thinking_and_answer_apart(thinker):
         cut = client.chat.completions.create(model="thinker", messages=messages, max_tokens=2, temperature=0)
         two = client.chat.completions.create(model="thinker", messages=messages, max_tokens=24, temperature=0, n=2)
         raw = client.completions.create(model="thinker", prompt="What is", max_tokens=8, temperature=0)
+        hidden = client.chat.completions.create(model="thinker", messages=messages, max_tokens=24, temperature=0,
+                                                extra_body={"include_reasoning": False})
+        hidden_chunks = list(client.chat.completions.create(model="thinker", messages=messages, max_tokens=24,
+                                                            temperature=0, stream=True,
+                                                            extra_body={"include_reasoning": False}))
     message = whole.choices[0].message
     reasoning = message.model_extra["reasoning"]
     assert reasoning and message.model_extra["reasoning_content"] == reasoning
@@ -159,6 +164,13 @@ def test_the_server_hands_thinking_and_answer_apart(thinker):
 
     assert cut.choices[0].message.content == "" and cut.choices[0].message.model_extra["reasoning"]
     assert "reasoning" not in raw.choices[0].model_extra  # plain completions are not chat: no parser
+    # vLLM's include_reasoning: false leaves the thinking out, whole and streamed; the answer and the counts stay
+    assert hidden.choices[0].message.content == message.content
+    assert not {"reasoning", "reasoning_content"} & set(hidden.choices[0].message.model_extra)
+    assert hidden.usage.completion_tokens_details.reasoning_tokens == thinking
+    deltas = [c.choices[0].delta for c in hidden_chunks if c.choices]
+    assert not any(d.model_extra.get("reasoning") or d.model_extra.get("reasoning_content") for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == message.content
 
 
 def test_chat_template_kwargs_reach_the_template_and_the_parser_reads_what_they_did():

@@ -73,6 +73,7 @@ class Reply:
     # vLLM's `return_token_ids`: the prompt's token ids (a chat reply's beside its choices, a completion choice's in
     # it; a stream's in its first chunk) and each choice's (a stream's: each chunk's)
     with_ids: bool = False
+    show_reasoning: bool = True  # vLLM's `include_reasoning`: false leaves a chat reply's thinking out (still counted)
     # Where the tokens given log-probabilities so far end, in tokens and in characters: a stream's next chunk
     # starts there, so its text offset is not summed again from the first token.
     logprobs_upto: tuple[int, int] = (0, 0)
@@ -115,7 +116,7 @@ class Reply:
                 parts = self.parts(gen)
                 reasoned.append(parts.reasoned)
                 fields, content = {}, parts.content
-                if parts.reasoned is not None:  # both names: vLLM's `reasoning`, and SGLang's and llama.cpp's
+                if parts.reasoned is not None and self.show_reasoning:  # both names: vLLM's, SGLang's and llama.cpp's
                     fields = {"reasoning": parts.reasoned.reasoning, "reasoning_content": parts.reasoned.reasoning}
                 if parts.calls:
                     content = content or None
@@ -224,7 +225,7 @@ class Reply:
             tool_calls = {"tool_calls": calls} if calls else {}
             if role:
                 d = ChoiceDelta(role="assistant", content="")
-            elif reasoning:
+            elif reasoning and self.show_reasoning:
                 d = ChoiceDelta(reasoning=reasoning, reasoning_content=reasoning,
                                 **({"content": delta} if delta else {}), **tool_calls)
             else:

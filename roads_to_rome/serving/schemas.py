@@ -442,6 +442,7 @@ class ChatBody(CommonBody, ChatPrompt):
     # OpenAI's, for reasoning models: handed to the chat template as `reasoning_effort` (as the Responses API's
     # `reasoning.effort`), for templates that read it; others ignore it, as their models have no such setting
     reasoning_effort: Text | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the thinking out of the reply (a reasoning parser's)
 
     @model_validator(mode="after")
     def effort_to_template(self):

@@ -434,7 +434,7 @@ async def submit(s: ServerState, body: CommonBody, prompts: list[list[int]], out
                   reasoning, s.engine.tokenizer, body.n, echo, tools.parser if tools else None,
                   bool(tools and tools.one), prompt_entries=body.prompt_logprobs is not None,
                   prompt_alone=body.prompt_alone(), token_ids=body.return_tokens_as_token_ids,
-                  with_ids=body.return_token_ids)
+                  with_ids=body.return_token_ids, show_reasoning=body.include_reasoning if chat else True)
     return jobs, reply
 
 
