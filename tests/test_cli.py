@@ -303,6 +303,7 @@ def test_generate_with_verification_reports_fixes(run_cli, pair):
 
 @pytest.mark.parametrize("args, says", [
     (["--host", "0.0.0.0"], "has no --api-key"),  # other machines could use the models
+    (["--host", "0.0.0.0", "--max-num-seqs", "2", "--served-model-name", "m"], "has no --api-key"),  # vLLM's names
     (["--host", "192.168.1.20"], "--allow-unauthenticated"),
     (["--api-key", ""], "is empty"),
     (["--api-key", "  "], "is empty"),

@@ -149,7 +149,8 @@ OverlapAhead = Annotated[int | None, typer.Option("--overlap-ahead", min=1, help
 Host = Annotated[str, typer.Option("--host", help="Address to listen on. On a loopback address (the default) requests "
                                    "must name localhost in Host and Origin; any other needs --api-key.")]
 Port = Annotated[int, typer.Option("--port", min=1, max=65535)]
-ModelName = Annotated[str, typer.Option("--model-name", help="The model id clients ask for.")]
+ModelName = Annotated[str, typer.Option("--model-name", "--served-model-name", help="The model id clients ask for "
+                                        "(--served-model-name: vLLM's name).")]
 ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="R2R_API_KEY", help="Require 'Authorization: Bearer "
                                             "KEY' on /v1/ and /metrics (also from $R2R_API_KEY).", show_default=False)]
 AllowUnauthenticated = Annotated[bool, typer.Option("--allow-unauthenticated", help="Serve on a non-loopback --host "
@@ -166,8 +167,8 @@ KvCacheTokens = Annotated[int | None, typer.Option("--kv-cache-tokens", min=1, h
                                                    "all requests share, per model (default: --max-batch x 4096). A "
                                                    "request holds prompt + max_tokens of them while it runs.",
                                                    show_default=False)]
-MaxBatch = Annotated[int, typer.Option("--max-batch", min=1, help="Requests decoding (or having their prompt read) "
-                                       "at once.")]
+MaxBatch = Annotated[int, typer.Option("--max-batch", "--max-num-seqs", min=1, help="Requests decoding (or having "
+                                       "their prompt read) at once (--max-num-seqs: vLLM's name).")]
 MaxQueue = Annotated[int, typer.Option("--max-queue", min=1, help="Requests waiting for a slot (then 429).")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", min=1, help="The most new tokens a request may ask for.")]
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", min=1, help="Prompt tokens read between two decode "
