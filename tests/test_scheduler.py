@@ -204,6 +204,32 @@ def test_cut_and_drop_waiting_fail_every_sequence_they_hold(engine):
     assert scheduler.idle and scheduler.kv_in_use == 0
 
 
+def test_a_draining_server_lets_preempted_sequences_finish_and_its_deadline_cuts_them(engine):
+    """A server that stops admitting drops the sequences waiting to start, not a preempted one (in flight for its
+    client: it finishes as the admitted ones do); the drain deadline cuts it with them."""
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    stop = R2RError("stopping")
+    for deadline in (False, True):
+        scheduler = Scheduler(engine, max_batch=1, by_priority=True)
+        running, urgent, late = (engine.sequence(Request(engine.encode_raw(f"prompt {i}"), params, priority=p))
+                                 for i, p in enumerate((5, 0, 1)))
+        scheduler.add(running)
+        scheduler.turn()
+        scheduler.add(urgent)
+        scheduler.add(late)
+        scheduler.turn()  # the urgent one preempts the running one
+        assert running.preemptions == 1 and list(scheduler.waiting) == [late, running]
+        assert [e.sequence for e in scheduler.drop_waiting(stop)] == [late]
+        if deadline:
+            cut = scheduler.cut(stop)
+            assert {id(e.sequence) for e in cut} == {id(urgent), id(running)} and scheduler.idle
+        else:
+            events = drive(scheduler)
+            assert [e.sequence for e in events if isinstance(e, Step) and e.finished] == [urgent, running]
+            assert len(running.generation.token_ids) == 20
+        assert scheduler.kv_in_use == 0
+
+
 def test_an_error_in_a_step_fails_the_sequences_in_it_and_the_scheduler_goes_on(engine, monkeypatch):
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     scheduler = Scheduler(engine)
