@@ -555,6 +555,8 @@ def test_structured_outputs_through_the_openai_client_are_the_engines_own_answer
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
               "required": ["ok", "n"], "additionalProperties": False}
     tag = {"triggers": ["e"], "structures": [{"begin": "e=", "schema": {"type": "integer"}, "end": ";"}]}
+    tagged = {"type": "triggered_tags", "triggers": ["e"], "tags": [  # the same, in xgrammar's format form
+        {"begin": "e=", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": ";"}]}
     cases = [({"response_format": {"type": "json_object"}}, OutputFormat("json_object")),
              ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
               OutputFormat.json_schema(schema)),
@@ -565,6 +567,10 @@ def test_structured_outputs_through_the_openai_client_are_the_engines_own_answer
              ({"extra_body": {"structured_outputs": {"structural_tag": json.dumps(tag)}}},
               OutputFormat("structural_tag", tag)),
              ({"response_format": {"type": "structural_tag", **tag}}, OutputFormat("structural_tag", tag)),
+             ({"response_format": {"type": "structural_tag", "format": tagged}},
+              OutputFormat("structural_tag", {"type": "structural_tag", "format": tagged})),
+             ({"extra_body": {"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": tagged}}}},
+              OutputFormat("structural_tag", {"type": "structural_tag", "format": tagged})),
              ({"extra_body": {"structured_outputs": {"choice": ["red", "green"]}}},
               OutputFormat("choice", ["red", "green"]))]
     prompt = "What is 48 / 2?"

@@ -81,11 +81,16 @@ def test_every_kind_of_format_holds_for_r2rs_output_greedy_and_sampled(slm, llm,
     assert "slm" in sources and ("llm" in sources or "fix" in sources)  # both models wrote them
 
 
-def test_a_structural_tag_holds_its_structures_in_free_text(slm, llm, tokenizer):
-    """vLLM's structural tag: the text is free until a trigger; a structure begun there holds JSON following its
-    schema, then its end. The trigger here is a letter the random pair writes often, so structures do come."""
+@pytest.mark.parametrize("form", ["structures", "format"])
+def test_a_structural_tag_holds_its_structures_in_free_text(slm, llm, tokenizer, form):
+    """vLLM's structural tag, in either form: the text is free until a trigger; a structure begun there holds JSON
+    following its schema, then its end. The trigger here is a letter the random pair writes often, so structures do
+    come."""
+    number = {"type": "integer", "minimum": 0, "maximum": 99}
     fmt = OutputFormat("structural_tag", {"triggers": ["a"], "structures": [
-        {"begin": "a=", "schema": {"type": "integer", "minimum": 0, "maximum": 99}, "end": ";"}]})
+        {"begin": "a=", "schema": number, "end": ";"}]} if form == "structures" else {
+        "type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["a"], "tags": [
+            {"begin": "a=", "content": {"type": "json_schema", "json_schema": number}, "end": ";"}]}})
     space = "[ \t\n]*"
     whole = f"a={space}\\d{{1,2}}{space};"
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0), verify="1")
@@ -99,6 +104,52 @@ def test_a_structural_tag_holds_its_structures_in_free_text(slm, llm, tokenizer)
             assert re.fullmatch(f"(?:[^a]|{whole})*(?:a(?:={space}\\d{{0,2}}{space})?)?", gen.text), gen.text
             structures += len(re.findall(whole, gen.text))
     assert structures >= 2
+
+
+NUMBER = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+CALL = {"type": "triggered_tags", "triggers": ["<function="], "tags": [
+    {"begin": f"<function={name}>", "content": {"type": "json_schema", "json_schema": NUMBER}, "end": "</function>"}
+    for name in ("f1", "f2")]}
+THINK_THEN_ANSWER = {"type": "sequence", "elements": [
+    {"type": "tag", "begin": "<think>", "content": {"type": "any_text"}, "end": "</think>"},
+    {"type": "const_string", "value": "A:"},
+    {"type": "or", "elements": [{"type": "regex", "pattern": "[0-9]+"}, {"type": "const_string", "value": "none"}]}]}
+LIST = {"type": "tags_with_separator", "separator": ",", "tags": [
+    {"begin": "[", "content": {"type": "grammar", "grammar": "root ::= [a-c]+"}, "end": "]"}]}
+
+
+@pytest.mark.parametrize("fmt, text, holds", [
+    (CALL, "hello", True),
+    (CALL, 'hi <function=f1>{"n": 1}</function> bye <function=f2>{"n":2}</function>', True),
+    (CALL, 'x <function=f3>{"n":1}</function>', False),  # the trigger starts no tag of these
+    (CALL, 'x <function=f1>{"m":1}</function>', False),  # the content breaks its schema
+    ({**CALL, "at_least_one": True}, 'hello', False),
+    ({**CALL, "at_least_one": True}, '<function=f1>{"n": 1}</function> bye', True),
+    ({**CALL, "at_least_one": True}, 'x<function=f1>{"n": 1}</function>', False),  # the first tag comes first
+    ({**CALL, "stop_after_first": True}, "hello", True),
+    ({**CALL, "stop_after_first": True}, 'a <function=f1>{"n": 1}</function>', True),
+    ({**CALL, "stop_after_first": True}, 'a <function=f1>{"n": 1}</function> more', False),
+    (THINK_THEN_ANSWER, "<think>so x is</think>A:42", True),
+    (THINK_THEN_ANSWER, "<think>a</think>A:none", True),
+    (THINK_THEN_ANSWER, "<think>a</think>A:x", False),
+    (THINK_THEN_ANSWER, "A:1", False),
+    (THINK_THEN_ANSWER, "<think>a</think></think>A:1", False),  # the thinking ends at its first end
+    (LIST, "", True),
+    (LIST, "[ab],[c]", True),
+    (LIST, "[ab][c]", False),
+    ({**LIST, "at_least_one": True}, "", False),
+    ({**LIST, "stop_after_first": True}, "[ab],[c]", False),
+])
+def test_a_structural_tags_format_form_holds_what_xgrammars_tutorial_says(tokenizer, ll_tokenizer, fmt, text, holds):
+    """xgrammar's `format` objects (as its structural tag tutorial describes them), nested: a text the format allows
+    walks to its end; one it does not is refused at some token or does not end there."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(ll_tokenizer, OutputFormat("structural_tag", {"type": "structural_tag",
+                                                                                  "format": fmt}).grammar())
+    assert not matcher.is_error(), matcher.get_error()
+    walked = all(matcher.consume_token(t) for t in tokenizer.encode(text))
+    assert (walked and matcher.is_accepting()) == holds
 
 
 def test_min_tokens_does_not_outlast_a_finished_format(slm, tokenizer):
@@ -136,7 +187,24 @@ def test_a_reasoning_reply_thinks_freely_then_follows_the_format(slm, tokenizer)
                                                                                 "end": ""}]}), "none of the trig"),
     (lambda: OutputFormat("structural_tag", {"triggers": ["<f"], "structures": [{"begin": "<f>", "end": ""}]}),
      "structure 0 must have exactly begin"),
-    (lambda: OutputFormat("structural_tag", {"type": "structural_tag", "format": {}}), "`format` form"),
+    (lambda: OutputFormat("structural_tag", {"type": "structural_tag", "format": {}}), "format must be a format"),
+    (lambda: OutputFormat("structural_tag", {"format": {"type": "qwen_xml_parameter", "json_schema": {}}}),
+     "format must be a format object with a type among const_string"),
+    (lambda: OutputFormat("structural_tag", {"format": {"type": "sequence", "elements": [
+        {"type": "any_text"}, {"type": "const_string", "value": "x"}]}}), r"elements\[0\]: any_text takes the text"),
+    (lambda: OutputFormat("structural_tag", {"format": {"type": "tag", "begin": "<a>", "content": {
+        "type": "any_text", "excluded_str": ["b"]}, "end": "</a>"}}), "excluded_str is not supported"),
+    (lambda: OutputFormat("structural_tag", {"format": {"type": "sequence", "elements": [
+        {"type": "triggered_tags", "triggers": ["<"], "tags": [{"begin": "<a>", "content": {
+            "type": "const_string", "value": "x"}, "end": ">"}]}, {"type": "const_string", "value": "."}]}}),
+     "put them last"),
+    (lambda: OutputFormat("structural_tag", {"format": {"type": "triggered_tags", "triggers": ["<", "<a"], "tags": [
+        {"begin": "<a>", "content": {"type": "const_string", "value": "x"}, "end": ">"}]}}),
+     "exactly one of the triggers"),
+    (lambda: OutputFormat("structural_tag", {"format": {"type": "tag", "begin": "<a>", "end": ">"}}),
+     r"format \(tag\) takes begin, content, end"),
+    (lambda: OutputFormat("structural_tag", {"format": {"type": "regex", "pattern": "[a-"}}),
+     "structural_tag structured output is not valid"),
     (lambda: OutputFormat("structural_tag", {"triggers": ["<f"], "structures": [
         {"begin": "<f>", "schema": {"type": "foo"}, "end": "</f>"}]}), "structural_tag structured output is not"),
 ])

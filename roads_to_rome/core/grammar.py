@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from roads_to_rome.core.structural_tags import structural_tag_grammar
 from roads_to_rome.errors import R2RError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -70,7 +71,7 @@ class OutputFormat:
                     raise ValueError("the choices must be a non-empty list of strings")
                 grammar = llguidance.grammar_from("choice", choices)
             elif self.kind == "structural_tag":
-                grammar = structural_tag_grammar(self.spec)
+                grammar = structural_tag_grammar(json.loads(self.spec))
             else:
                 grammar = llguidance.grammar_from(self.kind, self.spec)
         except (ValueError, TypeError) as e:
@@ -83,38 +84,6 @@ class OutputFormat:
         error = __import__("llguidance").LLMatcher.validate_grammar(self.grammar(), None)
         if error:
             raise R2RError(f"the {self.kind} structured output is not valid: {one_line(error)}")
-
-
-def structural_tag_grammar(spec: str) -> str:
-    """vLLM's structural tag, `{"triggers": [...], "structures": [{"begin", "schema", "end"}, ...]}`: free text, in
-    which a structure, once its `begin` is written, holds JSON following its `schema` and then its `end`; each
-    `begin` starts with one of the triggers, where the text stops being free. Triggers are matched as text, so one
-    the tokenizer holds as an added token that is not special (Qwen's `<tool_call>`) works, and a special token
-    (Llama's `<|python_tag|>`) cannot be one. A ValueError says what is wrong with the spec."""
-    import llguidance
-
-    tag = json.loads(spec)
-    if not isinstance(tag, dict) or set(tag) - {"type", "triggers", "structures"}:
-        raise ValueError("a structural tag is an object of triggers and structures (xgrammar's newer `format` form "
-                         "is not supported)")
-    triggers, structures = tag.get("triggers"), tag.get("structures")
-    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
-        raise ValueError("triggers must be a non-empty list of non-empty strings")
-    if not isinstance(structures, list) or not structures:
-        raise ValueError("structures must be a non-empty list of {begin, schema, end}")
-    tags = []
-    for n, structure in enumerate(structures):
-        if not isinstance(structure, dict) or set(structure) != {"begin", "schema", "end"} \
-                or not isinstance(structure["begin"], str) or not isinstance(structure["end"], str) \
-                or not isinstance(structure["schema"], dict):
-            raise ValueError(f"structure {n} must have exactly begin (a string), schema (a JSON schema) and end "
-                             "(a string)")
-        trigger = next((t for t in triggers if structure["begin"].startswith(t)), None)
-        if trigger is None:
-            raise ValueError(f"structure {n}'s begin {structure['begin']!r} starts with none of the triggers")
-        tags.append(llguidance.StructTag(trigger=trigger, begin=structure["begin"], grammar=structure["schema"],
-                                         end=structure["end"]))
-    return llguidance.StructTag.to_grammar(tags, assume_special=False)
 
 
 def one_line(error: str) -> str:

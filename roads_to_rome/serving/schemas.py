@@ -162,12 +162,13 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """OpenAI's `response_format`: text (any), json_object (any JSON object) or json_schema; or vLLM's
-    structural_tag (free text holding structures: `core.grammar.structural_tag_grammar`)."""
+    structural_tag (free text holding structures, in either of its forms: core/structural_tags.py)."""
 
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
     structures: list[Any] | None = None  # structural_tag's: each {begin, schema, end}
     triggers: list[Any] | None = None  # ... and where the text stops being free
+    format: dict[str, Any] | None = None  # structural_tag's other form: xgrammar's format object
 
 
 class StructuredOutputs(BaseModel):
@@ -180,7 +181,7 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = None
     json_object: bool | None = None
-    structural_tag: dict[str, Any] | str | None = None  # {triggers, structures}, or that as JSON text
+    structural_tag: dict[str, Any] | str | None = None  # either form (core/structural_tags.py), or it as JSON text
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
 
@@ -275,7 +276,9 @@ class CommonBody(BaseModel):
         elif response.type == "json_object":
             fmt, field = OutputFormat("json_object"), "response_format"
         elif response.type == "structural_tag":
-            fmt = OutputFormat("structural_tag", {"triggers": response.triggers, "structures": response.structures})
+            given = {"format": response.format, "triggers": response.triggers, "structures": response.structures}
+            fmt = OutputFormat("structural_tag", {"type": "structural_tag",
+                                                  **{k: v for k, v in given.items() if v is not None}})
             field = "response_format"
         elif response.json_schema is None:
             raise APIError(400, "response_format of type json_schema needs its json_schema (name and schema)",
