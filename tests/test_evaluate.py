@@ -110,9 +110,10 @@ def test_eval_r2r_results_belong_to_one_router(run_cli, pair, tmp_path):
     import torch
 
     from roads_to_rome.models import load_pair
+    from roads_to_rome.models.loading import pick_dtype
     from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig, save_router, slm_identity
 
-    slm, _, _ = load_pair(str(pair[1]), None, "cpu", need_llm=False, dtype="bfloat16")  # as `r2r eval` loads it
+    slm, _, _ = load_pair(str(pair[1]), None, "cpu", need_llm=False, dtype=pick_dtype("auto", "cpu"))  # as eval does
     config = RouterConfig(hidden_size=slm.hidden_size, embed_size=slm.embedding_table().shape[1], top_k=16, dim=16,
                           n_blocks=1)
     for seed in (0, 1):
@@ -134,12 +135,13 @@ def test_entropy_matched_to_r2r_routes_short_answers_at_r2rs_rate(run_cli, pair,
 
     from roads_to_rome.data import benchmarks
     from roads_to_rome.models import load_pair
+    from roads_to_rome.models.loading import pick_dtype
     from roads_to_rome.models.systems import alone
     from roads_to_rome.routing.policies import entropy
     from roads_to_rome.routing.rate import WARMUP_TOKENS, threshold_at_rate
     from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig, save_router, slm_identity
 
-    slm, _, tokenizer = load_pair(str(pair[1]), None, "cpu", need_llm=False, dtype="bfloat16")  # as eval loads it
+    slm, _, tokenizer = load_pair(str(pair[1]), None, "cpu", need_llm=False, dtype=pick_dtype("auto", "cpu"))  # (eval)
     config = RouterConfig(hidden_size=slm.hidden_size, embed_size=slm.embedding_table().shape[1], top_k=16, dim=16,
                           n_blocks=1)
     torch.manual_seed(0)
