@@ -339,7 +339,8 @@ def test_the_priority_bench_compares_each_urgent_request_under_both_policies():
 
     def run(ttfts, texts, preemptions, tokens):
         return {"urgent": [{"ttft_s": t, "seconds": 2 * t, "text": x} for t, x in zip(ttfts, texts)],
-                "preemptions": preemptions, "batch_requests": 3, "batch_tokens": tokens, "seconds": 10.0}
+                "preemptions": preemptions, "batch_requests": 3, "batch_tokens": tokens, "urgent_tokens": 20,
+                "seconds": 10.0}
 
     measured = {"fcfs": [run([4, 8], ["a", "b"], 0, 100), run([6, 2], ["a", "b"], 0, 60)],
                 "priority": [run([1, 1], ["a", "c"], 2, 80), run([1, 3], ["a", "b"], 1, 40)]}
@@ -348,5 +349,6 @@ def test_the_priority_bench_compares_each_urgent_request_under_both_policies():
     assert fcfs["ttft_s"] == [5.0, 5.0] and priority["ttft_s"] == [1.0, 2.0] and priority["worst_ttft_s"] == 2.0
     assert figures["x_ttft"] == 5.0 / 1.5 and figures["x_seconds"] == 5.0 / 1.5
     assert fcfs["batch_tokens_per_s"] == 8.0 and priority["batch_tokens_per_s"] == 6.0
-    assert figures["batch_throughput_kept"] == 0.75 and priority["preemptions"] == 3
+    assert fcfs["tokens_per_s"] == 10.0 and priority["tokens_per_s"] == 8.0
+    assert figures["throughput_kept"] == 0.8 and priority["preemptions"] == 3
     assert (figures["same_urgent_answers"], figures["urgent_answers"]) == (3, 4)

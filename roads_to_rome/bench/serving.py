@@ -342,8 +342,9 @@ def urgent_requests(slm: str | None, llm: str | None, device: str, dtype: str, b
     priority policy), as many as the batch holds (`--max-batch`); once each has its first token, `urgent` other
     questions (priority 0) come one after another, each `pause_s` after the one before is answered. First come first
     served, an urgent request waits for a batch request to finish; by priority it preempts one. Per urgent request:
-    seconds to its first token and to its last; the batch job's tokens per second over the run; the preemptions.
-    `rounds` times over, the two servers taking turns."""
+    seconds to its first token and to its last; the server's tokens per second over the run (the batch job's and the
+    urgent ones': what preempting costs it) and the batch job's alone; the preemptions. `rounds` times over, the two
+    servers taking turns."""
     slm_backend, llm_backend, tokenizer = load_pair(
         slm, llm, device, dtype=dtype, backend=backend, threads=threads,
         llama={"max_rows": batch_clients + KEPT_ROWS, "n_ctx": batch_clients * 4096 + PREFIX_TOKENS})
@@ -394,7 +395,7 @@ def urgent_requests(slm: str | None, llm: str | None, device: str, dtype: str, b
             measured[scheduling].append({
                 "urgent": answers, "preemptions": (engine.counters - before).preemptions,
                 "batch_requests": len(batch), "batch_tokens": sum(a["completion_tokens"] for a in batch),
-                "seconds": seconds})
+                "urgent_tokens": sum(a["completion_tokens"] for a in answers), "seconds": seconds})
     return {"batch_clients": batch_clients, "urgent": urgent, "tokens": n_tokens, "urgent_tokens": urgent_tokens,
             "pause_s": pause_s, "rounds": rounds, "dtype": dtype, "backend": backend,
             "device": str(slm_backend.device), "threads": threads or {},
@@ -404,24 +405,29 @@ def urgent_requests(slm: str | None, llm: str | None, device: str, dtype: str, b
 
 def urgency_figures(measured: dict[str, list]) -> dict:
     """Per scheduling policy, over rounds: each urgent request's seconds to its first token and to its last (means
-    over rounds), their means and the worst, the batch job's tokens per second, the preemptions; the ratios of first
-    come first served to priority (above 1: priority answers urgent requests sooner), and whether the urgent answers
-    are the same under both (greedy: they should be, but for near-ties read in another batch)."""
+    over rounds), their means and the worst, the server's tokens per second (all requests') and the batch job's, the
+    preemptions; the ratios of first come first served to priority (above 1: priority answers urgent requests
+    sooner), priority's share of first come first served's throughput, and whether the urgent answers are the same
+    under both (greedy: they should be, but for near-ties read in another batch). The batch job's own tokens per
+    second is lower by priority also because the urgent requests, answered sooner, take a larger share of a shorter
+    run: the server's is what preempting costs."""
     figures = {}
     for scheduling, runs in measured.items():
         ttft = [float(np.mean([run["urgent"][i]["ttft_s"] for run in runs])) for i in range(len(runs[0]["urgent"]))]
         last = [float(np.mean([run["urgent"][i]["seconds"] for run in runs])) for i in range(len(runs[0]["urgent"]))]
+        seconds = sum(run["seconds"] for run in runs)
         figures[scheduling] = {
             "ttft_s": ttft, "seconds": last, "mean_ttft_s": float(np.mean(ttft)), "worst_ttft_s": max(ttft),
             "mean_seconds": float(np.mean(last)), "preemptions": sum(run["preemptions"] for run in runs),
             "batch_requests": sum(run["batch_requests"] for run in runs),
-            "batch_tokens_per_s": sum(run["batch_tokens"] for run in runs) / sum(run["seconds"] for run in runs)}
+            "tokens_per_s": sum(run["batch_tokens"] + run["urgent_tokens"] for run in runs) / seconds,
+            "batch_tokens_per_s": sum(run["batch_tokens"] for run in runs) / seconds}
     fcfs, priority = figures["fcfs"], figures["priority"]
     same = sum(a["text"] == b["text"] for x, y in zip(measured["fcfs"], measured["priority"])
                for a, b in zip(x["urgent"], y["urgent"]))
     return {"by_scheduling": figures, "x_ttft": fcfs["mean_ttft_s"] / priority["mean_ttft_s"],
             "x_seconds": fcfs["mean_seconds"] / priority["mean_seconds"],
-            "batch_throughput_kept": priority["batch_tokens_per_s"] / fcfs["batch_tokens_per_s"],
+            "throughput_kept": priority["tokens_per_s"] / fcfs["tokens_per_s"],
             "same_urgent_answers": same, "urgent_answers": sum(len(run["urgent"]) for run in measured["fcfs"])}
 
 

@@ -15,6 +15,7 @@ from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
 from roads_to_rome.models import DEFAULT_LLM, converted_dir, gguf_path
+from roads_to_rome.models.loading import pick_dtype
 from roads_to_rome.routing.policies import AlwaysLLM
 from roads_to_rome.serving.background import BackgroundServer
 from roads_to_rome.serving.schemas import Limits
@@ -31,7 +32,9 @@ def server(request):
     if request.param == "llamacpp":
         srv = LlamaServer(gguf_path(DEFAULT_LLM), slots=2, ctx_per_slot=4096, threads=os.cpu_count())
     else:
-        srv = VllmServer(converted_dir(DEFAULT_LLM), DEFAULT_LLM.name, 4096, os.cpu_count(), "bfloat16")
+        # (bf16 where the processor has it natively, as `r2r` picks; float32 elsewhere, where vLLM's CPU kernels
+        # emulate bf16 slowly: both sides of each check read the same server)
+        srv = VllmServer(converted_dir(DEFAULT_LLM), DEFAULT_LLM.name, 4096, os.cpu_count(), pick_dtype("auto", "cpu"))
     with srv:
         yield srv
 
