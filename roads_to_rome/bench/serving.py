@@ -438,6 +438,7 @@ def plot_urgency(result: dict, path) -> None:
     for scheduling, label in (("fcfs", "first come first served"), ("priority", "by priority (preempting)")):
         ttft = result["by_scheduling"][scheduling]["ttft_s"]
         axis.plot(range(1, len(ttft) + 1), ttft, marker="o", label=label)
+    axis.set_xticks(range(1, len(ttft) + 1))
     axis.set_xlabel("urgent request")
     axis.set_ylabel("time to first token (s)")
     axis.set_ylim(bottom=0)
