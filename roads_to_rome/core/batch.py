@@ -127,8 +127,7 @@ class Batch:
         read of them where it keeps prompts, so that their reads resume from there, and each forgets the tokens that
         await the LLM's word (`verification.forget_unchecked`), to write them again once it is back."""
         rows = [i for i, s in enumerate(self.sequences) if s in sequences]
-        if any(self.prefixes):
-            self.layout.keep_rows(rows, self.prefixes, [self.sequences[i].request.cache_salt for i in rows])
+        self._keep_reads(rows)
         if self.call is not None:  # its answer is for the rows as they were: none of it for these when they are back
             self.call.sequences = [None if s in sequences else s for s in self.call.sequences]
         for i in rows:
@@ -388,8 +387,7 @@ class Batch:
                 keep.append(i)
             events.append(Step(s, token, source, float(score), reason is not None, dropped.get(i, 0),
                                verification.settle(s, reason is not None)))
-        if finished and any(self.prefixes):
-            self.layout.keep_rows(finished, self.prefixes, [self.sequences[i].request.cache_salt for i in finished])
+        self._keep_reads(finished)
         self._keep(keep)
         return events
 
@@ -420,6 +418,12 @@ class Batch:
             step.chosen[i], step.sources[i] = rejection.token, "llm" if rejection.routed else "fix"
             step.llm_logits[i] = rejection.logits
         return {i: shifts[i] for i in step.rejected}
+
+    def _keep_reads(self, rows: list[int]) -> None:
+        """Each model that keeps prompts keeps what it read of these rows, for later prompts that begin the same way
+        (prefix caching), each for requests with its row's cache_salt."""
+        if rows and any(self.prefixes):
+            self.layout.keep_rows(rows, self.prefixes, [self.sequences[i].request.cache_salt for i in rows])
 
     def _keep(self, rows: list[int]) -> None:
         if len(rows) == len(self.sequences):

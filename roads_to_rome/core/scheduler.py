@@ -133,15 +133,12 @@ class Scheduler:
     def drop_waiting(self, error: Exception) -> list[Failure]:
         """Every sequence waiting to start leaves with this error (a server that stops admitting); preempted ones
         stay, to finish as the others in flight do."""
-        left = [Failure(s, error) for s in self.waiting if not s.preemptions]
-        self.waiting = collections.deque(s for s in self.waiting if s.preemptions)
-        return left
+        return [Failure(s, error) for s in self._take_waiting(preempted=False)]
 
     def cut(self, error: Exception) -> list[Failure]:
         """Every sequence in flight leaves with this error (a server's drain deadline): the admitted ones, and the
         preempted ones waiting to resume."""
-        cut, preempted = self._admitted(), [s for s in self.waiting if s.preemptions]
-        self.waiting = collections.deque(s for s in self.waiting if not s.preemptions)
+        cut, preempted = self._admitted(), self._take_waiting(preempted=True)
         for s in cut + preempted:
             s.cancelled = True
         for _, read in self.reading:
@@ -150,6 +147,12 @@ class Scheduler:
         self.joining.clear()
         self.batch.release()
         return [self._leave(s, Failure(s, error)) for s in cut] + [Failure(s, error) for s in preempted]
+
+    def _take_waiting(self, preempted: bool) -> list[Sequence]:
+        """The waiting sequences that were preempted (or that never started), out of the queue."""
+        taken = [s for s in self.waiting if bool(s.preemptions) == preempted]
+        self.waiting = collections.deque(s for s in self.waiting if bool(s.preemptions) != preempted)
+        return taken
 
     def _preempt_for(self, s: Sequence) -> bool:
         """(priority scheduling) Make room for `s` by preempting admitted sequences less urgent than it, the least

@@ -38,9 +38,7 @@ def legacy_grammar(tag: dict) -> str:
 
     if set(tag) - {"type", "triggers", "structures"}:
         raise ValueError("a structural tag is an object of triggers and structures, or of type and format")
-    triggers, structures = tag.get("triggers"), tag.get("structures")
-    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
-        raise ValueError("triggers must be a non-empty list of non-empty strings")
+    triggers, structures = check_triggers(tag.get("triggers"), "triggers"), tag.get("structures")
     if not isinstance(structures, list) or not structures:
         raise ValueError("structures must be a non-empty list of {begin, schema, end}")
     tags = []
@@ -113,8 +111,7 @@ class FormatGrammar:
         return f"/{regex_to_lark(text(fmt['pattern'], f'{where}.pattern'))}/"
 
     def to_any_text(self, fmt: dict, where: str, last: bool) -> str:
-        if fmt.get("excluded_str"):
-            raise ValueError(f"{where}: any_text's excluded_str is not supported")
+        no_excluded_str(fmt, where)
         if not last:
             raise ValueError(f"{where}: any_text takes the text to the end of the output; put it last, or in a tag "
                              "(which ends it at the tag's end)")
@@ -135,17 +132,14 @@ class FormatGrammar:
         begin, end = text(fmt["begin"], f"{where}.begin"), text(fmt["end"], f"{where}.end")
         content = fmt["content"]
         if isinstance(content, dict) and content.get("type") == "any_text" and end:
-            if content.get("excluded_str"):
-                raise ValueError(f"{where}.content: any_text's excluded_str is not supported")
+            no_excluded_str(content, f"{where}.content")
             body = self.rule(f"{ANY_TEXT} {literal(end)}", lazy=True)  # the text ends at the tag's first end
             return f"{literal(begin)} {body}" if begin else body
         inner = self.expression(content, f"{where}.content", last and not end)
         return " ".join(p for p in (literal(begin) if begin else "", inner, literal(end) if end else "") if p)
 
     def to_triggered_tags(self, fmt: dict, where: str, last: bool) -> str:
-        triggers = fmt["triggers"]
-        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
-            raise ValueError(f"{where}.triggers must be a non-empty list of non-empty strings")
+        triggers = check_triggers(fmt["triggers"], f"{where}.triggers")
         tags = self.tag_list(fmt["tags"], f"{where}.tags")
         at_least_one, stop_after_first = flags(fmt, where)
         if not last and not (at_least_one and stop_after_first):
@@ -212,6 +206,17 @@ def items(value: object, where: str) -> list:
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where} must be a non-empty list")
     return value
+
+
+def check_triggers(triggers: object, where: str) -> list[str]:
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"{where} must be a non-empty list of non-empty strings")
+    return triggers
+
+
+def no_excluded_str(any_text: dict, where: str) -> None:
+    if any_text.get("excluded_str"):
+        raise ValueError(f"{where}: any_text's excluded_str is not supported")
 
 
 def flags(fmt: dict, where: str) -> tuple[bool, bool]:
