@@ -186,11 +186,12 @@ def test_top_p_ranking_only_the_likeliest_tokens_is_sorting_whole_rows(scale):
     generator = torch.Generator().manual_seed(2)
     logits = torch.randn(3, 5000, generator=generator) * scale
     for top_p in (0.5, 0.9, 0.999):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
+        # (the row's softmax sorted, not the sorted row's softmax: that sums in another order, and a processor's
+        # vector width then moves a token lying at the nucleus's edge across it)
+        probs, order = logits.softmax(-1).sort(dim=-1, descending=True)
         drop = probs.cumsum(-1) - probs >= top_p
         drop[:, 0] = False
-        expected = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        expected = logits.scatter(-1, order, logits.gather(-1, order).masked_fill(drop, float("-inf")))
         assert torch.equal(top_p_cut(logits, top_p), expected)
         assert torch.equal(top_p_cut(logits[:1], top_p), expected[:1])
     mixed = torch.cat([logits[:1], torch.randn(1, 5000, generator=generator) * 40])
