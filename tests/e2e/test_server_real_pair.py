@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from conftest import assert_idle_soon
 
 from roads_to_rome.models import load_engine
 from roads_to_rome.serving.background import BackgroundServer
@@ -33,9 +34,12 @@ def body(content=QUESTION, **kw):
     return {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 48, **kw}
 
 
-def stream_times(url, payload, times, errors):
+def stream_times(url, payload, times, errors, enough=None):
+    """Stream `payload`, noting when each token arrives, until its end or until `enough` is set (then hang up)."""
     with httpx.stream("POST", url, json={**payload, "stream": True}, timeout=600) as response:
         for line in response.iter_lines():
+            if enough is not None and enough.is_set():
+                break
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
                 if "error" in event:
@@ -53,9 +57,10 @@ def test_the_hardened_server_on_the_real_pair(url):
     assert response.status_code == 400 and time.monotonic() - start < 5
     # A stream keeps getting tokens while a ~1,100-token prompt is read (64-token chunks), and a bad seed is
     # refused without touching it.
-    times, errors = [], []
+    times, errors, enough = [], [], threading.Event()
     # Unverified, so that each token streams as it is written (verification sends them at the LLM's catch-ups).
-    running = threading.Thread(target=stream_times, args=(url, body(max_tokens=400, r2r_verify="off"), times, errors))
+    running = threading.Thread(target=stream_times, args=(url, body(max_tokens=400, r2r_verify="off"), times, errors,
+                                                          enough))
     running.start()
     while len(times) < 3:
         time.sleep(0.05)
@@ -63,9 +68,11 @@ def test_the_hardened_server_on_the_real_pair(url):
     submitted = time.monotonic()
     newcomer_times = []
     stream_times(url, body(" ".join([QUESTION] * 35), max_tokens=4), newcomer_times, errors)
+    enough.set()  # the running stream has shown what it had to; its client hangs up, which frees its slot
     running.join()
     assert not errors and newcomer_times
     assert sum(submitted < t < newcomer_times[0] for t in times) >= 5
+    assert_idle_soon(url.removesuffix("/v1/chat/completions"))
 
 
 def test_the_playground_compares_the_three_systems_on_the_real_pair(url, browser):
