@@ -33,7 +33,8 @@ def split_between(values):
     value lies within rounding of it (a padded read's last bits then cannot move a position across)."""
     ordered = sorted(values.tolist())
     quarter = len(ordered) // 4
-    low, high = max(zip(ordered[quarter:-quarter - 1], ordered[quarter + 1:-quarter]), key=lambda p: p[1] - p[0])
+    middle = ordered[quarter:len(ordered) - quarter]
+    low, high = max(zip(middle, middle[1:]), key=lambda pair: pair[1] - pair[0])
     return (low + high) / 2
 
 
