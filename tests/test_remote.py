@@ -7,6 +7,7 @@ a wrong model name, another tokenizer)."""
 import dataclasses
 import json
 import threading
+import time
 
 import httpx
 import psutil
@@ -422,6 +423,40 @@ def test_5xx_answers_are_retried_then_the_llm_counts_as_unavailable(status):
     assert mock_client(flaky, retry=5).get("/v1/models") == {"ok": 1} and len(calls) == 3
     with pytest.raises(LLMUnavailable, match=f"answered {status}"):
         mock_client(lambda r: httpx.Response(status), retry=0.5).get("/v1/models")
+
+
+def test_a_call_counts_as_waiting_from_its_start_through_its_retries(monkeypatch):
+    """A server that never answers in time: the call's wait is counted from its first attempt, not restarted by each
+    timed-out attempt or by the first failure, so `stalled` comes STALLED_AFTER_S after the call began."""
+    from roads_to_rome.backends import remote as remote_module
+
+    monkeypatch.setattr(remote_module, "STALLED_AFTER_S", 1.0)
+
+    def too_slow(request):
+        time.sleep(0.3)
+        raise httpx.ReadTimeout("no answer", request=request)
+
+    client = mock_client(too_slow, retry=3.0)  # attempts end 0.3, 0.85, 1.65 and 2.95 s in; it gives up after that
+    backend = remote_module.RemoteBackend.__new__(remote_module.RemoteBackend)  # `health` reads only the client
+    backend.client = client
+    outcome = []
+
+    def call():
+        try:
+            client.get("/v1/models")
+        except LLMUnavailable as e:
+            outcome.append(e)
+
+    started = time.monotonic()
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(0.1)
+    assert backend.health() is None
+    time.sleep(1.4)  # into the third attempt, two timed out
+    waited, health = client.waiting_for(), backend.health()
+    assert waited >= time.monotonic() - started - 0.1 and health["status"] == "stalled"
+    caller.join()
+    assert outcome and client.waiting_for() == 0.0 and backend.health()["status"] == "unavailable"
 
 
 def test_a_connection_cut_mid_answer_is_retried_and_garbled_answers_are_clear_errors():

@@ -208,18 +208,16 @@ class Client:
                                  auth=auth, headers=headers)
         self.down_since: float | None = None
         self.last_probe = 0.0
-        # Calls waiting for an answer (their start times) and since when calls have kept failing: what tells a
-        # stalled or failing server before the retry budget is spent (`waiting_for`).
+        # The start times of the calls waiting for an answer, retries included: what tells a stalled or failing
+        # server before the retry budget is spent (`waiting_for`).
         self.waiting: dict[int, float] = {}
-        self.failing_since: float | None = None
         self.lock = threading.Lock()
 
     def waiting_for(self) -> float:
-        """Seconds the oldest call still waiting has waited, or calls have kept failing: 0 while answers come."""
+        """Seconds the oldest call still waiting (or retrying) has waited: 0 while answers come."""
         now = time.monotonic()
         with self.lock:
-            oldest = min(self.waiting.values(), default=now)
-        return max(now - oldest, now - self.failing_since if self.failing_since is not None else 0.0)
+            return now - min(self.waiting.values(), default=now)
 
     def get(self, path: str) -> dict:
         return self._call("GET", path, None)
@@ -239,7 +237,7 @@ class Client:
             self.last_probe = time.monotonic()
             try:
                 if self.http.get("/v1/models", timeout=2.0).status_code == 200:
-                    self.down_since = self.failing_since = None
+                    self.down_since = None
             except httpx.HTTPError:
                 pass
         return self.down_since is None
@@ -249,32 +247,31 @@ class Client:
             raise LLMUnavailable(f"the LLM server at {self.url} is unavailable (down for "
                                  f"{time.monotonic() - self.down_since:.0f} s)", self.url)
         start, attempt, key = time.monotonic(), 0, object()
-        while True:
+        with self.lock:
+            self.waiting[id(key)] = start  # the whole call, its retries included: what a stalled server holds up
+        try:
+            while True:
+                try:
+                    response = self.http.request(method, path, json=body)
+                    if response.status_code not in RETRYABLE_STATUS:
+                        break
+                    why = f"it answered {response.status_code}"
+                except httpx.TimeoutException:
+                    why = f"no answer to {method} {path} within {self.http.timeout.read:.0f} s"
+                except httpx.TransportError as e:  # refused, reset, closed mid-answer: whatever the socket says
+                    why = f"{type(e).__name__}: {e}"
+                pause = min(0.25 * 2**attempt, 4.0)
+                if time.monotonic() - start + pause > self.retry:
+                    if self.down_since is None:
+                        self.down_since = time.monotonic()
+                    raise LLMUnavailable(f"the LLM server at {self.url} is unavailable ({why}); tried for "
+                                         f"{time.monotonic() - start:.0f} s (--llm-retry {self.retry:g})", self.url)
+                time.sleep(pause)
+                attempt += 1
+        finally:
             with self.lock:
-                self.waiting[id(key)] = time.monotonic()
-            try:
-                response = self.http.request(method, path, json=body)
-                if response.status_code not in RETRYABLE_STATUS:
-                    break
-                why = f"it answered {response.status_code}"
-            except httpx.TimeoutException:
-                why = f"no answer to {method} {path} within {self.http.timeout.read:.0f} s"
-            except httpx.TransportError as e:  # refused, reset, closed mid-answer: whatever the socket says
-                why = f"{type(e).__name__}: {e}"
-            finally:
-                with self.lock:
-                    self.waiting.pop(id(key), None)
-            with self.lock:
-                self.failing_since = self.failing_since or time.monotonic()
-            pause = min(0.25 * 2**attempt, 4.0)
-            if time.monotonic() - start + pause > self.retry:
-                if self.down_since is None:
-                    self.down_since = time.monotonic()
-                raise LLMUnavailable(f"the LLM server at {self.url} is unavailable ({why}); tried for "
-                                     f"{time.monotonic() - start:.0f} s (--llm-retry {self.retry:g})", self.url)
-            time.sleep(pause)
-            attempt += 1
-        self.down_since = self.failing_since = None
+                self.waiting.pop(id(key), None)
+        self.down_since = None
         if response.status_code in (401, 403):
             sent_key = self.http.auth is not None or "Authorization" in self.http.headers
             said = "refused the key" if sent_key else "needs an API key"
@@ -348,7 +345,7 @@ class RemoteBackend:
     def health(self) -> dict | None:
         """None while the server answers; else what a health check reports of it (the server's `/health`):
         `unavailable` once a call has spent its retry budget (requests that need the LLM are refused until a probe
-        gets through), `stalled` while a call has waited, or calls have kept failing, for `STALLED_AFTER_S`."""
+        gets through), `stalled` while a call has waited (or kept retrying) for `STALLED_AFTER_S`."""
         client = self.client
         if not client.reachable():
             return {"status": "unavailable", "url": client.url,
