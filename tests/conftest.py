@@ -9,12 +9,27 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import save_gguf, tiny_model, tiny_tokenizer  # noqa: E402
 
 from roads_to_rome.backends.torch_backend import TorchBackend  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread(request):
+    """Tests on tiny models run torch on one thread: their matrices are too small to split, and beside a second
+    model's thread (--overlap) or a server on the same cores, a team of intra-op threads per model oversubscribes
+    them (each operation then waits out a scheduler slice). End-to-end tests keep every core."""
+    if request.node.get_closest_marker("e2e"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
