@@ -163,7 +163,7 @@ def test_the_remote_backends_pool_threads_start_no_threads_of_their_own(server, 
     logits) would keep a team of intra-op threads for as long as it lives, the pool's size times the cores."""
     from roads_to_rome.backends.remote import RemoteBackend
 
-    torch.set_num_threads(2)  # as a process that has two cores runs (the tests' fixture restores one)
+    torch.set_num_threads(2)  # as a process with two cores runs (one_intra_op_thread puts back what it found)
     process = psutil.Process()
     torch.zeros(1 << 20).fill_(1.0)  # this thread's own team, which its first large operation starts
     # Threads the OS has but Python does not know: intra-op teams, and a thread of an earlier test that Python
