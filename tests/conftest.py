@@ -213,11 +213,15 @@ class LlamaServer:
     def __exit__(self, *exc):
         self.stop()
 
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def own_greedy(self, ids: list[int], n: int) -> list[int]:
         out = httpx.post(self.url + "/completion", json={"prompt": ids, "n_predict": n, "temperature": 0,
                                                          "ignore_eos": True, "return_tokens": True,
                                                          "cache_prompt": False},
-                         timeout=120).json()
+                         headers=self.headers, timeout=120).json()
         return out["tokens"]
 
 
@@ -251,7 +255,7 @@ class VllmServer(LlamaServer):
     def own_greedy(self, ids: list[int], n: int) -> list[int]:
         out = httpx.post(self.url + "/v1/completions", json={
             "model": self.name, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 0,
-            "return_tokens_as_token_ids": True}, timeout=300).json()
+            "return_tokens_as_token_ids": True}, headers=self.headers, timeout=300).json()
         return [int(t.removeprefix("token_id:")) for t in out["choices"][0]["logprobs"]["tokens"]]
 
 

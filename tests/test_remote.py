@@ -37,11 +37,22 @@ ENGINES = [
 
 
 
+# The servers run as servers on a network are run: with a key (one server per engine for the whole module, since
+# vLLM takes a minute to start on a CPU).
+KEY = "s3cret-key"
+
+
 @pytest.fixture(scope="module", params=ENGINES)
 def server(request, llm_files):
-    with LlamaServer(llm_files["gguf"]) if request.param == "llamacpp" else VllmServer(llm_files["dir"]) as srv:
+    with LlamaServer(llm_files["gguf"], api_key=KEY) if request.param == "llamacpp" else \
+            VllmServer(llm_files["dir"], api_key=KEY) as srv:
         srv.engine = request.param
         yield srv
+
+
+def served(server, tokenizer, slm, **kw):
+    """The remote backend on the module's server, with its key."""
+    return remote(server.url, tokenizer, slm, api_key=KEY, **kw)
 
 
 def same_model_here(server, llm_files, tokenizer):
@@ -59,7 +70,7 @@ def same_model_here(server, llm_files, tokenizer):
 
 
 def test_the_llm_alone_through_the_remote_backend_equals_the_servers_own_greedy(server, slm, tokenizer):
-    llm = remote(server.url, tokenizer, slm)
+    llm = served(server, tokenizer, slm)
     # What the prefix cache reuses is read from the server itself (vLLM: its metrics; the fixture asks for 32).
     reuse = "32-token blocks" if server.engine == "vllm" else "per token"
     assert llm.kernels.endswith(f"(prefix cache: {reuse})")
@@ -77,7 +88,7 @@ def test_r2r_batches_with_the_remote_llm_match_the_same_model_run_locally(server
     """Rows join, finish and leave at different times; the remote cache (each row's ids) must follow."""
     local = same_model_here(server, llm_files, tokenizer)
     outs = {}
-    for name, llm in (("remote", remote(server.url, tokenizer, slm)), ("local", local)):
+    for name, llm in (("remote", served(server, tokenizer, slm)), ("local", local)):
         engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=3))
         sequences = [engine.sequence(Request(engine.encode_chat(p), SamplingParams(max_new_tokens=n, ignore_eos=True)))
                      for p, n in zip(REMOTE_PROMPTS, (12, 30, 20))]
@@ -96,7 +107,7 @@ def test_r2r_batches_with_the_remote_llm_match_the_same_model_run_locally(server
 def test_deferred_routing_through_the_remote_llm_gives_lockstep_routings_tokens(server, slm, tokenizer):
     """Grouped LLM calls (--defer) through a serving engine: every row's tokens are those lockstep routing gives it,
     with and without strict verification (whose output is then the server's own greedy one)."""
-    llm = remote(server.url, tokenizer, slm)
+    llm = served(server, tokenizer, slm)
     prompts = [Engine.alone(slm, tokenizer, "slm").encode_chat(p) for p in REMOTE_PROMPTS]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     deferred = 0
@@ -117,7 +128,7 @@ def test_overlap_through_the_remote_llm_gives_the_tokens_of_its_calls_in_the_ste
     """The LLM's calls beside the SLM's steps, the LLM on a serving engine: every row's tokens are those the calls
     in the step give it (lockstep and grouped), batched and alone; strict verification is the server's own greedy
     output."""
-    llm = remote(server.url, tokenizer, slm)
+    llm = served(server, tokenizer, slm)
     prompts = [Engine.alone(slm, tokenizer, "slm").encode_chat(p) for p in REMOTE_PROMPTS]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     for verify in ("off", 1.0, "strict"):
@@ -134,7 +145,7 @@ def test_overlap_through_the_remote_llm_gives_the_tokens_of_its_calls_in_the_ste
 
 
 def test_strict_verification_through_the_remote_llm_gives_the_servers_own_greedy_output(server, slm, tokenizer):
-    llm = remote(server.url, tokenizer, slm)
+    llm = served(server, tokenizer, slm)
     for n in (None, 4):
         engine = Engine(slm, llm, tokenizer, RandomPolicy(0.2, seed=1), verify="strict", max_unverified=n)
         prompts = [engine.encode_chat(p) for p in REMOTE_PROMPTS[:2]]
@@ -148,7 +159,7 @@ def test_tolerance_verification_through_the_remote_llm_matches_the_same_model_ru
                                                                                           tokenizer):
     local = same_model_here(server, llm_files, tokenizer)
     outs = {}
-    for name, llm in (("remote", remote(server.url, tokenizer, slm)), ("local", local)):
+    for name, llm in (("remote", served(server, tokenizer, slm)), ("local", local)):
         engine = Engine(slm, llm, tokenizer, RandomPolicy(0.2, seed=5), verify=1.0, max_unverified=6)
         prompts = [engine.encode_chat(p) for p in REMOTE_PROMPTS]
         gens = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
@@ -169,7 +180,7 @@ def test_the_remote_backends_pool_threads_start_no_threads_of_their_own(server, 
     # Threads the OS has but Python does not know: intra-op teams, and a thread of an earlier test that Python
     # has let go while its OS thread still winds down (so only growth can tell).
     native_before = process.num_threads() - threading.active_count()
-    llm = RemoteBackend(server.url, tokenizer, slm.eos_ids, vocab_size=151_936)
+    llm = RemoteBackend(server.url, tokenizer, slm.eos_ids, vocab_size=151_936, api_key=KEY)
     rows = [Engine.alone(llm, tokenizer).encode_chat(p) for p in REMOTE_PROMPTS]
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
@@ -181,7 +192,7 @@ def test_the_remote_backends_pool_threads_start_no_threads_of_their_own(server, 
 
 
 def test_sampled_strict_verification_is_refused_with_a_remote_llm(server, slm, tokenizer):
-    engine = Engine(slm, remote(server.url, tokenizer, slm), tokenizer, RandomPolicy(0.2), verify="strict")
+    engine = Engine(slm, served(server, tokenizer, slm), tokenizer, RandomPolicy(0.2), verify="strict")
     with pytest.raises(R2RError, match="whole distribution"):
         engine.sequence(Request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.7)))
 
@@ -194,7 +205,7 @@ def test_penalties_and_logit_rules_are_refused_with_a_remote_llm_unless_the_slm_
     """A server's top log-probabilities are not the whole distribution a penalty, a bias, a list of allowed
     tokens or a structured output reshapes; holding back ending tokens until min_tokens only removes some of them,
     which a ranked list can do exactly."""
-    engine = Engine(slm, remote(server.url, tokenizer, slm), tokenizer, RandomPolicy(0.2))
+    engine = Engine(slm, served(server, tokenizer, slm), tokenizer, RandomPolicy(0.2))
     reshaped = SamplingParams(max_new_tokens=4, **setting)
     for force in (None, "llm"):
         with pytest.raises(R2RError, match="penalties, a logit bias, allowed tokens and structured outputs"):
@@ -216,7 +227,7 @@ def test_a_prompt_is_scored_by_a_vllm_llm_as_by_the_same_model_here(server, llm_
     from roads_to_rome.core.scoring import score_prompt
 
     ids = Engine.alone(slm, tokenizer).encode_chat(REMOTE_PROMPTS[0])
-    llm = remote(server.url, tokenizer, slm)
+    llm = served(server, tokenizer, slm)
     request = Request(ids, SamplingParams(max_new_tokens=6, ignore_eos=True), prompt_logprobs=3)
     if server.engine == "llamacpp":
         with pytest.raises(R2RError, match="no prompt log-probabilities"):
@@ -269,15 +280,15 @@ def test_vllms_prefix_cache_is_read_from_its_metrics():
 def test_no_server_wrong_model_and_another_tokenizer_are_refused(server, slm, tokenizer, tmp_path):
     if server.engine != "llamacpp":
         with pytest.raises(R2RError, match="does not serve 'nope'"):
-            remote(server.url + "?model=nope", tokenizer, slm)
+            remote(server.url + "?model=nope", tokenizer, slm, api_key=KEY)
         return
     nobody = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(R2RError, match=f"{nobody} is unavailable"):
         remote(nobody, tokenizer, slm, retry=1)
     with pytest.raises(R2RError, match="does not serve 'nope'"):
-        remote(server.url + "?model=nope", tokenizer, slm)
+        remote(server.url + "?model=nope", tokenizer, slm, api_key=KEY)
     with pytest.raises(R2RError, match="unknown setting"):
-        remote(server.url + "?modle=x", tokenizer, slm)
+        remote(server.url + "?modle=x", tokenizer, slm, api_key=KEY)
     other = tiny_tokenizer(extra_words=("zebra quokka",))
     gguf = tmp_path / "other.gguf"
     save_gguf(tiny_model(other, hidden=32, seed=2), other, gguf)
@@ -339,7 +350,7 @@ def test_what_the_server_writes_itself_equals_the_engines_token_by_token_greedy(
     from roads_to_rome.backends.base import greedy
     from roads_to_rome.core.layout import left_pad
 
-    llm = remote(server.url, tokenizer, slm)
+    llm = served(server, tokenizer, slm)
     engine = Engine.alone(llm, tokenizer)
 
     def written(rows: list[list[int]], n: int) -> list[list[int]]:
@@ -361,33 +372,21 @@ def test_what_the_server_writes_itself_equals_the_engines_token_by_token_greedy(
                         written([prompts[1] + response[:1] + [42]], 4)[0]]
 
 
-# A server run the way servers are run on a network: with a key, and its answers when things go wrong.
-KEY = "s3cret-key"
-
-
-@pytest.fixture(scope="module", params=ENGINES)
-def keyed_server(request, llm_files):
-    kind = LlamaServer(llm_files["gguf"], api_key=KEY) if request.param == "llamacpp" else \
-        VllmServer(llm_files["dir"], api_key=KEY)
-    with kind as srv:
-        yield srv
-
-
-def test_a_server_started_with_a_key_needs_it_and_r2r_sends_it(keyed_server, slm, tokenizer, monkeypatch):
+def test_a_server_started_with_a_key_needs_it_and_r2r_sends_it(server, slm, tokenizer, monkeypatch):
     monkeypatch.delenv("R2R_LLM_API_KEY", raising=False)
     with pytest.raises(R2RError, match="needs an API key.*--llm-api-key"):
-        remote(keyed_server.url, tokenizer, slm)
+        remote(server.url, tokenizer, slm)
     with pytest.raises(R2RError, match="refused the key"):
-        remote(keyed_server.url, tokenizer, slm, api_key="wrong")
+        remote(server.url, tokenizer, slm, api_key="wrong")
     with pytest.raises(R2RError, match="empty"):
-        remote(keyed_server.url, tokenizer, slm, api_key="")
-    llm = remote(keyed_server.url, tokenizer, slm, api_key=KEY)
+        remote(server.url, tokenizer, slm, api_key="")
+    llm = remote(server.url, tokenizer, slm, api_key=KEY)
     engine = Engine(slm, llm, tokenizer, AlwaysLLM())
     prompt = engine.encode_chat(REMOTE_PROMPTS[0])
     out = engine.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
     assert len(out.token_ids) == 6 and out.llm_tokens == 6
     monkeypatch.setenv("R2R_LLM_API_KEY", KEY)  # from the environment, as `r2r serve` reads it
-    assert remote(keyed_server.url, tokenizer, slm).api.model
+    assert remote(server.url, tokenizer, slm).api.model
 
 
 @NEEDS_LLAMA_SERVER
