@@ -37,8 +37,8 @@ ENGINES = [
 
 
 
-# The servers run as servers on a network are run: with a key (one server per engine for the whole module, since
-# vLLM takes a minute to start on a CPU).
+# Each engine's server is started once for the module (vLLM takes a minute to start on a CPU), with a key, as a
+# server on a network runs: the key's own test uses it too.
 KEY = "s3cret-key"
 
 
