@@ -50,7 +50,7 @@ def llm(tokenizer):
 # The default pair, loaded once and shared by the end-to-end tests that drive it in this process (tests of the
 # command line load their own, in the subprocess they start): on llama.cpp once per session (its weights are mapped,
 # not copied); on torch once per module and in one dtype at a time, so that its gigabytes go once the module's tests
-# are done, and the bf16 pair goes before the float32 one comes (both together: 14 GB of a 24 GB machine).
+# are done, and the bf16 pair goes before the float32 one comes (the two together crowd a 24 GB machine).
 
 class TorchPairs:
     """The default pair on torch in the dtype last asked for; asking for another drops the one held first."""
