@@ -99,16 +99,23 @@ demo: models
 
 # The renderers go into the package first; ruff checks the tree (its rules are in pyproject.toml); pytest (not
 # `python -m pytest`, which would put the checkout on the import path) then tests the installed wheel.
+# The unit tests run in TEST_WORKERS processes, a module to each at a time (they run torch on one thread, so a
+# second process has a core of its own); then, alone on the machine, the fault tests, which hold a stopped or stalled
+# model server to wall-clock bounds, and the end-to-end tests (every core each).
+TEST_WORKERS ?= 2
+PARALLEL_TESTS := -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not timed"
 test: web browser vllm models-bf16
 	@$(MAKE) --no-print-directory $(PACKAGE)
 	$(BIN)/ruff check
-	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs --durations=20
+	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs --durations=20 $(PARALLEL_TESTS)
+	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs --durations=20 -m "e2e or timed"
 
-# Unit tests on tiny models only: no model download, seconds.
+# Unit tests on tiny models only: no model download, minutes.
 test-fast: web
 	@$(MAKE) --no-print-directory $(PACKAGE)
 	$(BIN)/ruff check
-	R2R_TEST_INSTALLED=1 $(BIN)/pytest -q -m "not e2e"
+	R2R_TEST_INSTALLED=1 $(BIN)/pytest -q $(PARALLEL_TESTS)
+	R2R_TEST_INSTALLED=1 $(BIN)/pytest -q -m "timed and not e2e"
 
 bench: models
 	$(BIN)/r2r bench overhead

@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from conftest import LlamaServer
 from helpers import NEEDS_LLAMA_SERVER, REMOTE_PROMPTS, remote
 
@@ -22,6 +23,8 @@ from roads_to_rome.routing.policies import EntropyPolicy
 from roads_to_rome.serving.background import BackgroundServer
 from roads_to_rome.serving.schemas import Limits
 from roads_to_rome.serving.server import create_app
+
+pytestmark = pytest.mark.timed
 
 RETRY, TIMEOUT = 8.0, 3.0  # the remote backend's budget and per-call timeout in this test
 CLIENT_TIMEOUT = 60.0  # a request that takes longer than this has hung

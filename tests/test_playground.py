@@ -157,7 +157,10 @@ def test_phone_width_stacks_the_panes(browser, server):
     page = context.new_page()
     page.goto(server + "/")
     page.check("#compare")
-    boxes = [page.locator(".pane").nth(i).bounding_box() for i in range(3)]
+    panes = [page.locator(".pane").nth(i) for i in range(3)]
+    for pane in panes:  # (laid out by the page's change handler, which a busy machine may run after check() returns)
+        pane.wait_for(state="visible")
+    boxes = [pane.bounding_box() for pane in panes]
     assert boxes[0]["x"] == boxes[1]["x"] == boxes[2]["x"] and boxes[0]["y"] < boxes[1]["y"] < boxes[2]["y"]
     assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing runs off the side
     context.close()
