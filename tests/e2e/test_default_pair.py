@@ -245,10 +245,10 @@ def test_eval_fills_in_a_humaneval_line_with_the_real_pair(tmp_path):
 def test_strict_verification_gives_the_llms_greedy_output(backend, request):
     """Verification on catch-up, strict: the shipped router (the LLM checks at routed tokens and at the
     end) and speculative decoding (the SLM alone, checked every 4 tokens) both write the LLM's own greedy
-    output, on 3 prompts (64 tokens; 32 on torch). Torch in float32: a multi-token LLM forward and a
-    one-token step then agree to well below any logit gap; the LLM's greedy output there is transformers' own. On
-    llama.cpp (Q4_K_M) they round differently, so where the output leaves the LLM's one-token path, its two top
-    tokens must nearly tie there."""
+    output, on 3 prompts of different lengths in one batch (64 tokens; 32 on torch), so that rows roll back while
+    others go on. Torch in float32: a multi-token LLM forward and a one-token step then agree to well below any
+    logit gap, padded or not; the LLM's greedy output there is transformers' own. On llama.cpp (Q4_K_M) they round
+    differently, so where a row leaves the LLM's one-token path alone, its two top tokens must nearly tie there."""
     from roads_to_rome.routing import policies
 
     slm, llm, tokenizer = request.getfixturevalue("llamacpp_pair" if backend == "llamacpp" else "torch_pair_float32")
@@ -261,17 +261,17 @@ def test_strict_verification_gives_the_llms_greedy_output(backend, request):
     rollbacks = 0
     for policy, interval in ((router, None), (AlwaysSLM(), 4)):
         engine = Engine(slm, llm, tokenizer, policy, verify="strict", max_unverified=interval)
-        for k, prompt in enumerate(prompts):
-            gen = engine.generate([prompt], params)[0]
-            rollbacks += gen.rollbacks
-            want = transformers_greedy(llm.model, [prompt], [gen.token_ids], alone.pad_id)[0] \
-                if backend == "torch" else expected[k]
-            split = next((i for i, (a, b) in enumerate(zip(gen.token_ids, want)) if a != b), None)
+        gens = engine.generate(prompts, params)
+        rollbacks += sum(g.rollbacks for g in gens)
+        outs = [g.token_ids for g in gens]
+        wants = transformers_greedy(llm.model, prompts, outs, alone.pad_id) if backend == "torch" else expected
+        for prompt, out, want in zip(prompts, outs, wants):
+            split = next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), None)
             if backend == "torch":
                 assert split is None, (policy.name, split)
             elif split is not None:
                 logits, _ = llm.forward_sequence(prompt + want[:split])
-                assert abs((logits[-1, want[split]] - logits[-1, gen.token_ids[split]]).item()) < 0.5
+                assert abs((logits[-1, want[split]] - logits[-1, out[split]]).item()) < 0.5
     assert rollbacks > 0  # the LLM did correct the SLM
 
 
