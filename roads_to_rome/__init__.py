@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import importlib
 
+from roads_to_rome import hardware
+
+hardware.prefer_reproducible_mkl_on_amd()  # (read by MKL when torch loads: so before anything here imports torch)
+
 _PUBLIC = {
     "Engine": "roads_to_rome.core.engine",
     "Generation": "roads_to_rome.core.request",

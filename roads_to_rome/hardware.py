@@ -24,6 +24,30 @@ def cpu() -> tuple[str, frozenset[str]]:
     return name, flags
 
 
+@functools.cache
+def vendor() -> str:
+    """The CPU's maker as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD), or "" where there is no /proc."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((v.strip() for k, _, v in (line.partition(":") for line in f) if k.strip() == "vendor_id"), "")
+    except OSError:
+        return ""
+
+
+# MKL, which runs torch's float32 matrix products on x86 CPUs, reads once, when it loads, whether to keep to one
+# code path per processor (MKL_CBWR, "conditional numerical reproducibility"). On AMD processors the paths it takes
+# without that run a product over a few rows (a batch's decode step, a short catch-up) at about the cost of one row
+# each; its AUTO branch stays near the cost of one row, as a weight-bound product should, and costs the same over
+# many rows (a prompt). A value the user set stays: MKL_CBWR= (empty) leaves MKL its own choice.
+MKL_BRANCH = "MKL_CBWR"
+
+
+def prefer_reproducible_mkl_on_amd() -> None:
+    """Before torch loads: MKL's AUTO branch on an AMD processor, unless MKL_CBWR is already set."""
+    if vendor() == "AuthenticAMD":
+        os.environ.setdefault(MKL_BRANCH, "AUTO")
+
+
 def has_amx() -> bool:
     return "amx_int8" in cpu()[1]
 

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from tiny import save_pair, tiny_tokenizer
@@ -83,6 +87,37 @@ def test_dtype_auto_follows_the_processor(monkeypatch, flags, device, expected):
     assert loading.pick_dtype("float16", "auto") == "float16"  # asked for: as asked
     with pytest.raises(R2RError, match="unknown dtype 'fp8': use one of auto, bfloat16"):
         loading.pick_dtype("fp8", "auto")
+
+
+@pytest.mark.parametrize("maker, flags, preset, expected", [
+    ("AuthenticAMD", "avx2 fma avx512f", None, "AUTO"),  # Zen 4: MKL's own paths are slow over a few rows
+    ("AuthenticAMD", "avx2 fma", None, "AUTO"),  # Zen 3
+    ("AuthenticAMD", "avx2 fma", "", ""),  # the user's choice stays (empty: MKL's own)
+    ("AuthenticAMD", "avx2 fma", "AVX2", "AVX2"),
+    ("GenuineIntel", "avx2 avx512f", None, None),  # Intel: MKL's own choice
+    ("", "", None, None),  # no /proc/cpuinfo
+])
+def test_mkl_keeps_to_its_auto_branch_on_amd_unless_told_otherwise(monkeypatch, maker, flags, preset, expected):
+    from roads_to_rome import hardware
+
+    monkeypatch.setattr(hardware, "vendor", lambda: maker)
+    monkeypatch.setattr(hardware, "cpu", lambda: ("a CPU", frozenset(flags.split())))
+    monkeypatch.delenv(hardware.MKL_BRANCH, raising=False)
+    if preset is not None:
+        monkeypatch.setenv(hardware.MKL_BRANCH, preset)
+    hardware.prefer_reproducible_mkl_on_amd()
+    assert os.environ.get(hardware.MKL_BRANCH) == expected
+
+
+def test_the_package_sets_mkls_path_before_torch_loads():
+    """MKL reads MKL_CBWR when it loads: importing the package must choose it without importing torch."""
+    code = ("import os, sys, roads_to_rome; from roads_to_rome import hardware; "
+            "assert 'torch' not in sys.modules; "
+            "amd = hardware.vendor() == 'AuthenticAMD'; "
+            "assert (os.environ.get('MKL_CBWR') == 'AUTO') == amd, os.environ.get('MKL_CBWR')")
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_load_model_resolves_dtype_auto(tmp_path, monkeypatch):
