@@ -1,3 +1,4 @@
+import roads_to_rome  # noqa: F401, I001  (first: it picks MKL's code path, which MKL reads when torch loads it)
 import importlib.util
 import os
 import signal
