@@ -8,36 +8,37 @@ import platform
 
 
 @functools.cache
-def cpu() -> tuple[str, frozenset[str]]:
-    """The CPU's model name and its flags as /proc/cpuinfo lists them (no flags where there is no /proc)."""
-    name, flags = platform.processor() or platform.machine(), frozenset()
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (none where there is no /proc)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    name = value.strip()
-                elif key.strip() == "flags":
-                    flags = frozenset(value.split())
+                if not key.strip():  # (a blank line ends the first processor)
+                    break
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return name, flags
+    return fields
 
 
-@functools.cache
+def cpu() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and its flags as /proc/cpuinfo lists them (no flags where there is no /proc)."""
+    info = cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    return name, frozenset(info.get("flags", "").split())
+
+
 def vendor() -> str:
     """The CPU's maker as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD), or "" where there is no /proc."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((v.strip() for k, _, v in (line.partition(":") for line in f) if k.strip() == "vendor_id"), "")
-    except OSError:
-        return ""
+    return cpuinfo().get("vendor_id", "")
 
 
 # MKL, which runs torch's float32 matrix products on x86 CPUs, reads once, when it loads, whether to keep to one
 # code path per processor (MKL_CBWR, "conditional numerical reproducibility"). On AMD processors the paths it takes
 # without that run a product over a few rows (a batch's decode step, a short catch-up) at about the cost of one row
-# each; its AUTO branch stays near the cost of one row, as a weight-bound product should, and costs the same over
+# each; its AUTO branch stays near the cost of one row, as a weight-bound product should, and costs no more over
 # many rows (a prompt). A value the user set stays: MKL_CBWR= (empty) leaves MKL its own choice.
 MKL_BRANCH = "MKL_CBWR"
 
