@@ -60,13 +60,17 @@ def has_native_bf16() -> bool:
 
 
 def describe_cpu() -> str:
-    """Name, widest vector unit (AVX-512 and AVX2-only machines differ about twofold on these models) and the
-    cores this process may use."""
+    """Name, family and model numbers (a virtual machine's name, "AMD EPYC" or "Intel Xeon Processor", does not
+    tell one generation from the next), widest vector unit (AVX-512 and AVX2-only machines differ about twofold on
+    these models) and the cores this process may use."""
     name, flags = cpu()
+    info = cpuinfo()
+    generation = f"family {info['cpu family']} model {info['model']}" if {"cpu family", "model"} <= info.keys() \
+        else None
     simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
     extra = ["AMX"] if has_amx() else []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name} ({', '.join(filter(None, [simd, *extra, f'{cores} cores']))})"
+    return f"{name} ({', '.join(filter(None, [generation, simd, *extra, f'{cores} cores']))})"
 
 
 def measured_on(engine=None) -> dict:

@@ -107,6 +107,23 @@ def test_mkl_keeps_to_its_auto_branch_on_amd_unless_told_otherwise(monkeypatch, 
     assert os.environ.get(hardware.MKL_BRANCH) == expected
 
 
+@pytest.mark.parametrize("fields, expected", [
+    ({"model name": "AMD EPYC", "cpu family": "26", "model": "2", "flags": "avx2 avx512f avx512_bf16"},
+     "AMD EPYC (family 26 model 2, AVX-512, 3 cores)"),
+    ({"model name": "AMD EPYC", "cpu family": "25", "model": "1", "flags": "avx2 fma"},
+     "AMD EPYC (family 25 model 1, AVX2, 3 cores)"),
+    ({"model name": "Intel(R) Xeon(R) Processor", "cpu family": "6", "model": "143", "flags": "avx512f amx_int8"},
+     "Intel(R) Xeon(R) Processor (family 6 model 143, AVX-512, AMX, 3 cores)"),
+    ({"model name": "Neoverse", "flags": ""}, "Neoverse (3 cores)"),  # no x86 family: none shown
+])
+def test_the_processor_named_in_results_tells_its_generation(monkeypatch, fields, expected):
+    from roads_to_rome import hardware
+
+    monkeypatch.setattr(hardware, "cpuinfo", lambda: fields)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert hardware.describe_cpu() == expected
+
+
 def test_the_package_sets_mkls_path_before_torch_loads():
     """MKL reads MKL_CBWR when it loads: importing the package must choose it without importing torch."""
     code = ("import os, sys, roads_to_rome; from roads_to_rome import hardware; "
