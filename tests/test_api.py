@@ -33,7 +33,7 @@ def test_load_engine_builds_what_a_config_says_and_fields_override_it(tmp_path):
     from tiny import save_pair
 
     from roads_to_rome import EngineConfig, load_engine
-    from roads_to_rome.hardware import has_amx
+    from roads_to_rome.hardware import has_native_bf16
 
     slm_dir, llm_dir = save_pair(tmp_path)
     config = EngineConfig(slm=str(slm_dir), llm=str(llm_dir), device="cpu", policy="entropy", threshold=0.5)
@@ -42,10 +42,10 @@ def test_load_engine_builds_what_a_config_says_and_fields_override_it(tmp_path):
         ("entropy", 0.5, "strict", 3)
     assert config.verify is None and config.max_unverified is None  # the config is left as it was made
     assert load_engine(config).verify == 1.0  # a routing policy verifies at 1 nat unless told otherwise
-    # grouped LLM calls: auto groups where the LLM's grouped reads are cheap (torch in bf16 on a CPU with AMX), else
-    # lockstep; a mode and its rule as asked; checked before loading
+    # grouped LLM calls: auto groups where the LLM's grouped reads are cheap (torch in bf16 on a CPU with native
+    # bf16), else lockstep; a mode and its rule as asked; checked before loading
     assert load_engine(config, dtype="float32").deferral.mode == "off"
-    assert load_engine(config, dtype="bfloat16").deferral.mode == ("continue" if has_amx() else "off")
+    assert load_engine(config, dtype="bfloat16").deferral.mode == ("continue" if has_native_bf16() else "off")
     rule = load_engine(config, defer="continue", defer_group=0.5, defer_steps=4).deferral
     assert (rule.mode, rule.group, rule.steps) == ("continue", 0.5, 4)
     assert load_engine(config, policy="llm", defer=None).deferral.mode == "off"

@@ -281,13 +281,19 @@ def test_priority_benchmark_sends_urgent_requests_beside_a_batch_job(run_cli, pa
 
 
 def test_step_cost_benchmark_runs(run_cli, pair, tmp_path):
-    code, out, err = run_cli("bench", "steps", "--context", "8", "--new-tokens", "1,4", "--out", tmp_path / "t.json",
-                             *pair)
+    code, out, err = run_cli("bench", "steps", "--context", "8", "--new-tokens", "1,4", "--rows", "1,3",
+                             "--out", tmp_path / "t.json", *pair)
     assert code == 0, err
-    ms = json.loads((tmp_path / "t.json").read_text())["ms"]
+    result = json.loads((tmp_path / "t.json").read_text())
+    ms, batched = result["ms"], result["batched_ms"]
     assert set(ms) == {"slm", "llm"} and all(v > 0 for row in ms.values() for v in row.values())
+    assert list(batched) == ["3"] and set(batched["3"]) == {"slm", "llm"}
+    assert all(set(row) == {"1", "4"} and all(v > 0 for v in row.values()) for row in batched["3"].values())
+    assert "×)" in out  # three rows' steps as multiples of one row's one-token step
     code, out, err = run_cli("bench", "steps", "--new-tokens", "1,x", *pair)
     assert code != 0 and "comma-separated" in err
+    code, out, err = run_cli("bench", "steps", "--rows", "0", *pair)
+    assert code == 2 and "every --rows value must be at least 1" in err
 
 
 def test_generate_with_verification_reports_fixes(run_cli, pair):

@@ -15,7 +15,7 @@ from roads_to_rome.core.llm_calls import Deferral
 from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams, sampling_probs
 from roads_to_rome.errors import R2RError
-from roads_to_rome.hardware import has_amx
+from roads_to_rome.hardware import has_native_bf16
 from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
 
 PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain.",
@@ -180,4 +180,4 @@ def test_auto_groups_where_the_llms_grouped_reads_are_cheap(slm, llm):
     assert resolve_defer("park", dear) == "park"
     assert not llm.grouped_reads  # the tiny models: torch in float32 on a CPU
     bf16 = TorchBackend(tiny_model(tiny_tokenizer(), hidden=32, seed=0).to(torch.bfloat16))
-    assert bf16.grouped_reads == has_amx()
+    assert bf16.grouped_reads == has_native_bf16()

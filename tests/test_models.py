@@ -90,7 +90,7 @@ def test_dtype_auto_follows_the_processor(monkeypatch, flags, device, expected):
 
 
 @pytest.mark.parametrize("maker, preset, expected", [
-    ("AuthenticAMD", None, "AUTO"),  # Zen 3 and 4: MKL's own paths are slow over a few rows
+    ("AuthenticAMD", None, "AUTO"),  # Zen 4 and 5, measured: MKL's own paths are slow over a few rows
     ("AuthenticAMD", "", ""),  # the user's choice stays (empty: MKL's own)
     ("AuthenticAMD", "AVX2", "AVX2"),
     ("GenuineIntel", None, None),  # Intel: MKL's own choice

@@ -67,7 +67,8 @@ class Backend(Protocol):
     grouped_reads: bool
     """Whether one read of several rows' new columns costs little more than a read of one row's one column, so that
     grouping routed rows into one LLM call pays (`--defer auto`): on CUDA, and torch's bf16 matrix kernels on a CPU
-    with AMX; not llama.cpp's CPU kernels, nor a CPU without AMX, whose reads cost about their columns."""
+    that computes in bf16 itself (AMX, AVX512-BF16); not llama.cpp's CPU kernels, whose reads cost about their
+    columns."""
 
     remote: bool
     """Whether the model runs elsewhere (a server): its calls wait on a network, not on this machine's cores, so they

@@ -200,9 +200,10 @@ class TorchBackend(LocalBackend):
 
     @property
     def grouped_reads(self) -> bool:
-        # bf16 matrix work on AMX tiles takes several rows' columns in about the time of one row's one; float32, or
-        # a CPU without AMX, does not (docs/benchmarks.md).
-        return self.device.type == "cuda" or (self.dtype == torch.bfloat16 and hardware.has_amx())
+        # bf16 matrix work in the CPU's own bf16 instructions (AMX tiles, AVX512-BF16) reads several rows' columns
+        # in little more than the time of one row's one, so grouped calls pay (docs/benchmarks.md); float32 and
+        # emulated bf16 have not been shown to.
+        return self.device.type == "cuda" or (self.dtype == torch.bfloat16 and hardware.has_native_bf16())
 
     @property
     def dtype(self) -> torch.dtype:

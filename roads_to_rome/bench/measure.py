@@ -13,6 +13,7 @@ from roads_to_rome.backends.remote import RemoteBackend
 from roads_to_rome.core.request import Totals
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.data.benchmarks import gsm8k, gsm8k_prompt
+from roads_to_rome.errors import R2RError
 from roads_to_rome.hardware import describe_cpu
 from roads_to_rome.models import load_model, load_pair, systems
 from roads_to_rome.progress import QUIET
@@ -131,20 +132,31 @@ def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshol
 
 
 def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, context: int, new_tokens: list[int],
-               backend: str = "auto", progress=QUIET) -> dict:
-    """Milliseconds of one forward step per model, for k new tokens on top of a `context`-token cache
-    (the numbers behind the README's cost model: an SLM step, and an LLM catch-up over k tokens)."""
+               backend: str = "auto", progress=QUIET, rows: list[int] = (1,)) -> dict:
+    """Milliseconds of one forward step per model, for k new tokens on top of a `context`-token cache, over one row
+    (`ms`: the numbers behind the README's cost model, an SLM step and an LLM catch-up over k tokens) and over each
+    larger number of `rows` (`batched_ms`: a batch's step, and a grouped LLM call's read of several rows' columns)."""
     slm_backend, llm_backend, _ = load_pair(slm, llm, device, dtype=dtype, backend=backend)
-    task = progress.add_task("steps", total=2 * len(new_tokens))
+    models_ = (("slm", slm_backend), ("llm", llm_backend))
+    batched = sorted({r for r in rows if r > 1})
+    for role, b in models_:
+        if batched and b.max_rows is not None and batched[-1] > b.max_rows:
+            raise R2RError(f"--rows {batched[-1]} is more than the {role.upper()}'s backend holds ({b.max_rows} rows)")
+    task = progress.add_task("steps", total=2 * len(new_tokens) * (1 + len(batched)))
 
-    def timed(b, k):
-        ms = step_ms(b, context, k)
-        progress.advance(task)
-        return ms
+    def table(n: int) -> dict:
+        def timed(b, k):
+            ms = step_ms(b, context, k, rows=n)
+            progress.advance(task)
+            return ms
 
-    table = {role: {k: timed(b, k) for k in new_tokens} for role, b in (("slm", slm_backend), ("llm", llm_backend))}
-    return {"dtype": dtype, "backend": backend, "device": str(slm_backend.device),
-            "kernels": kernels(slm=slm_backend, llm=llm_backend), "context": context, "ms": table}
+        return {role: {k: timed(b, k) for k in new_tokens} for role, b in models_}
+
+    result = {"dtype": dtype, "backend": backend, "device": str(slm_backend.device),
+              "kernels": kernels(slm=slm_backend, llm=llm_backend), "context": context, "ms": table(1)}
+    if batched:
+        result["batched_ms"] = {n: table(n) for n in batched}
+    return result
 
 
 def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: list[int], n_prompts: int,

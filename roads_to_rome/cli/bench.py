@@ -263,10 +263,13 @@ def show_phases(result: dict, modes: tuple[str, str], setting: str, out: Path | 
 def bench_steps(
     context: int = count(300, "--context", help="Tokens already in the KV cache."),
     new_tokens: str = typer.Option("1,2,4,8,16,32", "--new-tokens", help="Comma-separated k values."),
+    rows: str = typer.Option("1", "--rows", help="Comma-separated numbers of rows each step reads (a batch's): "
+                             "above 1, the cost of k new tokens in each of that many rows, beside one row's one."),
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
     out: Out = None,
 ):
-    """Per-step cost of each model for k new tokens (the inputs of the cost model)."""
+    """Per-step cost of each model for k new tokens (the inputs of the cost model), over one row or several (what a
+    batch's step and a grouped LLM call read)."""
     require_extra("eval", "`r2r bench steps`")
     from roads_to_rome.bench.measure import step_costs
     from roads_to_rome.models.loading import pick_dtype
@@ -275,8 +278,11 @@ def bench_steps(
     ks = whole_numbers(new_tokens, "--new-tokens")
     if not ks:
         raise R2RError("every --new-tokens value must be at least 1")
+    row_counts = whole_numbers(rows, "--rows")
+    if not row_counts:
+        raise R2RError("--rows takes comma-separated whole numbers: give at least one")
     with Progress(console=console, transient=True) as progress:
-        result = step_costs(slm, llm, device, dtype, context, ks, backend, progress)
+        result = step_costs(slm, llm, device, dtype, context, ks, backend, progress, row_counts)
     console.print(tables.bench_steps(result, ks, backend, dtype, context))
     save(result, out)
 

@@ -103,7 +103,8 @@ Defer = Annotated[str | None, typer.Option("--defer", help="Whether a routed row
                                            "continue (the row keeps the SLM's token and goes on; where the LLM's "
                                            "token differs, the row goes back to it); park (the row's tokens after "
                                            "it are thrown away); auto, the default when routing: continue when the "
-                                           "LLM runs on CUDA or on torch in bf16 on a CPU with AMX, else off "
+                                           "LLM runs on CUDA or on torch in bf16 on a CPU with native bf16 (AMX, "
+                                           "AVX512-BF16), else off "
                                            "(llama.cpp's CPU kernels, where grouping measured slower: "
                                            "docs/benchmarks.md). Greedy output is the same either way.",
                                            show_default=False)]

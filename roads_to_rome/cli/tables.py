@@ -257,11 +257,17 @@ def bench_priority(result: dict) -> Table:
 
 
 def bench_steps(result: dict, ks: list[int], backend: str, dtype: str, context: int) -> Table:
-    """`r2r bench steps`: milliseconds per forward step."""
+    """`r2r bench steps`: milliseconds per forward step; over several rows, each also as a multiple of one row's
+    one-token step (what grouping LLM calls weighs: `Backend.grouped_reads`)."""
     title = f"ms per forward step ({backend}, {dtype}, {result['device']}, {context}-token cache)"
-    table = Table("model", *[f"k={k}" for k in ks], title=title)
+    batched = result.get("batched_ms", {})
+    table = Table("model", *(["rows"] if batched else []), *[f"k={k}" for k in ks], title=title)
     for role, row in result["ms"].items():
-        table.add_row(role.upper(), *[f"{row[k]:.0f}" for k in ks])
+        table.add_row(role.upper(), *(["1"] if batched else []), *[f"{row[k]:.0f}" for k in ks])
+        one = row.get(1)
+        for n, tables_ in batched.items():
+            cells = [f"{ms:.0f}" + (f" ({ms / one:.2f}×)" if one else "") for ms in (tables_[role][k] for k in ks)]
+            table.add_row("", str(n), *cells)
     return table
 
 
