@@ -132,14 +132,14 @@ def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshol
 
 
 def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, context: int, new_tokens: list[int],
-               backend: str = "auto", progress=QUIET, rows: list[int] = (1,)) -> dict:
+               backend: str = "auto", progress=QUIET, rows: tuple[int, ...] = (1,)) -> dict:
     """Milliseconds of one forward step per model, for k new tokens on top of a `context`-token cache, over one row
     (`ms`: the numbers behind the README's cost model, an SLM step and an LLM catch-up over k tokens) and over each
     larger number of `rows` (`batched_ms`: a batch's step, and a grouped LLM call's read of several rows' columns)."""
     slm_backend, llm_backend, _ = load_pair(slm, llm, device, dtype=dtype, backend=backend)
-    models_ = (("slm", slm_backend), ("llm", llm_backend))
+    by_role = (("slm", slm_backend), ("llm", llm_backend))
     batched = sorted({r for r in rows if r > 1})
-    for role, b in models_:
+    for role, b in by_role:
         if batched and b.max_rows is not None and batched[-1] > b.max_rows:
             raise R2RError(f"--rows {batched[-1]} is more than the {role.upper()}'s backend holds ({b.max_rows} rows)")
     task = progress.add_task("steps", total=2 * len(new_tokens) * (1 + len(batched)))
@@ -150,7 +150,7 @@ def step_costs(slm: str | None, llm: str | None, device: str, dtype: str, contex
             progress.advance(task)
             return ms
 
-        return {role: {k: timed(b, k) for k in new_tokens} for role, b in models_}
+        return {role: {k: timed(b, k) for k in new_tokens} for role, b in by_role}
 
     result = {"dtype": dtype, "backend": backend, "device": str(slm_backend.device),
               "kernels": kernels(slm=slm_backend, llm=llm_backend), "context": context, "ms": table(1)}

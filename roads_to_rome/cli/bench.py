@@ -282,7 +282,7 @@ def bench_steps(
     if not row_counts:
         raise R2RError("--rows takes comma-separated whole numbers: give at least one")
     with Progress(console=console, transient=True) as progress:
-        result = step_costs(slm, llm, device, dtype, context, ks, backend, progress, row_counts)
+        result = step_costs(slm, llm, device, dtype, context, ks, backend, progress, tuple(row_counts))
     console.print(tables.bench_steps(result, ks, backend, dtype, context))
     save(result, out)
 

@@ -265,8 +265,8 @@ def bench_steps(result: dict, ks: list[int], backend: str, dtype: str, context: 
     for role, row in result["ms"].items():
         table.add_row(role.upper(), *(["1"] if batched else []), *[f"{row[k]:.0f}" for k in ks])
         one = row.get(1)
-        for n, tables_ in batched.items():
-            cells = [f"{ms:.0f}" + (f" ({ms / one:.2f}×)" if one else "") for ms in (tables_[role][k] for k in ks)]
+        for n, by_role in batched.items():
+            cells = [f"{ms:.0f}" + (f" ({ms / one:.2f}×)" if one else "") for ms in (by_role[role][k] for k in ks)]
             table.add_row("", str(n), *cells)
     return table
 
