@@ -64,9 +64,8 @@ def describe_cpu() -> str:
     tell one generation from the next), widest vector unit (AVX-512 and AVX2-only machines differ about twofold on
     these models) and the cores this process may use."""
     name, flags = cpu()
-    info = cpuinfo()
-    generation = f"family {info['cpu family']} model {info['model']}" if {"cpu family", "model"} <= info.keys() \
-        else None
+    family, model = cpuinfo().get("cpu family"), cpuinfo().get("model")
+    generation = f"family {family} model {model}" if family and model else None
     simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
     extra = ["AMX"] if has_amx() else []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
