@@ -11,8 +11,10 @@ For a random-weight SLM of a published shape (default: DeepSeek-R1-Distill-Qwen-
 The first variant's engine steps are also profiled op by op (tables under --out).
 
 Variants: `graphs` (the trunk's kernels as transformers launches them, recorded as a graph), `compiled` (the trunk
-compiled by torch.compile, then recorded: the backend's default), `fused-norms` (the RMSNorms as torch.nn.RMSNorm,
-uncompiled). Run on the device with scripts/gpu-run.sh; on a CPU it dry-runs the engine parts.
+compiled by torch.compile, then recorded: the backend's default), `autotuned` (compiled with inductor's
+max-autotune, which times Triton matrix-product kernels against cuBLAS's for each shape, the one-row ones included),
+`fused-norms` (the RMSNorms as torch.nn.RMSNorm, uncompiled). A one-token replay includes the output head (the
+backend records it in the same graph). Run on the device with scripts/gpu-run.sh; on a CPU it dry-runs the engine parts.
 
     python scripts/gpu-profile.py --out runs/gpu/profile.json [--layers 2]
 """
@@ -90,7 +92,11 @@ def fuse_norms(model) -> None:
 def make_variant(name: str, model, vocab: int) -> TorchBackend:
     if name == "fused-norms":  # (changes the model: run it last)
         fuse_norms(model)
-    return TorchBackend(model, name=name, vocab_size=vocab, compile=name == "compiled")
+    backend = TorchBackend(model, name=name, vocab_size=vocab, compile=name in ("compiled", "autotuned"))
+    if name == "autotuned":
+        torch._dynamo.reset()  # dynamo's cache of the same trunk would otherwise serve the default mode's kernels
+        backend.compiled_trunk = torch.compile(backend.trunk, mode="max-autotune-no-cudagraphs")
+    return backend
 
 
 def measure(name: str, model, tokenizer, prompt: list[int], tokens: int, out: Path, trace: bool) -> dict:
@@ -125,6 +131,7 @@ def measure(name: str, model, tokenizer, prompt: list[int], tokens: int, out: Pa
         result["kernels_per_replay"], by_name = kernels_per_call(step.graph.replay)
         result["replay_kernels"] = [{"name": n, "per_call": c, "us_per_call": us} for n, c, us in by_name[:25]]
         result["kernels_per_forward"], _ = kernels_per_call(one_forward)
+        result["host_ms"] = result["forward_ms"] - result["replay_ms"]  # what forward adds to the replay
 
     # The SLM in R2R: the router runs every step and routes nothing, so every step is the SLM's own cost.
     router = random_router(slm)

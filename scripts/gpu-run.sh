@@ -8,10 +8,12 @@
 # it measured; the tables and plots go there as one archive at the end, the log as log.txt.
 #
 # Parts, in this order, all but the r1-...compiled ones by default:
-#   scripts/gpu-run.sh [tests] [profile] [r1-uncompiled] [r1-compiled] [r1] [r1-batched] [r1-grouped] [coder] [qwen3]
-# profile: scripts/gpu-profile.py, where an R2R step's time goes at batch 1 (R1-Distill 1.5B); r1-uncompiled and
-# r1-compiled: the R1 pair at batch 1, no speculative rows, with the trunks as transformers runs them (--compile
-# none), and with the SLM's compiled (the default).
+#   scripts/gpu-run.sh [tests] [r1-uncompiled] [r1-compiled] [r1] [r1-batched] [r1-grouped] [coder] [qwen3] [profile]
+# profile: scripts/gpu-profile.py, where an R2R step's time goes at batch 1 (R1-Distill 1.5B; $PROFILE_VARIANTS,
+# default graphs,compiled); r1-uncompiled and r1-compiled: the R1 pair at batch 1, no speculative rows, with the
+# trunks as transformers runs them (--compile none), and with the SLM's compiled (the default).
+# $TOKENS: new tokens a row in the bench shapes runs (default 512); $LIMIT_<part> (- as _): a part's time limit in
+# seconds instead of its default (LIMIT_r1_grouped=300).
 set -u
 parts=" ${*:-tests profile r1 r1-batched coder qwen3} "
 want() { [[ "$parts" == *" $1 "* ]]; }
@@ -25,29 +27,36 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 lscpu | grep -m1 "Model name"
 git log -1 --format='commit %h %s' 2>/dev/null || true
 
-want tests && timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
-if want profile; then
-  timeout 240 python3 scripts/gpu-profile.py --out runs/gpu/profile.json 2>&1 | grep -v Warning | tail -40
-  [ "$OUT" = runs/gpu ] || cp runs/gpu/profile* "$OUT/" 2>/dev/null
-fi
+export COLUMNS=160  # rich's tables unwrapped in the log
+limit() { local name="LIMIT_${1//-/_}"; echo "${!name:-$2}"; }
+want tests && timeout "$(limit tests 150)" python3 -m pytest -q -p no:cacheprovider -n 3 --tb=short -rf \
+  tests/test_cuda.py 2>&1 | tail -60
 
 shapes() {  # one pair; killed at $1 seconds so that later pairs still run; its results file copied to $OUT
-  local limit=$1 out=$2; shift 2
-  timeout "$limit" python3 -m roads_to_rome bench shapes --backend torch --device cuda --verify "" \
-    --real-from docs/results/2026-11-26-bench-shapes-xeon.json --tokens 512 --prompts 1 --out "runs/gpu/$out" "$@" \
+  local part=$1 limit=$2 out=$3; shift 3
+  timeout "$(limit "$part" "$limit")" python3 -m roads_to_rome bench shapes --backend torch --device cuda --verify "" \
+    --real-from docs/results/2026-11-26-bench-shapes-xeon.json --tokens "${TOKENS:-512}" --prompts 1 \
+    --out "runs/gpu/$out" "$@" \
     2>&1 | grep -v "━" | tail -45
   [ "$OUT" = runs/gpu ] || cp "runs/gpu/$out" "$OUT/" 2>/dev/null
 }
 r1=(--slm-shape r1-distill-qwen-1.5b --llm-shape r1-distill-qwen-32b --llm-share 0.11,0.15)
-want r1-uncompiled && shapes 150 r1-32b-uncompiled.json "${r1[@]}" --spec-k "" --compile none
-want r1-compiled && shapes 200 r1-32b-compiled.json "${r1[@]}" --spec-k ""
-want r1 && shapes 180 r1-32b.json "${r1[@]}" --spec-k 4
-want r1-batched && shapes 170 r1-32b-batched.json "${r1[@]}" --spec-k "" --batch 4,8
-# r1-grouped: lockstep and grouped LLM calls (--defer continue, park) at batch 4 to 32; the real pair's share of
-# deferred routed tokens kept comes from the CPU run that measured it
-want r1-grouped && shapes 400 r1-32b-grouped.json --slm-shape r1-distill-qwen-1.5b --llm-shape r1-distill-qwen-32b \
-  --llm-share 0.11 --spec-k "" --batch 4,8,16,32 --real-from docs/results/2026-11-26-grouped-amx/shapes-7b.json
-want coder && shapes 100 coder.json --slm-shape qwen2.5-coder-0.5b --llm-shape qwen2.5-coder-7b,qwen2.5-coder-14b \
+want r1-uncompiled && shapes r1-uncompiled 150 r1-32b-uncompiled.json "${r1[@]}" --spec-k "" --compile none
+want r1-compiled && shapes r1-compiled 200 r1-32b-compiled.json "${r1[@]}" --spec-k ""
+want r1 && shapes r1 180 r1-32b.json "${r1[@]}" --spec-k 4
+want r1-batched && shapes r1-batched 170 r1-32b-batched.json "${r1[@]}" --spec-k "" --batch 4,8
+# r1-grouped: the LLM alone, lockstep and grouped LLM calls (--defer continue, park) at batch 1 to 32, and at batch 1
+# and 8 each of them with the LLM's calls on a stream of their own beside the SLM's steps (--overlap); the real
+# pair's share of deferred routed tokens kept comes from the CPU run that measured it
+want r1-grouped && shapes r1-grouped 400 r1-32b-grouped.json --slm-shape r1-distill-qwen-1.5b --llm-shape r1-distill-qwen-32b \
+  --llm-share 0.11 --spec-k "" --batch 1,4,8,16,32 --overlap 1,8 \
+  --real-from docs/results/2026-11-26-grouped-amx/shapes-7b.json
+want coder && shapes coder 100 coder.json --slm-shape qwen2.5-coder-0.5b --llm-shape qwen2.5-coder-7b,qwen2.5-coder-14b \
   --llm-share 0.11,0.15 --spec-k ""
-want qwen3 && shapes 70 qwen3-8b.json --slm-shape qwen3-0.6b --llm-shape qwen3-8b --llm-share 0.11,0.15 --spec-k ""
+want qwen3 && shapes qwen3 70 qwen3-8b.json --slm-shape qwen3-0.6b --llm-shape qwen3-8b --llm-share 0.11,0.15 --spec-k ""
+if want profile; then
+  timeout "$(limit profile 240)" python3 scripts/gpu-profile.py --variants "${PROFILE_VARIANTS:-graphs,compiled}" \
+    --out runs/gpu/profile.json 2>&1 | grep -v Warning | tail -40
+  [ "$OUT" = runs/gpu ] || cp runs/gpu/profile* "$OUT/" 2>/dev/null
+fi
 tar czf "$OUT/tables-and-plots.tgz" -C runs/gpu --exclude '*.json' .

@@ -1,11 +1,12 @@
 """The engine on CUDA, where the torch backend runs a static cache and one-token steps as CUDA graphs: the same
-tokens as transformers' own generate and as the LLM alone under strict verification (tiny models). Skipped
-where torch sees no CUDA device (CI has none; `scripts/gpu-run.sh` runs these on a GPU machine)."""
+tokens as transformers' own generate and as the LLM alone under strict verification (tiny models of each family
+users bring: Qwen2, Qwen3, Llama). Skipped where torch sees no CUDA device (CI has none; `scripts/gpu-run.sh` runs
+these on a GPU machine)."""
 
 import pytest
 import torch
 from helpers import PROMPTS, encode
-from tiny import tiny_model
+from tiny import FAMILIES, tiny_model
 
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine
@@ -18,10 +19,21 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 N_TOKENS = 40
 
 
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    return request.param
+
+
+def tiny_pair(tokenizer, family: str, device: str, **options) -> tuple[TorchBackend, TorchBackend]:
+    """The tests' tiny SLM and LLM (fp32: far-apart logits) of one family on `device`."""
+    return tuple(TorchBackend(tiny_model(tokenizer, hidden=hidden, seed=seed, family=family).to(device),
+                              name=f"tiny-{role}-{family}", **options)
+                 for role, hidden, seed in (("slm", 32, 0), ("llm", 64, 1)))
+
+
 @pytest.fixture(scope="module")
-def pair(tokenizer):
-    return (TorchBackend(tiny_model(tokenizer, hidden=32, seed=0).cuda(), name="tiny-slm"),
-            TorchBackend(tiny_model(tokenizer, hidden=64, seed=1).cuda(), name="tiny-llm"))
+def pair(tokenizer, family):
+    return tiny_pair(tokenizer, family, "cuda")
 
 
 def cuda_greedy(backend, engine, prompt_ids, n):
@@ -54,10 +66,10 @@ def test_always_one_model_equals_generate_on_cuda(pair, tokenizer, policy, role)
     assert len(model.pool.graphs) > 0  # the steps were replayed graphs
 
 
-def test_cuda_equals_the_cpu(pair, tokenizer, slm, llm):
+def test_cuda_equals_the_cpu(pair, tokenizer, family):
     """The graphed CUDA path writes the CPU's tokens under mixed routing (fp32 tiny models: far-apart logits)."""
     outputs = []
-    for small, large in (pair, (slm, llm)):
+    for small, large in (pair, tiny_pair(tokenizer, family, "cpu")):
         engine = Engine(small, large, tokenizer, RandomPolicy(0.3, seed=0))
         outputs.append([g.token_ids for g in engine.generate(encode(engine), SamplingParams(max_new_tokens=N_TOKENS))])
     assert outputs[0] == outputs[1]
@@ -103,15 +115,13 @@ def test_the_router_replays_as_a_graph_with_the_eager_scores(pair, tokenizer):
     assert outputs[0] == outputs[1]
 
 
-
-def test_the_graphs_record_the_compiled_trunk_with_the_uncompiled_tokens(tokenizer, pair):
+def test_the_graphs_record_the_compiled_trunk_with_the_uncompiled_tokens(tokenizer, pair, family):
     """By default the graphs record the trunk as torch.compile makes it (the other tests here run that way against
     transformers' generate); with compile=False they record it as it is, and both write the same tokens under mixed
     routing, one-token steps and catch-ups alike."""
     slm = pair[0]
     assert slm.compiled_trunk is not None and "torch.compile" in slm.kernels
-    plain = [TorchBackend(tiny_model(tokenizer, hidden=h, seed=s).cuda(), name=f"plain-{h}", compile=False)
-             for h, s in ((32, 0), (64, 1))]
+    plain = tiny_pair(tokenizer, family, "cuda", compile=False)
     assert plain[0].compiled_trunk is None and "torch.compile" not in plain[0].kernels
     outputs = []
     for small, large in (pair, plain):

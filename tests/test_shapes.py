@@ -207,3 +207,23 @@ def test_the_llm_that_agrees_at_a_rate_keeps_every_deferred_token_at_rate_one_on
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert sum(g.deferred for g in gens) > 0
     assert [g.deferred_kept for g in gens] == [g.deferred for g in gens]
+
+
+def test_the_llm_that_agrees_at_a_rate_prefers_the_written_token_where_it_agrees_only():
+    """Every position it has read the next token of: rate 1 makes that token the top one, rate 0 changes nothing;
+    the last column (whose next token is not written) is left as it is."""
+
+    class Fixed:
+        def __init__(self, logits):
+            self.logits = logits
+
+        def forward_all(self, cache, new_ids, attention_mask, n, row_keep=None):
+            return self.logits.clone()
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 50, generator=generator)
+    new_ids = torch.randint(0, 50, (3, 6), generator=generator)
+    agreed = shapes.AgreesAtRate(Fixed(logits), 1.0).forward_all(None, new_ids, None, 4)
+    assert torch.equal(agreed[:, :3].argmax(-1), new_ids[:, 3:])
+    assert torch.equal(agreed[:, 3], logits[:, 3])
+    assert torch.equal(shapes.AgreesAtRate(Fixed(logits), 0.0).forward_all(None, new_ids, None, 4), logits)

@@ -25,7 +25,9 @@ def capture(run: Callable[[], Output], pool=None) -> tuple[torch.cuda.CUDAGraph,
             run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: with --overlap the other model's thread launches and waits on its own stream while this one
+    # records; only this thread's calls must be capture-safe
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         output = run()
     graph.replay()  # recording ran nothing
     return graph, output

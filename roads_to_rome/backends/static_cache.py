@@ -69,14 +69,16 @@ class StaticKV:
 
 @dataclass
 class GraphedStep:
-    """One captured read of `size` new columns over a fixed cache: copy the inputs in, replay, read the output."""
+    """One captured read of `size` new columns over a fixed cache: copy the inputs in, replay, read the outputs. The
+    positions, the mask and the columns written are made inside the graph from `real` and `start` (`read_inputs`),
+    so that a step's host work is three copies and a replay."""
 
     graph: torch.cuda.CUDAGraph
     ids: torch.Tensor  # [B, size]
-    positions: torch.Tensor  # [B, size]
-    mask: torch.Tensor  # [B, 1, size, capacity] additive
-    write_at: torch.Tensor  # [size]: the cache columns the read writes
+    real: torch.Tensor  # [B, capacity] bool: the columns that hold real tokens, this read's included
+    start: torch.Tensor  # [1]: the first column the read writes
     hidden: torch.Tensor  # [B, size, H]: the trunk's output
+    logits: torch.Tensor | None  # [B, V] float32: the head over the last column (one-token reads), else None
 
 
 @dataclass
@@ -101,16 +103,22 @@ class BufferPool:
         weakref.finalize(owner, self.free.setdefault(key, []).append, kv)
 
 
-def additive_mask(attention_mask: torch.Tensor, start: int, n_new: int, capacity: int, dtype) -> torch.Tensor:
-    """[B, 1, n_new, capacity]: 0 where new column q may read column j (j <= start + q, j a real token), else the
-    dtype's minimum. A column always reads itself, so no row of the softmax is empty (padding columns produce
-    numbers nobody reads, as in transformers' own masks)."""
-    rows = attention_mask.shape[0]
-    columns = torch.arange(capacity, device=attention_mask.device)
-    query = torch.arange(start, start + n_new, device=attention_mask.device)
-    real = torch.zeros(rows, capacity, dtype=torch.bool, device=attention_mask.device)
-    real[:, : start + n_new] = attention_mask[:, : start + n_new].bool()
-    causal, itself = columns[None, :] <= query[:, None], columns[None, :] == query[:, None]  # [n_new, capacity]
+def real_columns(attention_mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    """[B, capacity] bool: the mask's real tokens, every column past it False."""
+    return torch.nn.functional.pad(attention_mask.bool(), (0, capacity - attention_mask.shape[1]))
+
+
+def read_inputs(real: torch.Tensor, query: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a read of the cache columns `query` [size] needs, from device tensors only (so a graph can make them):
+    positions [B, size] that count real tokens (as transformers' generate does; padding sits at 0), and the additive
+    mask [B, 1, size, capacity]: 0 where new column q may read column j (j <= q, j a real token), else the dtype's
+    minimum. A column always reads itself, so no row of the softmax is empty (padding columns produce numbers nobody
+    reads, as in transformers' own masks)."""
+    rows, capacity = real.shape
+    at = query[None, :].expand(rows, -1)
+    positions = (real.long().cumsum(-1) - 1).gather(1, at).masked_fill(~real.gather(1, at), 0)
+    columns = torch.arange(capacity, device=real.device)
+    causal, itself = columns[None, :] <= query[:, None], columns[None, :] == query[:, None]  # [size, capacity]
     allowed = (real[:, None, :] & causal[None]) | itself[None]
-    mask = torch.zeros(rows, 1, n_new, capacity, dtype=dtype, device=attention_mask.device)
-    return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    mask = torch.zeros(rows, 1, len(query), capacity, dtype=dtype, device=real.device)
+    return positions, mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)

@@ -22,9 +22,10 @@ from roads_to_rome.backends.static_cache import (
     BufferPool,
     GraphedStep,
     StaticKV,
-    additive_mask,
     capacity_for,
     padded_size,
+    read_inputs,
+    real_columns,
     supports_static_cache,
 )
 
@@ -244,83 +245,96 @@ class TorchBackend(LocalBackend):
         return self.head(hidden)[..., : self.vocab_size].float()
 
     @torch.inference_mode()  # a static cache is written in place, and its buffers are inference tensors
-    def _read(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Run the trunk over the new columns; their last hidden states [B, n, H]."""
+    def _read(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the trunk over the new columns: their last hidden states [B, n, H], and the head's float32 logits at
+        the last column [B, V] where a one-token graph made them with the read (else None)."""
         start, n_new = cache.length, new_ids.shape[1]
         mask = attention_mask[:, : start + n_new]
-        # Same positions as transformers' generate: count real tokens, padding sits at 0.
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, start:]
-        # The cache goes by position: transformers 5 renamed its keyword (past_key_values, then cache).
         if not self.static:
+            # Same positions as transformers' generate: count real tokens, padding sits at 0.
+            positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, start:]
+            # The cache goes by position: transformers 5 renamed its keyword (past_key_values, then cache).
             out = self.trunk(new_ids, mask, positions, cache.kv, use_cache=True)
             cache.length = start + n_new
-            return out.last_hidden_state
+            return out.last_hidden_state, None
         size = padded_size(n_new) if self.graphs or self.pad_reads else None
-        hidden = self._static_read(cache, new_ids, mask, positions, size or n_new, self.graphs and size is not None)
+        hidden, logits = self._static_read(cache, new_ids, mask, size or n_new, self.graphs and size is not None)
         cache.length = start + n_new
-        return hidden[:, :n_new]
+        return hidden[:, :n_new], logits
 
-    def _static_read(self, cache: StaticTorchCache, new_ids, mask, positions, size: int, graphed: bool) -> torch.Tensor:
+    def _static_read(self, cache: StaticTorchCache, new_ids, mask, size: int, graphed: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The new columns padded to `size` (the padding columns are not tokens: masked, and written past the
         cache's length, where the next read overwrites them), read by a CUDA graph of that size over this cache's
-        buffers (captured on first use) when `graphed`, else eagerly. Hidden states [B, size, H]."""
+        buffers (captured on first use) when `graphed`, else eagerly. Hidden states [B, size, H], and the last
+        column's logits where the graph made them."""
         start, pad = cache.length, size - new_ids.shape[1]
         kv = self._reserve(cache, new_ids.shape[0], start + size)
         if pad:
-            new_ids, positions, mask = (torch.nn.functional.pad(t, (0, pad)) for t in (new_ids, positions, mask))
-        step_mask = additive_mask(mask, start, size, kv.capacity, self.dtype)
-        write_at = torch.arange(start, start + size, device=self.device)
+            new_ids = torch.nn.functional.pad(new_ids, (0, pad))
         if not graphed:
-            return self._trunk(kv, new_ids, positions, step_mask, write_at)
+            start_at = torch.full((1,), start, device=self.device)
+            return self._trunk(kv, new_ids, real_columns(mask, kv.capacity), start_at), None
         steps = self.pool.graphs.setdefault(kv, {})
         step = steps.get(size)
         if step is None:
-            step = self._capture(kv, new_ids, positions, step_mask, write_at)
+            real, start_at = real_columns(mask, kv.capacity), torch.full((1,), start, device=self.device)
+            step = self._capture(kv, new_ids, real, start_at)
             if step is None:  # a model whose forward syncs with the host cannot be captured
                 self.graphs = False
-                return self._trunk(kv, new_ids, positions, step_mask, write_at)
+                return self._trunk(kv, new_ids, real, start_at), None
             steps[size] = step
-        else:
-            for static, value in ((step.ids, new_ids), (step.positions, positions), (step.mask, step_mask),
-                                  (step.write_at, write_at)):
-                static.copy_(value)  # device to device: nothing waits for the host
+        else:  # device to device, and a fill: nothing waits for the host
+            step.ids.copy_(new_ids)
+            step.real[:, : mask.shape[1]].copy_(mask)
+            step.real[:, mask.shape[1]:] = False
+            step.start.fill_(start)
             step.graph.replay()
-        return step.hidden.clone()
+        return step.hidden.clone(), None if step.logits is None else step.logits.clone()
 
-    def _trunk(self, kv: StaticKV, ids, positions, mask, write_at, trunk=None) -> torch.Tensor:
-        """The trunk over a static cache: it writes the new columns' keys and values at `write_at`; `mask` is
-        additive, over the cache's whole capacity (4-D: every family's mask code takes it as it is)."""
-        kv.write_at = write_at
+    def _trunk(self, kv: StaticKV, ids, real, start, trunk=None) -> torch.Tensor:
+        """The trunk over a static cache, reading columns start.. of `real` (the real tokens' columns, this read's
+        included; static_cache.read_inputs makes the positions and the mask from them): it writes the new columns'
+        keys and values there."""
+        kv.write_at = start + torch.arange(ids.shape[1], device=ids.device)
+        positions, mask = read_inputs(real, kv.write_at, self.dtype)
         trunk = self.trunk if trunk is None else trunk
         return trunk(ids, mask, positions, kv, use_cache=True).last_hidden_state
 
-    def _capture(self, kv: StaticKV, ids, positions, mask, write_at) -> GraphedStep | None:
+    def _capture(self, kv: StaticKV, ids, real, start) -> GraphedStep | None:
         # (the warm-up writes this read's own columns: the same numbers the replay writes)
-        ids, positions, mask, write_at = (t.clone() for t in (ids, positions, mask, write_at))
+        ids, real, start = (t.clone() for t in (ids, real, start))
         if self.compiled_trunk is not None:
             try:
-                return self._record(kv, ids, positions, mask, write_at, self.compiled_trunk)
+                return self._record(kv, ids, real, start, self.compiled_trunk)
             except Exception as e:  # noqa: BLE001 (inductor's errors have no common type): the trunk as it is
                 warnings.warn(f"{self.name}: torch.compile failed ({str(e).strip().splitlines()[0]}); its CUDA "
                               "graphs record the trunk uncompiled", stacklevel=3)
                 self.compiled_trunk = None
-        return recorded_or_none(lambda: self._record(kv, ids, positions, mask, write_at), self.name)
+        return recorded_or_none(lambda: self._record(kv, ids, real, start), self.name)
 
-    def _record(self, kv: StaticKV, ids, positions, mask, write_at, trunk=None) -> GraphedStep:
-        graph, hidden = capture(lambda: self._trunk(kv, ids, positions, mask, write_at, trunk), self.pool.memory)
+    def _record(self, kv: StaticKV, ids, real, start, trunk=None) -> GraphedStep:
+        def read():
+            hidden = self._trunk(kv, ids, real, start, trunk)
+            # a one-token read is a decode step, whose logits are always wanted: the head runs in the same graph
+            return hidden, self._logits(hidden[:, -1]) if ids.shape[1] == 1 else None
+
+        graph, (hidden, logits) = capture(read, self.pool.memory)
         self.pool.memory = self.pool.memory or graph.pool()
-        return GraphedStep(graph, ids, positions, mask, write_at, hidden)
+        return GraphedStep(graph, ids, real, start, hidden, logits)
 
     @torch.inference_mode()
     def forward(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
-        hidden = self._read(cache, new_ids, attention_mask)[:, -1:]  # [B, 1, H]: the shape generate uses
-        return self._logits(hidden)[:, 0], hidden[:, 0]
+        hidden, logits = self._read(cache, new_ids, attention_mask)
+        last = hidden[:, -1]
+        return (self._logits(last) if logits is None else logits), last
 
     @torch.inference_mode()
     def forward_all(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
                     keep_last: int | None = None, row_keep: list[int] | None = None) -> torch.Tensor:
         keep = new_ids.shape[1] if keep_last is None else keep_last
-        hidden = self._read(cache, new_ids, attention_mask)[:, new_ids.shape[1] - keep :]  # the head only where asked
+        hidden = self._read(cache, new_ids, attention_mask)[0][:, new_ids.shape[1] - keep :]  # the head where asked
         padding = attention_mask[:, cache.length - keep : cache.length] == 0
         return self._logits(hidden).masked_fill(padding[..., None], 0.0)
 
@@ -330,7 +344,7 @@ class TorchBackend(LocalBackend):
         if cache is None:
             hidden = self.trunk(input_ids=tokens, use_cache=False).last_hidden_state[0, start:]
         else:
-            hidden = self._read(cache, tokens, torch.ones_like(tokens))[0, start:]
+            hidden = self._read(cache, tokens, torch.ones_like(tokens))[0][0, start:]
         return self._logits(hidden), hidden
 
     def select_rows(self, cache: TorchCache, rows: torch.Tensor) -> None:

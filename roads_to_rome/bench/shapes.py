@@ -90,11 +90,16 @@ class AgreesAtRate:
     def forward_all(self, cache, new_ids, attention_mask, n, row_keep=None):
         logits = self.inner.forward_all(cache, new_ids, attention_mask, n, row_keep)
         rows, width = new_ids.shape
+        kept = logits.shape[1] - 1  # the last column's next token is not written yet
+        if kept < 1:
+            return logits
+        # a few whole-tensor operations, not one per position: on a GPU each indexing op would wait for the device
+        agree = torch.from_numpy(np.ascontiguousarray(self.rng.random((kept, rows)).T < self.rate)).to(logits.device)
+        written = new_ids[:, width - kept:].to(logits.device)[..., None]  # what logits[:, k] predicts, k < kept
         with torch.inference_mode():  # torch's logits are inference tensors: written in place only in this mode
-            for k in range(logits.shape[1] - 1):  # the last column's next token is not written yet
-                column = width - logits.shape[1] + k + 1  # where the token that logits[:, k] predicts sits in new_ids
-                for row in np.flatnonzero(self.rng.random(rows) < self.rate):
-                    logits[row, k, new_ids[row, column]] = logits[row, k].max() + 1
+            head = logits[:, :kept]
+            preferred = torch.where(agree, head.amax(-1) + 1, head.gather(-1, written)[..., 0])
+            head.scatter_(-1, written, preferred[..., None])
         return logits
 
 
@@ -243,6 +248,7 @@ class Plan:
     compile: tuple[str, ...] = ("slm",)  # the roles whose CUDA graphs record their trunk compiled by torch.compile
     defer: tuple[str, ...] = ()  # deferral modes run beside lockstep R2R at each batch above 1
     deferral: Deferral = Deferral()  # their grouping rule (its mode is each of `defer` in turn)
+    overlap: tuple[int, ...] = ()  # batches at which R2R also runs with the LLM's calls beside the SLM's steps
 
     def config(self) -> dict:
         """What a resumed run must share with the saved one (keys only where not the default, so files of earlier
@@ -261,6 +267,8 @@ class Plan:
         if self.deferred_batches:
             config |= {"defer": list(self.defer), "defer_group": self.deferral.group,
                        "defer_steps": self.deferral.steps}
+        if self.overlap:
+            config |= {"overlap": list(self.overlap), "overlap_ahead": self.deferral.ahead}
         return config
 
     @property
@@ -383,6 +391,7 @@ class Measurement:
         todo = [system_name(n, b) for n in ["llm"] + [f"r2r@{share:g}" for share in plan.shares] for b in plan.batches]
         todo += [system_name(f"r2r@{share:g}+{mode}", b) for share in plan.shares for mode in plan.defer
                  for b in plan.deferred_batches]
+        todo += [system_name(name, b) for b in plan.overlap for name, _ in overlapped_systems(plan, b)]
         # transformers' universal path only where the rows differ (else it refuses the tokenizers)
         slm_rows = self.slm.inner.model.config.get_text_config().vocab_size if plan.backend == "torch" else None
         modes = () if slm_rows is None else (False, True) if shape.vocab_rows != slm_rows else (False,)
@@ -432,6 +441,22 @@ class Measurement:
                 engine = systems.routed(slm, AgreesAtRate(llm, accept), tokenizer,
                                         RouterAtShare(self.router, share, seed=0), defer=plan.rule(mode))
                 self.runs(engine, f"r2r@{share:g}+{mode}", shape.name, measured, plan.deferred_batches)
+            for batch in plan.overlap:
+                for name, mode in overlapped_systems(plan, batch):
+                    if name.startswith(f"r2r@{share:g}+"):
+                        # (a routed token is checked when the call returns: kept at the real pair's rate, as above)
+                        engine = systems.routed(slm, AgreesAtRate(llm, accept), tokenizer,
+                                                RouterAtShare(self.router, share, seed=0), defer=plan.rule(mode),
+                                                overlap=True)
+                        self.runs(engine, name, shape.name, measured, [batch])
+
+
+def overlapped_systems(plan: Plan, batch: int) -> list[tuple[str, str]]:
+    """The systems with overlap at `batch` (name, deferral mode): R2R at each share with lockstep's rule (its call
+    sent as soon as a row waits), and above one row with each deferral mode."""
+    modes = ["off"] + (list(plan.defer) if batch > 1 else [])
+    return [(f"r2r@{share:g}" + ("" if mode == "off" else f"+{mode}") + "+overlap", mode)
+            for share in plan.shares for mode in modes]
 
 
 def measure_real_pair(plan: Plan, result: dict, slm, slm_engine, router, tokenizer, prompts, lengths, llama, save,

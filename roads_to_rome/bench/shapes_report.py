@@ -9,6 +9,7 @@ from roads_to_rome.bench.cost_model import (
     ms_keys,
     predicted_alone_tok_s,
     predicted_from_calls,
+    predicted_overlapped_tok_s,
     predicted_routing_tok_s,
     tokens_per_round,
 )
@@ -51,6 +52,9 @@ def summarize(result: dict, shares: list[float]) -> dict:
                           "measured": run["tokens_per_s"] if run else None,
                           "measured_share": run["llm_share"] if run else None,
                           "predicted": predicted_routing_tok_s(slm_ms, llm_ms, share, lengths, tokens)})
+        if 1 in result["config"].get("overlap", []):
+            table += [overlap_row(result["config"], run, system, 1, share, slm_ms, llm_ms, lengths, alone_predicted)
+                      for system, share, run in overlap_runs(measured, shares, [], 1)]
         for system, run in real_systems.items():
             if system.startswith(("r2r", "spec")) and run.get("batch", 1) == 1:  # (a batch records no calls)
                 row = {"system": system + " †", "share": run["llm_share"],
@@ -111,7 +115,36 @@ def batched_rows(result: dict, entry: dict | None, measured: dict, shares: list[
             row |= {"defer": mode, "accept": run["deferred_accept"],
                     "discarded_per_100": run["deferred_discarded_per_100"]}
         rows.append(row)
+    if batch in config.get("overlap", []):
+        for system, share, run in overlap_runs(measured, shares, config.get("defer", []), batch):
+            row = overlap_row(config, run, system, batch, share, slm_ms, llm_ms, widths, alone_predicted)
+            row |= {"batch": batch, "x_llm": run["tokens_per_s"] / alone if alone else None,
+                    "llm_calls": run["llm_calls_total"], "routed_rows_per_call": run["routed_rows_per_call"]}
+            rows.append(row)
     return rows
+
+
+def overlap_runs(measured: dict, shares: list[float], defer: list[str], batch: int) -> list[tuple[str, float, dict]]:
+    """The runs with the LLM's calls beside the SLM's steps at `batch` (system name, share, run)."""
+    modes = [""] + ([f"+{mode}" for mode in defer] if batch > 1 else [])
+    names = [(system_name(f"r2r@{share:g}{mode}+overlap", batch), share) for share in shares for mode in modes]
+    return [(name, share, measured[name]) for name, share in names if name in measured]
+
+
+def overlap_row(config: dict, run: dict, system: str, batch: int, share: float, slm_ms: dict, llm_ms: dict,
+                widths: list[int] | None, alone_predicted: float | None) -> dict:
+    """One run with overlap beside its cost model: the two models each at its own full speed while both run (as on
+    two devices), so that measured / model says what sharing one device costs."""
+    mode = next((m for m in config.get("defer", []) if f"+{m}+" in system), "off")
+    rule = Deferral.of(mode, config.get("defer_group"), config.get("defer_steps"), config.get("overlap_ahead"))
+    predicted = (predicted_overlapped_tok_s(slm_ms, llm_ms, share, widths, config["tokens"], samples=20, rows=batch,
+                                            accept=run.get("deferred_accept", 0.0), deferral=rule)
+                 if slm_ms and llm_ms and widths else None)
+    return {"system": system, "share": run["llm_share"], "measured": run["tokens_per_s"],
+            "measured_share": run["llm_share"], "predicted": predicted, "overlap": True,
+            "predicted_x_llm": predicted / alone_predicted if predicted and alone_predicted else None,
+            "x_model": run["tokens_per_s"] / predicted if predicted else None,
+            "accept": run.get("deferred_accept", 0.0), "discarded_per_100": run["deferred_discarded_per_100"]}
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -121,11 +154,11 @@ def plot(result: dict, path: Path) -> Path:
     entries = sorted(((e["params_b"], e) for e in result["summary"].values()), key=lambda x: x[0])
     fig, ax = plt.subplots(figsize=(7, 4.5))
     shares = sorted({row["share"] for _, e in entries for row in e["rows"] if row["system"].startswith("r2r@")
-                     and not row.get("batch")})
+                     and not row.get("batch") and not row.get("overlap")})
     for i, share in enumerate(shares):
         color = f"C{i}"
         at_share = [(b, r) for b, e in entries for r in e["rows"] if r.get("share") == share and not r.get("batch")
-                    and r["system"].startswith("r2r@")]
+                    and r["system"].startswith("r2r@") and not r.get("overlap")]
         line = [(b, r["predicted_x_llm"]) for b, r in at_share]
         points = [(b, r["x_llm"]) for b, r in at_share if r.get("x_llm")]
         ax.plot(*zip(*line), "x--", color=color, label=f"{share:.0%} LLM tokens: cost model")
@@ -181,6 +214,15 @@ def deferral_note(config: dict) -> str | None:
             "with them the LLM keeps the SLM's token at the rate the real pair kept it in this run.")
 
 
+def overlap_note(config: dict) -> str | None:
+    if not config.get("overlap"):
+        return None
+    return ("+overlap: the LLM's calls beside the SLM's steps (--overlap on; on CUDA on a stream of their own), a "
+            f"routed row writing up to {config['overlap_ahead']} tokens ahead of the call in flight; its cost model "
+            "runs each model at its own full speed while both run (as on two devices): measured / model is what "
+            "sharing one device costs.")
+
+
 def markdown(result: dict) -> str:
     """The summary as a Markdown table (for result pages): one row per shape and system."""
     with_grouping = any(grouped(entry) for entry in result["summary"].values())
@@ -190,8 +232,9 @@ def markdown(result: dict) -> str:
         for row in entry["rows"]:
             cells = [f"{name} ({entry['params_b']:.1f}B)"] + row_cells(row, with_grouping)
             lines.append("| " + " | ".join(cells) + " |")
-    if note := deferral_note(result["config"]):
-        lines += ["", note]
+    for note in (deferral_note(result["config"]), overlap_note(result["config"])):
+        if note:
+            lines += ["", note]
     ks = result["config"]["step_tokens"]
     lines += ["", "What one catch-up over k tokens costs per token read, against a one-token step (the LLM's "
               f"forward on a {result['config']['context']}-token cache):", "",

@@ -342,6 +342,10 @@ def bench_shapes(
     defer: str = typer.Option("continue,park", "--defer", help="Deferral modes run beside lockstep R2R at each "
                               "batch above 1 (comma-separated: continue, park; empty: none)."),
     defer_group: DeferGroup = None, defer_steps: DeferSteps = None,
+    overlap: str = typer.Option("", "--overlap", help="Comma-separated batch sizes (of --batch) at which R2R also "
+                                "runs with the LLM's calls beside the SLM's steps (--overlap on: on CUDA on a stream "
+                                "of their own), with lockstep's rule and each --defer mode; empty: none."),
+    overlap_ahead: OverlapAhead = None,
     backend: BackendOpt = "llamacpp", device: Device = "auto",
     build_only: bool = typer.Option(False, "--build-only", help="Only build the shapes' files (llama.cpp)."),
     out: Path = typer.Option(Path("runs/bench-shapes.json"), "--out", help="Results (JSON; a re-run with the same "
@@ -355,7 +359,8 @@ def bench_shapes(
     from roads_to_rome.bench import shapes as bench_shapes_module
 
     plan = shapes_plan(llm_shape, slm_shape, llm_share, prompts, tokens, context, new_tokens, verify, spec_k, batch,
-                       real_from, cuda_graphs, compile, defer, defer_group, defer_steps, backend, device)
+                       real_from, cuda_graphs, compile, defer, defer_group, defer_steps, backend, device, overlap,
+                       overlap_ahead)
     saved = json.loads(out.read_text()) if out.exists() else None
 
     def keep(result):
@@ -369,7 +374,8 @@ def bench_shapes(
 
 
 def shapes_plan(llm_shape, slm_shape, llm_share, prompts, tokens, context, new_tokens, verify, spec_k, batch,
-                real_from, cuda_graphs, compile, defer, defer_group, defer_steps, backend, device):
+                real_from, cuda_graphs, compile, defer, defer_group, defer_steps, backend, device, overlap="",
+                overlap_ahead=None):
     """`r2r bench shapes`'s options, checked, as the `Plan` it runs."""
     from roads_to_rome.bench import shape_models
     from roads_to_rome.bench.shapes import Plan
@@ -394,13 +400,19 @@ def shapes_plan(llm_shape, slm_shape, llm_share, prompts, tokens, context, new_t
     modes = tuple(m.strip() for m in defer.split(",") if m.strip())
     if set(modes) - {"continue", "park"}:
         raise R2RError(f"--defer for shapes takes continue, park or both, got {defer!r}")
+    batches = tuple(whole_numbers(batch, "--batch")) or (1,)
+    overlapped = tuple(whole_numbers(overlap, "--overlap"))
+    if set(overlapped) - set(batches):
+        raise R2RError(f"--overlap {overlap}: batches of --batch ({batch}) only")
+    if overlapped and backend != "torch":
+        raise R2RError("--overlap for shapes runs the LLM on torch beside the SLM: use it with --backend torch")
     return Plan(shapes=tuple(chosen), shares=tuple(shape_models.parse_shares(llm_share)), prompts=prompts,
                 tokens=tokens, context=context, step_tokens=tuple(whole_numbers(new_tokens, "--new-tokens")),
                 verify=parse_verify_list(verify), spec_k=tuple(whole_numbers(spec_k, "--spec-k")), backend=backend,
                 device=device, slm_shape=shape_models.parse_shape(slm_shape) if slm_shape else None,
-                batches=tuple(whole_numbers(batch, "--batch")) or (1,),
+                batches=batches, overlap=overlapped,
                 real_from=str(real_from) if real_from else None, cuda_graphs=cuda_graphs, compile=compiled,
-                defer=modes, deferral=Deferral.of("off", defer_group, defer_steps))
+                defer=modes, deferral=Deferral.of("off", defer_group, defer_steps, overlap_ahead))
 
 
 def show_shapes(result: dict, out: Path, build_only: bool) -> None:

@@ -339,4 +339,7 @@ class PendingRead:
         return self.future.done()
 
     def result(self) -> torch.Tensor:
-        return self.future.result().to(self.device)
+        logits = self.future.result()
+        if logits.device.type == "cuda":  # made on the worker's stream, read on this one: not reused before it is
+            logits.record_stream(torch.cuda.current_stream(logits.device))
+        return logits.to(self.device)
