@@ -13,7 +13,8 @@
 # default graphs,compiled); r1-uncompiled and r1-compiled: the R1 pair at batch 1, no speculative rows, with the
 # trunks as transformers runs them (--compile none), and with the SLM's compiled (the default).
 # $TOKENS: new tokens a row in the bench shapes runs (default 512); $LIMIT_<part> (- as _): a part's time limit in
-# seconds instead of its default (LIMIT_r1_grouped=300).
+# seconds instead of its default (LIMIT_r1_grouped=300); $RESUME_FROM: a folder of an earlier run's results files
+# (a results page's, say): a part whose file is there starts from it and measures only what it lacks.
 set -u
 parts=" ${*:-tests profile r1 r1-batched coder qwen3} "
 want() { [[ "$parts" == *" $1 "* ]]; }
@@ -34,6 +35,9 @@ want tests && timeout "$(limit tests 150)" python3 -m pytest -q -p no:cacheprovi
 
 shapes() {  # one pair; killed at $1 seconds so that later pairs still run; its results file copied to $OUT
   local part=$1 limit=$2 out=$3; shift 3
+  if [ -n "${RESUME_FROM:-}" ] && [ -f "$RESUME_FROM/$out" ] && [ ! -f "runs/gpu/$out" ]; then
+    cp "$RESUME_FROM/$out" "runs/gpu/$out" && chmod u+w "runs/gpu/$out"
+  fi
   timeout "$(limit "$part" "$limit")" python3 -m roads_to_rome bench shapes --backend torch --device cuda --verify "" \
     --real-from docs/results/2026-11-26-bench-shapes-xeon.json --tokens "${TOKENS:-512}" --prompts 1 \
     --out "runs/gpu/$out" "$@" \
