@@ -227,3 +227,20 @@ def test_the_llm_that_agrees_at_a_rate_prefers_the_written_token_where_it_agrees
     assert torch.equal(agreed[:, :3].argmax(-1), new_ids[:, 3:])
     assert torch.equal(agreed[:, 3], logits[:, 3])
     assert torch.equal(shapes.AgreesAtRate(Fixed(logits), 0.0).forward_all(None, new_ids, None, 4), logits)
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.0])
+def test_an_overlapped_call_agrees_at_the_rate_with_the_slms_token_just_past_its_read(slm, llm, tokenizer, rate):
+    """With the LLM's calls beside the SLM's steps a call stops just short of the routed token it checks: the SLM's
+    proposal for that column (as the policy saw it) is what the agreeing LLM prefers, so routed tokens are kept at
+    the rate, not never."""
+    from roads_to_rome.bench.shape_models import random_router
+
+    recorded = shapes.Recorded(slm)
+    proposals = shapes.Proposals(recorded)
+    engine = Engine(recorded, shapes.AgreesAtRate(llm, rate, proposals=proposals), tokenizer,
+                    shapes.RouterAtShare(random_router(slm), 0.3, proposals=proposals), overlap=True)
+    prompt = engine.encode_chat("What is 48 / 2?")
+    gen = engine.generate([prompt], SamplingParams(max_new_tokens=32, ignore_eos=True))[0]
+    assert gen.deferred > 0
+    assert gen.deferred_kept == (gen.deferred if rate else 0)

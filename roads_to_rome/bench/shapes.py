@@ -55,52 +55,98 @@ from roads_to_rome.routing import policies
 
 
 class Recorded:
-    """A backend that records how many new tokens each forward reads (everything else is the backend's)."""
+    """A backend that records how many new tokens each forward reads, and how many columns its cache has read after
+    the last (everything else is the backend's)."""
 
     def __init__(self, inner):
-        self.inner, self.calls = inner, []
+        self.inner, self.calls, self.columns = inner, [], 0
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def forward(self, cache, new_ids, attention_mask):
         self.calls.append(new_ids.shape[1])
-        return self.inner.forward(cache, new_ids, attention_mask)
+        out = self.inner.forward(cache, new_ids, attention_mask)
+        self.columns = cache.length
+        return out
 
     def forward_all(self, cache, new_ids, attention_mask, n, row_keep=None):
         self.calls.append(new_ids.shape[1])
-        return self.inner.forward_all(cache, new_ids, attention_mask, n, row_keep)
+        out = self.inner.forward_all(cache, new_ids, attention_mask, n, row_keep)
+        self.columns = cache.length
+        return out
 
     def read(self, cache, new_ids, attention_mask):
         self.calls.append(new_ids.shape[1])
-        return self.inner.read(cache, new_ids, attention_mask)
+        self.inner.read(cache, new_ids, attention_mask)
+        self.columns = cache.length
+
+
+class Proposals:
+    """The SLM's proposed tokens (one per row) by the column they are for, as the policy saw them: what an LLM that
+    agrees at a rate needs where its read stops just short of the token it checks (an overlapped call's)."""
+
+    KEPT = 256  # columns back: more than any read of a call in flight reaches
+
+    def __init__(self, slm: Recorded):
+        self.slm, self.by_column = slm, {}
+
+    def record(self, tokens: torch.Tensor) -> None:
+        column = self.slm.columns  # the SLM's proposal from reading columns 0..c-1 is for column c
+        self.by_column[column] = tokens
+        self.by_column.pop(column - self.KEPT, None)
+
+    def at(self, column: int) -> torch.Tensor | None:
+        return self.by_column.get(column)
 
 
 class AgreesAtRate:
-    """A random-weight LLM that, at each column whose next token it has read, prefers that token with probability
+    """A random-weight LLM that, at each column whose next token it knows, prefers that token with probability
     `rate` (else its own choice stands): a deferred routed token is then kept at the rate a real pair keeps it,
-    at the real cost of every forward."""
+    at the real cost of every forward. It knows the tokens its read includes, and with `proposals` the SLM's
+    token for the column just past its read."""
 
-    def __init__(self, inner, rate: float, seed: int = 0):
-        self.inner, self.rate, self.rng = inner, rate, np.random.default_rng(seed)
+    def __init__(self, inner, rate: float, seed: int = 0, proposals: Proposals | None = None):
+        self.inner, self.rate, self.rng, self.proposals = inner, rate, np.random.default_rng(seed), proposals
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def forward(self, cache, new_ids, attention_mask):
+        logits, hidden = self.inner.forward(cache, new_ids, attention_mask)
+        following = self._next(cache, logits.shape[0])
+        if following is not None:
+            self._prefer(logits[:, None], following[:, None])  # (a view: written in place)
+        return logits, hidden
+
     def forward_all(self, cache, new_ids, attention_mask, n, row_keep=None):
         logits = self.inner.forward_all(cache, new_ids, attention_mask, n, row_keep)
         rows, width = new_ids.shape
-        kept = logits.shape[1] - 1  # the last column's next token is not written yet
-        if kept < 1:
-            return logits
-        # a few whole-tensor operations, not one per position: on a GPU each indexing op would wait for the device
-        agree = torch.from_numpy(np.ascontiguousarray(self.rng.random((kept, rows)).T < self.rate)).to(logits.device)
-        written = new_ids[:, width - kept:].to(logits.device)[..., None]  # what logits[:, k] predicts, k < kept
-        with torch.inference_mode():  # torch's logits are inference tensors: written in place only in this mode
-            head = logits[:, :kept]
-            preferred = torch.where(agree, head.amax(-1) + 1, head.gather(-1, written)[..., 0])
-            head.scatter_(-1, written, preferred[..., None])
+        kept = logits.shape[1] - 1  # columns whose next token the read includes
+        written = new_ids[:, width - kept:].to(logits.device)  # what logits[:, k] predicts, k < kept
+        following = self._next(cache, rows)  # what the last column predicts, where the SLM proposed it
+        if following is not None:
+            self._prefer(logits, torch.cat([written, following.to(written.device)[:, None]], dim=1))
+        elif kept:
+            self._prefer(logits[:, :kept], written)
         return logits
+
+    def _next(self, cache, rows: int) -> torch.Tensor | None:
+        """The SLM's tokens for the column after the read, where known for every row."""
+        tokens = self.proposals.at(cache.length) if self.proposals is not None else None
+        return tokens if tokens is not None and len(tokens) == rows else None
+
+    def _prefer(self, logits: torch.Tensor, tokens: torch.Tensor | None) -> None:
+        """Make tokens[r, k] the top choice of logits[r, k] [rows, k, V] with probability `rate`, in place."""
+        if tokens is None or not tokens.numel():
+            return
+        rows, columns = tokens.shape
+        # a few whole-tensor operations, not one per position: on a GPU each indexing op would wait for the device
+        agree = torch.from_numpy(np.ascontiguousarray(self.rng.random((columns, rows)).T < self.rate))
+        agree, tokens = agree.to(logits.device), tokens.to(logits.device)[..., None]
+        with torch.inference_mode():  # torch's logits are inference tensors: written in place only in this mode
+            preferred = torch.where(agree, logits.amax(-1) + 1, logits.gather(-1, tokens)[..., 0])
+            logits.scatter_(-1, tokens, preferred[..., None])
 
 
 class RouterAtShare(policies.RoutingPolicy):
@@ -110,12 +156,14 @@ class RouterAtShare(policies.RoutingPolicy):
     name = "random"
     threshold_is_rate = True
 
-    def __init__(self, router: policies.NeuralPolicy, share: float, seed: int = 0):
-        self.router, self.draws = router, policies.RandomPolicy(share, seed)
+    def __init__(self, router: policies.NeuralPolicy, share: float, seed: int = 0, proposals: Proposals | None = None):
+        self.router, self.draws, self.proposals = router, policies.RandomPolicy(share, seed), proposals
         self.threshold, self.num_params = share, router.num_params
 
     def route(self, logits, hidden, tokens, thresholds=None):
         self.router.route(logits, hidden, tokens)
+        if self.proposals is not None:
+            self.proposals.record(tokens)
         return self.draws.route(logits, hidden, tokens, thresholds)
 
 
@@ -435,20 +483,20 @@ class Measurement:
         for share in plan.shares:
             self.runs(systems.routed(slm, llm, tokenizer, RouterAtShare(self.router, share, seed=0)),
                       f"r2r@{share:g}", shape.name, measured)
-            for mode in plan.defer:
+            def agreeing(mode: str, overlap: bool = False) -> Engine:
                 # Random weights agree with nothing: at a deferred routed position the LLM keeps the SLM's token
                 # at the rate the real pair kept it in this run.
-                engine = systems.routed(slm, AgreesAtRate(llm, accept), tokenizer,
-                                        RouterAtShare(self.router, share, seed=0), defer=plan.rule(mode))
-                self.runs(engine, f"r2r@{share:g}+{mode}", shape.name, measured, plan.deferred_batches)
+                proposals = Proposals(slm)
+                return systems.routed(slm, AgreesAtRate(llm, accept, proposals=proposals), tokenizer,
+                                      RouterAtShare(self.router, share, seed=0, proposals=proposals),
+                                      defer=plan.rule(mode), overlap=overlap)
+
+            for mode in plan.defer:
+                self.runs(agreeing(mode), f"r2r@{share:g}+{mode}", shape.name, measured, plan.deferred_batches)
             for batch in plan.overlap:
                 for name, mode in overlapped_systems(plan, batch):
                     if name.startswith(f"r2r@{share:g}+"):
-                        # (a routed token is checked when the call returns: kept at the real pair's rate, as above)
-                        engine = systems.routed(slm, AgreesAtRate(llm, accept), tokenizer,
-                                                RouterAtShare(self.router, share, seed=0), defer=plan.rule(mode),
-                                                overlap=True)
-                        self.runs(engine, name, shape.name, measured, [batch])
+                        self.runs(agreeing(mode, overlap=True), name, shape.name, measured, [batch])
 
 
 def overlapped_systems(plan: Plan, batch: int) -> list[tuple[str, str]]:
