@@ -35,7 +35,7 @@ from roads_to_rome.bench.shape_models import (
     random_router,
     torch_shape,
 )
-from roads_to_rome.bench.shapes_report import summarize, system_name
+from roads_to_rome.bench.shapes_report import overlapped_systems, summarize, system_name
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.llm_calls import Deferral
 from roads_to_rome.core.request import Totals
@@ -136,10 +136,8 @@ class AgreesAtRate:
         tokens = self.proposals.at(cache.length) if self.proposals is not None else None
         return tokens if tokens is not None and len(tokens) == rows else None
 
-    def _prefer(self, logits: torch.Tensor, tokens: torch.Tensor | None) -> None:
+    def _prefer(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """Make tokens[r, k] the top choice of logits[r, k] [rows, k, V] with probability `rate`, in place."""
-        if tokens is None or not tokens.numel():
-            return
         rows, columns = tokens.shape
         # a few whole-tensor operations, not one per position: on a GPU each indexing op would wait for the device
         agree = torch.from_numpy(np.ascontiguousarray(self.rng.random((columns, rows)).T < self.rate))
@@ -439,7 +437,8 @@ class Measurement:
         todo = [system_name(n, b) for n in ["llm"] + [f"r2r@{share:g}" for share in plan.shares] for b in plan.batches]
         todo += [system_name(f"r2r@{share:g}+{mode}", b) for share in plan.shares for mode in plan.defer
                  for b in plan.deferred_batches]
-        todo += [system_name(name, b) for b in plan.overlap for name, _ in overlapped_systems(plan, b)]
+        todo += [system_name(name, b) for b in plan.overlap
+                 for name, _, _ in overlapped_systems(plan.shares, plan.defer, b)]
         # transformers' universal path only where the rows differ (else it refuses the tokenizers)
         slm_rows = self.slm.inner.model.config.get_text_config().vocab_size if plan.backend == "torch" else None
         modes = () if slm_rows is None else (False, True) if shape.vocab_rows != slm_rows else (False,)
@@ -494,17 +493,8 @@ class Measurement:
             for mode in plan.defer:
                 self.runs(agreeing(mode), f"r2r@{share:g}+{mode}", shape.name, measured, plan.deferred_batches)
             for batch in plan.overlap:
-                for name, mode in overlapped_systems(plan, batch):
-                    if name.startswith(f"r2r@{share:g}+"):
-                        self.runs(agreeing(mode, overlap=True), name, shape.name, measured, [batch])
-
-
-def overlapped_systems(plan: Plan, batch: int) -> list[tuple[str, str]]:
-    """The systems with overlap at `batch` (name, deferral mode): R2R at each share with lockstep's rule (its call
-    sent as soon as a row waits), and above one row with each deferral mode."""
-    modes = ["off"] + (list(plan.defer) if batch > 1 else [])
-    return [(f"r2r@{share:g}" + ("" if mode == "off" else f"+{mode}") + "+overlap", mode)
-            for share in plan.shares for mode in modes]
+                for name, _, mode in overlapped_systems([share], plan.defer, batch):
+                    self.runs(agreeing(mode, overlap=True), name, shape.name, measured, [batch])
 
 
 def measure_real_pair(plan: Plan, result: dict, slm, slm_engine, router, tokenizer, prompts, lengths, llama, save,

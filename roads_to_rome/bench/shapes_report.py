@@ -53,8 +53,9 @@ def summarize(result: dict, shares: list[float]) -> dict:
                           "measured_share": run["llm_share"] if run else None,
                           "predicted": predicted_routing_tok_s(slm_ms, llm_ms, share, lengths, tokens)})
         if 1 in result["config"].get("overlap", []):
-            table += [overlap_row(result["config"], run, system, 1, share, slm_ms, llm_ms, lengths, alone_predicted)
-                      for system, share, run in overlap_runs(measured, shares, [], 1)]
+            table += [overlap_row(result["config"], run, system, 1, share, mode, slm_ms, llm_ms, lengths,
+                                  alone_predicted)
+                      for system, share, mode, run in overlap_runs(measured, shares, [], 1)]
         for system, run in real_systems.items():
             if system.startswith(("r2r", "spec")) and run.get("batch", 1) == 1:  # (a batch records no calls)
                 row = {"system": system + " †", "share": run["llm_share"],
@@ -116,26 +117,33 @@ def batched_rows(result: dict, entry: dict | None, measured: dict, shares: list[
                     "discarded_per_100": run["deferred_discarded_per_100"]}
         rows.append(row)
     if batch in config.get("overlap", []):
-        for system, share, run in overlap_runs(measured, shares, config.get("defer", []), batch):
-            row = overlap_row(config, run, system, batch, share, slm_ms, llm_ms, widths, alone_predicted)
+        for system, share, mode, run in overlap_runs(measured, shares, config.get("defer", []), batch):
+            row = overlap_row(config, run, system, batch, share, mode, slm_ms, llm_ms, widths, alone_predicted)
             row |= {"batch": batch, "x_llm": run["tokens_per_s"] / alone if alone else None,
                     "llm_calls": run["llm_calls_total"], "routed_rows_per_call": run["routed_rows_per_call"]}
             rows.append(row)
     return rows
 
 
-def overlap_runs(measured: dict, shares: list[float], defer: list[str], batch: int) -> list[tuple[str, float, dict]]:
-    """The runs with the LLM's calls beside the SLM's steps at `batch` (system name, share, run)."""
-    modes = [""] + ([f"+{mode}" for mode in defer] if batch > 1 else [])
-    names = [(system_name(f"r2r@{share:g}{mode}+overlap", batch), share) for share in shares for mode in modes]
-    return [(name, share, measured[name]) for name, share in names if name in measured]
+def overlapped_systems(shares, defer, batch: int) -> list[tuple[str, float, str]]:
+    """The systems with the LLM's calls beside the SLM's steps at `batch` (name, share, deferral mode): R2R at each
+    share with lockstep's rule (its call sent as soon as a row waits), and above one row with each deferral mode."""
+    modes = ["off"] + (list(defer) if batch > 1 else [])
+    return [(f"r2r@{share:g}" + ("" if mode == "off" else f"+{mode}") + "+overlap", share, mode)
+            for share in shares for mode in modes]
 
 
-def overlap_row(config: dict, run: dict, system: str, batch: int, share: float, slm_ms: dict, llm_ms: dict,
-                widths: list[int] | None, alone_predicted: float | None) -> dict:
+def overlap_runs(measured: dict, shares: list[float], defer: list[str], batch: int
+                 ) -> list[tuple[str, float, str, dict]]:
+    """The runs with overlap measured at `batch` (system name, share, deferral mode, run)."""
+    named = [(system_name(name, batch), share, mode) for name, share, mode in overlapped_systems(shares, defer, batch)]
+    return [(name, share, mode, measured[name]) for name, share, mode in named if name in measured]
+
+
+def overlap_row(config: dict, run: dict, system: str, batch: int, share: float, mode: str, slm_ms: dict,
+                llm_ms: dict, widths: list[int] | None, alone_predicted: float | None) -> dict:
     """One run with overlap beside its cost model: the two models each at its own full speed while both run (as on
     two devices), so that measured / model says what sharing one device costs."""
-    mode = next((m for m in config.get("defer", []) if f"+{m}+" in system), "off")
     rule = Deferral.of(mode, config.get("defer_group"), config.get("defer_steps"), config.get("overlap_ahead"))
     predicted = (predicted_overlapped_tok_s(slm_ms, llm_ms, share, widths, config["tokens"], samples=20, rows=batch,
                                             accept=run.get("deferred_accept", 0.0), deferral=rule)

@@ -374,8 +374,8 @@ def bench_shapes(
 
 
 def shapes_plan(llm_shape, slm_shape, llm_share, prompts, tokens, context, new_tokens, verify, spec_k, batch,
-                real_from, cuda_graphs, compile, defer, defer_group, defer_steps, backend, device, overlap="",
-                overlap_ahead=None):
+                real_from, cuda_graphs, compile, defer, defer_group, defer_steps, backend, device, overlap,
+                overlap_ahead):
     """`r2r bench shapes`'s options, checked, as the `Plan` it runs."""
     from roads_to_rome.bench import shape_models
     from roads_to_rome.bench.shapes import Plan
