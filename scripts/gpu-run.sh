@@ -5,7 +5,8 @@
 # Needs beside the checkout .gpu/, which scripts/gpu-prepare.sh makes: the default pair's tokenizer files (no weights)
 # and wheels of the [eval] dependencies the box lacks.
 # Each results file is copied to $OUT (default runs/gpu) as soon as its pair is done, so a run cut short keeps what
-# it measured; the tables and plots go there as one archive at the end, the log as log.txt.
+# it measured; the tables and plots go there as one archive at the end, the log as log.txt, each pair's whole
+# output, every line timed, as <part>.log.
 #
 # Parts, in this order, all but the r1-...compiled ones by default:
 #   scripts/gpu-run.sh [tests] [r1-uncompiled] [r1-compiled] [r1] [r1-batched] [r1-grouped] [coder] [qwen3] [profile]
@@ -33,6 +34,7 @@ limit() { local name="LIMIT_${1//-/_}"; echo "${!name:-$2}"; }
 want tests && timeout "$(limit tests 150)" python3 -m pytest -q -p no:cacheprovider -n 3 --tb=short -rf \
   tests/test_cuda.py 2>&1 | tail -60
 
+stamped() { while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done; }  # (when compiles and runs end)
 shapes() {  # one pair; killed at $1 seconds so that later pairs still run; its results file copied to $OUT
   local part=$1 limit=$2 out=$3; shift 3
   if [ -n "${RESUME_FROM:-}" ] && [ -f "$RESUME_FROM/$out" ] && [ ! -f "runs/gpu/$out" ]; then
@@ -41,7 +43,7 @@ shapes() {  # one pair; killed at $1 seconds so that later pairs still run; its 
   timeout "$(limit "$part" "$limit")" python3 -m roads_to_rome bench shapes --backend torch --device cuda --verify "" \
     --real-from docs/results/2026-11-26-bench-shapes-xeon.json --tokens "${TOKENS:-512}" --prompts 1 \
     --out "runs/gpu/$out" "$@" \
-    2>&1 | grep -v "━" | tail -45
+    2>&1 | grep --line-buffered -v "━" | stamped | tee "$OUT/$part.log" | tail -45
   [ "$OUT" = runs/gpu ] || cp "runs/gpu/$out" "$OUT/" 2>/dev/null
 }
 r1=(--slm-shape r1-distill-qwen-1.5b --llm-shape r1-distill-qwen-32b --llm-share 0.11,0.15)
