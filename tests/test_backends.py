@@ -229,6 +229,31 @@ def test_select_append_and_pad_rows_keep_each_row_as_if_alone(backend, kind, tok
     assert close(logits[0], alone[2], kind) and close(logits[1], alone[0], kind)
 
 
+def test_a_static_cache_keeps_its_buffers_as_rows_leave_and_join(backend, kind, tokenizer):
+    """CUDA graphs replay over a static cache's buffers: rows that leave leave their slots behind (the buffers, and
+    the graphs over them, stay), rows that join fill them, and only a batch larger than its slots moves to larger
+    buffers, giving the old ones back to the pool for the next cache of that shape. Each row reads on as before."""
+    if kind != "torch-static":
+        pytest.skip("a static cache's buffers")
+    rows = token_rows(tokenizer)
+    cache, ids, mask = prefilled(backend, rows, tokenizer)
+    kv = cache.kv
+    keep = torch.tensor([2, 0])
+    backend.select_rows(cache, keep)
+    _, ids, mask = continue_one(backend, cache, ids[keep], mask[keep], token=7)
+    assert cache.kv is kv and (cache.rows, kv.rows) == (2, 3)
+    backend.append_rows(cache, backend.copy_rows(cache, [1]))  # three rows: the slots it has
+    assert cache.kv is kv and cache.rows == 3
+    backend.append_rows(cache, backend.copy_rows(cache, [0]))  # four: larger buffers, rows to a power of two
+    assert cache.kv is not kv and (cache.rows, cache.kv.rows) == (4, 4)
+    assert any(kv in free for free in backend.pool.free.values())
+    logits, _, _ = continue_one(backend, cache, ids[[0, 1, 1, 0]], mask[[0, 1, 1, 0]], token=9)
+    assert close(logits[2], logits[1], kind) and close(logits[3], logits[0], kind)
+    single, single_ids, single_mask = prefilled(backend, [rows[0]], tokenizer)
+    _, single_ids, single_mask = continue_one(backend, single, single_ids, single_mask, token=7)
+    assert close(logits[1], continue_one(backend, single, single_ids, single_mask, token=9)[0][0], kind)
+
+
 def test_copied_rows_go_on_apart_and_leave_the_source_as_it_was(backend, kind, tokenizer):
     rows = token_rows(tokenizer)
     alone = [continue_one(backend, *prefilled(backend, [r], tokenizer), token=t)[0][0] for r, t in

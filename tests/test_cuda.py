@@ -11,6 +11,7 @@ from tiny import FAMILIES, tiny_model
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.layout import left_pad
+from roads_to_rome.core.llm_calls import Deferral
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
 from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig
@@ -129,3 +130,24 @@ def test_the_graphs_record_the_compiled_trunk_with_the_uncompiled_tokens(tokeniz
         results = engine.generate(encode(engine), SamplingParams(max_new_tokens=N_TOKENS))
         outputs.append([(g.token_ids, g.sources) for g in results])
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.filterwarnings("error::UserWarning")  # a failed capture or compile warns and carries on without
+def test_with_overlap_each_models_graphs_are_recorded_while_the_other_runs(tokenizer, family):
+    """A fresh pair (nothing compiled or recorded yet) with the LLM's calls on a thread and stream of their own: its
+    graphs are recorded while the SLM compiles and records its own, and each waits for the other at the gate
+    (cuda_graphs.CaptureGate), so no recording fails; grouped calls, where rows finish at different steps, keep
+    their buffers and graphs; strict verification still writes the LLM's greedy tokens."""
+    slm, llm = tiny_pair(tokenizer, family, "cuda")
+    alone = Engine.alone(llm, tokenizer)
+    prompts = [alone.encode_chat(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=N_TOKENS)
+    expected = [g.token_ids for g in alone.generate(prompts, params)]
+    fresh_slm, fresh_llm = tiny_pair(tokenizer, family, "cuda")
+    engine = Engine(fresh_slm, fresh_llm, tokenizer, EntropyPolicy(3.0), verify="strict", overlap=True,
+                    defer=Deferral("continue", group=0.5, steps=4))
+    assert [g.token_ids for g in engine.generate(prompts, params)] == expected
+    assert fresh_slm.graphs and fresh_llm.graphs and fresh_slm.compiled_trunk is not None
+    buffers = [len(model.pool.graphs) for model in (fresh_slm, fresh_llm)]
+    assert [g.token_ids for g in engine.generate(prompts, params)] == expected
+    assert [len(model.pool.graphs) for model in (fresh_slm, fresh_llm)] == buffers  # the same batch: the same buffers

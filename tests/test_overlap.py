@@ -191,3 +191,74 @@ def test_settings_per_role_are_parsed_once_at_the_engine_config():
                          (dict(defer="later"), "defer takes"), (dict(verify="lots"), "verify")):
         with pytest.raises(R2RError, match=message):
             EngineConfig(**bad) if "device" not in bad else parse_devices(bad["device"])
+
+
+def test_a_graph_capture_runs_alone_among_the_threads_that_read():
+    """With overlap two threads drive one GPU: a capture (from inside its own thread's read, as a first read of a
+    size records one) waits for the other thread's read to end, holds the other's next read back until it is done,
+    and two threads that both capture from inside their reads take turns instead of waiting on each other."""
+    from roads_to_rome.backends.cuda_graphs import CaptureGate
+
+    gate, events = CaptureGate(), []
+    reading, release = threading.Event(), threading.Event()
+
+    def reader():
+        with gate.reading():
+            events.append("read starts")
+            reading.set()
+            release.wait(5)
+            events.append("read ends")
+
+    def capturer():
+        with gate.reading(), gate.capturing():
+            events.append("capture")
+
+    threads = [threading.Thread(target=reader), threading.Thread(target=capturer)]
+    threads[0].start()
+    reading.wait(5)
+    threads[1].start()
+    time.sleep(0.05)
+    assert events == ["read starts"]
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert events == ["read starts", "read ends", "capture"]
+
+    events.clear()
+    capturing, done = threading.Event(), threading.Event()
+
+    def long_capture():
+        with gate.capturing():
+            capturing.set()
+            done.wait(5)
+            events.append("capture ends")
+
+    def read():
+        with gate.reading():
+            events.append("read")
+
+    threads = [threading.Thread(target=long_capture), threading.Thread(target=read)]
+    threads[0].start()
+    capturing.wait(5)
+    threads[1].start()
+    time.sleep(0.05)
+    assert events == []
+    done.set()
+    for t in threads:
+        t.join(5)
+    assert events == ["capture ends", "read"]
+
+    both, order = threading.Barrier(2), []
+
+    def read_then_capture():
+        with gate.reading():
+            both.wait(5)
+            with gate.capturing():
+                order.append(threading.get_ident())
+
+    threads = [threading.Thread(target=read_then_capture) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads) and len(set(order)) == 2

@@ -244,3 +244,29 @@ def test_an_overlapped_call_agrees_at_the_rate_with_the_slms_token_just_past_its
     gen = engine.generate([prompt], SamplingParams(max_new_tokens=32, ignore_eos=True))[0]
     assert gen.deferred > 0
     assert gen.deferred_kept == (gen.deferred if rate else 0)
+
+
+def test_a_run_that_recorded_graphs_is_timed_again_and_marked_where_it_never_stopped(monkeypatch, slm, tokenizer):
+    """Recording a CUDA graph (and compiling the trunk for it) is one-time work: a system whose timed run recorded
+    any runs again, up to WARM_RUNS runs, and the table marks one whose last run still recorded."""
+    from roads_to_rome.models import systems
+
+    engine = systems.alone(shapes.Recorded(slm), tokenizer, "slm")
+    prompt = engine.encode_chat("What is 48 / 2?")
+    monkeypatch.setattr(slm, "captures", 0)
+    real_run = shapes.timed_run
+    for recording_runs, runs, recorded in ((2, 3, 0), (0, 1, 0), (9, shapes_report.WARM_RUNS, 1)):
+        timed = []
+
+        def run_recording(*args, timed=timed, recording_runs=recording_runs):
+            timed.append(args)
+            slm.captures += len(timed) <= recording_runs  # this run recorded a graph
+            return real_run(*args)
+
+        monkeypatch.setattr(shapes, "timed_run", run_recording)
+        result = shapes.run_system(engine, [prompt], 4)
+        assert (result["runs"], result["recorded_while_timed"], len(timed)) == (runs, recorded, runs)
+        assert result["tokens"] == 4
+    row = {"system": "r2r@0.11 b=8", "share": 0.11, "measured": 10.0, "recorded_while_timed": 1}
+    assert shapes_report.row_cells(row, False)[0] == "r2r@0.11 b=8 ‡"
+    assert "‡" not in shapes_report.row_cells(row | {"recorded_while_timed": 0}, False)[0]

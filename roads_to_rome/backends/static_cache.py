@@ -89,6 +89,7 @@ class BufferPool:
     free: dict = field(default_factory=dict)
     graphs: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     memory: object = None  # the CUDA graphs' shared memory pool
+    loans: dict = field(default_factory=dict)  # buffers in use: how each comes back when its cache is dropped
 
     def take(self, shape: tuple, dtype, device, layers: int) -> StaticKV:
         stack = self.free.get((shape, dtype))
@@ -98,9 +99,18 @@ class BufferPool:
             return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         return StaticKV(make(), make())
 
-    def give_back_when_dropped(self, owner, kv: StaticKV) -> None:
-        key = (tuple(kv.keys[0].shape), kv.keys[0].dtype)
-        weakref.finalize(owner, self.free.setdefault(key, []).append, kv)
+    def lend(self, owner, kv: StaticKV) -> None:
+        """`kv` is `owner`'s until it gives it back or is dropped."""
+        self.loans[kv] = weakref.finalize(owner, self._return, kv)
+
+    def give_back(self, kv: StaticKV) -> None:
+        loan = self.loans.pop(kv, None)
+        if loan is not None:  # (buffers of a row copy were never lent)
+            loan()
+
+    def _return(self, kv: StaticKV) -> None:
+        self.loans.pop(kv, None)
+        self.free.setdefault((tuple(kv.keys[0].shape), kv.keys[0].dtype), []).append(kv)
 
 
 def real_columns(attention_mask: torch.Tensor, capacity: int) -> torch.Tensor:

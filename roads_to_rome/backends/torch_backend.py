@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from roads_to_rome import hardware
 from roads_to_rome.backends.base import LocalBackend
-from roads_to_rome.backends.cuda_graphs import capture, recorded_or_none
+from roads_to_rome.backends.cuda_graphs import capture, gate, recorded_or_none
 from roads_to_rome.backends.static_cache import (
     BufferPool,
     GraphedStep,
@@ -125,18 +125,39 @@ class DynamicTorchCache(TorchCache):
 
 class StaticTorchCache(TorchCache):
     """Buffers of a fixed capacity (static_cache.StaticKV), written in place; columns past `length` are masked.
-    `reserve(cache, rows, columns)` gives the cache buffers that hold that much (the backend's pool)."""
+    `reserve(cache, rows, columns)` gives the cache buffers with room for that many rows and columns, holding what
+    it held (the backend's pool). The buffers may have more rows than the cache (`rows`, its first ones): a row
+    that leaves the batch leaves its slot behind, so the graphs captured over the buffers still apply (with new
+    buffers each step where a row finished or was parked would capture every read size again)."""
 
     def __init__(self, reserve, kv: StaticKV | None = None, length: int = 0):
         self.reserve, self.kv, self.length = reserve, kv, length  # the buffers come with the first read
+        self.rows = 0 if kv is None else kv.rows
 
     def tensors(self) -> list[torch.Tensor]:
         return self.kv.keys + self.kv.values
 
-    def replace(self, tensors: list[torch.Tensor]) -> None:
-        # New buffers: graphs captured over the old ones do not apply to them.
-        n = len(self.kv.keys)
-        self.kv = StaticKV(tensors[:n], tensors[n:])
+    def select_rows(self, rows: torch.Tensor) -> None:
+        if self.length:
+            for t in self.tensors():
+                t[: len(rows)] = t[rows]  # (indexing copies first, so rows may move over each other)
+        self.rows = len(rows)
+
+    def append_rows(self, other: StaticTorchCache) -> None:
+        if self.length != other.length:
+            raise ValueError("caches must cover the same columns")
+        rows = self.rows + other.rows
+        if self.length:
+            kv = self.reserve(self, rows, self.length)
+            for ours, theirs in zip(kv.keys + kv.values, other.tensors()):
+                ours[self.rows : rows, :, : self.length] = theirs[: other.rows, :, : self.length]
+        self.rows = rows
+
+    def trim_left(self, n: int) -> None:
+        if n and self.length:  # in place, as the graphs replay over these buffers
+            for t in self.tensors():
+                t[:, :, : self.length - n] = t[:, :, n : self.length].clone()
+            self.length -= n
 
     def copy_rows(self, rows: torch.Tensor) -> StaticTorchCache:
         if not self.length:
@@ -146,7 +167,7 @@ class StaticTorchCache(TorchCache):
     def pad_left(self, n: int) -> None:
         if not self.length:
             return
-        kv = self.reserve(self, self.kv.rows, self.length + n)
+        kv = self.reserve(self, self.rows, self.length + n)
         for t in kv.keys + kv.values:
             t[:, :, n : self.length + n] = t[:, :, : self.length].clone()
             t[:, :, :n] = 0
@@ -191,6 +212,7 @@ class TorchBackend(LocalBackend):
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.pool = BufferPool()
+        self.captures = 0  # graphs recorded so far, read by whoever times steps: recording is one-time work
         # (dynamic=None: the first shape compiles as it is, a second makes the sizes that changed symbolic, so
         # one-token reads get their own kernels and every longer read shares one set)
         self.compiled_trunk = torch.compile(self.trunk) if self.graphs and compile is not False else None
@@ -225,19 +247,22 @@ class TorchBackend(LocalBackend):
         return DynamicTorchCache(DynamicCache(config=self.model.config))
 
     def _reserve(self, cache: StaticTorchCache, rows: int, columns: int) -> StaticKV:
-        """The cache's buffers, (re)allocated to hold `rows` rows and `columns` columns."""
+        """The cache's buffers, with room for at least `rows` rows and `columns` columns: its own where they have it,
+        else pooled ones holding what its rows had written (its old buffers go back to the pool)."""
         kv = cache.kv
-        if kv is not None and kv.rows == rows and kv.capacity >= columns:
+        if kv is not None and kv.rows >= rows and kv.capacity >= columns:
             return kv
+        if kv is not None:  # grown: rows to a power of two, so a batch that gains rows one by one has few shapes
+            rows = kv.rows if rows <= kv.rows else 1 << (rows - 1).bit_length()
+            columns = max(columns, kv.capacity)
         shape = (rows, self.kv_heads, capacity_for(columns), self.head_dim)
         fresh = self.pool.take(shape, self.dtype, self.device, self.layers)
-        if kv is not None:  # grown: keep what was written
-            if kv.rows != rows:
-                raise ValueError(f"a cache of {kv.rows} rows was read with {rows}")
+        if kv is not None:
             for old, new in zip(kv.keys + kv.values, fresh.keys + fresh.values):
-                new[:, :, : cache.length] = old[:, :, : cache.length]
+                new[: cache.rows, :, : cache.length] = old[: cache.rows, :, : cache.length]
+            self.pool.give_back(kv)  # (the copy is queued before any later use of the buffers: one stream)
         cache.kv = fresh
-        self.pool.give_back_when_dropped(cache, fresh)
+        self.pool.lend(cache, fresh)
         return fresh
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -249,6 +274,13 @@ class TorchBackend(LocalBackend):
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the trunk over the new columns: their last hidden states [B, n, H], and the head's float32 logits at
         the last column [B, V] where a one-token graph made them with the read (else None)."""
+        if self.graphs:  # (another thread may be recording a graph: cuda_graphs.CaptureGate)
+            with gate.reading():
+                return self._read_columns(cache, new_ids, attention_mask)
+        return self._read_columns(cache, new_ids, attention_mask)
+
+    def _read_columns(self, cache: TorchCache, new_ids: torch.Tensor, attention_mask: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         start, n_new = cache.length, new_ids.shape[1]
         mask = attention_mask[:, : start + n_new]
         if not self.static:
@@ -266,16 +298,21 @@ class TorchBackend(LocalBackend):
     def _static_read(self, cache: StaticTorchCache, new_ids, mask, size: int, graphed: bool
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The new columns padded to `size` (the padding columns are not tokens: masked, and written past the
-        cache's length, where the next read overwrites them), read by a CUDA graph of that size over this cache's
-        buffers (captured on first use) when `graphed`, else eagerly. Hidden states [B, size, H], and the last
-        column's logits where the graph made them."""
-        start, pad = cache.length, size - new_ids.shape[1]
-        kv = self._reserve(cache, new_ids.shape[0], start + size)
-        if pad:
-            new_ids = torch.nn.functional.pad(new_ids, (0, pad))
+        cache's length, where the next read overwrites them) and the rows to the buffers' (slots of rows that left,
+        where no column is a token), read by a CUDA graph of that size over this cache's buffers (captured on first
+        use) when `graphed`, else eagerly. Hidden states [B, size, H], and the last column's logits where the graph
+        made them."""
+        start, rows = cache.length, new_ids.shape[0]
+        if start and rows != cache.rows:
+            raise ValueError(f"a cache of {cache.rows} rows was read with {rows}")
+        cache.rows = rows
+        kv = self._reserve(cache, rows, start + size)
+        if size > new_ids.shape[1] or kv.rows > rows:
+            new_ids = torch.nn.functional.pad(new_ids, (0, size - new_ids.shape[1], 0, kv.rows - rows))
+            mask = torch.nn.functional.pad(mask, (0, 0, 0, kv.rows - rows))
         if not graphed:
             start_at = torch.full((1,), start, device=self.device)
-            return self._trunk(kv, new_ids, real_columns(mask, kv.capacity), start_at), None
+            return self._trunk(kv, new_ids, real_columns(mask, kv.capacity), start_at)[:rows], None
         steps = self.pool.graphs.setdefault(kv, {})
         step = steps.get(size)
         if step is None:
@@ -283,7 +320,7 @@ class TorchBackend(LocalBackend):
             step = self._capture(kv, new_ids, real, start_at)
             if step is None:  # a model whose forward syncs with the host cannot be captured
                 self.graphs = False
-                return self._trunk(kv, new_ids, real, start_at), None
+                return self._trunk(kv, new_ids, real, start_at)[:rows], None
             steps[size] = step
         else:  # device to device, and a fill: nothing waits for the host
             step.ids.copy_(new_ids)
@@ -291,7 +328,7 @@ class TorchBackend(LocalBackend):
             step.real[:, mask.shape[1]:] = False
             step.start.fill_(start)
             step.graph.replay()
-        return step.hidden.clone(), None if step.logits is None else step.logits.clone()
+        return step.hidden[:rows].clone(), None if step.logits is None else step.logits[:rows].clone()
 
     def _trunk(self, kv: StaticKV, ids, real, start, trunk=None) -> torch.Tensor:
         """The trunk over a static cache, reading columns start.. of `real` (the real tokens' columns, this read's
@@ -303,8 +340,10 @@ class TorchBackend(LocalBackend):
         return trunk(ids, mask, positions, kv, use_cache=True).last_hidden_state
 
     def _capture(self, kv: StaticKV, ids, real, start) -> GraphedStep | None:
+        self.captures += 1
         # (the warm-up writes this read's own columns: the same numbers the replay writes)
-        ids, real, start = (t.clone() for t in (ids, real, start))
+        # (strides as a fresh tensor's: a compiled trunk's guards check them, and a view's would recompile it)
+        ids, real, start = (t.clone(memory_format=torch.contiguous_format) for t in (ids, real, start))
         if self.compiled_trunk is not None:
             try:
                 return self._record(kv, ids, real, start, self.compiled_trunk)
@@ -347,12 +386,17 @@ class TorchBackend(LocalBackend):
             hidden = self._read(cache, tokens, torch.ones_like(tokens))[0][0, start:]
         return self._logits(hidden), hidden
 
+    # (the row operations write a static cache's buffers, inference tensors as reads make them, in place or into
+    # new ones of the same kind: a compiled trunk's guards tell the two kinds apart and would compile again)
+    @torch.inference_mode()
     def select_rows(self, cache: TorchCache, rows: torch.Tensor) -> None:
         cache.select_rows(rows.to(self.device))
 
+    @torch.inference_mode()
     def copy_rows(self, cache: TorchCache, rows: list[int]) -> TorchCache:
         return cache.copy_rows(torch.tensor(rows, device=self.device))
 
+    @torch.inference_mode()
     def append_rows(self, cache: TorchCache, other: TorchCache) -> None:
         cache.append_rows(other)
 
@@ -363,6 +407,7 @@ class TorchBackend(LocalBackend):
     def truncate(self, cache: TorchCache, length: int) -> None:
         cache.truncate(length)
 
+    @torch.inference_mode()
     def trim_left(self, cache: TorchCache, n: int) -> None:
         cache.trim_left(n)
 

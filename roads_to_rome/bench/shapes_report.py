@@ -45,12 +45,14 @@ def summarize(result: dict, shares: list[float]) -> dict:
             continue
         alone_predicted = predicted_alone_tok_s(llm_ms, lengths, tokens)
         alone = (measured.get("llm") or {}).get("tokens_per_s")
-        table = [{"system": "llm", "measured": alone, "predicted": alone_predicted}]
+        table = [{"system": "llm", "measured": alone, "predicted": alone_predicted,
+                  "recorded_while_timed": (measured.get("llm") or {}).get("recorded_while_timed")}]
         for share in shares:
             run = measured.get(f"r2r@{share:g}")
             table.append({"system": f"r2r@{share:g}", "share": share,
                           "measured": run["tokens_per_s"] if run else None,
                           "measured_share": run["llm_share"] if run else None,
+                          "recorded_while_timed": (run or {}).get("recorded_while_timed"),
                           "predicted": predicted_routing_tok_s(slm_ms, llm_ms, share, lengths, tokens)})
         if 1 in result["config"].get("overlap", []):
             table += [overlap_row(result["config"], run, system, 1, share, mode, slm_ms, llm_ms, lengths,
@@ -109,7 +111,8 @@ def batched_rows(result: dict, entry: dict | None, measured: dict, shares: list[
                "measured": run["tokens_per_s"], "measured_share": run["llm_share"],
                "x_llm": run["tokens_per_s"] / alone if alone else None, "predicted": predicted,
                "predicted_x_llm": predicted / alone_predicted if predicted else None,
-               "x_model": run["tokens_per_s"] / predicted if predicted else None}
+               "x_model": run["tokens_per_s"] / predicted if predicted else None,
+               "recorded_while_timed": run.get("recorded_while_timed")}
         if "routed_rows_per_call" in run:
             row |= {"llm_calls": run["llm_calls_total"], "routed_rows_per_call": run["routed_rows_per_call"]}
         if mode != "off":
@@ -152,7 +155,8 @@ def overlap_row(config: dict, run: dict, system: str, batch: int, share: float, 
             "measured_share": run["llm_share"], "predicted": predicted, "overlap": True,
             "predicted_x_llm": predicted / alone_predicted if predicted and alone_predicted else None,
             "x_model": run["tokens_per_s"] / predicted if predicted else None,
-            "accept": run.get("deferred_accept", 0.0), "discarded_per_100": run["deferred_discarded_per_100"]}
+            "accept": run.get("deferred_accept", 0.0), "discarded_per_100": run["deferred_discarded_per_100"],
+            "recorded_while_timed": run.get("recorded_while_timed")}
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -191,6 +195,7 @@ def plot(result: dict, path: Path) -> Path:
 COLUMNS = ("system", "LLM share", "tok/s measured", "× LLM alone", "tok/s cost model", "× LLM alone (model)",
            "measured / model")
 GROUPED_COLUMNS = ("routed rows / LLM call", "kept")
+WARM_RUNS = 3  # timed runs of a system at most, while its last one still recorded graphs (shapes.run_system)
 
 
 def grouped(entry: dict) -> bool:
@@ -201,7 +206,8 @@ def grouped(entry: dict) -> bool:
 def row_cells(row: dict, with_grouping: bool) -> list[str]:
     """One summary row as text, in `COLUMNS` (and `GROUPED_COLUMNS`) order."""
     share = row.get("measured_share", row.get("share"))
-    cells = [row["system"], "100%" if row["system"] == "llm" else f"{share:.1%}" if share is not None else "",
+    system = row["system"] + (" ‡" if row.get("recorded_while_timed") else "")
+    cells = [system, "100%" if row["system"] == "llm" else f"{share:.1%}" if share is not None else "",
              f"{row['measured']:.2f}" if row.get("measured") else "–",
              f"{row['x_llm']:.2f}×" if row.get("x_llm") else "–",
              f"{row['predicted']:.2f}" if row.get("predicted") else "–",
@@ -222,6 +228,19 @@ def deferral_note(config: dict) -> str | None:
             "with them the LLM keeps the SLM's token at the rate the real pair kept it in this run.")
 
 
+def recording_note(summary: dict) -> str | None:
+    if not any(row.get("recorded_while_timed") for entry in summary.values() for row in entry["rows"]):
+        return None
+    return (f"‡ still recording CUDA graphs (and compiling the trunk for them) in the last of its {WARM_RUNS} timed "
+            "runs: its figure includes that one-time work.")
+
+
+def notes(result: dict) -> list[str]:
+    """The notes under the tables: what deferral, overlap and ‡ mean, where they appear."""
+    config = result["config"]
+    return [note for note in (deferral_note(config), overlap_note(config), recording_note(result["summary"])) if note]
+
+
 def overlap_note(config: dict) -> str | None:
     if not config.get("overlap"):
         return None
@@ -240,9 +259,8 @@ def markdown(result: dict) -> str:
         for row in entry["rows"]:
             cells = [f"{name} ({entry['params_b']:.1f}B)"] + row_cells(row, with_grouping)
             lines.append("| " + " | ".join(cells) + " |")
-    for note in (deferral_note(result["config"]), overlap_note(result["config"])):
-        if note:
-            lines += ["", note]
+    for note in notes(result):
+        lines += ["", note]
     ks = result["config"]["step_tokens"]
     lines += ["", "What one catch-up over k tokens costs per token read, against a one-token step (the LLM's "
               f"forward on a {result['config']['context']}-token cache):", "",

@@ -305,8 +305,7 @@ def bench_shapes(result: dict) -> list:
         for row in entry["rows"]:
             table.add_row(*shapes_report.row_cells(row, with_grouping))
         out.append(table)
-    out += [note for note in (shapes_report.deferral_note(result["config"]),
-                              shapes_report.overlap_note(result["config"])) if note]
+    out += shapes_report.notes(result)
     if result.get("slm_tokens_per_s"):
         slm = (result.get("slm") or {}).get("name", "the default SLM")
         out.append(f"SLM alone ({slm}): {result['slm_tokens_per_s']:.2f} tok/s. † the real 0.5B + 1.5B pair's "
