@@ -193,6 +193,21 @@ def test_settings_per_role_are_parsed_once_at_the_engine_config():
             EngineConfig(**bad) if "device" not in bad else parse_devices(bad["device"])
 
 
+def in_turn(first, second, inside: threading.Event, release: threading.Event, events: list) -> list:
+    """`first` on a thread until it is inside the gate (`inside`), then `second` on another, then `release` lets
+    `first` go on: the events of the time in between."""
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    threads[0].start()
+    inside.wait(5)
+    threads[1].start()
+    time.sleep(0.05)
+    before = list(events)
+    release.set()
+    for t in threads:
+        t.join(5)
+    return before
+
+
 def test_a_graph_capture_runs_alone_among_the_threads_that_read():
     """With overlap two threads drive one GPU: a capture (from inside its own thread's read, as a first read of a
     size records one) waits for the other thread's read to end, holds the other's next read back until it is done,
@@ -213,15 +228,7 @@ def test_a_graph_capture_runs_alone_among_the_threads_that_read():
         with gate.reading(), gate.capturing():
             events.append("capture")
 
-    threads = [threading.Thread(target=reader), threading.Thread(target=capturer)]
-    threads[0].start()
-    reading.wait(5)
-    threads[1].start()
-    time.sleep(0.05)
-    assert events == ["read starts"]
-    release.set()
-    for t in threads:
-        t.join(5)
+    assert in_turn(reader, capturer, reading, release, events) == ["read starts"]
     assert events == ["read starts", "read ends", "capture"]
 
     events.clear()
@@ -237,15 +244,7 @@ def test_a_graph_capture_runs_alone_among_the_threads_that_read():
         with gate.reading():
             events.append("read")
 
-    threads = [threading.Thread(target=long_capture), threading.Thread(target=read)]
-    threads[0].start()
-    capturing.wait(5)
-    threads[1].start()
-    time.sleep(0.05)
-    assert events == []
-    done.set()
-    for t in threads:
-        t.join(5)
+    assert in_turn(long_capture, read, capturing, done, events) == []
     assert events == ["capture ends", "read"]
 
     both, order = threading.Barrier(2), []
