@@ -346,3 +346,28 @@ def test_a_pair_whose_logits_do_not_line_up_is_refused(tokenizer, slm):
     wide = TorchBackend(tiny_model(tokenizer, hidden=64, seed=1, vocab_rows=len(tokenizer) + 20))  # no vocab_size
     with pytest.raises(R2RError, match="vocab_size"):
         Engine(slm, wide, tokenizer, AlwaysLLM())
+
+
+def test_one_compile_of_the_trunk_serves_every_batch_and_read_width_above_one(slm):
+    """torch.compile's trunk (the graphs' on CUDA) sees the batch's rows and a read's width as symbolic sizes: batches
+    of one and of more rows, one-token reads and longer ones compile once each, whatever their sizes and order."""
+    from roads_to_rome.backends.static_cache import real_columns
+
+    backend = TorchBackend(slm.model, name="tiny", static=True, pad_reads=True)
+    compiles = []
+
+    def counting(graph, inputs):
+        compiles.append(graph)
+        return graph.forward
+
+    trunk = torch.compile(backend.trunk, backend=counting)
+    with torch.inference_mode():
+        for rows, size in [(4, 16), (4, 1), (4, 2), (8, 16), (8, 1), (8, 4), (16, 1), (32, 2), (3, 1), (1, 1),
+                           (1, 2), (1, 16), (1, 1)]:
+            cache = backend.new_cache()
+            kv = backend._reserve(cache, rows, 64)
+            ids = torch.randint(0, 100, (rows, size))
+            real = real_columns(torch.ones(rows, 40 + size, dtype=torch.bool), kv.capacity)
+            expected = backend._trunk(kv, ids, real, torch.full((1,), 40))
+            assert torch.allclose(backend._trunk(kv, ids, real, torch.full((1,), 40), trunk), expected, atol=1e-5)
+    assert len(compiles) == 4

@@ -177,6 +177,20 @@ class StaticTorchCache(TorchCache):
         self.length = min(self.length, length)  # the columns past it are masked, and overwritten by the next read
 
 
+def symbolic_sizes(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: StaticKV) -> None:
+    """A compiled trunk's inputs with the sizes that vary between reads marked symbolic, so that one compile serves
+    every batch of two rows or more and every read of two columns or more (unmarked, torch.compile compiles again at
+    the first change of each size, and a compile of a 1.5B trunk takes most of a minute). Sizes of one keep kernels
+    of their own: a batch of one row and a one-token read are the steps that matter most."""
+    rows, size = ids.shape
+    if rows > 1:
+        for t in (ids, positions, mask, *kv.keys, *kv.values):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    if size > 1:
+        for t, dim in ((ids, 1), (positions, 1), (mask, 2), (kv.write_at, 0)):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
 class TorchBackend(LocalBackend):
     max_rows = None  # only memory limits a batch
     kv_capacity = None  # each row has its own cache columns
@@ -336,7 +350,10 @@ class TorchBackend(LocalBackend):
         keys and values there."""
         kv.write_at = start + torch.arange(ids.shape[1], device=ids.device)
         positions, mask = read_inputs(real, kv.write_at, self.dtype)
-        trunk = self.trunk if trunk is None else trunk
+        if trunk is None:
+            trunk = self.trunk
+        else:
+            symbolic_sizes(ids, positions, mask, kv)
         return trunk(ids, mask, positions, kv, use_cache=True).last_hidden_state
 
     def _capture(self, kv: StaticKV, ids, real, start) -> GraphedStep | None:
