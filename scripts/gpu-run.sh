@@ -30,6 +30,7 @@ lscpu | grep -m1 "Model name"
 git log -1 --format='commit %h %s' 2>/dev/null || true
 
 export COLUMNS=160  # rich's tables unwrapped in the log
+export TORCH_LOGS=${TORCH_LOGS-recompiles}  # why torch.compile compiled again, in each part's log
 limit() { local name="LIMIT_${1//-/_}"; echo "${!name:-$2}"; }
 want tests && timeout "$(limit tests 150)" python3 -m pytest -q -p no:cacheprovider -n 3 --tb=short -rf \
   tests/test_cuda.py 2>&1 | tail -60
