@@ -227,8 +227,7 @@ class TorchBackend(LocalBackend):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.pool = BufferPool()
         self.captures = 0  # graphs recorded so far, read by whoever times steps: recording is one-time work
-        # (dynamic=None: the first shape compiles as it is, a second makes the sizes that changed symbolic, so
-        # one-token reads get their own kernels and every longer read shares one set)
+        # (compiled once per kind of read: the sizes that vary between reads are symbolic, `symbolic_sizes`)
         self.compiled_trunk = torch.compile(self.trunk) if self.graphs and compile is not False else None
 
     @property
