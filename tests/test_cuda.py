@@ -12,7 +12,9 @@ from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.layout import left_pad
 from roads_to_rome.core.llm_calls import Deferral
+from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import SamplingParams
+from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
 from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig
 
@@ -151,3 +153,31 @@ def test_with_overlap_each_models_graphs_are_recorded_while_the_other_runs(token
     buffers = [len(model.pool.graphs) for model in (fresh_slm, fresh_llm)]
     assert [g.token_ids for g in engine.generate(prompts, params)] == expected
     assert [len(model.pool.graphs) for model in (fresh_slm, fresh_llm)] == buffers  # the same batch: the same buffers
+
+
+def test_rows_that_join_and_leave_keep_their_tokens_and_the_graphs_buffers(tokenizer, family):
+    """Requests of different lengths arrive one per turn (at most 4 rows, prompts read in chunks): each ends with the
+    tokens it gets alone, and every graph recorded on the way is still held over the pool's buffers: rows that leave
+    leave their slots, and a batch that outgrows its buffers takes pooled ones, so no recording is thrown away with
+    its buffers (as each row that left once did)."""
+    slm, llm = tiny_pair(tokenizer, family, "cuda")
+    policy = EntropyPolicy(3.0)
+    reference = Engine(slm, llm, tokenizer, policy, verify=1.0)
+    requests = [Request(reference.encode_chat(p + " " * i), SamplingParams(max_new_tokens=8 + 5 * i))
+                for i, p in enumerate(PROMPTS * 2)]
+    expected = [[g.token_ids for g in reference.run([r])][0] for r in requests]
+    fresh_slm, fresh_llm = tiny_pair(tokenizer, family, "cuda")
+    engine = Engine(fresh_slm, fresh_llm, tokenizer, policy, verify=1.0)
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=7)
+    got, arrivals = {}, list(enumerate(requests))
+    while arrivals or not scheduler.idle:
+        if arrivals:
+            i, request = arrivals.pop(0)
+            scheduler.add(engine.sequence(request, i))
+        for event in scheduler.turn():
+            assert not isinstance(event, Failure), event.error
+            if event.finished:
+                got[event.sequence.index] = event.sequence.generation.token_ids
+    assert [got[i] for i in range(len(requests))] == expected
+    for model in (fresh_slm, fresh_llm):
+        assert 0 < sum(len(steps) for steps in model.pool.graphs.values()) == model.captures
