@@ -32,9 +32,9 @@ from roads_to_rome.backends.static_cache import (
 
 class TorchCache:
     """A torch backend's cache: every layer's keys and values [rows, kv heads, columns, head dim] and the columns
-    read so far (`length`), with the contract's row operations written once over those tensors. Two kinds hold
-    them: `DynamicTorchCache` (transformers' own, which grows as it is written: on a CPU) and `StaticTorchCache`
-    (buffers of fixed capacity written in place, which CUDA graphs replay over)."""
+    read so far (`length`). Two kinds hold them: `DynamicTorchCache` (transformers' own, which grows as it is
+    written: on a CPU) and `StaticTorchCache` (buffers of fixed capacity written in place, which CUDA graphs replay
+    over); the row operation both do alike, in place, is written here once."""
 
     length: int  # columns of the token streams already read
 
@@ -42,41 +42,23 @@ class TorchCache:
         """Every layer's keys, then every layer's values."""
         raise NotImplementedError
 
-    def replace(self, tensors: list[torch.Tensor]) -> None:
-        """Hold these tensors (as `tensors` lists them) instead."""
+    def copy_rows(self, rows: torch.Tensor) -> TorchCache:
         raise NotImplementedError
 
-    def copy_rows(self, rows: torch.Tensor) -> TorchCache:
+    def select_rows(self, rows: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def append_rows(self, other: TorchCache) -> None:
         raise NotImplementedError
 
     def pad_left(self, n: int) -> None:
         raise NotImplementedError
 
-    def truncate(self, length: int) -> None:
+    def trim_left(self, n: int) -> None:
         raise NotImplementedError
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        if self.length:
-            self.replace([t[rows] for t in self.tensors()])
-
-    def trim_left(self, n: int) -> None:
-        # (positions were applied as the keys were written: they count real tokens only, not these columns)
-        if n and self.length:
-            self.replace([t[:, :, n:].contiguous() for t in self.tensors()])
-            self.length -= n
-
-    def append_rows(self, other: TorchCache) -> None:
-        if self.length != other.length:
-            raise ValueError("caches must cover the same columns")
-        if not self.length:
-            return
-        ours, theirs = self.tensors(), other.tensors()
-        columns = max(t.shape[2] for t in ours[:1] + theirs[:1])  # a static cache's capacity may exceed its length
-
-        def widened(t):
-            return torch.nn.functional.pad(t, (0, 0, 0, columns - t.shape[2]))
-
-        self.replace([torch.cat([widened(a), widened(b)]) for a, b in zip(ours, theirs)])
+    def truncate(self, length: int) -> None:
+        raise NotImplementedError
 
     def shift_rows(self, shifts: list[int]) -> None:
         # In place: a static cache's graphs replay over its buffers.
@@ -98,9 +80,26 @@ class DynamicTorchCache(TorchCache):
         return [layer.keys for layer in self.kv.layers] + [layer.values for layer in self.kv.layers]
 
     def replace(self, tensors: list[torch.Tensor]) -> None:
+        """Hold these tensors (as `tensors` lists them) instead."""
         n = len(self.kv.layers)
         for layer, keys, values in zip(self.kv.layers, tensors[:n], tensors[n:]):
             layer.keys, layer.values = keys, values
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        if self.length:
+            self.replace([t[rows] for t in self.tensors()])
+
+    def append_rows(self, other: DynamicTorchCache) -> None:
+        if self.length != other.length:
+            raise ValueError("caches must cover the same columns")
+        if self.length:
+            self.replace([torch.cat([a, b]) for a, b in zip(self.tensors(), other.tensors())])
+
+    def trim_left(self, n: int) -> None:
+        # (positions were applied as the keys were written: they count real tokens only, not these columns)
+        if n and self.length:
+            self.replace([t[:, :, n:].contiguous() for t in self.tensors()])
+            self.length -= n
 
     def copy_rows(self, rows: torch.Tensor) -> DynamicTorchCache:
         if not self.length:
