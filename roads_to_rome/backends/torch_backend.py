@@ -342,17 +342,16 @@ class TorchBackend(LocalBackend):
             step.graph.replay()
         return step.hidden[:rows].clone(), None if step.logits is None else step.logits[:rows].clone()
 
-    def _trunk(self, kv: StaticKV, ids, real, start, trunk=None) -> torch.Tensor:
-        """The trunk over a static cache, reading columns start.. of `real` (the real tokens' columns, this read's
-        included; static_cache.read_inputs makes the positions and the mask from them): it writes the new columns'
-        keys and values there."""
+    def _trunk(self, kv: StaticKV, ids, real, start, compiled=None) -> torch.Tensor:
+        """The trunk (torch.compile's `compiled` one where given, else the model's own) over a static cache, reading
+        columns start.. of `real` (the real tokens' columns, this read's included; static_cache.read_inputs makes the
+        positions and the mask from them): it writes the new columns' keys and values there."""
         kv.write_at = start + torch.arange(ids.shape[1], device=ids.device)
         positions, mask = read_inputs(real, kv.write_at, self.dtype)
-        if trunk is None:
-            trunk = self.trunk
-        else:
-            symbolic_sizes(ids, positions, mask, kv)
-        return trunk(ids, mask, positions, kv, use_cache=True).last_hidden_state
+        if compiled is None:
+            return self.trunk(ids, mask, positions, kv, use_cache=True).last_hidden_state
+        symbolic_sizes(ids, positions, mask, kv)
+        return compiled(ids, mask, positions, kv, use_cache=True).last_hidden_state
 
     def _capture(self, kv: StaticKV, ids, real, start) -> GraphedStep | None:
         self.captures += 1
@@ -368,9 +367,9 @@ class TorchBackend(LocalBackend):
                 self.compiled_trunk = None
         return recorded_or_none(lambda: self._record(kv, ids, real, start), self.name)
 
-    def _record(self, kv: StaticKV, ids, real, start, trunk=None) -> GraphedStep:
+    def _record(self, kv: StaticKV, ids, real, start, compiled=None) -> GraphedStep:
         def read():
-            hidden = self._trunk(kv, ids, real, start, trunk)
+            hidden = self._trunk(kv, ids, real, start, compiled)
             # a one-token read is a decode step, whose logits are always wanted: the head runs in the same graph
             return hidden, self._logits(hidden[:, -1]) if ids.shape[1] == 1 else None
 
