@@ -44,9 +44,10 @@ def summarize(result: dict, shares: list[float]) -> dict:
         else:
             continue
         alone_predicted = predicted_alone_tok_s(llm_ms, lengths, tokens)
-        alone = (measured.get("llm") or {}).get("tokens_per_s")
+        llm_run = measured.get("llm") or {}
+        alone = llm_run.get("tokens_per_s")
         table = [{"system": "llm", "measured": alone, "predicted": alone_predicted,
-                  "recorded_while_timed": (measured.get("llm") or {}).get("recorded_while_timed")}]
+                  "recorded_while_timed": llm_run.get("recorded_while_timed")}]
         for share in shares:
             run = measured.get(f"r2r@{share:g}")
             table.append({"system": f"r2r@{share:g}", "share": share,
