@@ -42,9 +42,17 @@ class Counted(TorchBackend):
         return hidden
 
 
+def batches(text: str) -> list[int]:
+    """`--batch`: positive row counts, comma-separated."""
+    sizes = [int(b) for b in text.split(",")]
+    if min(sizes) < 1:
+        raise ValueError(text)
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", default="1,4,8,32", help="batches, comma-separated")
+    parser.add_argument("--batch", type=batches, default="1,4,8,32", help="batches, comma-separated")
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256, help="new tokens a row")
     args = parser.parse_args()
@@ -53,10 +61,11 @@ def main() -> None:
     llm = Counted(tiny_model(tokenizer, hidden=64, seed=1), name="llm")
     router = random_router(slm)
     recorded = shapes.Recorded(slm)
-    prompts = [systems.alone(recorded, tokenizer, "slm").encode_chat(f"What is {i} times {i + 3}? Explain step by "
-                                                                      "step, please, with care.") for i in range(64)]
+    chat = systems.alone(recorded, tokenizer, "slm")
+    prompts = [chat.encode_chat(f"What is {i} times {i + 3}? Explain step by step, please, with care.")
+               for i in range(max(args.batch))]
     print("system        batch  first reads per pass (SLM + LLM)")
-    for batch in (int(b) for b in args.batch.split(",")):
+    for batch in args.batch:
         for mode in ("off", "continue", "park"):
             for overlap in (False, True):
                 if batch == 1 and mode != "off":

@@ -165,7 +165,7 @@ def test_rows_that_join_and_leave_keep_their_tokens_and_the_graphs_buffers(token
     reference = Engine(slm, llm, tokenizer, policy, verify=1.0)
     requests = [Request(reference.encode_chat(p + " " * i), SamplingParams(max_new_tokens=8 + 5 * i))
                 for i, p in enumerate(PROMPTS * 2)]
-    expected = [[g.token_ids for g in reference.run([r])][0] for r in requests]
+    expected = [reference.run([r])[0].token_ids for r in requests]
     fresh_slm, fresh_llm = tiny_pair(tokenizer, family, "cuda")
     engine = Engine(fresh_slm, fresh_llm, tokenizer, policy, verify=1.0)
     scheduler = Scheduler(engine, max_batch=4, prefill_chunk=7)
