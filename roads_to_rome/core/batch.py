@@ -181,7 +181,8 @@ class Batch:
         logits, hidden = engine.writer.forward(cache, layout.writer_part(self.ids[:, cache.length :]),
                                                layout.writer_part(self.mask))
         writing = [sequences[i] for i in rows]
-        proposal = sample_rows(logits, writing)
+        proposal, faults = sample_rows(logits, writing)
+        step.failed.update((rows[j], e) for j, e in faults.items())
         if len(rows) < len(sequences):  # back to one row per sequence
             index = torch.tensor(rows, device=logits.device)
             logits = logits.new_zeros(len(sequences), logits.shape[1]).index_copy_(0, index, logits)
@@ -190,8 +191,8 @@ class Batch:
         step.proposal, step.slm_logits, step.hidden = proposal, logits, hidden
         for i in rows:
             s = sequences[i]
-            if s.verify == "strict" and s.params.temperature > 0:  # the ratio test needs what the SLM drew from
-                index = len(s.generation.token_ids)
+            if s.verify == "strict" and s.params.temperature > 0 and i not in step.failed:  # the ratio test needs
+                index = len(s.generation.token_ids)  # what the SLM drew from
                 s.checks.draft_probs[index] = sampling_probs(s.logits_at(logits[i], index)[None], s.params)[0]
         engine.sync()
 
@@ -215,6 +216,8 @@ class Batch:
             step.routed, step.scores = [s.force == "llm" for s in self.sequences], [0.0] * n
             for i, s, x, score in zip(rows, writing, to_llm.tolist(), scores.tolist()):
                 step.routed[i], step.scores[i] = (s.force == "llm" if s.force else bool(x)), score
+        for i in step.failed:  # a row that failed writes nothing: the LLM need not read it for this step
+            step.routed[i] = False
         step.held = [False] * n
         on = engine.deferral.on
         step.deferred = [on and r and s.force is None for s, r in zip(self.sequences, step.routed)]
@@ -327,7 +330,11 @@ class Batch:
                 engine.counters.routed_rows += routed_now or bool(s.checks.routed)
                 # This step's token is checked only where the read reaches it and the row writes one.
                 last = min(read.reach, count - 1 if step.held[i] or routed_now else count)
-                found = verification.first_rejection(s, read, last, step.proposed[i], park, full_logits)
+                try:
+                    found = verification.first_rejection(s, read, last, step.proposed[i], park, full_logits)
+                except Exception as e:  # this row's settings or format: it alone fails
+                    step.failed[i] = e
+                    continue
                 if found:
                     step.rejected[i] = found
                     step.held[i] = False
@@ -340,7 +347,11 @@ class Batch:
                 continue
             if routed_now:
                 step.llm_logits[i] = read.at(read.reach)
-                step.chosen[i] = sample_rows(step.llm_logits[i][None], sequences[i : i + 1])[0]
+                token, faults = sample_rows(step.llm_logits[i][None], sequences[i : i + 1])
+                if faults:
+                    step.failed[i] = faults[0]
+                    continue
+                step.chosen[i] = token[0]
             elif step.deferred[i]:
                 verification.defer(s, count, None if step.slm_logits is None else step.slm_logits[i])
 
@@ -375,13 +386,18 @@ class Batch:
             if step.held[i]:
                 keep.append(i)
                 continue
-            record(s, token, source, score, step.writer_of(i) if gen.logprobs is not None else None)
-            reason = ends(self.engine, s, gen.token_ids)
-            if reason and s.checks.pending(s):  # the LLM checks its tokens first: the row waits for that
-                s.checks.ends, reason = reason, None
+            try:
+                record(s, token, source, score, step.writer_of(i) if gen.logprobs is not None else None)
+                reason = ends(self.engine, s, gen.token_ids)
+                if reason and s.checks.pending(s):  # the LLM checks its tokens first: the row waits for that
+                    s.checks.ends, reason = reason, None
+                if reason:
+                    gen.finish_reason = reason
+                    gen.text, gen.stop_reason = final_text(self.engine.tokenizer, s)
+            except Exception as e:  # noqa: BLE001 - one row's output: it alone fails
+                events.append(Failure(s, e))
+                continue
             if reason:
-                gen.finish_reason = reason
-                gen.text, gen.stop_reason = final_text(self.engine.tokenizer, s)
                 finished.append(i)
             else:
                 keep.append(i)
@@ -525,12 +541,16 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(float(own), list(zip(ids.tolist(), values.tolist())), int((logprobs > own).sum()) + 1)
 
 
-def sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[torch.Tensor, dict[int, Exception]]:
     """Each row's next token from a model's logits [B, V], with its request's penalties and sampling settings
-    (greedy rows that change nothing in one argmax)."""
-    tokens = logits.argmax(-1)
+    (greedy rows that change nothing in one argmax); and the rows whose own settings failed them (a row its
+    settings leave no token: `NothingToWrite`), by index, whose token is a placeholder: they fail alone."""
+    tokens, faults = logits.argmax(-1), {}
     for i, s in enumerate(sequences):
         if s.params.temperature > 0 or s.params.adjusted:
-            row = s.logits_at(logits[i], len(s.generation.token_ids))[None]
-            tokens[i] = sample(row, s.params, s.generator)[0]
-    return tokens
+            try:
+                row = s.logits_at(logits[i], len(s.generation.token_ids))[None]
+                tokens[i] = sample(row, s.params, s.generator)[0]
+            except Exception as e:  # noqa: BLE001 - whatever one row's settings raise, the others go on
+                faults[i] = e
+    return tokens, faults

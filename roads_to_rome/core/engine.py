@@ -130,6 +130,7 @@ class Engine:
         seed = request.params.seed
         generator = None if seed is None else torch.Generator(self.writer.device).manual_seed(seed)
         ending = (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
+        check_writable(params, ending, vocab)
         grammar = (None if params.output_format is None
                    else GrammarWalk(params.output_format, self.grammar_tokenizer, request.thinking_until))
         return Sequence(request, verify=verify, max_unverified=max_unverified, index=index, generator=generator,
@@ -285,6 +286,26 @@ class Counters:
 
     def __add__(self, other: Counters) -> Counters:
         return Counters(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+def check_writable(params: SamplingParams, ending: set[int], vocab_size: int) -> None:
+    """Settings that leave no token to write at the output's start, refused before the request joins a batch: the
+    allowed tokens (or the whole vocabulary) all banned as one-token bad words, or all ending tokens while min_tokens
+    holds those back. (What a structured output leaves is known only as it is walked: a row it leaves nothing ends
+    alone, `sampling.NothingToWrite`.)"""
+    banned = {word[0] for word in params.bad_words if len(word) == 1}
+    held = ending if params.min_tokens > 0 else set()
+    if params.allowed_token_ids is not None:
+        allowed = set(params.allowed_token_ids)
+        if allowed <= banned:
+            raise R2RError(f"bad_words bans every token allowed_token_ids allows ({len(allowed)}): nothing could be "
+                           "written; allow more tokens or ban fewer words")
+        if allowed - banned <= held:
+            raise R2RError(f"allowed_token_ids leaves only tokens that end the output, and min_tokens="
+                           f"{params.min_tokens} holds those back until it is that long: allow a token that does "
+                           "not end it, or leave min_tokens out")
+    elif len(banned | held) >= vocab_size:
+        raise R2RError("bad_words bans every token of the vocabulary: nothing could be written; ban fewer words")
 
 
 def eos_token_ids(tokenizer) -> set[int]:

@@ -181,6 +181,16 @@ class LogitRules:
     bias_values: torch.Tensor
     allowed: torch.Tensor | None
     grammar: GrammarWalk | None = None  # the sequence's walk through its structured output
+    bad_words: BadWords | None = None
+
+    @property
+    def narrows(self) -> bool:
+        """Whether these rules can leave a row no token at all (then it fails alone: `NothingToWrite`)."""
+        return (self.allowed is not None or self.grammar is not None or self.bad_words is not None
+                or (self.params.min_tokens > 0 and len(self.ending) > 0))
+
+    def banned_next(self, output_ids: Sequence[int]) -> list[int]:
+        return [] if self.bad_words is None else self.bad_words.banned_next(output_ids)
 
     @classmethod
     def of(cls, params: SamplingParams, prompt_ids: Sequence[int], ending_ids: Sequence[int] = (),
@@ -190,7 +200,8 @@ class LogitRules:
                    torch.tensor(sorted(ending_ids), dtype=torch.long), torch.tensor(ids, dtype=torch.long),
                    torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32),
                    None if params.allowed_token_ids is None else torch.tensor(params.allowed_token_ids,
-                                                                                dtype=torch.long), grammar)
+                                                                                dtype=torch.long), grammar,
+                   BadWords(params.bad_words) if params.bad_words else None)
 
 
 def adjust_logits(logits: torch.Tensor, rules: LogitRules, output_ids: Sequence[int]) -> torch.Tensor:
@@ -212,23 +223,61 @@ def adjust_logits(logits: torch.Tensor, rules: LogitRules, output_ids: Sequence[
         logits += allowed
     if rules.grammar is not None and (allowed := rules.grammar.allowed(output_ids)) is not None:
         logits.masked_fill_(~allowed.to(device), float("-inf"))
-    if params.bad_words:
-        banned = banned_next(params.bad_words, output_ids)
-        if banned:
-            logits[banned] = float("-inf")
+    if rules.bad_words is not None:
+        if len(rules.bad_words.always):
+            logits[rules.bad_words.always.to(device)] = float("-inf")
+        if completing := rules.bad_words.completing(output_ids):
+            logits[completing] = float("-inf")
     if len(output_ids) < params.min_tokens and len(rules.ending):
         held = logits.clone() if rules.grammar is not None else None
         logits[rules.ending.to(device)] = float("-inf")
         if held is not None and not bool(torch.isfinite(logits).any()):  # the format allows nothing but its end
             logits = held
+    if rules.narrows and not bool(torch.isfinite(logits).any()):
+        raise NothingToWrite(nothing_left(rules, output_ids))
     return apply_penalties(logits, params, rules.prompt_tokens, output_ids)
 
 
-def banned_next(bad_words: tuple[tuple[int, ...], ...], output_ids: Sequence[int]) -> list[int]:
-    """The tokens that would complete a bad word after `output_ids`: a one-token word's always, a longer one's last
-    where the output ends with the rest of it."""
-    return [word[-1] for word in bad_words
-            if len(word) == 1 or tuple(output_ids[max(0, len(output_ids) - len(word) + 1) :]) == word[:-1]]
+class NothingToWrite(R2RError):
+    """A row's settings leave no token it may write next: it ends with this error; the rows beside it go on."""
+
+
+def nothing_left(rules: LogitRules, output_ids: Sequence[int]) -> str:
+    """Which of a request's settings removed tokens at this point of its output, said so that a client can loosen
+    one of them."""
+    params, said = rules.params, []
+    if params.allowed_token_ids is not None:
+        said.append(f"allowed_token_ids allows {len(set(params.allowed_token_ids))} token(s)")
+    if rules.grammar is not None:
+        said.append(f"the {params.output_format.kind} structured output allows only its own continuations")
+    if params.bad_words and rules.banned_next(output_ids):
+        said.append(f"bad_words bans {len(set(rules.banned_next(output_ids)))} token(s) here")
+    if len(output_ids) < params.min_tokens and len(rules.ending):
+        said.append(f"min_tokens={params.min_tokens} holds back the tokens that end the output")
+    return (f"no token is left to write after {len(output_ids)} output token(s): {'; '.join(said)}, and together "
+            "they allow none; loosen one of them")
+
+
+class BadWords:
+    """A request's bad words indexed once, so that each step looks up only the words the output's last token could
+    be completing: a one-token word's token always, a longer word's last where the output ends with the rest. A step
+    costs the words that end in the output's last token, not every word."""
+
+    def __init__(self, bad_words: tuple[tuple[int, ...], ...]):
+        self.always = torch.tensor(sorted({word[0] for word in bad_words if len(word) == 1}), dtype=torch.long)
+        self.by_last: dict[int, list[tuple[int, ...]]] = {}  # the token before the banned one -> words ending so
+        for word in bad_words:
+            if len(word) > 1:
+                self.by_last.setdefault(word[-2], []).append(word)
+
+    def completing(self, output_ids: Sequence[int]) -> list[int]:
+        """The last tokens of the longer words whose other tokens end `output_ids`."""
+        words = self.by_last.get(output_ids[-1], ()) if len(output_ids) else ()
+        n = len(output_ids)
+        return [word[-1] for word in words if len(word) - 1 <= n and tuple(output_ids[n - len(word) + 1 :]) == word[:-1]]
+
+    def banned_next(self, output_ids: Sequence[int]) -> list[int]:
+        return self.always.tolist() + self.completing(output_ids)
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int] | torch.Tensor,

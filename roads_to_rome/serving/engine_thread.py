@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step
+from roads_to_rome.core.sampling import NothingToWrite
 from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.errors import LLMUnavailable, R2RError, RemoteError
 from roads_to_rome.serving import request_ids
@@ -212,6 +213,8 @@ def error_reply(e: Exception, request_id: str) -> ErrorReply:
     if isinstance(e, RemoteError):  # its message names an address clients need not know
         log.error("remote model failure, request %s: %s", request_id, e)
         return ErrorReply(f"the LLM's server failed this request ({request_ids.details(request_id)})", 502)
+    if isinstance(e, NothingToWrite):  # the request's own settings: the client can fix them
+        return ErrorReply(str(e), 400, "nothing_to_write")
     if isinstance(e, R2RError):
         return ErrorReply(str(e))
     log.exception("engine failure, request %s", request_id, exc_info=e)

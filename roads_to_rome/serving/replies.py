@@ -278,7 +278,8 @@ async def finished_generations(http, jobs: list[Job], seconds: float) -> list[Ge
                 if isinstance(event, ErrorReply):
                     if event.code == "llm_unavailable":
                         raise llm_away()
-                    raise APIError(event.status, event.message, kind="server_error", code=event.code)
+                    raise APIError(event.status, event.message, code=event.code,
+                                   kind="server_error" if event.status >= 500 else "invalid_request_error")
                 if event is not None and event.finished:
                     break
                 if time.monotonic() >= deadline:
