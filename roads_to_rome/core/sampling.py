@@ -274,7 +274,8 @@ class BadWords:
         """The last tokens of the longer words whose other tokens end `output_ids`."""
         words = self.by_last.get(output_ids[-1], ()) if len(output_ids) else ()
         n = len(output_ids)
-        return [word[-1] for word in words if len(word) - 1 <= n and tuple(output_ids[n - len(word) + 1 :]) == word[:-1]]
+        return [word[-1] for word in words
+                if len(word) - 1 <= n and tuple(output_ids[n - len(word) + 1 :]) == word[:-1]]
 
     def banned_next(self, output_ids: Sequence[int]) -> list[int]:
         return self.always.tolist() + self.completing(output_ids)
