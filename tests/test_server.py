@@ -393,14 +393,14 @@ def test_bad_words_never_come_whichever_model_writes_and_each_answer_is_the_engi
     under strict verification (its routed tokens and its fixes) and the LLM's alone, is the engine's own with those
     words banned, holds none of them, and differs from the plain one."""
     from roads_to_rome.core.request import Request
-    from roads_to_rome.serving.schemas import ChatBody, bad_words
+    from roads_to_rome.serving.schemas import bad_words
 
     engine = Engine(slm, llm, tokenizer)
     prompt = "What is 48 / 2?"
     plain = chat(client, prompt, max_tokens=16, extra_body={"r2r_policy": "llm", "ignore_eos": True})
     ids = plain.model_extra["r2r"]["token_ids"]
     words = [tokenizer.decode(ids[3:5]), tokenizer.decode(ids[8:9])]
-    sequences = bad_words(ChatBody(messages=[{"role": "user", "content": prompt}], bad_words=words), tokenizer)
+    sequences = bad_words(words, tokenizer)
     holds = lambda out: any(tuple(out[i : i + len(w)]) == w for w in sequences for i in range(len(out)))  # noqa: E731
     assert holds(ids)
     for extra in ({"r2r_policy": "llm"}, {"r2r_verify": "strict", "r2r_threshold": 0.1}):

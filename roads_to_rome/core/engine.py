@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from roads_to_rome.backends.base import Backend
-from roads_to_rome.core.grammar import GrammarWalk, grammar_tokenizer
+from roads_to_rome.core.grammar import GrammarWalk, OutputFormat, grammar_tokenizer
 from roads_to_rome.core.llm_calls import Deferral, LLMCalls
 from roads_to_rome.core.request import Failure, Generation, Request, Sequence
 from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify
@@ -88,10 +88,11 @@ class Engine:
         self.sync = (torch.cuda.current_stream(self.writer.device).synchronize if self.writer.device.type == "cuda"
                      else (lambda: None))
 
-    def sequence(self, request: Request, index: int = 0) -> Sequence:
+    def sequence(self, request: Request, index: int = 0, compiled: GrammarWalk | None = None) -> Sequence:
         """The engine's running state for a request, or an error if this engine cannot run it (said before the
         request joins a batch, where it would fail the others). Fills in the engine's defaults for the sequence,
-        never into the request."""
+        never into the request. `compiled`: its structured output, compiled already (`compile_format`: once per
+        request, however many choices walk it); else it is compiled here."""
         if self.llm is None and request.force == "llm":
             raise R2RError("this request asks for the LLM, but no LLM is loaded")
         if self.llm is None and request.force is None and self.policy.routes_to_llm:
@@ -131,8 +132,9 @@ class Engine:
         generator = None if seed is None else torch.Generator(self.writer.device).manual_seed(seed)
         ending = (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
         check_writable(params, ending, vocab)
-        grammar = (None if params.output_format is None
-                   else GrammarWalk(params.output_format, self.grammar_tokenizer, request.thinking_until))
+        grammar = None
+        if params.output_format is not None:
+            grammar = (compiled or self.compile_format(params.output_format)).copy(request.thinking_until)
         return Sequence(request, verify=verify, max_unverified=max_unverified, index=index, generator=generator,
                         ending_ids=frozenset(ending), grammar=grammar,
                         generation=Generation(list(request.prompt_ids), params_b=self.params_b,
@@ -144,6 +146,13 @@ class Engine:
         if not self.routes:
             return True, False
         return sequence.force != "llm", sequence.uses_llm
+
+    def compile_format(self, output_format: OutputFormat) -> GrammarWalk:
+        """A structured output checked and compiled for this engine's tokenizer: a walk at its start, which each
+        sequence that follows the format copies (`sequence`). Seconds for a large schema: a server runs it off its
+        event loop."""
+        output_format.validate()
+        return GrammarWalk(output_format, self.grammar_tokenizer)
 
     @functools.cached_property
     def grammar_tokenizer(self):

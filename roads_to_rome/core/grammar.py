@@ -55,7 +55,13 @@ class OutputFormat:
         return cls("json", schema, any_whitespace, whitespace)
 
     def grammar(self) -> str:
-        """The format as llguidance's grammar, or an error that says what is wrong with it."""
+        """The format as llguidance's grammar, or an error that says what is wrong with it (made once per format:
+        a request's choices, and its check before it is queued, share it)."""
+        if "_grammar" not in self.__dict__:  # (a frozen dataclass: its cache goes in past __setattr__)
+            self.__dict__["_grammar"] = self._make_grammar()
+        return self.__dict__["_grammar"]
+
+    def _make_grammar(self) -> str:
         import llguidance
 
         whitespace = ({"whitespace_flexible": self.any_whitespace} if self.whitespace is None
@@ -76,14 +82,22 @@ class OutputFormat:
                 grammar = llguidance.grammar_from(self.kind, self.spec)
         except (ValueError, TypeError) as e:
             raise R2RError(f"the {self.kind} structured output is not valid: {one_line(str(e))}") from None
+        except RecursionError:  # (a JSON schema nested past what its compiler recurses through)
+            raise R2RError(f"the {self.kind} structured output is nested too deeply: nest it less") from None
         return grammar
 
     def validate(self) -> None:
         """Compile the format (without a tokenizer): a request whose format cannot be followed is refused before it
-        is queued."""
-        error = __import__("llguidance").LLMatcher.validate_grammar(self.grammar(), None)
+        is queued. Once per format: the server compiles it off its event loop, then makes the request from it."""
+        if self.__dict__.get("_valid"):
+            return
+        try:
+            error = __import__("llguidance").LLMatcher.validate_grammar(self.grammar(), None)
+        except RecursionError:  # a structural tag nested past what a grammar can be built from
+            raise R2RError(f"the {self.kind} structured output is nested too deeply: nest it less") from None
         if error:
             raise R2RError(f"the {self.kind} structured output is not valid: {one_line(error)}")
+        self.__dict__["_valid"] = True
 
 
 def one_line(error: str) -> str:
@@ -131,11 +145,23 @@ class GrammarWalk:
         which this token closes; the format applies after it."""
         import llguidance
 
-        self.matcher = llguidance.LLMatcher(tokenizer, output_format.grammar(), log_level=0)
-        if self.matcher.is_error():
-            raise R2RError(f"the {output_format.kind} structured output is not valid: "
-                           f"{one_line(self.matcher.get_error())}")
-        self.vocab_size, self.think_end = tokenizer.vocab_size, think_end
+        matcher = llguidance.LLMatcher(tokenizer, output_format.grammar(), log_level=0)
+        if matcher.is_error():
+            raise R2RError(f"the {output_format.kind} structured output is not valid: {one_line(matcher.get_error())}")
+        self._start(output_format, matcher, tokenizer.vocab_size, think_end)
+
+    def copy(self, think_end: int | None = None) -> GrammarWalk:
+        """A walk of its own through the same compiled format, from its start: a request's format is compiled once
+        and each of its choices walks a copy."""
+        if self.tokens:
+            raise R2RError("internal: only a walk that has not started is copied")
+        walk = GrammarWalk.__new__(GrammarWalk)
+        walk._start(self.output_format, self.matcher.deep_copy(), self.vocab_size, think_end)
+        return walk
+
+    def _start(self, output_format: OutputFormat, matcher, vocab_size: int, think_end: int | None) -> None:
+        self.output_format, self.matcher = output_format, matcher
+        self.vocab_size, self.think_end = vocab_size, think_end
         self.tokens: list[int] = []  # the answer's tokens the matcher has walked
         self.consumed: list[bool] = []  # ... whether it took each (a finished format takes no more tokens)
         self.masks: dict[int, torch.Tensor] = {}  # packed mask per answer index, the most recent ones

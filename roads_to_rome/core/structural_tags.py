@@ -56,12 +56,16 @@ def legacy_grammar(tag: dict) -> str:
     return llguidance.StructTag.to_grammar(tags, assume_special=False)
 
 
+MAX_DEPTH = 32  # formats within formats in one structural tag
+
+
 class FormatGrammar:
     """xgrammar's `format` objects as one Lark grammar: each format becomes an expression, helper rules gather in
     `rules`. `where` names the format being compiled in errors (`format.elements[1].content`)."""
 
     def __init__(self):
         self.rules: list[str] = []
+        self.depth = 0  # formats within formats where `expression` is now
 
     def grammar(self, fmt: object) -> str:
         import llguidance
@@ -86,7 +90,13 @@ class FormatGrammar:
         if not set(required) <= set(fmt) <= {"type", *required, *optional}:
             raise ValueError(f"{where} ({kind}) takes {', '.join(required) or 'nothing'}"
                              + (f", and optionally {', '.join(optional)}" if optional else ""))
-        return getattr(self, f"to_{kind}")(fmt, where, last)
+        if self.depth >= MAX_DEPTH:  # (compiling recurses once per level: bounded before Python's own limit)
+            raise ValueError(f"{where} lies {MAX_DEPTH} formats deep, the most a structural tag nests: nest it less")
+        self.depth += 1
+        try:
+            return getattr(self, f"to_{kind}")(fmt, where, last)
+        finally:
+            self.depth -= 1
 
     def to_const_string(self, fmt: dict, where: str, last: bool) -> str:
         return literal(text(fmt["value"], f"{where}.value"))

@@ -174,3 +174,37 @@ class Tokenizing:
     def shutdown(self) -> None:
         self.short.shutdown(wait=False, cancel_futures=True)
         self.long.shutdown(wait=False, cancel_futures=True)
+
+
+class Compiling:
+    """Structured outputs are compiled off the event loop, in a lane of their own (a large schema takes seconds, and
+    must hold up neither streams nor prompts being tokenized), once per request, each within `seconds` (then a 400
+    naming the field; the compile goes on in its lane, bounded by llguidance's own limits, and at most `limit`
+    compiles wait or run at once: 429 beyond)."""
+
+    def __init__(self, seconds: float, limit: int):
+        self.seconds, self.limit, self.in_lane = seconds, limit, 0
+        self.lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-compile")
+
+    async def __call__(self, field: str, what: str, compile_, *args):
+        """`compile_(*args)` in the lane; its errors as 400s naming `field`, after `what` (what the field holds)."""
+        if self.in_lane >= self.limit:
+            raise APIError(429, f"the server is compiling {self.in_lane} structured outputs, its limit "
+                                "(--max-tokenizing); retry later", code="compiler_busy", kind="rate_limit_error")
+        self.in_lane += 1
+        future = asyncio.get_running_loop().run_in_executor(self.lane, compile_, *args)
+        future.add_done_callback(self._left)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.seconds)
+        except asyncio.TimeoutError:
+            raise APIError(400, f"{what}: the structured output was not compiled within {self.seconds:g} s, this "
+                                "server's limit: make it smaller or simpler", param=field,
+                           code="format_too_complex") from None
+        except R2RError as e:
+            raise APIError(400, f"{what}: {e}", param=field) from None
+
+    def _left(self, _) -> None:
+        self.in_lane -= 1
+
+    def shutdown(self) -> None:
+        self.lane.shutdown(wait=False, cancel_futures=True)

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from roads_to_rome.core.engine import Engine
-from roads_to_rome.core.grammar import OutputFormat
+from roads_to_rome.core.grammar import GrammarWalk, OutputFormat
 from roads_to_rome.core.prefix_cache import PREFIX_TOKENS
 from roads_to_rome.core.request import Request, Sequence
 from roads_to_rome.core.sampling import (
@@ -51,6 +51,16 @@ class Limits:
     # thread, and a stream holds back the longest one's length: both stay small.
     max_stop_strings: int = 4
     max_stop_chars: int = 256
+    # vLLM's bad_words, each tokenized on arrival and looked up at every token of the row: as many as a long list of
+    # slurs and misspellings holds, each a word or a phrase.
+    max_bad_words: int = 1024
+    max_bad_word_chars: int = 256
+    # Token ids one list of a request may name (allowed_token_ids, stop_token_ids, logit_bias), and tools one chat
+    # may offer (OpenAI's limit).
+    max_token_ids: int = 16384
+    max_tools: int = 128
+    # A structured output is compiled off the event loop, one at a time; past this it is a 400 naming the field.
+    max_compile_seconds: float = 10.0
     # Long prompts waiting to be tokenized (or being tokenized) at once; beyond that: 429 before anything queues.
     # Short prompts have a lane of their own, so a flood of long ones cannot hold them up.
     max_tokenizing: int = 4
@@ -265,33 +275,33 @@ class CommonBody(BaseModel):
 
     def output_format(self) -> OutputFormat | None:
         """The format the output must follow (`response_format` or `structured_outputs`), or None; a 400 naming the
-        field when it cannot be followed."""
+        field when it is not one. (Whether it can be followed is known once it compiles: server.compiled_format.)"""
         response = self.response_format if self.response_format and self.response_format.type != "text" else None
         if response and self.structured_outputs:
             raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
         if self.structured_outputs:
-            fmt, field = self.structured_outputs.output_format(), "structured_outputs"
+            fmt = self.structured_outputs.output_format()
         elif response is None:
             return None
         elif response.type == "json_object":
-            fmt, field = OutputFormat("json_object"), "response_format"
+            fmt = OutputFormat("json_object")
         elif response.type == "structural_tag":
             given = {"format": response.format, "triggers": response.triggers, "structures": response.structures}
             fmt = OutputFormat("structural_tag", {"type": "structural_tag",
                                                   **{k: v for k, v in given.items() if v is not None}})
-            field = "response_format"
         elif response.json_schema is None:
             raise APIError(400, "response_format of type json_schema needs its json_schema (name and schema)",
                            param="response_format.json_schema")
         else:
             schema = response.json_schema.schema_
-            fmt = OutputFormat("json_object") if schema is None else OutputFormat.json_schema(schema)
-            field = "response_format.json_schema.schema"
-        try:
-            fmt.validate()
-        except R2RError as e:
-            raise APIError(400, str(e), param=field) from None
+            return OutputFormat("json_object") if schema is None else OutputFormat.json_schema(schema)
         return fmt
+
+    def format_field(self) -> str:
+        """The field `output_format` reads the format from, for an error about it."""
+        if self.structured_outputs:
+            return "structured_outputs"
+        return "response_format.json_schema.schema" if self.response_format.json_schema else "response_format"
 
 
 class TextPart(BaseModel):
@@ -498,11 +508,7 @@ class ChatBody(CommonBody, ChatPrompt):
         else:
             functions = [t.function for t in tools]
         use.output_format = call_format([f.model_dump(exclude_none=True) for f in functions], use.one, parser)
-        try:
-            use.output_format.validate()
-        except R2RError as e:
-            raise APIError(400, f"a tool's parameters cannot be followed: {e}", param="tools") from None
-        return use
+        return use  # (compiled, and checked, off the event loop: server.compiled_format)
 
 
 PromptText = Annotated[Text, Field(min_length=1)]
@@ -591,6 +597,7 @@ def check_body(body: CommonBody, model_name: str, limits: Limits) -> OutputForma
         raise APIError(400, "priority orders waiting requests only on a server started with --scheduling-policy "
                             "priority: leave it out (or 0)", param="priority")
     stop_strings(body, limits)
+    capped_lists(body, limits)
     body.top_count()
     body.prompt_top_count()
     output_format = body.output_format()
@@ -624,25 +631,49 @@ def stop_strings(body: CommonBody, limits: Limits) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def capped_lists(body: CommonBody, limits: Limits) -> None:
+    """Every list a body may send holds at most its limit (stop strings: `stop_strings`): what grows with them runs
+    on the event loop or at every token."""
+    words = body.bad_words or []
+    if len(words) > limits.max_bad_words:
+        raise APIError(400, f"bad_words holds {len(words)} words; this server takes at most {limits.max_bad_words}",
+                       param="bad_words")
+    if any(len(w) > limits.max_bad_word_chars for w in words):
+        raise APIError(400, f"a bad word is at most {limits.max_bad_word_chars} characters on this server",
+                       param="bad_words")
+    for name in ("allowed_token_ids", "stop_token_ids", "logit_bias"):
+        ids = getattr(body, name) or ()
+        if len(ids) > limits.max_token_ids:
+            raise APIError(400, f"{name} names {len(ids)} tokens; this server takes at most {limits.max_token_ids}",
+                           param=name)
+    tools = getattr(body, "tools", None) or ()
+    if len(tools) > limits.max_tools:
+        raise APIError(400, f"tools offers {len(tools)} tools; this server takes at most {limits.max_tools}",
+                       param="tools")
+
+
 def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits,
-                   output_format: OutputFormat | None = None, thinking_until: int | None = None,
-                   stop: tuple[str, ...] = ()) -> list[Sequence]:
+                   compiled: GrammarWalk | None = None, thinking_until: int | None = None,
+                   stop: tuple[str, ...] = (), banned: tuple[tuple[int, ...], ...] = ()) -> list[Sequence]:
     """The request's `n` choices, each a sequence of its own; with a seed, choice i draws with seed + i (vLLM's
-    rule), so that they differ and each can be reproduced. `output_format`: what the output must follow (`check_body`'s,
-    or the tool calls' grammar); `thinking_until`: the token that closes the reply's thinking, where it starts inside
-    it (a structured output applies after it); `stop`: strings that end it beside the client's."""
+    rule), so that they differ and each can be reproduced. `compiled`: the format the output must follow
+    (`check_body`'s, or the tool calls' grammar), compiled once for all choices (`Engine.compile_format`);
+    `thinking_until`: the token that closes the reply's thinking, where it starts inside it (a structured output
+    applies after it); `stop`: strings that end it beside the client's; `banned`: its bad words as tokens
+    (`bad_words`)."""
     if body.n > 1 and body.seed is not None and body.seed + body.n > 2**64:
         raise APIError(400, "with n choices, seed + n - 1 must fit in 64 bits", param="seed")
-    first = make_sequence(body, prompt_ids, engine, limits, output_format, thinking_until, stop)
+    first = make_sequence(body, prompt_ids, engine, limits, compiled, thinking_until, stop, banned)
     if body.n == 1:
         return [first]
     params = first.params
     return [first] + [engine.sequence(dataclasses.replace(first.request, params=dataclasses.replace(
-        params, seed=None if params.seed is None else params.seed + i))) for i in range(1, body.n)]
+        params, seed=None if params.seed is None else params.seed + i)), compiled=compiled) for i in range(1, body.n)]
 
 
 def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits,
-                  output_format: OutputFormat | None, thinking_until: int | None, stop: tuple[str, ...]) -> Sequence:
+                  compiled: GrammarWalk | None, thinking_until: int | None, stop: tuple[str, ...],
+                  banned: tuple[tuple[int, ...], ...]) -> Sequence:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if body.prompt_alone():
         max_tokens = 1  # (the reply leaves it out)
@@ -668,24 +699,24 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
                             min_p=body.min_p, logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens,
                             allowed_token_ids=body.allowed_token_ids, stop_token_ids=tuple(body.stop_token_ids or ()),
                             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-                            skip_special_tokens=body.skip_special_tokens, output_format=output_format,
-                            bad_words=bad_words(body, engine.tokenizer))
+                            skip_special_tokens=body.skip_special_tokens,
+                            output_format=None if compiled is None else compiled.output_format, bad_words=banned)
     try:
         request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                           target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
                           max_unverified=body.r2r_max_unverified, thinking_until=thinking_until,
                           prompt_logprobs=body.prompt_top_count(), cache_salt=body.cache_salt,
                           priority=body.priority)
-        return engine.sequence(request)  # here, not in the engine thread, where it would fail the whole batch
+        return engine.sequence(request, compiled=compiled)  # here, not in the engine thread
     except R2RError as e:
         raise APIError(400, str(e)) from None
 
 
-def bad_words(body: CommonBody, tokenizer) -> tuple[tuple[int, ...], ...]:
+def bad_words(words: list[str], tokenizer) -> tuple[tuple[int, ...], ...]:
     """vLLM's `bad_words` as token sequences, read as vLLM reads them: each word as the tokenizer writes it at a
     text's start and, where that gives another first token of the same count, after a space (inside a text)."""
     sequences = []
-    for word in body.bad_words or []:
+    for word in words:
         plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         if not plain:
             raise APIError(400, f"the bad word {word!r} holds no token: give words with text in them",

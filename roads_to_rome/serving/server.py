@@ -40,7 +40,7 @@ from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser,
 from roads_to_rome.serving import request_ids
 from roads_to_rome.serving.connections import uvicorn_config
 from roads_to_rome.serving.engine_thread import EngineThread, Job
-from roads_to_rome.serving.guard import Guard, Tokenizing, check_api_key
+from roads_to_rome.serving.guard import Compiling, Guard, Tokenizing, check_api_key
 from roads_to_rome.serving.messages import CountTokensBody, MessageDraft, MessagesBody, message_events, whole_message
 from roads_to_rome.serving.replies import Reply, stream_events, whole_answer
 from roads_to_rome.serving.responses import (
@@ -63,6 +63,7 @@ from roads_to_rome.serving.schemas import (
     TokenizeChat,
     TokenizeText,
     ToolUse,
+    bad_words,
     check_body,
     check_model,
     error_response,
@@ -82,6 +83,7 @@ class ServerState:
     limits: Limits
     engine_thread: EngineThread
     tokenizing: Tokenizing
+    compiling: Compiling
     reasoning: ReasoningParser | None  # splits chat replies' thinking from their answer
     tool_parser: str | None  # the call syntax chat replies' tool calls are read in (None: tools are refused)
     probing: concurrent.futures.ThreadPoolExecutor  # asks a remote LLM whether it is back, off the event loop
@@ -106,7 +108,8 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     limits.context_length = min(limits.context_length, engine.max_context, engine.kv_capacity or engine.max_context)
     reasoning = parser_for(resolve_parser(reasoning_parser, engine.tokenizer))
     state = ServerState(engine, model_name, limits, EngineThread(engine, limits), Tokenizing(limits.max_tokenizing),
-                        reasoning, resolve_tool_parser(tool_call_parser, engine.tokenizer),
+                        Compiling(limits.max_compile_seconds, limits.max_tokenizing), reasoning,
+                        resolve_tool_parser(tool_call_parser, engine.tokenizer),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-probe"),
                         ResponseStore(limits.responses_store_bytes), trust_request_chat_template)
 
@@ -115,6 +118,7 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
         yield
         state.engine_thread.stop()
         state.tokenizing.shutdown()
+        state.compiling.shutdown()
         state.probing.shutdown(wait=False)
 
     app = FastAPI(title="R2R", lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
@@ -416,15 +420,21 @@ async def submit(s: ServerState, body: CommonBody, prompts: list[list[int]], out
                  echo: list[str] | None = None, tools: ToolUse | None = None) -> tuple[list[Job], Reply]:
     """The request's sequences, queued for the engine, and the `Reply` that renders what they write."""
     structured = output_format is not None
-    if structured:  # the tokenizer as structured outputs read it: built once, about a second, off the event loop
-        try:
-            await asyncio.to_thread(lambda: s.engine.grammar_tokenizer)
-        except R2RError as e:
-            raise APIError(400, str(e), param="response_format") from None
+    compiled = None
+    if structured:  # once per request, off the event loop; each choice walks a copy
+        if tools is not None and output_format is tools.output_format:
+            field, what = "tools", "a tool's parameters cannot be followed"
+        else:
+            field = body.format_field()
+            what = field
+        compiled = await s.compiling(field, what, s.engine.compile_format, output_format)
+    banned = ()
+    if body.bad_words:
+        banned = await tokenize(s, sum(map(len, body.bad_words)), bad_words, body.bad_words, s.engine.tokenizer)
     reasoning = s.reasoning if chat else None
     sequences = [sequence for ids in prompts for sequence in make_sequences(
-        body, ids, s.engine, s.limits, output_format,
-        answer_after(reasoning, s.engine.tokenizer, ids) if structured else None, tools.stop if tools else ())]
+        body, ids, s.engine, s.limits, compiled,
+        answer_after(reasoning, s.engine.tokenizer, ids) if structured else None, tools.stop if tools else (), banned)]
     if body.r2r_policy != "slm" and ((await llm_health(s)) or {}).get("status") == "unavailable":
         s.engine_thread.metrics.refused()
         raise llm_away()
