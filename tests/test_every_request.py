@@ -3,6 +3,7 @@ error that names them, while the rows beside it go on token for token as they wo
 can see is a 400."""
 
 import json
+import re
 import threading
 
 import httpx
@@ -140,3 +141,117 @@ def test_beside_two_streams_each_bad_request_gets_its_own_answer(kind_server, to
         assert stream.error is None and stream.finish_reason == "length" and stream.text == text
     assert a < len(tokenizer)
     assert_idle_soon(url)
+
+
+def big_schema(kib: int) -> dict:
+    """A JSON schema of about `kib` KiB: many objects, each with a few typed fields."""
+    field = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "count": {"type": "integer"},
+                                              "kind": {"enum": ["x", "y", "z"]}}, "required": ["name"]}
+    size = len(json.dumps({"field_00000": field}))
+    properties = {f"field_{i:05d}": field for i in range(kib * 1024 // size)}
+    return {"type": "object", "properties": properties, "required": list(properties)[:50]}
+
+
+class Watch:
+    """A bystander stream's tokens and `/health`'s answer times, while something else is sent."""
+
+    def __init__(self, url):
+        self.url, self.times, self.health_s, self.done = url, [], [], threading.Event()
+        payload = chat("Bonjour!", max_tokens=480, ignore_eos=True, r2r_policy="slm", stream=True)
+        self.stream = threading.Thread(target=self._stream, args=(payload,), daemon=True)
+        self.stream.start()
+        self.probe = threading.Thread(target=self._probe, daemon=True)
+        self.probe.start()
+
+    def _stream(self, payload):
+        import time
+
+        with httpx.stream("POST", self.url + CHAT, json=payload, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                    self.times.append(time.monotonic())
+
+    def _probe(self):
+        import time
+
+        while not self.done.is_set():
+            start = time.monotonic()
+            assert httpx.get(self.url + "/health", timeout=30).status_code == 200
+            self.health_s.append(time.monotonic() - start)
+            time.sleep(0.05)
+
+    def rate(self, start, end) -> float:
+        return sum(start <= t < end for t in self.times) / (end - start)
+
+
+def during(url, send, settle=1.0):
+    """`send()` beside a bystander stream: its rate in the second before, its rate while `send` ran, the slowest
+    `/health` answer, and what `send` returned."""
+    import time
+
+    watch = Watch(url)
+    while len(watch.times) < 5:
+        time.sleep(0.01)
+    time.sleep(settle)
+    begin = time.monotonic()
+    result = send()
+    end = time.monotonic()
+    watch.done.set()
+    watch.probe.join(30)
+    before = watch.rate(begin - settle, begin)
+    return before, watch.rate(begin, max(end, begin + 0.25)), max(watch.health_s), result
+
+
+@pytest.fixture
+def loaded_server(slm, llm, tokenizer, monkeypatch):
+    """A server whose models each take 5 ms more per forward: a bystander stream that lasts seconds."""
+    import time
+
+    for model in (slm, llm):
+        forward = model.forward
+        monkeypatch.setattr(model, "forward", lambda *a, f=forward: (time.sleep(0.005), f(*a))[1])
+    app = create_app(Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0)), "tiny-r2r",
+                     Limits(max_batch=8, max_queue=32, max_tokens=480))
+    with BackgroundServer(app) as srv:
+        yield srv.url
+
+
+def test_a_large_schema_with_many_choices_holds_up_neither_health_nor_a_stream(loaded_server):
+    url, schema = loaded_server, big_schema(500)
+    payload = chat("Fill it in.", n=16, max_tokens=4, response_format={
+        "type": "json_schema", "json_schema": {"name": "big", "schema": schema}})
+    assert 450 * 1024 < len(json.dumps(payload)) < 1 << 20
+    before, while_sent, health_s, response = during(url, lambda: httpx.post(url + CHAT, json=payload, timeout=120))
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 16
+    print(f"500 KiB schema, n=16: bystander {before:.0f} -> {while_sent:.0f} tokens/s, /health at most {health_s:.2f} s")
+    assert health_s < 2.0, f"/health took {health_s:.2f} s"
+    assert while_sent >= 0.5 * before, f"the bystander fell from {before:.0f} to {while_sent:.0f} tokens/s"
+    assert_idle_soon(url)
+
+
+def test_bad_words_at_their_cap_hold_up_neither_health_nor_a_stream_and_past_it_are_refused(loaded_server):
+    url, limits = loaded_server, Limits()
+    words = [f"w{i:04d}" + "x" * (limits.max_bad_word_chars - 5) for i in range(limits.max_bad_words)]
+    at_cap = chat("Say hello.", bad_words=words)
+    before, while_sent, health_s, response = during(url, lambda: httpx.post(url + CHAT, json=at_cap, timeout=120))
+    assert response.status_code == 200, response.text
+    print(f"bad_words at the cap: bystander {before:.0f} -> {while_sent:.0f} tokens/s, /health at most {health_s:.2f} s")
+    assert health_s < 2.0 and while_sent >= 0.5 * before, (health_s, before, while_sent)
+    for too_many in (words + ["one more"], [words[0] + "x"], ["zq"] * 150_000):
+        refused = httpx.post(url + CHAT, json=chat("Say hello.", bad_words=too_many), timeout=60)
+        assert refused.status_code in (400, 413), refused.text
+        assert refused.json()["error"]["param"] in ("bad_words", None), refused.text
+    assert_idle_soon(url)
+
+
+def test_a_format_compiles_once_for_all_choices(kind_server, monkeypatch):
+    compiles = []
+    make = OutputFormat._make_grammar
+    monkeypatch.setattr(OutputFormat, "_make_grammar", lambda self: compiles.append(self.kind) or make(self))
+    response = httpx.post(kind_server + CHAT, json=chat(n=4, max_tokens=6, temperature=1, seed=3,
+                                                        structured_outputs={"regex": "[a-c]{2,5}"}), timeout=60)
+    assert response.status_code == 200, response.text
+    assert compiles == ["regex"]
+    assert all(re.fullmatch("[a-c]{2,5}", c["message"]["content"]) or c["finish_reason"] == "length"
+               for c in response.json()["choices"])
