@@ -7,7 +7,7 @@ import torch
 from conftest import make_backend
 from tiny import FAMILIES, tiny_model
 
-from roads_to_rome.backends.base import Backend, mask_for
+from roads_to_rome.backends.base import SCORE_CHUNK, Backend, mask_for
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.layout import left_pad, pad_columns_left
@@ -174,14 +174,19 @@ def test_forward_sequence_from_a_start_position(backend, kind, tokenizer):
     assert close(tail_logits, logits[5:], kind) and close(tail_hidden, hidden[5:], kind)
 
 
-def test_forward_sequence_into_a_cache_is_a_read_decoding_goes_on_from(backend, kind, tokenizer):
-    """A prompt scored as it is read: the same outputs, and the cache then holds the row as a read would."""
-    row = token_rows(tokenizer)[2]
-    logits, hidden = backend.forward_sequence(row, start=1)
-    cache = backend.new_cache()
-    read_logits, read_hidden = backend.forward_sequence(row, start=1, cache=cache)
+def test_a_sequence_scored_into_a_cache_is_a_read_decoding_goes_on_from(backend, kind, tokenizer):
+    """A prompt scored as it is read (`score_sequence`): the outputs of `forward_sequence`, handed over a chunk at a
+    time, in order, and the cache then holds the row as a read would."""
+    row = token_rows(tokenizer)[2] * 30  # longer than a chunk
+    assert len(row) > SCORE_CHUNK
+    logits, hidden = backend.forward_sequence(row)
+    cache, chunks = backend.new_cache(), []
+    backend.score_sequence(row, cache, lambda first, lg, hd: chunks.append((first, lg.clone(), hd.clone())))
+    assert [first for first, _, _ in chunks] == list(range(0, len(row), SCORE_CHUNK))
+    assert max(len(lg) for _, lg, _ in chunks) <= SCORE_CHUNK
     assert cache.length == len(row)
-    assert close(read_logits, logits, kind) and close(read_hidden, hidden, kind)
+    assert close(torch.cat([lg for _, lg, _ in chunks]), logits, kind)
+    assert close(torch.cat([hd for _, _, hd in chunks]), hidden, kind)
     ids = torch.tensor([row + [7]], device=backend.device)
     next_logits, _ = backend.forward(cache, ids[:, -1:], torch.ones_like(ids))
     assert close(next_logits[0], backend.forward_sequence(row + [7])[0][-1], kind)

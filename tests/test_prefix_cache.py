@@ -158,7 +158,7 @@ def test_what_a_model_keeps_one_prompt_beginning_another_the_budget_and_the_rows
 
     def read(ids):
         cache = slm.new_cache()
-        slm.forward_sequence(ids, cache=cache)
+        slm.score_sequence(ids, cache, lambda *_: None)
         return cache
 
     a = list(range(5, 25))
@@ -193,7 +193,7 @@ def test_a_salted_prompt_is_found_only_with_its_salt(slm):
 
     def read(ids):
         cache = slm.new_cache()
-        slm.forward_sequence(ids, cache=cache)
+        slm.score_sequence(ids, cache, lambda *_: None)
         return cache
 
     a = list(range(5, 25))

@@ -20,6 +20,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+SCORE_CHUNK = 64  # positions whose logits a scored prompt holds at once (`score_sequence`): 39 MB at 150k tokens
+ChunkVisitor = Callable[[int, torch.Tensor, torch.Tensor], None]
+
 
 class Cache(Protocol):
     length: int  # columns of the token streams already read into the cache
@@ -109,12 +112,14 @@ class Backend(Protocol):
         `row_keep[i]`: how many of those last columns row i needs (none: 0); a backend may leave the others zero
         (a server: so that a row whose tokens nobody checks costs it nothing)."""
 
-    def forward_sequence(self, ids: list[int], start: int = 0, cache: Cache | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_sequence(self, ids: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence: logits [T - start, V] and hidden states [T - start, H] at positions start.. (positions
-        before `start` are read but give no output). No cache is kept, unless one is given (empty): the sequence
-        is read into it as its one row, as `read` would, so that decoding can go on from it (a prompt scored
-        as it is read)."""
+        before `start` are read but give no output), no cache kept."""
+
+    def score_sequence(self, ids: list[int], cache: Cache, each_chunk: ChunkVisitor) -> None:
+        """Read one sequence into `cache` (empty) as `forward_sequence` does, handing its logits and hidden states
+        to `each_chunk(first, logits [n, V], hidden [n, H])` at most `SCORE_CHUNK` positions at a time (positions
+        first..first + n - 1): a prompt scored in the memory of one chunk's logits, not of the whole [T, V]."""
 
     def select_rows(self, cache: Cache, rows: torch.Tensor) -> None:
         """Keep only these rows, in this order (finished requests leave the batch)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from roads_to_rome.backends.base import LocalBackend
+from roads_to_rome.backends.base import SCORE_CHUNK, ChunkVisitor, LocalBackend
 from roads_to_rome.errors import R2RError
 
 try:
@@ -239,8 +239,8 @@ class LlamaCppBackend(LocalBackend):
             logits[row, column - skip] = self._logits(out_index)
         return logits
 
-    def forward_sequence(self, ids: list[int], start: int = 0, cache: LlamaCache | None = None):
-        cache = self.new_cache() if cache is None else cache
+    def forward_sequence(self, ids: list[int], start: int = 0):
+        cache = self.new_cache()
         self._ensure_rows(cache, 1)
         seq = cache.seqs[0]
         logits = torch.empty(len(ids) - start, self.vocab_size)
@@ -250,6 +250,17 @@ class LlamaCppBackend(LocalBackend):
             hidden[row] = self._hidden(out_index)
         cache.length = len(ids)
         return logits, hidden
+
+    def score_sequence(self, ids: list[int], cache: LlamaCache, each_chunk: ChunkVisitor) -> None:
+        self._ensure_rows(cache, 1)
+        seq, size = cache.seqs[0], min(len(ids), SCORE_CHUNK)
+        logits, hidden = torch.empty(size, self.vocab_size), torch.empty(size, self.hidden_size)
+        for out_index, p in self._decode([(t, p, seq, True, p) for p, t in enumerate(ids)]):
+            logits[p % size], hidden[p % size] = self._logits(out_index), self._hidden(out_index)
+            if p % size == size - 1 or p == len(ids) - 1:  # (positions come in order)
+                first = p - p % size
+                each_chunk(first, logits[: p - first + 1], hidden[: p - first + 1])
+        cache.length = len(ids)
 
     def _decode(self, tokens: list[tuple[int, int, int, bool, int]]):
         """Run llama_decode over (token, position, sequence, wants output, tag) in chunks of n_batch;

@@ -456,8 +456,11 @@ class RemoteBackend:
             if token < self.vocab_size:
                 logits[token] = logprob
 
-    def forward_sequence(self, ids: list[int], start: int = 0, cache: RemoteCache | None = None):
+    def forward_sequence(self, ids: list[int], start: int = 0):
         raise R2RError("a remote LLM gives no hidden states: this step needs a local model")
+
+    def score_sequence(self, ids: list[int], cache: RemoteCache, each_chunk) -> None:
+        raise R2RError("a remote LLM's prompt log-probabilities come from its server (prompt_logprobs)")
 
     @property
     def scores_prompts(self) -> bool:

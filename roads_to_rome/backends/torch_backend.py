@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from roads_to_rome import hardware
-from roads_to_rome.backends.base import LocalBackend
+from roads_to_rome.backends.base import SCORE_CHUNK, ChunkVisitor, LocalBackend
 from roads_to_rome.backends.cuda_graphs import capture, gate, recorded_or_none
 from roads_to_rome.backends.static_cache import (
     BufferPool,
@@ -392,13 +392,18 @@ class TorchBackend(LocalBackend):
         return self._logits(hidden).masked_fill(padding[..., None], 0.0)
 
     @torch.inference_mode()
-    def forward_sequence(self, ids: list[int], start: int = 0, cache: TorchCache | None = None):
+    def forward_sequence(self, ids: list[int], start: int = 0):
         tokens = torch.tensor([ids], device=self.device)
-        if cache is None:
-            hidden = self.trunk(input_ids=tokens, use_cache=False).last_hidden_state[0, start:]
-        else:
-            hidden = self._read(cache, tokens, torch.ones_like(tokens))[0][0, start:]
+        hidden = self.trunk(input_ids=tokens, use_cache=False).last_hidden_state[0, start:]
         return self._logits(hidden), hidden
+
+    @torch.inference_mode()
+    def score_sequence(self, ids: list[int], cache: TorchCache, each_chunk: ChunkVisitor) -> None:
+        tokens = torch.tensor([ids], device=self.device)
+        hidden = self._read(cache, tokens, torch.ones_like(tokens))[0][0]  # (the head runs a chunk at a time)
+        for first in range(0, len(ids), SCORE_CHUNK):
+            part = hidden[first : first + SCORE_CHUNK]
+            each_chunk(first, self._logits(part), part)
 
     # (the row operations write a static cache's buffers, inference tensors as reads make them, in place or into
     # new ones of the same kind: a compiled trunk's guards tell the two kinds apart and would compile again)

@@ -255,13 +255,14 @@ class LLMCalls:
         device = self.backend.device
         return [t.to(device, copy=True) if self.overlap or t.device != device else t for t in tensors]
 
-    def forward_sequence(self, ids: list[int], start: int = 0, cache: QueuedCache | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_sequence(self, ids: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The backend's, behind what is queued: the worker is the only thread that runs the LLM."""
-        if cache is None:
-            return self.runner.submit(self.backend.forward_sequence, ids, start).result()
+        return self.runner.submit(self.backend.forward_sequence, ids, start).result()
+
+    def score_sequence(self, ids: list[int], cache: QueuedCache, each_chunk) -> None:
+        """The backend's, behind what is queued (`each_chunk` runs in the LLM's thread)."""
         cache.length += len(ids)
-        return self._queue(cache, lambda inner: self.backend.forward_sequence(ids, start, inner)).result()
+        self._queue(cache, lambda inner: self.backend.score_sequence(ids, inner, each_chunk)).result()
 
     def read(self, cache: QueuedCache, new_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         cache.length += new_ids.shape[1]

@@ -53,6 +53,8 @@ class Scheduler:
         self.joining: list[Sequence] = []  # admitted, to join the batch at the next decode step
         self.kv_in_use = 0  # KV tokens held by admitted sequences (each its prompt and max new tokens)
         self.arrivals = itertools.count()
+        # The last prompt scored, and its entries: a request's other choices take them instead of scoring it again
+        self.scored: tuple[tuple, tuple] | None = None
 
     def add(self, sequence: Sequence) -> None:
         sequence.arrival = next(self.arrivals)
@@ -104,11 +106,15 @@ class Scheduler:
             if capacity is not None:
                 make_room(prefixes, capacity - self.kv_in_use - need)
             self.waiting.popleft()
+            if s.request.prompt_logprobs is not None and s.generation.prompt_logprobs is None \
+                    and self.scored is not None and self.scored[0] == scoring_key(s):  # another choice of its request
+                s.generation.prompt_logprobs, s.generation.prompt_sources = self.scored[1]
             if s.request.prompt_logprobs is not None and s.generation.prompt_logprobs is None:
                 read = PromptRead(self.engine, s, self.prefixes, reuse=False)  # (scored from its first token)
                 try:  # (the scoring models read the whole prompt at once: a turn as long as an unchunked prefill)
                     s.generation.prompt_logprobs, s.generation.prompt_sources = score_prompt(
                         self.engine, s, read.per_model)
+                    self.scored = (scoring_key(s), (s.generation.prompt_logprobs, s.generation.prompt_sources))
                 except Exception as e:  # only this sequence fails
                     read.release()
                     left.append(Failure(s, e))
@@ -341,6 +347,12 @@ class PromptRead:
         """Give back what the caches hold now (see `Batch.release`)."""
         for model, cache, _ in self.models:
             model.select_rows(cache, NO_ROWS)
+
+
+def scoring_key(s: Sequence) -> tuple:
+    """What a prompt's entries depend on (`score_prompt`): sequences that agree on it get the same entries."""
+    r = s.request
+    return r.prompt_ids, r.prompt_logprobs, r.force, r.threshold, r.target_rate
 
 
 def urgency(s: Sequence) -> tuple[int, int]:

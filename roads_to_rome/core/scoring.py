@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from roads_to_rome.core.batch import token_logprob
 from roads_to_rome.core.request import Sequence, TokenLogprob
 from roads_to_rome.routing import rate
 
@@ -27,28 +26,57 @@ def score_prompt(engine: Engine, sequence: Sequence, caches: tuple) -> tuple[lis
     """Each prompt token's entry (None for the first: nothing comes before it) and which model gave it ("slm" or
     "llm"), with the request's `prompt_logprobs` most likely tokens. Each model that scores reads the prompt once,
     whole, into its cache of `caches` (the writer's, the LLM's: a `PromptRead`'s, None for a model that does not
-    read the sequence), up to its last token as a prompt read ahead does: decoding goes on from that read."""
+    read the sequence), up to its last token as a prompt read ahead does: decoding goes on from that read. Its
+    logits are looked at a chunk of positions at a time (`Backend.score_sequence`), each position's entry kept:
+    memory for one chunk's logits, not for the prompt's whole [T, V]."""
     ids, top = list(sequence.prompt_ids), sequence.request.prompt_logprobs
     read = ids[:-1]  # the logits after each of these give the next prompt token's entry
     if not read:
         return [None], []
     writer_cache, llm_cache = caches
+    entries: list[TokenLogprob | None] = [None] * len(read)
+    sources: list[str] = []
+
+    def keep(source: str):
+        """A chunk visitor that keeps the entries of the positions `source` gives."""
+        def visit(first: int, logits: torch.Tensor, _hidden: torch.Tensor) -> None:
+            rows = [j for j in range(len(logits)) if sources[first + j] == source]
+            for j, entry in zip(rows, chunk_logprobs(logits[rows], [ids[first + j + 1] for j in rows], top)):
+                entries[first + j] = entry
+        return visit
+
     with torch.inference_mode():
-        logits = {}
         if writer_cache is not None:
-            logits[engine.writer_source], hidden = engine.writer.forward_sequence(read, cache=writer_cache)
-            sources = routed_positions(engine, sequence, logits[engine.writer_source], hidden)
+            routing, writer = PromptRouting(engine, sequence), keep(engine.writer_source)
+
+            def route_then_keep(first: int, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+                sources.extend(routing.decide(logits, hidden))
+                writer(first, logits, hidden)
+
+            engine.writer.score_sequence(read, writer_cache, route_then_keep)
         else:
-            sources = ["llm"] * len(read)
-        served = None
-        if "llm" in sources and "llm" not in logits:
+            sources.extend(["llm"] * len(read))
+        if "llm" in sources and engine.writer_source != "llm":
             if engine.llm.full_logits:
-                logits["llm"] = engine.llm_side.forward_sequence(read, cache=llm_cache)[0]
+                engine.llm_side.score_sequence(read, llm_cache, keep("llm"))
             else:  # a server's own (vLLM's); the LLM's cache reads the prompt as any other's
                 served = engine.llm.prompt_logprobs(ids, top)
-        entries = [token_logprob(logits[source][t], ids[t + 1], top) if source in logits
-                   else served_logprob(served[t], ids[t + 1], top) for t, source in enumerate(sources)]
+                for t, source in enumerate(sources):
+                    if source == "llm":
+                        entries[t] = served_logprob(served[t], ids[t + 1], top)
     return [None, *entries], sources
+
+
+def chunk_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's entry for its token (`token_logprob`, for rows [n, V] at once)."""
+    if not tokens:
+        return []
+    logprobs = torch.log_softmax(logits.float(), -1)
+    own = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device)[:, None])
+    ranks = ((logprobs > own).sum(-1) + 1).tolist()
+    values, best = logprobs.topk(top, -1) if top else (logprobs[:, :0], logprobs[:, :0])
+    return [TokenLogprob(float(o), list(zip(i, v)), r)
+            for o, i, v, r in zip(own[:, 0].tolist(), best.tolist(), values.tolist(), ranks)]
 
 
 def served_logprob(ranked: dict[int, tuple[float, int]], token: int, top: int) -> TokenLogprob:
@@ -57,25 +85,35 @@ def served_logprob(ranked: dict[int, tuple[float, int]], token: int, top: int) -
     return TokenLogprob(ranked[token][0], [(t, lp) for _, t, lp in tops], ranked[token][1])
 
 
-def routed_positions(engine: Engine, sequence: Sequence, logits: torch.Tensor, hidden: torch.Tensor) -> list[str]:
-    """The model each position's next token is read under, from the writer's logits and hidden states there: the
-    policy's choice, as while decoding, or the one the request forces."""
-    n = logits.shape[0]
-    if not engine.routes:
-        return [engine.writer_source] * n
-    if sequence.force is not None:
-        return [sequence.force] * n
-    request, policy = sequence.request, engine.policy
-    if request.target_rate is None:
-        thresholds = None if request.threshold is None else torch.full((n,), request.threshold, device=logits.device)
-        to_llm, _ = policy.route(logits, hidden, logits.argmax(-1), thresholds)
-        return ["llm" if x else "slm" for x in to_llm.tolist()]
-    sources, scores, routed = [], [], 0
-    for t in range(n):  # the threshold at each position follows the decisions before it
-        threshold = rate.row_threshold(policy, request.threshold, request.target_rate, t, routed, scores)
-        to_llm, score = policy.route(logits[t : t + 1], hidden[t : t + 1], logits[t : t + 1].argmax(-1),
-                                     torch.tensor([threshold], device=logits.device))
-        scores.append(float(score[0]))
-        routed += bool(to_llm[0])
-        sources.append("llm" if to_llm[0] else "slm")
-    return sources
+class PromptRouting:
+    """The model each prompt position's next token is read under, from the writer's logits and hidden states there,
+    a chunk of positions at a time (`decide`): the policy's choice, as while decoding, or the one the request
+    forces. A target LLM rate follows the decisions before each position, across chunks."""
+
+    def __init__(self, engine: Engine, sequence: Sequence):
+        self.engine, self.sequence = engine, sequence
+        self.scores: list[float] = []
+        self.routed = 0
+
+    def decide(self, logits: torch.Tensor, hidden: torch.Tensor) -> list[str]:
+        engine, n = self.engine, logits.shape[0]
+        if not engine.routes:
+            return [engine.writer_source] * n
+        if self.sequence.force is not None:
+            return [self.sequence.force] * n
+        request, policy = self.sequence.request, engine.policy
+        if request.target_rate is None:
+            thresholds = None if request.threshold is None else torch.full((n,), request.threshold,
+                                                                            device=logits.device)
+            to_llm, _ = policy.route(logits, hidden, logits.argmax(-1), thresholds)
+            return ["llm" if x else "slm" for x in to_llm.tolist()]
+        sources = []
+        for t in range(n):  # the threshold at each position follows the decisions before it
+            threshold = rate.row_threshold(policy, request.threshold, request.target_rate, len(self.scores),
+                                           self.routed, self.scores)
+            to_llm, score = policy.route(logits[t : t + 1], hidden[t : t + 1], logits[t : t + 1].argmax(-1),
+                                         torch.tensor([threshold], device=logits.device))
+            self.scores.append(float(score[0]))
+            self.routed += bool(to_llm[0])
+            sources.append("llm" if to_llm[0] else "slm")
+        return sources
