@@ -255,3 +255,73 @@ def test_a_format_compiles_once_for_all_choices(kind_server, monkeypatch):
     assert compiles == ["regex"]
     assert all(re.fullmatch("[a-c]{2,5}", c["message"]["content"]) or c["finish_reason"] == "length"
                for c in response.json()["choices"])
+
+
+@pytest.fixture(scope="module")
+def trusting_server(slm, llm, tokenizer):
+    """A server that takes chat templates from requests (--trust-request-chat-template)."""
+    app = create_app(Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0)), "tiny-r2r",
+                     Limits(max_batch=4, max_queue=16, max_tokens=400, context_length=512),
+                     trust_request_chat_template=True)
+    with BackgroundServer(app) as srv:
+        yield srv.url
+
+
+def message(**kw):
+    return {"model": "tiny-r2r", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], **kw}
+
+
+@pytest.mark.parametrize("field,value", [("n", 2), ("logprobs", True), ("top_logprobs", 2), ("echo", True),
+                                         ("prompt_logprobs", 1)])
+def test_messages_refuses_by_name_what_its_replies_have_no_place_for(trusting_server, field, value):
+    response = httpx.post(trusting_server + "/v1/messages", json=message(**{field: value}), timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"].startswith(field), response.text
+    assert httpx.post(trusting_server + "/v1/messages", json=message(), timeout=60).status_code == 200
+
+
+def nested_tag(depth: int) -> dict:
+    fmt: dict = {"type": "const_string", "value": "x"}
+    for i in range(depth):
+        fmt = {"type": "tag", "begin": f"<t{i}>", "content": fmt, "end": f"</t{i}>"}
+    return fmt
+
+
+@pytest.mark.parametrize("extra,said", [
+    ({"chat_template_kwargs": {"messages": []}}, "may not set messages"),
+    ({"chat_template_kwargs": {"documents": 3}}, "may not set documents"),
+    ({"chat_template": "{{ range(10**9)|length }}"}, "chat template failed"),
+    ({"chat_template": "{% for m in messages %}{{ m.nope.deeper }}{% endfor %}"}, "chat template"),
+    ({"response_format": {"type": "structural_tag", "format": nested_tag(400)}}, "nest it less"),
+])
+def test_a_clients_mistake_is_a_400_with_no_traceback_in_the_log(trusting_server, caplog, extra, said):
+    response = httpx.post(trusting_server + CHAT, json=chat(**extra), timeout=60)
+    assert response.status_code == 400, response.text
+    assert said in response.json()["error"]["message"], response.text
+    assert not [r for r in caplog.records if r.exc_info], "a client's mistake left a traceback in the log"
+    assert httpx.post(trusting_server + CHAT, json=chat(), timeout=60).status_code == 200
+
+
+def leave_after_first_event(url, path, payload):
+    """Stream a request, read one event, and hang up."""
+    with httpx.stream("POST", url + path, json={**payload, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break
+
+
+@pytest.mark.parametrize("path,payload", [
+    (CHAT, chat("Bonjour!", n=3, max_tokens=400, ignore_eos=True)),
+    ("/v1/completions", {"prompt": ["Bonjour!", "Hello"], "n": 2, "max_tokens": 400, "ignore_eos": True}),
+    ("/v1/messages", message(max_tokens=400, ignore_eos=True)),
+    ("/v1/responses", {"input": "Bonjour!", "max_output_tokens": 400, "ignore_eos": True}),
+])
+def test_a_client_that_leaves_cancels_every_choice_it_started(loaded_server, path, payload):
+    import time
+
+    leave_after_first_event(loaded_server, path, payload)
+    left = time.monotonic()
+    while httpx.get(loaded_server + "/health").json()["running"]:
+        assert time.monotonic() - left < 1.0, "a choice kept running after its client left"
+        time.sleep(0.02)

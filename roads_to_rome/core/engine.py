@@ -27,6 +27,11 @@ from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 DEFAULT_VERIFY = "1"
 
 
+# Names a chat template is rendered with beside apply_chat_template's own parameters (transformers'
+# `render_jinja_template`): chat_template_kwargs may not set them either.
+TEMPLATE_NAMES = frozenset({"self", "messages", "tools", "documents", "add_generation_prompt", "conversations"})
+
+
 # Fill-in-the-middle markers, as code models spell them: (prefix, suffix, middle).
 FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
               ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))  # StarCoder, SantaCoder
@@ -190,7 +195,7 @@ class Engine:
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise R2RError("the model's tokenizer has no chat template: give the prompt as plain text (--raw, "
                            "or /v1/completions on the server), or give one (--chat-template)")
-        own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) | {"self"}
+        own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) | TEMPLATE_NAMES
         if clash := sorted(own.intersection(template_kwargs or {})):
             raise R2RError(f"chat_template_kwargs may not set {', '.join(clash)}: the chat template's call sets it")
         try:
@@ -204,10 +209,17 @@ class Engine:
         except jinja2.TemplateError as e:  # the template's own refusal (raise_exception), or a variable it cannot use
             raise R2RError(f"the chat template refused these messages: {e}") from None
         except ValueError as e:  # transformers': the template did not write the last message where it can go on
-            if not continue_final_message:
+            if continue_final_message:
+                raise R2RError(f"the chat template cannot leave the last message open ({e}): ask without "
+                               "continue_final_message") from None
+            if template is None and not template_kwargs:
                 raise
-            raise R2RError(f"the chat template cannot leave the last message open ({e}): ask without "
-                           "continue_final_message") from None
+            raise R2RError(f"the chat template failed on these messages: {e}") from None
+        except (TypeError, OverflowError, RecursionError) as e:  # a template or its variables, as a client gave them
+            if template is None and not template_kwargs:
+                raise
+            raise R2RError(f"the chat template failed on these messages ({type(e).__name__}: {e}): mend the "
+                           "template or chat_template_kwargs") from None
 
     def encode_prompt(self, prompt: str, suffix: str | None = None) -> list[int]:
         """A benchmark item's or a label prompt's tokens: a user message in the chat template, or with `suffix` the

@@ -109,6 +109,10 @@ class OutputConfig(BaseModel):
     format: OutputFormat | None = None
 
 
+# Chat fields the Messages API has no place for in its reply: a request that sends one is told where to go instead
+CHAT_FIELDS = {"n": "send one request per answer", "logprobs": "ask /v1/chat/completions for them",
+               "top_logprobs": "ask /v1/chat/completions for them", "echo": "ask /v1/completions for the prompt's",
+               "prompt_logprobs": "ask /v1/completions for them"}
 # Fields for what this server does not do, refused unless absent
 UNDONE = {"mcp_servers": "MCP servers (give the tools themselves)", "container": "code execution containers",
           "context_management": "context editing (send the conversation as it should be read)"}
@@ -136,8 +140,13 @@ class MessagesBody(BaseModel):
     metadata: dict[str, Any] | None = None
 
     def checked(self) -> None:
+        extra = self.model_extra or {}
+        for name, instead in CHAT_FIELDS.items():
+            if name in extra:
+                raise APIError(400, f"{name} is a chat completions field, which the Messages API does not have: "
+                                    f"{instead}", param=name, code="unsupported_parameter")
         for name, what in UNDONE.items():
-            if (self.model_extra or {}).get(name) not in (None, [], {}):
+            if extra.get(name) not in (None, [], {}):
                 raise APIError(400, f"{name}: this server does not do {what}", param=name)
 
     def chat_request(self, stream: bool | None = None) -> ChatBody:
