@@ -325,3 +325,21 @@ def test_a_client_that_leaves_cancels_every_choice_it_started(loaded_server, pat
     while httpx.get(loaded_server + "/health").json()["running"]:
         assert time.monotonic() - left < 1.0, "a choice kept running after its client left"
         time.sleep(0.02)
+
+
+def test_responses_with_two_thousand_turns_and_truncation_auto_answers_within_two_seconds(kind_server):
+    import time
+
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(2000)]
+    payload = {"input": turns, "truncation": "auto", "max_output_tokens": 8, "temperature": 0}
+    start = time.monotonic()
+    response = httpx.post(kind_server + "/v1/responses", json=payload, timeout=60)
+    took = time.monotonic() - start
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["input_tokens"] + 8 <= 512
+    # the fewest turns went: with one more turn kept, the conversation would not fit
+    kept = response.json()["usage"]["input_tokens"]
+    assert kept > 512 - 8 - 40, f"only {kept} prompt tokens kept: more turns went than had to"
+    print(f"2,000 turns, truncation auto: answered in {took:.2f} s")
+    assert took < 2.0, f"took {took:.2f} s"

@@ -269,19 +269,28 @@ def input_messages(given: list) -> list[dict]:
     return messages
 
 
-def drop_oldest(chat: ChatBody) -> bool:
-    """`truncation: "auto"`: the chat without its oldest message but the system's (with a call's answers, which go
-    with their call); False when the last message is all that is left to drop."""
-    turns = [i for i, m in enumerate(chat.messages) if m.role not in ("system", "developer")]
-    if len(turns) <= 1:
-        return False
-    end = turns[0] + 1
-    while end < len(chat.messages) and chat.messages[end].role == "tool":
-        end += 1
-    if end > turns[-1]:
-        return False
-    del chat.messages[turns[0]:end]
-    return True
+def oldest_turns(chat: ChatBody) -> list[tuple[int, int]]:
+    """`truncation: "auto"`: the spans of messages that go, oldest first, as the conversation is cut to fit: each
+    turn but the system's (with a call's answers, which go with their call), never the last one."""
+    roles = [m.role for m in chat.messages]
+    turns = [i for i, role in enumerate(roles) if role not in ("system", "developer")]
+    spans = []
+    for first in turns[:-1]:
+        if spans and first < spans[-1][1]:  # (a tool answer that went with its call)
+            continue
+        end = first + 1
+        while end < len(roles) and roles[end] == "tool":
+            end += 1
+        if end > turns[-1]:
+            break
+        spans.append((first, end))
+    return spans
+
+
+def without(chat: ChatBody, spans: list[tuple[int, int]]) -> ChatBody:
+    """The chat with these spans of messages left out."""
+    gone = {i for first, end in spans for i in range(first, end)}
+    return chat.model_copy(update={"messages": [m for i, m in enumerate(chat.messages) if i not in gone]})
 
 
 # Chat fields as a Responses request names them, the longer names first (an input item's index is not a message's:

@@ -47,10 +47,11 @@ from roads_to_rome.serving.responses import (
     Draft,
     ResponsesBody,
     ResponseStore,
-    drop_oldest,
+    oldest_turns,
     response_events,
     responses_names,
     whole_response,
+    without,
 )
 from roads_to_rome.serving.schemas import (
     APIError,
@@ -403,9 +404,27 @@ async def checked_chat(s: ServerState, chat: ChatBody, fit: bool = False
     output_format = check_body(chat, s.model_name, s.limits)
     tools = chat.tool_use(s.tool_parser)
     prompt_ids = await chat_prompt(s, chat, tools.prompt_tools)
-    while fit and len(prompt_ids) + (chat.max_tokens or 1) > s.limits.context_length and drop_oldest(chat):
-        prompt_ids = await chat_prompt(s, chat, tools.prompt_tools)
+    fits = lambda ids: len(ids) + (chat.max_tokens or 1) <= s.limits.context_length  # noqa: E731
+    if fit and not fits(prompt_ids):
+        prompt_ids = await fitted_prompt(s, chat, tools, fits)
     return truncated(chat, prompt_ids, s.limits), tools.output_format or output_format, tools
+
+
+async def fitted_prompt(s: ServerState, chat: ChatBody, tools: ToolUse, fits) -> list[int]:
+    """The prompt of the chat less the fewest oldest turns that make it `fits` (OpenAI's `truncation: "auto"`),
+    found by halving: a few renderings of the chat, not one per turn dropped. The chat keeps what is left."""
+    spans = oldest_turns(chat)
+    low, high, best = 1, len(spans), None  # (dropping more turns never lengthens the prompt)
+    while low <= high:
+        middle = (low + high) // 2
+        ids = await chat_prompt(s, without(chat, spans[:middle]), tools.prompt_tools)
+        if fits(ids):
+            high, best = middle - 1, (middle, ids)
+        else:
+            low = middle + 1
+    dropped, ids = best or (len(spans), None)
+    chat.messages = without(chat, spans[:dropped]).messages
+    return ids if ids is not None else await chat_prompt(s, chat, tools.prompt_tools)
 
 
 async def queue_chat(s: ServerState, chat: ChatBody, fit: bool = False) -> tuple[list[Job], Reply, list[int]]:
