@@ -155,6 +155,10 @@ def test_a_remote_llm_that_dies_stalls_and_comes_back(llm_files, slm, tokenizer)
 
             def kill():
                 llm_server.stop()
+                killed = time.monotonic()  # a refused connection is a fault known at once, not after the retries
+                while httpx.get(url + "/health").json()["status"] != "degraded":
+                    assert time.monotonic() - killed < 2.0, "/health said ok 2 s after the LLM's server went away"
+                    time.sleep(0.05)
 
             # Killed and away: the requests in flight fail with the LLM-away error, none hangs.
             started = time.monotonic()

@@ -493,3 +493,27 @@ def test_credentials_in_the_llm_address_are_sent_but_never_shown():
     with pytest.raises(R2RError) as bad:
         RemoteBackend("http://alice:hunter2@127.0.0.1:9?modle=x", None, set())
     assert "hunter2" not in str(bad.value)
+
+
+def test_a_refused_connection_says_degraded_at_once_and_an_answer_clears_it():
+    """A server killed mid-stream refuses connections: /health says so from the first refusal, while the call
+    retries, not once the retry budget is spent; the first answer clears it."""
+    from roads_to_rome.backends import remote as remote_module
+
+    up = threading.Event()
+
+    def killed_then_back(request):
+        if not up.is_set():
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        return httpx.Response(200, json={"ok": 1})
+
+    client = mock_client(killed_then_back, retry=10.0)
+    backend = remote_module.RemoteBackend.__new__(remote_module.RemoteBackend)  # `health` reads only the client
+    backend.client = client
+    caller = threading.Thread(target=client.get, args=("/v1/models",))
+    caller.start()
+    time.sleep(0.2)
+    assert backend.health()["status"] == "refusing"
+    up.set()
+    caller.join(10)
+    assert backend.health() is None

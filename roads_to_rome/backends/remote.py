@@ -207,6 +207,9 @@ class Client:
         self.http = httpx.Client(base_url=self.url, timeout=timeout, limits=httpx.Limits(max_connections=64),
                                  auth=auth, headers=headers)
         self.down_since: float | None = None
+        # Since when the server has refused connections (None: the last attempt connected). A refused connection
+        # says at once that nothing listens there: /health says so before the retry budget is spent.
+        self.refused_since: float | None = None
         self.last_probe = 0.0
         # The start times of the calls waiting for an answer, retries included: what tells a stalled or failing
         # server before the retry budget is spent (`waiting_for`).
@@ -237,7 +240,7 @@ class Client:
             self.last_probe = time.monotonic()
             try:
                 if self.http.get("/v1/models", timeout=2.0).status_code == 200:
-                    self.down_since = None
+                    self.down_since = self.refused_since = None
             except httpx.HTTPError:
                 pass
         return self.down_since is None
@@ -253,6 +256,7 @@ class Client:
             while True:
                 try:
                     response = self.http.request(method, path, json=body)
+                    self.refused_since = None
                     if response.status_code not in RETRYABLE_STATUS:
                         break
                     why = f"it answered {response.status_code}"
@@ -260,6 +264,8 @@ class Client:
                     why = f"no answer to {method} {path} within {self.http.timeout.read:.0f} s"
                 except httpx.TransportError as e:  # refused, reset, closed mid-answer: whatever the socket says
                     why = f"{type(e).__name__}: {e}"
+                    if isinstance(e, httpx.ConnectError) and self.refused_since is None:
+                        self.refused_since = time.monotonic()
                 pause = min(0.25 * 2**attempt, 4.0)
                 if time.monotonic() - start + pause > self.retry:
                     if self.down_since is None:
@@ -345,11 +351,15 @@ class RemoteBackend:
     def health(self) -> dict | None:
         """None while the server answers; else what a health check reports of it (the server's `/health`):
         `unavailable` once a call has spent its retry budget (requests that need the LLM are refused until a probe
-        gets through), `stalled` while a call has waited (or kept retrying) for `STALLED_AFTER_S`."""
+        gets through), `refusing` from the first refused connection while calls retry, `stalled` while a call has
+        waited (or kept retrying) for `STALLED_AFTER_S`."""
         client = self.client
         if not client.reachable():
             return {"status": "unavailable", "url": client.url,
                     "down_for_s": round(time.monotonic() - (client.down_since or 0), 1)}
+        if client.refused_since is not None:
+            return {"status": "refusing", "url": client.url,
+                    "refusing_for_s": round(time.monotonic() - client.refused_since, 1)}
         waited = client.waiting_for()
         if waited >= STALLED_AFTER_S:
             return {"status": "stalled", "url": client.url, "waiting_for_s": round(waited, 1)}
