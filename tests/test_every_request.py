@@ -343,3 +343,35 @@ def test_responses_with_two_thousand_turns_and_truncation_auto_answers_within_tw
     assert kept > 512 - 8 - 40, f"only {kept} prompt tokens kept: more turns went than had to"
     print(f"2,000 turns, truncation auto: answered in {took:.2f} s")
     assert took < 2.0, f"took {took:.2f} s"
+
+
+LOOPS = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"  # 82 characters of work
+
+
+def test_a_request_template_that_loops_or_builds_a_large_text_holds_up_no_ordinary_chat(trusting_server):
+    import time
+
+    url, outcomes = trusting_server, {}
+
+    def send(name, template):
+        start = time.monotonic()
+        response = httpx.post(url + CHAT, json=chat(chat_template=template), timeout=60)
+        outcomes[name] = (response, time.monotonic() - start)
+
+    warm = httpx.post(url + CHAT, json=chat(chat_template="{{ messages[0].content }}"), timeout=60)
+    assert warm.status_code == 200, warm.text  # (the template process started)
+    looping = threading.Thread(target=send, args=("loops", LOOPS))
+    looping.start()
+    time.sleep(0.3)
+    for _ in range(5):  # ordinary chats, in the server's own template, while the template loops
+        start = time.monotonic()
+        assert httpx.post(url + CHAT, json=chat(), timeout=60).status_code == 200
+        assert time.monotonic() - start < 2.0
+    looping.join(30)
+    response, took = outcomes["loops"]
+    assert response.status_code == 400 and "within" in response.json()["error"]["message"], response.text
+    assert response.json()["error"]["param"] == "chat_template" and took < Limits().max_template_seconds + 5
+    send("builds", "{% set x = 'a' * 100000000 %}{{ x|length }}")
+    response, _ = outcomes["builds"]
+    assert response.status_code == 400 and "MiB" in response.json()["error"]["message"], response.text
+    assert httpx.post(url + CHAT, json=chat(chat_template="{{ messages[0].content }}"), timeout=60).status_code == 200

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from roads_to_rome.backends.base import Backend
+from roads_to_rome.core.chat_template import encode_messages
 from roads_to_rome.core.grammar import GrammarWalk, OutputFormat, grammar_tokenizer
 from roads_to_rome.core.llm_calls import Deferral, LLMCalls
 from roads_to_rome.core.request import Failure, Generation, Request, Sequence
@@ -25,11 +26,6 @@ from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 # recovers most of the accuracy the router alone misses for little more LLM share (docs: "Verification on
 # catch-up"). A model alone (the slm or llm policy, a request that forces one) is not verified unless asked.
 DEFAULT_VERIFY = "1"
-
-
-# Names a chat template is rendered with beside apply_chat_template's own parameters (transformers'
-# `render_jinja_template`): chat_template_kwargs may not set them either.
-TEMPLATE_NAMES = frozenset({"self", "messages", "tools", "documents", "add_generation_prompt", "conversations"})
 
 
 # Fill-in-the-middle markers, as code models spell them: (prefix, suffix, middle).
@@ -188,38 +184,8 @@ class Engine:
         shape), which the template shows it. `add_generation_prompt` false ends the prompt after the last message;
         `continue_final_message` leaves the last message open, for the answer to go on writing it. `template`: a
         Jinja chat template to write them in instead of the tokenizer's."""
-        import inspect
-
-        import jinja2
-
-        if template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise R2RError("the model's tokenizer has no chat template: give the prompt as plain text (--raw, "
-                           "or /v1/completions on the server), or give one (--chat-template)")
-        own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) | TEMPLATE_NAMES
-        if clash := sorted(own.intersection(template_kwargs or {})):
-            raise R2RError(f"chat_template_kwargs may not set {', '.join(clash)}: the chat template's call sets it")
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=template, tokenize=True,
-                return_dict=False,
-                **(template_kwargs or {}))
-        except jinja2.TemplateSyntaxError as e:  # a template given with the request
-            raise R2RError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
-        except jinja2.TemplateError as e:  # the template's own refusal (raise_exception), or a variable it cannot use
-            raise R2RError(f"the chat template refused these messages: {e}") from None
-        except ValueError as e:  # transformers': the template did not write the last message where it can go on
-            if continue_final_message:
-                raise R2RError(f"the chat template cannot leave the last message open ({e}): ask without "
-                               "continue_final_message") from None
-            if template is None and not template_kwargs:
-                raise
-            raise R2RError(f"the chat template failed on these messages: {e}") from None
-        except (TypeError, OverflowError, RecursionError) as e:  # a template or its variables, as a client gave them
-            if template is None and not template_kwargs:
-                raise
-            raise R2RError(f"the chat template failed on these messages ({type(e).__name__}: {e}): mend the "
-                           "template or chat_template_kwargs") from None
+        return encode_messages(self.tokenizer, messages, template_kwargs, tools, add_generation_prompt,
+                               continue_final_message, template)
 
     def encode_prompt(self, prompt: str, suffix: str | None = None) -> list[int]:
         """A benchmark item's or a label prompt's tokens: a user message in the chat template, or with `suffix` the

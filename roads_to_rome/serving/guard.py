@@ -208,3 +208,66 @@ class Compiling:
 
     def shutdown(self) -> None:
         self.lane.shutdown(wait=False, cancel_futures=True)
+
+
+class TemplateLane:
+    """Chat templates that requests bring (--trust-request-chat-template) write their chats in a process of their own,
+    one at a time, within `seconds` and `memory_bytes` (`core.chat_template.serve_templates`): a template that
+    loops for long or builds a large text holds up neither the event loop nor the lanes that write chats in the
+    server's own template. Past its time the process is killed (the next such request starts another, in a second or
+    two); at most `limit` requests wait or run at once (429 beyond)."""
+
+    def __init__(self, tokenizer, seconds: float, memory_bytes: int, limit: int):
+        self.tokenizer, self.seconds, self.memory_bytes, self.limit = tokenizer, seconds, memory_bytes, limit
+        self.in_lane, self.process, self.connection = 0, None, None
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-template")
+
+    async def __call__(self, *job) -> list[int]:
+        """`encode_messages`' arguments after the tokenizer: the prompt's token ids, or a 400 naming chat_template."""
+        if self.in_lane >= self.limit:
+            raise APIError(429, f"the server is writing {self.in_lane} chats in templates requests brought, its limit "
+                                "(--max-tokenizing); retry later", code="template_busy", kind="rate_limit_error")
+        self.in_lane += 1
+        try:
+            status, value = await asyncio.get_running_loop().run_in_executor(self.thread, self._write, job)
+        finally:
+            self.in_lane -= 1
+        if status != "ok":
+            raise APIError(400, value, param="chat_template")
+        return value
+
+    def _write(self, job: tuple) -> tuple[str, object]:
+        if self.process is None or not self.process.is_alive():
+            self._start()
+        self.connection.send(job)
+        if self.connection.poll(self.seconds):
+            try:
+                return self.connection.recv()
+            except EOFError:  # (killed: by the kernel, out of memory)
+                self._stop()
+                return "error", "the chat template's process ended while it wrote these messages"
+        self._stop()
+        return "error", (f"the chat template did not write these messages within {self.seconds:g} s, this server's "
+                         "limit: loop less in it")
+
+    def _start(self) -> None:
+        import multiprocessing
+
+        from roads_to_rome.core.chat_template import serve_templates
+
+        context = multiprocessing.get_context("spawn")  # (not a fork of a process with threads and a model)
+        self.connection, theirs = context.Pipe()
+        self.process = context.Process(target=serve_templates, args=(theirs, self.tokenizer, self.memory_bytes),
+                                       name="r2r-templates", daemon=True)
+        self.process.start()
+        theirs.close()
+
+    def _stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.join(5)
+        self.process = self.connection = None
+
+    def shutdown(self) -> None:
+        self.thread.shutdown(wait=False, cancel_futures=True)
+        self._stop()

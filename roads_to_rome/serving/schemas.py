@@ -61,6 +61,10 @@ class Limits:
     max_tools: int = 128
     # A structured output is compiled off the event loop, one at a time; past this it is a 400 naming the field.
     max_compile_seconds: float = 10.0
+    # A chat template a request brings (--trust-request-chat-template) writes its chat in a process of its own,
+    # within this time and this much memory beyond what the process holds (a 400 past either).
+    max_template_seconds: float = 5.0
+    max_template_bytes: int = 128 << 20
     # Long prompts waiting to be tokenized (or being tokenized) at once; beyond that: 429 before anything queues.
     # Short prompts have a lane of their own, so a flood of long ones cannot hold them up.
     max_tokenizing: int = 4

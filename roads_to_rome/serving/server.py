@@ -40,7 +40,7 @@ from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser,
 from roads_to_rome.serving import request_ids
 from roads_to_rome.serving.connections import uvicorn_config
 from roads_to_rome.serving.engine_thread import EngineThread, Job
-from roads_to_rome.serving.guard import Compiling, Guard, Tokenizing, check_api_key
+from roads_to_rome.serving.guard import Compiling, Guard, TemplateLane, Tokenizing, check_api_key
 from roads_to_rome.serving.messages import CountTokensBody, MessageDraft, MessagesBody, message_events, whole_message
 from roads_to_rome.serving.replies import Reply, stream_events, whole_answer
 from roads_to_rome.serving.responses import (
@@ -89,7 +89,7 @@ class ServerState:
     tool_parser: str | None  # the call syntax chat replies' tool calls are read in (None: tools are refused)
     probing: concurrent.futures.ThreadPoolExecutor  # asks a remote LLM whether it is back, off the event loop
     responses: ResponseStore  # the Responses API's stored responses
-    trust_request_chat_template: bool = False  # chat requests may bring their own template
+    templates: TemplateLane | None = None  # writes chats in templates requests bring (None: they may bring none)
 
 
 def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = None, api_key: str | None = None,
@@ -112,7 +112,9 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
                         Compiling(limits.max_compile_seconds, limits.max_tokenizing), reasoning,
                         resolve_tool_parser(tool_call_parser, engine.tokenizer),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-probe"),
-                        ResponseStore(limits.responses_store_bytes), trust_request_chat_template)
+                        ResponseStore(limits.responses_store_bytes),
+                        TemplateLane(engine.tokenizer, limits.max_template_seconds, limits.max_template_bytes,
+                                     limits.max_tokenizing) if trust_request_chat_template else None)
 
     async def lifespan(app):
         state.engine_thread.start()
@@ -120,6 +122,8 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
         state.engine_thread.stop()
         state.tokenizing.shutdown()
         state.compiling.shutdown()
+        if state.templates is not None:
+            state.templates.shutdown()
         state.probing.shutdown(wait=False)
 
     app = FastAPI(title="R2R", lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
@@ -364,14 +368,18 @@ def validated(model: type[BaseModel], body: dict):
 
 async def chat_prompt(s: ServerState, body: ChatPrompt, prompt_tools: list[dict] | None) -> list[int]:
     """A chat's prompt tokens, in the model's chat template: the messages, the tools it shows, how it ends."""
-    if body.chat_template is not None and not s.trust_request_chat_template:
+    if body.chat_template is not None and s.templates is None:
         raise APIError(400, "this server writes chats in its own chat template; a request's chat_template needs a "
                             "server started with --trust-request-chat-template: leave it out",
                        param="chat_template")
     messages = [m.for_template() for m in body.messages]
-    # what the template will hold, and the template itself
-    chars = len(json.dumps([messages, prompt_tools], ensure_ascii=False)) + len(body.chat_template or "")
-    encode = functools.partial(s.engine.encode_messages, **body.template_options())
+    options = body.template_options()
+    if body.chat_template is not None:  # a client's template: in a process of its own, within a time and memory
+        return await s.templates(messages, body.chat_template_kwargs, prompt_tools, options["add_generation_prompt"],
+                                 options["continue_final_message"], options["template"])
+    # what the template will hold
+    chars = len(json.dumps([messages, prompt_tools], ensure_ascii=False))
+    encode = functools.partial(s.engine.encode_messages, **options)
     return await tokenize(s, chars, encode, messages, body.chat_template_kwargs, prompt_tools)
 
 
