@@ -484,3 +484,24 @@ def test_a_client_that_leaves_frees_its_slot(long_srv, path, body):
                 if line.startswith("data: ") and "delta" in line:
                     break  # one token, then hang up
     assert_idle_soon(srv.url)
+
+
+def test_the_stores_budget_counts_what_the_responses_hold_in_memory():
+    """Responses of many small items (a parsed JSON object takes several times its text): what the store holds, as
+    tracemalloc counts it, is within a tenth of what its budget counts."""
+    import tracemalloc
+
+    class Draft:
+        conversation = [{"role": "user", "content": f"turn {i}"} for i in range(200)]
+        body = ResponsesBody(input="y" * 100)
+
+    store = ResponseStore(budget=1 << 30)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(100):
+        store.put({"id": f"resp_{i}", "output": [{"type": "message", "content": [{"type": "output_text", "text": w}]}
+                                                 for w in "the answer is twelve".split() * 20]}, Draft())
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert held <= 1.1 * store.size, f"the store holds {held} bytes and counts {store.size}"
+    assert store.stored("resp_7").response["output"][0]["content"][0]["text"] == "the"

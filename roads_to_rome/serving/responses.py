@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -586,17 +587,38 @@ async def response_events(job: Job, reply: Reply, draft: Draft, store: ResponseS
 
 # ---- the store ---------------------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(frozen=True)
 class Stored:
-    response: dict
-    conversation: list[dict]  # the chat it ends, without its instructions: what a later request goes on from
-    input_items: list[dict]  # its request's input, as the API lists it
-    size: int
+    """A kept response as the bytes of its JSON, beside the chat it ends (without its instructions: what a later
+    request goes on from) and its request's input as the API lists it: the memory it holds is what the store's
+    budget counts (parsed objects would take several times their JSON)."""
+
+    blob: bytes
+
+    @classmethod
+    def of(cls, response: dict, conversation: list[dict], input_items: list[dict]) -> Stored:
+        return cls(json.dumps([response, conversation, input_items], ensure_ascii=False).encode())
+
+    @property
+    def size(self) -> int:
+        return sys.getsizeof(self.blob)
+
+    @property
+    def response(self) -> dict:
+        return json.loads(self.blob)[0]
+
+    @property
+    def conversation(self) -> list[dict]:
+        return json.loads(self.blob)[1]
+
+    @property
+    def input_items(self) -> list[dict]:
+        return json.loads(self.blob)[2]
 
 
 class ResponseStore:
-    """Responses kept for `previous_response_id`, GET and DELETE: in memory, within `budget` bytes (their JSON), the
-    least recently used dropped first. A server's restart drops them all."""
+    """Responses kept for `previous_response_id`, GET and DELETE: in memory, within `budget` bytes (what they hold
+    there: `Stored`), the least recently used dropped first. A server's restart drops them all."""
 
     def __init__(self, budget: int):
         self.budget, self.size = budget, 0
@@ -619,7 +641,9 @@ class ResponseStore:
                     self.put(draft.response("failed", [], error={"code": "server_error", "message": event.message}),
                              draft)
                     return
-                shown["status"] = "in_progress"  # (what a GET meanwhile shows)
+                if shown["status"] != "in_progress":  # (what a GET meanwhile shows)
+                    shown["status"] = "in_progress"
+                    self.put(shown, draft)
                 if event.finished:
                     break
             self.put(whole_response(draft, reply, job.sequence.generation), draft)
@@ -657,13 +681,11 @@ class ResponseStore:
     def put(self, response: dict, draft: Draft) -> None:
         """Keep a response, in place of what was kept under its id (a background one's earlier state)."""
         self.forget(response["id"])
-        conversation = draft.conversation + conversation_of(response)
-        items = listed_items(draft.body.input)
-        size = len(json.dumps(response)) + len(json.dumps(conversation)) + len(json.dumps(items))
-        if size > self.budget:
+        stored = Stored.of(response, draft.conversation + conversation_of(response), listed_items(draft.body.input))
+        if stored.size > self.budget:
             return
-        self.kept[response["id"]] = Stored(response, conversation, items, size)
-        self.size += size
+        self.kept[response["id"]] = stored
+        self.size += stored.size
         while self.size > self.budget:
             self.size -= self.kept.popitem(last=False)[1].size
 
@@ -693,4 +715,4 @@ class ResponseStore:
             raise APIError(400, f"previous_response_id {response_id!r} is still being written: fetch it (GET "
                                 "/v1/responses/{id}) until it is done, then go on from it",
                            param="previous_response_id")
-        return [dict(m) for m in stored.conversation]
+        return stored.conversation
