@@ -87,18 +87,52 @@ CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:argu
 def compact_json(text: str) -> str:
     """JSON text (or the start of it) spaced as json.dumps spaces it: no whitespace but a space after each `:` and
     `,`; strings as written. The compacted start of a text is the start of the compacted whole."""
-    out, in_string, escaped = [], False, False
-    for char in text:
-        if in_string:
-            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
-        elif char in " \t\r\n":
-            continue
-        elif char in ":,":
-            char += " "
-        else:
-            in_string = char == '"'
-        out.append(char)
-    return "".join(out)
+    return Compactor()(text)
+
+
+class Compactor:
+    """`compact_json` of a text that grows (a call's arguments as a stream writes them): each call compacts only what
+    was added since the one before, a text that does not extend the last starting afresh."""
+
+    def __init__(self):
+        self.raw, self.compacted, self.in_string, self.escaped = "", "", False, False
+
+    def __call__(self, text: str) -> str:
+        if not text.startswith(self.raw):
+            self.__init__()
+        out, in_string, escaped = [], self.in_string, self.escaped
+        for char in text[len(self.raw):]:
+            if in_string:
+                escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+            elif char in " \t\r\n":
+                continue
+            elif char in ":,":
+                char += " "
+            else:
+                in_string = char == '"'
+            out.append(char)
+        self.raw, self.in_string, self.escaped = text, in_string, escaped
+        self.compacted += "".join(out)
+        return self.compacted
+
+
+class CallStream:
+    """What one stream's reading of its reply's calls keeps between tokens (`ToolParser.split` with it): the split up
+    to the end of the last call that closed, which a longer text only extends, and the compaction of the arguments
+    of the call being written. Each token then costs what it added, not the whole reply again."""
+
+    def __init__(self):
+        self.prefix, self.settled = "", None  # the text up to where the split is settled, and (at, content, calls)
+        self.compact = Compactor()
+
+    def resume(self, text: str) -> tuple[int, list[str], list[ToolCall]] | None:
+        if self.settled is None or not text.startswith(self.prefix):
+            return None
+        at, content, calls = self.settled
+        return at, list(content), list(calls)
+
+    def settle(self, text: str, at: int, content: list[str], calls: list[ToolCall]) -> None:
+        self.prefix, self.settled = text[:at], (at, list(content), list(calls))
 
 
 @dataclass(frozen=True)
@@ -113,15 +147,21 @@ class ToolParser:
         """A new call's id: OpenAI's shape, or 9 letters and digits for Mistral's templates."""
         return secrets.token_hex(5)[:9] if self.syntax == "mistral" else "call_" + secrets.token_hex(12)
 
-    def split(self, text: str, final: bool = True) -> ToolSplit:
+    def split(self, text: str, final: bool = True, stream: CallStream | None = None) -> ToolSplit:
         """The calls in `text` and the text around them. Not `final`: what may still turn out to be part of a call
         (a tag being written, an unclosed call, an opening JSON object, whitespace next to calls) is held back, so
         that what a stream has sent is never taken back: the split of a longer text extends this one's; the call
-        being written comes as `writing` once its name is known."""
+        being written comes as `writing` once its name is known. `stream`: what a stream keeps between its tokens'
+        splits, to read only what each added."""
         content: list[str] = []
         calls: list[ToolCall] = []
         writing: list[ToolCall | None] = []  # (set by the part that reads the call being written)
-        at = self._bare_calls(text, final, content, calls, writing)
+        compact = stream.compact if stream is not None else compact_json
+        resumed = stream.resume(text) if stream is not None else None
+        if resumed is not None:
+            at, content, calls = resumed
+        else:
+            at = self._bare_calls(text, final, content, calls, writing, compact)
         while at is not None:
             start = text.find(OPEN, at)
             if start < 0:  # the rest is text, maybe with a tag being written at its end
@@ -133,7 +173,7 @@ class ToolParser:
             if end < 0 and not final:  # a call being written
                 if segment.strip():
                     content.append(segment)
-                writing.append(self._written(text[start + len(OPEN):], tagged=True))
+                writing.append(self._written(text[start + len(OPEN):], tagged=True, compact=compact))
                 break
             stop = len(text) if end < 0 else end + len(CLOSE)
             call = self._call(text[start + len(OPEN): end if end >= 0 else len(text)], tagged=True)
@@ -144,10 +184,12 @@ class ToolParser:
                     content.append(segment)
                 calls.append(call)
             at = None if end < 0 else stop
+            if at is not None and stream is not None:
+                stream.settle(text, at, content, calls)
         return ToolSplit("".join(content), calls, writing[0] if writing else None)
 
     def _bare_calls(self, text: str, final: bool, content: list[str], calls: list[ToolCall],
-                    writing: list[ToolCall | None]) -> int | None:
+                    writing: list[ToolCall | None], compact=compact_json) -> int | None:
         """Calls written as bare JSON objects at the reply's start, maybe in a code fence (Qwen2.5-Coder's habits)
         or after Llama 3's `<|python_tag|>`, separated by whitespace or `;`, or as a JSON list (Mistral's, maybe
         after `[TOOL_CALLS]`): where the rest begins, or None while what comes may still be one (`writing`: the one
@@ -183,7 +225,7 @@ class ToolParser:
             except ValueError:
                 if final:
                     break
-                writing.append(self._written(text[start:], tagged=False))
+                writing.append(self._written(text[start:], tagged=False, compact=compact))
                 return None  # an object being written, or not JSON at all: known once it ends
             call = self._call_object(value, tagged=False, text=text[start:end])
             if call is None:
@@ -227,9 +269,10 @@ class ToolParser:
             return None
         return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
-    def _written(self, body: str, tagged: bool) -> ToolCall | None:
-        """The call `body` starts, written name first (`CALL_HEAD`), with its arguments' text so far, compacted;
-        None when it is not written so or (bare) names no offered function."""
+    def _written(self, body: str, tagged: bool, compact=compact_json) -> ToolCall | None:
+        """The call `body` starts, written name first (`CALL_HEAD`), with its arguments' text so far, compacted
+        (by `compact`: a stream's `Compactor`); None when it is not written so or (bare) names no offered
+        function."""
         head = CALL_HEAD.match(body)
         if head is None:
             return None
@@ -243,7 +286,7 @@ class ToolParser:
             end = json.JSONDecoder().raw_decode(body, head.end())[1]
         except ValueError:
             end = len(body)  # the arguments being written
-        return ToolCall(name, compact_json(body[head.end():end]))
+        return ToolCall(name, compact(body[head.end():end]))
 
 
 def call_format(functions: list[dict], one: bool, syntax: str = "hermes") -> OutputFormat:

@@ -30,7 +30,7 @@ from roads_to_rome.reasoning import Reasoned, ReasoningParser, llm_rate, prompt_
 from roads_to_rome.serving.engine_thread import ErrorReply, Job
 from roads_to_rome.serving.schemas import APIError, llm_away
 from roads_to_rome.text import Detokenizer
-from roads_to_rome.tool_calls import ToolCall, ToolParser, ToolSplit
+from roads_to_rome.tool_calls import CallStream, ToolCall, ToolParser, ToolSplit
 
 
 @dataclass
@@ -88,11 +88,12 @@ class Reply:
         split = self.calls(content, final=True)
         return ReplyParts(reasoned, split.content if split and split.calls else content, split.calls if split else [])
 
-    def calls(self, answer: str, final: bool) -> ToolSplit | None:
-        """The tool calls in a reply's answer (so far) and the content around them; None: calls are not read."""
+    def calls(self, answer: str, final: bool, stream: CallStream | None = None) -> ToolSplit | None:
+        """The tool calls in a reply's answer (so far) and the content around them; None: calls are not read.
+        `stream`: what a stream's reading keeps between its tokens."""
         if self.tools is None:
             return None
-        split = self.tools.split(answer, final)
+        split = self.tools.split(answer, final, stream)
         if self.one_call and split.calls:
             split.calls, split.writing = split.calls[:1], None
         return split
@@ -382,6 +383,7 @@ async def choice_deltas(job: Job, reply: Reply, index: int, ended: list):
     parser = reply.parser
     start = prompt_start(parser, tokenizer, sequence.prompt_ids) if parser else None
     sent_thinking, sent_answer, streamed, calls_sent, made = 0, 0, 0, CallsSent(), 0
+    call_stream = CallStream()
     in_answer = parser is None
     while not finished:
         event = await job.events.get()
@@ -404,7 +406,7 @@ async def choice_deltas(job: Job, reply: Reply, index: int, ended: list):
                 thinking, answer = (split.reasoning or "")[sent_thinking:], split.content
                 sent_thinking += len(thinking)
                 in_answer = not split.thinking
-            if (tool_split := reply.calls(answer, finished)) is not None:  # ... and so is a call's syntax
+            if (tool_split := reply.calls(answer, finished, call_stream)) is not None:  # ... and so is a call's syntax
                 answer, made = tool_split.content, len(tool_split.calls)
                 calls = calls_sent.deltas(tool_split, reply.tools)
             delta = Delta(token, source, score, thinking, answer[sent_answer:], calls,
