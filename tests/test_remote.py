@@ -517,3 +517,53 @@ def test_a_refused_connection_says_degraded_at_once_and_an_answer_clears_it():
     up.set()
     caller.join(10)
     assert backend.health() is None
+
+
+def test_each_rows_cache_salt_goes_to_vllm_with_its_requests():
+    """vLLM's prefix cache reuses only what requests of the same `cache_salt` read: each row's salt goes with each
+    of its requests (catch-ups and prompt scoring), none where it has none."""
+    import multiprocessing.pool
+
+    from roads_to_rome.backends.remote import RemoteBackend, VllmApi
+
+    bodies = []
+
+    def vllm(request):
+        body = json.loads(request.content)
+        bodies.append(body)
+        if "prompt_logprobs" in body:
+            entries = [None] + [{"5": {"logprob": -0.1, "rank": 1}}] * (len(body["prompt"]) - 1)
+            return httpx.Response(200, json={"choices": [{"prompt_logprobs": entries}]})
+        return httpx.Response(200, json={"choices": [{"logprobs": {"tokens": ["token_id:5"],
+                                                                   "top_logprobs": [{"token_id:5": -0.1}]}}]})
+
+    client = mock_client(vllm)
+    api = VllmApi.__new__(VllmApi)
+    api.client, api.model = client, "tiny"
+    backend = RemoteBackend.__new__(RemoteBackend)
+    backend.api, backend.client, backend.top_logprobs, backend.vocab_size, backend.hidden_size = api, client, 2, 10, 4
+    backend.pool = multiprocessing.pool.ThreadPool(2)
+    cache = backend.new_cache()
+    backend.tag_rows(cache, ["alice", None])
+    backend.forward(cache, torch.tensor([[1, 2], [3, 4]]), torch.ones(2, 2, dtype=torch.long))
+    backend.forward_all(cache, torch.tensor([[6], [7]]), torch.ones(2, 3, dtype=torch.long), keep_last=1)
+    backend.prompt_logprobs([1, 2, 3], 1, "bob")
+    sent = sorted((b["prompt"], b.get("cache_salt")) for b in bodies)
+    assert sent == [([1, 2], "alice"), ([1, 2, 3], "bob"), ([1, 2, 6], "alice"), ([3, 4], None), ([3, 4, 7], None)]
+
+
+def test_the_batch_tags_the_llms_rows_with_their_requests_salts(slm, llm, tokenizer, monkeypatch):
+    """Before each LLM call the batch hands the LLM's backend the cache_salt of each row it reads, in the cache's
+    row order (what a remote one sends with the row's requests)."""
+    from roads_to_rome.core.engine import Engine
+    from roads_to_rome.core.request import Request
+    from roads_to_rome.core.sampling import SamplingParams
+    from roads_to_rome.routing.policies import AlwaysLLM
+
+    tagged = []
+    monkeypatch.setattr(llm, "tag_rows", lambda cache, salts: tagged.append(list(salts)))
+    engine = Engine(slm, llm, tokenizer, AlwaysLLM())
+    prompts = [tokenizer.encode(p) for p in ("Hello there", "What is 2 + 2?", "Bonjour")]
+    engine.run([Request(p, SamplingParams(max_new_tokens=3 + i), cache_salt=salt)
+                for i, (p, salt) in enumerate(zip(prompts, ["alice", None, "bob"]))])
+    assert tagged and tagged[0] == ["alice", None, "bob"] and tagged[-1] == ["bob"]

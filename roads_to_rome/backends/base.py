@@ -121,6 +121,11 @@ class Backend(Protocol):
         to `each_chunk(first, logits [n, V], hidden [n, H])` at most `SCORE_CHUNK` positions at a time (positions
         first..first + n - 1): a prompt scored in the memory of one chunk's logits, not of the whole [T, V]."""
 
+    def tag_rows(self, cache: Cache, salts: list[str | None]) -> None:
+        """Each of the cache's rows' `cache_salt`, in order, before a call that reads them: a server with a prefix
+        cache of its own (vLLM's) gets each row's with its requests, so that no request reuses what another salt's
+        requests read. Local backends keep no prompts of their own (core/prefix_cache.py fences theirs)."""
+
     def select_rows(self, cache: Cache, rows: torch.Tensor) -> None:
         """Keep only these rows, in this order (finished requests leave the batch)."""
 
@@ -161,6 +166,9 @@ class LocalBackend:
     scores_prompts = True  # (from its whole logits)
 
     def health(self) -> None:
+        return None
+
+    def tag_rows(self, cache: Cache, salts: list[str | None]) -> None:
         return None
 
     def complete(self, cache: Cache, new_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int

@@ -59,6 +59,10 @@ def without_credentials(address: str) -> str:
 class RemoteCache:
     rows: list[list[int]] = field(default_factory=list)  # each row's real tokens sent so far (no padding)
     length: int = 0  # columns of the token streams already read
+    salts: list[str | None] = field(default_factory=list)  # each row's cache_salt, as last tagged (`tag_rows`)
+
+    def salt(self, row: int) -> str | None:
+        return self.salts[row] if row < len(self.salts) else None
 
 
 # a token the server chose greedily, and the top log-probabilities it chose from
@@ -95,7 +99,8 @@ class LlamaServerApi(ServerApi):
     def tokenize(self, text: str) -> list[int]:
         return self.client.post("/tokenize", {"content": text, "add_special": False, "parse_special": True})["tokens"]
 
-    def greedy(self, ids: list[int], n: int, top: int) -> list[ServerToken]:
+    def greedy(self, ids: list[int], n: int, top: int, salt: str | None = None) -> list[ServerToken]:
+        # (llama.cpp's server has no cache salt: its slots reuse any request's prompt; docs/serving.md says so)
         out = self.client.post("/completion", {"prompt": ids, "n_predict": n, "n_probs": top, "temperature": 0,
                                                "cache_prompt": True, "return_tokens": True})
         # The server drops the probabilities of a token that ends inside a UTF-8 character (its text is held
@@ -127,21 +132,22 @@ class VllmApi(ServerApi):
         return self.client.post("/tokenize", {"model": self.model, "prompt": text,
                                               "add_special_tokens": False})["tokens"]
 
-    def greedy(self, ids: list[int], n: int, top: int) -> list[ServerToken]:
+    def greedy(self, ids: list[int], n: int, top: int, salt: str | None = None) -> list[ServerToken]:
         out = self.client.post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": n,
                                                    "temperature": 0, "logprobs": top,
-                                                   "return_tokens_as_token_ids": True})
+                                                   "return_tokens_as_token_ids": True, **salted(salt)})
         logprobs = out["choices"][0].get("logprobs") or {}
         steps = []
         for token, tops in zip(logprobs.get("tokens") or [], logprobs.get("top_logprobs") or []):
             steps.append((token_id(token), {token_id(k): float(v) for k, v in (tops or {token: 0.0}).items()}))
         return steps
 
-    def prompt_logprobs(self, ids: list[int], top: int) -> list[dict[int, tuple[float, int]]]:
+    def prompt_logprobs(self, ids: list[int], top: int, salt: str | None = None
+                        ) -> list[dict[int, tuple[float, int]]]:
         """vLLM's `prompt_logprobs`: for each token after the first, its log-probability and rank there, and the
         `top` most likely tokens' (by token id)."""
         out = self.client.post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": 1,
-                                                   "temperature": 0, "prompt_logprobs": top})
+                                                   "temperature": 0, "prompt_logprobs": top, **salted(salt)})
         entries = out["choices"][0].get("prompt_logprobs") or []
         if len(entries) != len(ids):
             raise RemoteError(f"the LLM server at {self.client.url} scored {len(entries)} positions of a "
@@ -164,6 +170,11 @@ def vllm_prefix_cache(client: Client) -> str:
     if labels.get("enable_prefix_caching") == "False":
         return "off"
     return f"{labels['block_size']}-token blocks" if "block_size" in labels else "unknown"
+
+
+def salted(salt: str | None) -> dict:
+    """vLLM's `cache_salt` field, where a request has one: its prefix cache reuses only blocks read with it."""
+    return {} if salt is None else {"cache_salt": salt}
 
 
 def token_id(text: str) -> int:
@@ -398,7 +409,9 @@ class RemoteBackend:
 
     def forward(self, cache: RemoteCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
         self.read(cache, new_ids, attention_mask)
-        tops = list(self.pool.map(self._next, cache.rows))  # the rows at once: the server batches them
+        # the rows at once: the server batches them
+        tops = list(self.pool.map(lambda i: self._greedy(cache.rows[i], 1, cache.salt(i))[0][1],
+                                  range(len(cache.rows))))
         logits = torch.full((len(cache.rows), self.vocab_size), FLOOR)
         for i, top in enumerate(tops):
             self._fill(logits[i], top)
@@ -422,7 +435,8 @@ class RemoteBackend:
             first = len(row) - keep  # the row position of the first kept column (negative: padding)
             position, tops = max(first, len(row) - wanted[i], 0), []
             while position < len(row):
-                for token, top in self._greedy(row[: position + 1], min(len(row) - position, GREEDY_SPAN)):
+                for token, top in self._greedy(row[: position + 1], min(len(row) - position, GREEDY_SPAN),
+                                               cache.salt(i)):
                     tops.append((position - first, top))
                     position += 1
                     if position == len(row) or token != row[position]:
@@ -451,12 +465,9 @@ class RemoteBackend:
 
         return list(self.pool.map(one, cache.rows))
 
-    def _next(self, row: list[int]) -> dict[int, float]:
-        return self._greedy(row, 1)[0][1]
-
-    def _greedy(self, ids: list[int], n: int) -> list[ServerToken]:
+    def _greedy(self, ids: list[int], n: int, salt: str | None = None) -> list[ServerToken]:
         """At least the first of the n tokens the server chooses after `ids`, with their top log-probabilities."""
-        steps = self.api.greedy(ids, n, self.top_logprobs)
+        steps = self.api.greedy(ids, n, self.top_logprobs, salt)
         if not steps:
             raise RemoteError(f"the LLM server at {self.client.url} returned no token for a {len(ids)}-token prompt")
         return steps
@@ -476,13 +487,17 @@ class RemoteBackend:
     def scores_prompts(self) -> bool:
         return self.api.scores_prompts
 
-    def prompt_logprobs(self, ids: list[int], top: int) -> list[dict[int, tuple[float, int]]]:
+    def prompt_logprobs(self, ids: list[int], top: int, salt: str | None = None
+                        ) -> list[dict[int, tuple[float, int]]]:
         """For each of the sequence's tokens after the first: its log-probability and rank under the LLM, and the
         `top` most likely tokens' there (by token id), as the server computes them (vLLM's `prompt_logprobs`).
         The server reads the whole sequence for this, past its prefix cache."""
         if not self.scores_prompts:
             raise R2RError(f"the {self.api.engine} server at {self.client.url} gives no prompt log-probabilities")
-        return self.api.prompt_logprobs(ids, top)
+        return self.api.prompt_logprobs(ids, top, salt)
+
+    def tag_rows(self, cache: RemoteCache, salts: list[str | None]) -> None:
+        cache.salts = list(salts)
 
     def select_rows(self, cache: RemoteCache, rows: torch.Tensor) -> None:
         if cache.rows:  # (nothing read yet: its rows come with its first read)

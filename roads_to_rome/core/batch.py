@@ -178,6 +178,7 @@ class Batch:
         if not layout.writer_rows:
             return
         cache, rows = layout.writer_cache, layout.writer_rows
+        engine.writer.tag_rows(cache, [sequences[i].request.cache_salt for i in rows])  # (an LLM alone, served)
         logits, hidden = engine.writer.forward(cache, layout.writer_part(self.ids[:, cache.length :]),
                                                layout.writer_part(self.mask))
         writing = [sequences[i] for i in rows]
@@ -296,7 +297,8 @@ class Batch:
         row_keep = [min(column - read_from, verification.logits_needed(s, r))
                     if now or s.checks.pending(s) or s.checks.ends else 0 for s, r in zip(sequences, reach)]
         pending = self.engine.llm_side.catch_up(layout.llm_cache, layout.llm_part(self.ids[:, read_from:column]),
-                                                layout.llm_part(self.mask[:, :column]), row_keep)
+                                                layout.llm_part(self.mask[:, :column]), row_keep,
+                                                [s.request.cache_salt for s in sequences])
         return Call(pending, sequences, reach, max(row_keep))
 
     def _send_call(self, step: StepRecord) -> None:

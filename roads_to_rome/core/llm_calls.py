@@ -269,16 +269,23 @@ class LLMCalls:
         self._settle(self._queue(cache, self.backend.read, *self._inputs(new_ids, attention_mask)))
 
     def catch_up(self, cache: QueuedCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 row_keep: list[int]):
+                 row_keep: list[int], salts: list[str | None] | None = None):
         """The LLM's logits at the last `max(row_keep)` of the new columns [rows, keep, V] (on the batch's device),
-        later: a `PendingRead`. Row i needs its last `row_keep[i]` (`Backend.forward_all`)."""
+        later: a `PendingRead`. Row i needs its last `row_keep[i]` (`Backend.forward_all`); `salts`: each row's
+        cache_salt (`Backend.tag_rows`)."""
         cache.length += new_ids.shape[1]
         device, keep = new_ids.device, max(row_keep)
         ids, mask = self._inputs(new_ids, attention_mask)
-        if keep > 1 or min(row_keep) < keep:
-            future = self._queue(cache, self.backend.forward_all, ids, mask, keep, list(row_keep))
-        else:
-            future = self._queue(cache, lambda inner, i, m: self.backend.forward(inner, i, m)[0][:, None], ids, mask)
+        salts = list(salts or [None] * len(row_keep))
+        whole = keep > 1 or min(row_keep) < keep
+
+        def read(inner, ids, mask):
+            self.backend.tag_rows(inner, salts)
+            if whole:
+                return self.backend.forward_all(inner, ids, mask, keep, list(row_keep))
+            return self.backend.forward(inner, ids, mask)[0][:, None]
+
+        future = self._queue(cache, read, ids, mask)
         return PendingRead(future, device)
 
     def select_rows(self, cache: QueuedCache, rows: torch.Tensor) -> None:

@@ -60,7 +60,7 @@ def score_prompt(engine: Engine, sequence: Sequence, caches: tuple) -> tuple[lis
             if engine.llm.full_logits:
                 engine.llm_side.score_sequence(read, llm_cache, keep("llm"))
             else:  # a server's own (vLLM's); the LLM's cache reads the prompt as any other's
-                served = engine.llm.prompt_logprobs(ids, top)
+                served = engine.llm.prompt_logprobs(ids, top, sequence.request.cache_salt)
                 for t, source in enumerate(sources):
                     if source == "llm":
                         entries[t] = served_logprob(served[t], ids[t + 1], top)
