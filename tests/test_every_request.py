@@ -375,3 +375,16 @@ def test_a_request_template_that_loops_or_builds_a_large_text_holds_up_no_ordina
     response, _ = outcomes["builds"]
     assert response.status_code == 400 and "MiB" in response.json()["error"]["message"], response.text
     assert httpx.post(url + CHAT, json=chat(chat_template="{{ messages[0].content }}"), timeout=60).status_code == 200
+
+
+def test_a_scored_prompt_past_its_cap_is_a_400_naming_the_field(slm, llm, tokenizer):
+    app = create_app(Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0)), "tiny-r2r",
+                     Limits(max_batch=4, context_length=512, max_scored_prompt_tokens=32))
+    scored = {"max_tokens": 1, "echo": True, "logprobs": 1}
+    with BackgroundServer(app) as srv:
+        for extra, field in ((scored, "echo"), ({"max_tokens": 1, "prompt_logprobs": 1}, "prompt_logprobs")):
+            refused = httpx.post(srv.url + "/v1/completions", json={"prompt": list(range(5, 45)), **extra}, timeout=60)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+            assert "at most 32" in refused.json()["error"]["message"]
+            assert httpx.post(srv.url + "/v1/completions", json={"prompt": list(range(5, 37)), **extra},
+                              timeout=60).status_code == 200

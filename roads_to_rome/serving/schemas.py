@@ -61,6 +61,9 @@ class Limits:
     max_tools: int = 128
     # A structured output is compiled off the event loop, one at a time; past this it is a 400 naming the field.
     max_compile_seconds: float = 10.0
+    # A prompt whose log-probabilities are asked for is read whole as it is admitted, holding up the other streams
+    # for as long: at most this many tokens (its logits are looked at in chunks, so memory is not what bounds it).
+    max_scored_prompt_tokens: int = 8192
     # A chat template a request brings (--trust-request-chat-template) writes its chat in a process of its own,
     # within this time and this much memory beyond what the process holds (a 400 past either).
     max_template_seconds: float = 5.0
@@ -694,6 +697,11 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
                        code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(limits.max_tokens, room)
+    if body.prompt_top_count() is not None and len(prompt_ids) > limits.max_scored_prompt_tokens:
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this server scores prompts of at most "
+                            f"{limits.max_scored_prompt_tokens} (echo with logprobs, prompt_logprobs): score it in "
+                            "parts, or leave them out", param="prompt_logprobs" if body.prompt_logprobs is not None
+                       else "echo")
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens is {body.min_tokens}, beyond max_tokens ({max_tokens})", param="min_tokens")
     params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
