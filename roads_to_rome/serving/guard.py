@@ -8,11 +8,13 @@ import asyncio
 import concurrent.futures
 import hmac
 import ipaddress
+import multiprocessing
 import time
 import urllib.parse
 
 from fastapi.responses import JSONResponse, Response
 
+from roads_to_rome.core.chat_template import serve_templates
 from roads_to_rome.errors import R2RError
 from roads_to_rome.serving.schemas import APIError, Limits, error_response, shaped
 
@@ -251,10 +253,6 @@ class TemplateLane:
                          "limit: loop less in it")
 
     def _start(self) -> None:
-        import multiprocessing
-
-        from roads_to_rome.core.chat_template import serve_templates
-
         context = multiprocessing.get_context("spawn")  # (not a fork of a process with threads and a model)
         self.connection, theirs = context.Pipe()
         self.process = context.Process(target=serve_templates, args=(theirs, self.tokenizer, self.memory_bytes),
