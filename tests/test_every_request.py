@@ -9,6 +9,7 @@ import threading
 import httpx
 import pytest
 import torch
+from bystander import during, slowed
 from conftest import assert_idle_soon
 from helpers import encode
 
@@ -152,64 +153,10 @@ def big_schema(kib: int) -> dict:
     return {"type": "object", "properties": properties, "required": list(properties)[:50]}
 
 
-class Watch:
-    """A bystander stream's tokens and `/health`'s answer times, while something else is sent."""
-
-    def __init__(self, url):
-        self.url, self.times, self.health_s, self.done = url, [], [], threading.Event()
-        payload = chat("Bonjour!", max_tokens=480, ignore_eos=True, r2r_policy="slm", stream=True)
-        self.stream = threading.Thread(target=self._stream, args=(payload,), daemon=True)
-        self.stream.start()
-        self.probe = threading.Thread(target=self._probe, daemon=True)
-        self.probe.start()
-
-    def _stream(self, payload):
-        import time
-
-        with httpx.stream("POST", self.url + CHAT, json=payload, timeout=120) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                    self.times.append(time.monotonic())
-
-    def _probe(self):
-        import time
-
-        while not self.done.is_set():
-            start = time.monotonic()
-            assert httpx.get(self.url + "/health", timeout=30).status_code == 200
-            self.health_s.append(time.monotonic() - start)
-            time.sleep(0.05)
-
-    def rate(self, start, end) -> float:
-        return sum(start <= t < end for t in self.times) / (end - start)
-
-
-def during(url, send, settle=1.0):
-    """`send()` beside a bystander stream: its rate in the second before, its rate while `send` ran, the slowest
-    `/health` answer, and what `send` returned."""
-    import time
-
-    watch = Watch(url)
-    while len(watch.times) < 5:
-        time.sleep(0.01)
-    time.sleep(settle)
-    begin = time.monotonic()
-    result = send()
-    end = time.monotonic()
-    watch.done.set()
-    watch.probe.join(30)
-    before = watch.rate(begin - settle, begin)
-    return before, watch.rate(begin, max(end, begin + 0.25)), max(watch.health_s), result
-
-
 @pytest.fixture
 def loaded_server(slm, llm, tokenizer, monkeypatch):
     """A server whose models each take 5 ms more per forward: a bystander stream that lasts seconds."""
-    import time
-
-    for model in (slm, llm):
-        forward = model.forward
-        monkeypatch.setattr(model, "forward", lambda *a, f=forward: (time.sleep(0.005), f(*a))[1])
+    slowed((slm, llm), monkeypatch)
     app = create_app(Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0)), "tiny-r2r",
                      Limits(max_batch=8, max_queue=32, max_tokens=480))
     with BackgroundServer(app) as srv:

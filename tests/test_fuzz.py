@@ -6,9 +6,13 @@ R2R_FUZZ_EXAMPLES sets the examples per operation (a longer run: R2R_FUZZ_EXAMPL
 
 import os
 
+import httpx
 import hypothesis
 import pytest
 import schemathesis
+from bystander import CHAT, during, slowed
+from conftest import assert_idle_soon
+from tiny import TOOLS_TEMPLATE, tiny_tokenizer
 
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import RandomPolicy
@@ -124,3 +128,70 @@ def reach_the_engine(body: dict) -> None:
         body.pop("allowed_token_ids", None)
     if body.get("allowed_token_ids") == []:
         body.pop("allowed_token_ids")
+
+
+def capped(limits: Limits, vocab: int) -> list[tuple[str, object, list[object]]]:
+    """Every field a chat may send a list or a long text in: its value at this server's cap, and values just past
+    it (one item too many; one item too long). The token ids at the cap repeat this tiny vocabulary's."""
+    stops = [f"{i:03d}" + "x" * (limits.max_stop_chars - 3) for i in range(limits.max_stop_strings)]
+    words = [f"w{i:04d}" + "x" * (limits.max_bad_word_chars - 5) for i in range(limits.max_bad_words)]
+    ids = [i % vocab for i in range(limits.max_token_ids)]
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+             for i in range(limits.max_tools)]
+    return [("stop", stops, [stops + ["one more"], ["x" * (limits.max_stop_chars + 1)]]),
+            ("bad_words", words, [words + ["one more"], ["x" * (limits.max_bad_word_chars + 1)]]),
+            ("allowed_token_ids", ids, [ids + [1]]),
+            ("stop_token_ids", ids, [ids + [1]]),
+            ("logit_bias", {str(i): 1 for i in range(vocab)}, [{str(i): 1 for i in range(limits.max_token_ids + 1)}]),
+            ("tools", tools, [tools + tools[:1]])]
+
+
+@pytest.fixture
+def loaded_tool_server(slm, llm, monkeypatch):
+    """The tiny pair, each forward 5 ms slower (a bystander stream lasts seconds), under a template that takes
+    tools, at the default limits."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    slowed((slm, llm), monkeypatch)
+    app = create_app(Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0)), "tiny-r2r", Limits(max_tokens=480))
+    with BackgroundServer(app) as server:
+        yield server.url, len(tokenizer)
+
+
+@pytest.mark.parametrize("field", [field for field, _, _ in capped(Limits(), 300)])
+def test_each_list_at_its_cap_holds_up_nobody_and_past_it_is_a_400_naming_it(loaded_tool_server, field):
+    """A bystander stream keeps at least half the rate it keeps beside the same requests without the field (a
+    request of its own takes its share of each step, and this in-process client shares the server's GIL)."""
+    url, vocab = loaded_tool_server
+    _, at_cap, past = next(entry for entry in capped(Limits(), vocab) if entry[0] == field)
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
+
+    def four(payload):
+        return lambda: [httpx.post(url + CHAT, json=payload, timeout=120) for _ in range(4)][-1]
+
+    _, plain_rate, _, _ = during(url, four(body))
+    before, while_sent, health_s, answer = during(url, four({**body, field: at_cap}))
+    print(f"{field} at its cap: {answer.status_code}, bystander {before:.0f} -> {while_sent:.0f} tokens/s "
+          f"({plain_rate:.0f} beside requests without it), /health {health_s:.2f} s")
+    if field == "tools":  # rendered and tokenized, then too long for the tiny models' 512 positions
+        assert answer.json()["error"]["code"] == "context_length_exceeded", answer.text
+    else:
+        assert answer.status_code == 200, answer.text
+    assert health_s < 2.0 and while_sent >= 0.5 * plain_rate, (health_s, plain_rate, while_sent)
+    for value in past:
+        refused = httpx.post(url + CHAT, json={**body, field: value}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+        assert "at most" in refused.json()["error"]["message"], refused.text
+    assert_idle_soon(url)
+
+
+def test_messages_and_responses_meet_the_same_caps(loaded_tool_server):
+    url, _ = loaded_tool_server
+    stops = ["x"] * (Limits().max_stop_strings + 1)
+    refused = httpx.post(url + "/v1/messages", json={"model": "tiny-r2r", "max_tokens": 8, "stop_sequences": stops,
+                                                     "messages": [{"role": "user", "content": "Hi"}]}, timeout=60)
+    assert refused.status_code == 400 and "at most" in refused.json()["error"]["message"], refused.text
+    tools = [{"type": "function", "name": f"f{i}", "parameters": {"type": "object"}}
+             for i in range(Limits().max_tools + 1)]
+    refused = httpx.post(url + "/v1/responses", json={"model": "tiny-r2r", "input": "Hi", "tools": tools}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools", refused.text
