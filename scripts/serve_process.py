@@ -7,11 +7,14 @@ from pathlib import Path
 import httpx
 
 
-def start_process(command: list[str], health: str, log: Path, seconds: float = 300) -> subprocess.Popen:
-    """`command` started in a process group of its own, its output appended to `log`, once `health` answers."""
+def start_process(command: list[str], health: str, log: Path, seconds: float = 300,
+                  cwd: Path | None = None) -> subprocess.Popen:
+    """`command` started in a process group of its own (in `cwd`), its output appended to `log`, once `health`
+    answers."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                   cwd=cwd)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:

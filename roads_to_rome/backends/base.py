@@ -21,6 +21,9 @@ from typing import Protocol, runtime_checkable
 import torch
 
 SCORE_CHUNK = 64  # positions whose logits a scored prompt holds at once (`score_sequence`): 39 MB at 150k tokens
+# Columns of a scored prompt a model's trunk reads at once: its attention holds [heads, SCORE_READ, T] scores, not
+# [heads, T, T], while each read stays long enough to run near the best rate.
+SCORE_READ = 256
 ChunkVisitor = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 

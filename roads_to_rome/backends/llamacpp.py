@@ -255,19 +255,21 @@ class LlamaCppBackend(LocalBackend):
         self._ensure_rows(cache, 1)
         seq, size = cache.seqs[0], min(len(ids), SCORE_CHUNK)
         logits, hidden = torch.empty(size, self.vocab_size), torch.empty(size, self.hidden_size)
-        for out_index, p in self._decode([(t, p, seq, True, p) for p, t in enumerate(ids)]):
+        # (SCORE_CHUNK tokens a call: llama.cpp holds a call's logits twice, [tokens, V] float32 in its output and
+        # compute buffers)
+        for out_index, p in self._decode([(t, p, seq, True, p) for p, t in enumerate(ids)], SCORE_CHUNK):
             logits[p % size], hidden[p % size] = self._logits(out_index), self._hidden(out_index)
             if p % size == size - 1 or p == len(ids) - 1:  # (positions come in order)
                 first = p - p % size
                 each_chunk(first, logits[: p - first + 1], hidden[: p - first + 1])
         cache.length = len(ids)
 
-    def _decode(self, tokens: list[tuple[int, int, int, bool, int]]):
-        """Run llama_decode over (token, position, sequence, wants output, tag) in chunks of n_batch;
-        yield (output index in its chunk, tag) for each output, right after its chunk ran."""
-        batch = self._batch
-        for lo in range(0, len(tokens), self.n_batch):
-            chunk = tokens[lo : lo + self.n_batch]
+    def _decode(self, tokens: list[tuple[int, int, int, bool, int]], most: int | None = None):
+        """Run llama_decode over (token, position, sequence, wants output, tag) in chunks of n_batch (or `most`,
+        if fewer); yield (output index in its chunk, tag) for each output, right after its chunk ran."""
+        batch, size = self._batch, min(self.n_batch, most or self.n_batch)
+        for lo in range(0, len(tokens), size):
+            chunk = tokens[lo : lo + size]
             for i, (token, position, seq, wants, _) in enumerate(chunk):
                 batch.token[i] = token
                 batch.pos[i] = position

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from roads_to_rome import hardware
-from roads_to_rome.backends.base import SCORE_CHUNK, ChunkVisitor, LocalBackend
+from roads_to_rome.backends.base import SCORE_CHUNK, SCORE_READ, ChunkVisitor, LocalBackend
 from roads_to_rome.backends.cuda_graphs import capture, gate, recorded_or_none
 from roads_to_rome.backends.static_cache import (
     BufferPool,
@@ -399,11 +399,15 @@ class TorchBackend(LocalBackend):
 
     @torch.inference_mode()
     def score_sequence(self, ids: list[int], cache: TorchCache, each_chunk: ChunkVisitor) -> None:
+        # Read SCORE_READ columns at a time: the trunk's attention over the whole prompt at once would hold
+        # [heads, T, T] scores, which grow with the square of the prompt.
         tokens = torch.tensor([ids], device=self.device)
-        hidden = self._read(cache, tokens, torch.ones_like(tokens))[0][0]  # (the head runs a chunk at a time)
-        for first in range(0, len(ids), SCORE_CHUNK):
-            part = hidden[first : first + SCORE_CHUNK]
-            each_chunk(first, self._logits(part), part)
+        mask = torch.ones(1, cache.length + len(ids), dtype=tokens.dtype, device=self.device)
+        for read in range(0, len(ids), SCORE_READ):
+            hidden = self._read(cache, tokens[:, read : read + SCORE_READ], mask)[0][0]
+            for first in range(0, len(hidden), SCORE_CHUNK):
+                part = hidden[first : first + SCORE_CHUNK]
+                each_chunk(read + first, self._logits(part), part)
 
     # (the row operations write a static cache's buffers, inference tensors as reads make them, in place or into
     # new ones of the same kind: a compiled trunk's guards tell the two kinds apart and would compile again)
