@@ -114,8 +114,8 @@ test: web browser vllm models-bf16
 test-fast: web
 	@$(MAKE) --no-print-directory $(PACKAGE)
 	$(BIN)/ruff check
-	R2R_TEST_INSTALLED=1 $(BIN)/pytest -q $(PARALLEL_TESTS)
-	R2R_TEST_INSTALLED=1 $(BIN)/pytest -q -m "timed and not e2e"
+	R2R_TEST_INSTALLED=1 $(BIN)/pytest -q -rs $(PARALLEL_TESTS)
+	R2R_TEST_INSTALLED=1 $(BIN)/pytest -q -rs -m "timed and not e2e"
 
 bench: models
 	$(BIN)/r2r bench overhead

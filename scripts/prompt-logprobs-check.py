@@ -24,7 +24,7 @@ from roads_to_rome.data.benchmarks import gsm8k
 from roads_to_rome.hardware import measured_on
 from roads_to_rome.models import EngineConfig, load_engine
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 parser = argparse.ArgumentParser()

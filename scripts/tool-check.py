@@ -28,7 +28,7 @@ from roads_to_rome.data.stats import sign_test
 from roads_to_rome.hardware import measured_on
 from roads_to_rome.models import EngineConfig, load_engine
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 

@@ -38,10 +38,10 @@ def test_load_engine_builds_what_a_config_says_and_fields_override_it(tmp_path):
     slm_dir, llm_dir = save_pair(tmp_path)
     config = EngineConfig(slm=str(slm_dir), llm=str(llm_dir), device="cpu", policy="entropy", threshold=0.5)
     engine = load_engine(config, verify="strict", max_unverified=3)
-    assert (engine.policy.name, engine.policy.threshold, engine.verify, engine.max_unverified) == \
+    assert (engine.policy.name, engine.policy.threshold, engine.verify.value, engine.max_unverified) == \
         ("entropy", 0.5, "strict", 3)
     assert config.verify is None and config.max_unverified is None  # the config is left as it was made
-    assert load_engine(config).verify == 1.0  # a routing policy verifies at 1 nat unless told otherwise
+    assert load_engine(config).verify.value == 1.0  # a routing policy verifies at 1 nat unless told otherwise
     # grouped LLM calls: auto groups where the LLM's grouped reads are cheap (torch in bf16 on a CPU with native
     # bf16), else lockstep; a mode and its rule as asked; checked before loading
     assert load_engine(config, dtype="float32").deferral.mode == "off"

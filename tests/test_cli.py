@@ -330,3 +330,26 @@ def test_serving_anyone_on_a_network_is_said_out_loud(capsys):
     check_exposure("0.0.0.0", "a-key", allow_unauthenticated=False)
     out = capsys.readouterr()
     assert (out.out + out.err).count("anyone who reaches the port") == 1
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_help_names_every_option_whole_at_80_columns_in_its_panel(command):
+    import typer
+    from typer.testing import CliRunner
+
+    from roads_to_rome.cli.main import app
+    from roads_to_rome.cli.options import PANELS
+
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output and max(map(len, result.output.splitlines())) <= 80
+    lines = result.output.splitlines()
+    for param in typer.main.get_command(app).commands[command].params:
+        for name in [*param.opts, *param.secondary_opts]:
+            if name.startswith("--"):
+                assert re.search(rf"(^|[ ,/]){re.escape(name)}([ ,/]|$)", result.output, re.M), f"{name} is not whole"
+        panel = next((p for p, names in PANELS.items() if set(param.opts) & set(names)), None)
+        if panel is not None and param.opts[0].startswith("--"):  # listed under its panel's heading
+            heading = lines.index(f"{panel}:")
+            row = next(i for i, line in enumerate(lines) if re.match(rf"  {re.escape(param.opts[0])}([ ,]|$)", line))
+            assert heading < row and not any(line and not line.startswith(" ") for line in lines[heading + 1:row])

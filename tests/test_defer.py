@@ -139,7 +139,7 @@ def test_a_deferring_server_answers_concurrent_clients_as_a_lockstep_one_does(sl
     import openai
 
     from roads_to_rome.serving.background import BackgroundServer
-    from roads_to_rome.serving.schemas import Limits
+    from roads_to_rome.serving.limits import Limits
     from roads_to_rome.serving.server import create_app
 
     questions = [f"{q} ({i})" for i, q in enumerate(PROMPTS * 2)]

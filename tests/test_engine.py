@@ -270,7 +270,7 @@ def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
     # The engine's verification is for routed rows: a forced row is its model alone unless it asks for more.
     verifying = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0), verify="strict")
     forced = [Request(prompt, params, force="slm"), Request(prompt, params, force="slm", verify="strict")]
-    assert verifying.sequence(forced[0]).verify == "off" and forced[0].verify is None  # the request is left as made
+    assert not verifying.sequence(forced[0]).verify.on and forced[0].verify is None  # the request is left as made
     gens = verifying.run(forced)
     assert gens[0].token_ids == slm_only.token_ids
     assert gens[1].token_ids == llm_only.token_ids  # the SLM drafts, the LLM checks: speculative

@@ -21,7 +21,7 @@ from roads_to_rome.backends.remote import STALLED_AFTER_S
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import EntropyPolicy
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 pytestmark = pytest.mark.timed
@@ -298,7 +298,7 @@ from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.server import create_app, run
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 tok = tiny_tokenizer()
 slm = TorchBackend(tiny_model(tok, hidden=32, seed=0))
 llm = RemoteBackend({llm!r}, tok, slm.eos_ids, vocab_size=len(tok))  # 120 s per call, 30 s of retries

@@ -17,7 +17,7 @@ from tiny import TOOLS_TEMPLATE, tiny_tokenizer
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 EXAMPLES = int(os.environ.get("R2R_FUZZ_EXAMPLES", "50"))  # per operation and mode

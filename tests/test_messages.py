@@ -224,7 +224,7 @@ def test_errors_come_in_anthropics_shape(srv, fields, says):
 def test_the_api_key_comes_as_anthropics_header_and_a_refusal_in_its_shape(slm, llm, tokenizer):
     app_engine = Engine(slm, llm, tokenizer)
     from roads_to_rome.serving.background import BackgroundServer
-    from roads_to_rome.serving.schemas import Limits
+    from roads_to_rome.serving.limits import Limits
     from roads_to_rome.serving.server import create_app
 
     with BackgroundServer(create_app(app_engine, "tiny", Limits(max_tokens=8), api_key="sekret")) as running:

@@ -185,7 +185,7 @@ def test_settings_per_role_are_parsed_once_at_the_engine_config():
     assert parse_threads("slm=1,llm=1") == {"slm": 1, "llm": 1} and parse_threads(2) == {"slm": 2, "llm": 2}
     assert parse_threads(None) == {}
     config = EngineConfig(verify="1.5", overlap=True, threads="llm=3")
-    assert (config.verify, config.overlap, config.threads) == (1.5, "on", {"llm": 3})
+    assert (config.verify.value, config.overlap, config.threads) == (1.5, "on", {"llm": 3})
     for bad, message in ((dict(device="slm=tpu"), "bad --device"), (dict(threads="slm=0"), "bad --threads"),
                          (dict(threads="gpu=1"), "bad --threads"), (dict(overlap="maybe"), "overlap takes"),
                          (dict(defer="later"), "defer takes"), (dict(verify="lots"), "verify")):

@@ -17,7 +17,7 @@ from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.core.scheduler import PromptRead, Scheduler
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 

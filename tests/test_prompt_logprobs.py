@@ -16,7 +16,7 @@ from roads_to_rome.core.scoring import score_prompt
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, entropy
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 TEXT = "Bonjour! Paris is the capital of which country? Explain in a few words."

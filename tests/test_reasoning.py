@@ -16,7 +16,7 @@ from roads_to_rome.errors import R2RError
 from roads_to_rome.reasoning import ReasoningParser, resolve_parser, thinking_tokens
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 # The openings of the two families' templates (their full templates do more; these are what the parsers read):

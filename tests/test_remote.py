@@ -321,7 +321,7 @@ def test_a_server_that_dies_mid_generation_fails_that_request_and_the_next_one_w
 @NEEDS_LLAMA_SERVER
 def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_files, slm, tokenizer):
     from roads_to_rome.serving.background import BackgroundServer
-    from roads_to_rome.serving.schemas import Limits
+    from roads_to_rome.serving.limits import Limits
     from roads_to_rome.serving.server import create_app
 
     with LlamaServer(llm_files["gguf"], slots=2) as srv:

@@ -45,12 +45,12 @@ def test_a_request_is_checked_when_made_and_never_written_to(engine):
     with pytest.raises(R2RError, match="max unverified"):
         Request([1, 2], max_unverified=0)
     request = Request([1, 2, 3], SamplingParams(max_new_tokens=4), verify="0.5")
-    assert request.verify == 0.5 and request.prompt_ids == (1, 2, 3)  # parsed once, when made
+    assert request.verify.value == 0.5 and request.prompt_ids == (1, 2, 3)  # parsed once, when made
     with pytest.raises(dataclasses.FrozenInstanceError):
         request.verify = "off"
     plain = Request([1, 2, 3])
     sequence = engine.sequence(plain)
-    assert sequence.verify == 1.0 and plain.verify is None  # the engine's default is the sequence's, not the request's
+    assert sequence.verify.value == 1.0 and plain.verify is None  # the sequence has the engine's default
     engine.run([plain])
     assert plain == Request([1, 2, 3])
 

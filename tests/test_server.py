@@ -17,7 +17,7 @@ from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.routing.rate import CATCH_UP_TOKENS
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 
@@ -393,7 +393,7 @@ def test_bad_words_never_come_whichever_model_writes_and_each_answer_is_the_engi
     under strict verification (its routed tokens and its fixes) and the LLM's alone, is the engine's own with those
     words banned, holds none of them, and differs from the plain one."""
     from roads_to_rome.core.request import Request
-    from roads_to_rome.serving.schemas import bad_words
+    from roads_to_rome.serving.adapter import bad_words
 
     engine = Engine(slm, llm, tokenizer)
     prompt = "What is 48 / 2?"

@@ -30,7 +30,7 @@ from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
 from roads_to_rome.serving.engine_thread import Job
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 CHAT = "/v1/chat/completions"
@@ -392,7 +392,7 @@ from tiny import tiny_model, tiny_tokenizer
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.server import create_app, run
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.backends.torch_backend import TorchBackend
 tok = tiny_tokenizer()
 slm = TorchBackend(tiny_model(tok, hidden=32, seed=0))

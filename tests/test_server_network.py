@@ -17,7 +17,7 @@ from roads_to_rome.core.request import COUNTERS
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app, run
 
 CHAT = "/v1/chat/completions"

@@ -68,7 +68,7 @@ def test_every_kind_of_format_holds_for_r2rs_output_greedy_and_sampled(slm, llm,
     fmt, holds = FORMATS[kind]
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0), verify="1")
     prompts = [engine.encode_chat(p) for p in ("What is 48 / 2?", "def add(a, b):")]
-    sources = []
+    sources, examined = [], 0
     sampled = [SamplingParams(max_new_tokens=40, output_format=fmt, temperature=1.0, top_p=0.95, seed=s)
                for s in range(3)]
     for params in [SamplingParams(max_new_tokens=40, output_format=fmt), *sampled]:
@@ -76,8 +76,11 @@ def test_every_kind_of_format_holds_for_r2rs_output_greedy_and_sampled(slm, llm,
             sources += gen.sources
             if kind == "json_object" and gen.finish_reason == "length":  # a free string a random model never ends
                 assert gen.text.startswith('{"'), gen.text
+                examined += 1  # (its opening, the most a cut object shows)
                 continue
             assert gen.finish_reason == "stop" and holds(gen.text), (kind, gen.text)
+            examined += 1
+    assert examined, f"every {kind} output ended on its length: none was held to its format"
     assert "slm" in sources and ("llm" in sources or "fix" in sources)  # both models wrote them
 
 

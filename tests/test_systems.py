@@ -16,7 +16,7 @@ def test_each_system_is_the_engine_its_name_says(slm, llm, tokenizer, tmp_path):
     assert (alone.slm, alone.llm, alone.routes) == (slm, None, False)
     assert System("llm", "llm").engine(slm, llm, tokenizer).writer is llm  # the LLM alone: no idle SLM beside it
     spec = System("spec+k=4", "spec", 4).engine(slm, llm, tokenizer)
-    assert isinstance(spec.policy, AlwaysSLM) and (spec.verify, spec.max_unverified) == ("strict", 4)
+    assert isinstance(spec.policy, AlwaysSLM) and (spec.verify.value, spec.max_unverified) == ("strict", 4)
     entropy = System("entropy", "entropy", 0.15)
     engine = entropy.engine(slm, llm, tokenizer)
     assert isinstance(engine.policy, EntropyPolicy) and engine.policy.threshold == ENTROPY_WARMUP_THRESHOLD
@@ -29,7 +29,7 @@ def test_each_system_is_the_engine_its_name_says(slm, llm, tokenizer, tmp_path):
     r2r = System("r2r", "r2r", 0.3).with_verify(1.0, 4)
     assert r2r.name == "r2r+verify=1+n=4"
     engine = r2r.engine(slm, llm, tokenizer, tmp_path / "router")
-    assert engine.policy.threshold == 0.3 and (engine.verify, engine.max_unverified) == (1.0, 4)
+    assert engine.policy.threshold == 0.3 and (engine.verify.value, engine.max_unverified) == (1.0, 4)
     assert System("r2r", "r2r").with_verify("off", 4) == System("r2r", "r2r")
     with pytest.raises(R2RError, match="unknown system"):
         System("both", "both")
@@ -37,7 +37,7 @@ def test_each_system_is_the_engine_its_name_says(slm, llm, tokenizer, tmp_path):
 
 def test_a_routing_policy_by_name_or_made(slm, llm, tokenizer):
     engine = routed(slm, llm, tokenizer, "entropy", 0.5, verify="strict", max_unverified=3, defer="continue")
-    assert engine.policy.threshold == 0.5 and (engine.verify, engine.max_unverified) == ("strict", 3)
+    assert engine.policy.threshold == 0.5 and (engine.verify.value, engine.max_unverified) == ("strict", 3)
     assert engine.deferral.mode == "continue"
     policy = RandomPolicy(0.1, seed=0)
     assert routed(slm, llm, tokenizer, policy).policy is policy

@@ -15,8 +15,8 @@ from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.replies import CallsSent
-from roads_to_rome.serving.schemas import Limits
 from roads_to_rome.serving.server import create_app
 from roads_to_rome.tool_calls import (
     CallStream,
@@ -158,11 +158,12 @@ def test_the_call_grammar_holds_r2rs_output_to_calls(tool_engine, tool_tokenizer
     prompt = tool_engine.encode_messages([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME])
     params = [SamplingParams(max_new_tokens=60, output_format=fmt)] + [
         SamplingParams(max_new_tokens=60, output_format=fmt, temperature=1.0, seed=s) for s in range(4)]
-    opened = tool_tokenizer.convert_tokens_to_ids("<tool_call>")
+    opened, examined = tool_tokenizer.convert_tokens_to_ids("<tool_call>"), 0
     for p in params:
         gen = tool_engine.generate([prompt], p)[0]
         if gen.finish_reason == "length":  # a random model may write a long string argument
             continue
+        examined += 1
         calls = PARSER.split(gen.text).calls
         assert calls and PARSER.split(gen.text).content == "", gen.text
         assert (opened in gen.token_ids) == gen.text.startswith("<tool_call>") and "<tool" not in tool_tokenizer.decode(
@@ -174,6 +175,7 @@ def test_the_call_grammar_holds_r2rs_output_to_calls(tool_engine, tool_tokenizer
                 assert arguments["city"] in ("Paris", "Tokyo") and 1 <= arguments["days"] <= 9
             else:
                 assert call.name == "get_time" and arguments == {"zone": arguments["zone"]}
+    assert examined, "every reply ended on its length: none was examined"
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +191,7 @@ def llama_engine(tool_engine):
 def test_the_llama3_call_grammar_holds_r2rs_output_to_calls(llama_engine):
     """Llama 3's syntax: bare objects with "parameters", `; ` between them, arguments held to their schemas."""
     prompt = llama_engine.encode_messages([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME])
+    examined = 0
     for one in (True, False):
         fmt = call_format([WEATHER["function"], TIME["function"]], one, "llama3_json")
         for p in [SamplingParams(max_new_tokens=60, output_format=fmt)] + [
@@ -196,6 +199,7 @@ def test_the_llama3_call_grammar_holds_r2rs_output_to_calls(llama_engine):
             gen = llama_engine.generate([prompt], p)[0]
             if gen.finish_reason == "length":
                 continue
+            examined += 1
             split = PARSER.split(gen.text)
             assert split.calls and split.content == "" and gen.text.startswith('{"name": "'), gen.text
             assert '"parameters": ' in gen.text and '"arguments"' not in gen.text and "<tool" not in gen.text
@@ -204,6 +208,7 @@ def test_the_llama3_call_grammar_holds_r2rs_output_to_calls(llama_engine):
                 arguments = json.loads(call.arguments)
                 assert arguments["city"] in ("Paris", "Tokyo") if call.name == "get_weather" else \
                     arguments["zone"] in ("UTC", "CET")
+    assert examined, "every reply ended on its length: none was examined"
 
 
 def test_a_llama3_template_gets_llama3_calls_through_the_server(llama_engine):

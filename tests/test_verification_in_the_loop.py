@@ -147,7 +147,8 @@ def test_bad_intervals_and_a_missing_llm_are_refused(slm, llm, tokenizer):
         Engine(slm, llm, tokenizer, verify="strict", max_unverified=0)
     with pytest.raises(R2RError, match="needs both models"):
         Engine(slm, None, tokenizer, verify="strict").generate([[1, 2]], SamplingParams(max_new_tokens=2))
-    assert parse_verify("strict") == "strict" and parse_verify("0.5") == 0.5 and parse_verify(2) == 2.0
+    assert parse_verify("strict").strict and parse_verify("0.5").tolerance == 0.5 and parse_verify(2).value == 2.0
+    assert not parse_verify("off").on and parse_verify(parse_verify("1")) == parse_verify(1.0)
 
 
 PENALTIES = {"presence_penalty": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.4}

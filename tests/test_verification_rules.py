@@ -7,13 +7,13 @@ import torch
 
 from roads_to_rome.core.llm_calls import Deferral, llm_due
 from roads_to_rome.core.request import Generation, Request, Sequence
-from roads_to_rome.core.sampling import SamplingParams
+from roads_to_rome.core.sampling import SamplingParams, parse_verify
 from roads_to_rome.core.verification import Checks, Rejection, RowRead, check_routed, first_rejection, settle, take_back
 from roads_to_rome.errors import R2RError
 
 
 def sequence(tokens: int, routed: list[int] = (), verify="off", max_unverified=None, max_new_tokens=100) -> Sequence:
-    s = Sequence(Request([1, 2], SamplingParams(max_new_tokens=max_new_tokens)), verify=verify,
+    s = Sequence(Request([1, 2], SamplingParams(max_new_tokens=max_new_tokens)), verify=parse_verify(verify),
                  max_unverified=max_unverified, generation=Generation([1, 2]), checks=Checks(routed=list(routed)))
     s.generation.token_ids, s.generation.sources = list(range(tokens)), ["slm"] * tokens
     s.generation.scores = [0.0] * tokens

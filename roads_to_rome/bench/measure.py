@@ -297,7 +297,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
         engines[f"SLM alone ({name})"] = systems.alone(slm_b, tokenizer, "slm")
         engines[f"R2R ({name})"] = r2r(slm_b, llm_b)
         for v in verify:
-            label = f"R2R verify={v}{f' n={max_unverified}' if max_unverified else ''} ({name})"
+            label = f"R2R verify={v.value}{f' n={max_unverified}' if max_unverified else ''} ({name})"
             engines[label] = r2r(slm_b, llm_b, v, max_unverified)
         for k in spec_k:
             engines[f"speculative k={k} ({name})"] = systems.System("spec", "spec", k).engine(slm_b, llm_b, tokenizer)

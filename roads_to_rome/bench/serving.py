@@ -27,16 +27,16 @@ from roads_to_rome.backends.remote import is_remote
 from roads_to_rome.bench.measure import kernels
 from roads_to_rome.core.engine import DEFAULT_VERIFY, Counters, Engine
 from roads_to_rome.core.llm_calls import DEFER_MODES, Deferral
-from roads_to_rome.core.prefix_cache import KEPT_ROWS, PREFIX_TOKENS
+from roads_to_rome.core.prefix_cache import PREFIX_TOKENS
 from roads_to_rome.data.benchmarks import GSM8K_DEV_ITEMS, gsm8k, gsm8k_prompt, gsm8k_worked
 from roads_to_rome.errors import R2RError
 from roads_to_rome.models import load_pair, systems
-from roads_to_rome.models.loading import choose_policy
+from roads_to_rome.models.loading import choose_policy, llama_rows
 from roads_to_rome.plots import pyplot
 from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 DEFAULT_SYSTEMS = "r2r,r2r+overlap,llm,spec+k=4"
@@ -209,7 +209,7 @@ def conversations(slm: str | None, llm: str | None, device: str, dtype: str, cli
     with the first: with prefix caching the choices read their prompt once."""
     slm_backend, llm_backend, tokenizer = load_pair(
         slm, llm, device, dtype=dtype, backend=backend, threads=threads,
-        llama={"max_rows": clients * n + KEPT_ROWS, "n_ctx": clients * n * 4096 + prefix_tokens})
+        llama={"max_rows": llama_rows(clients * n), "n_ctx": clients * n * 4096 + prefix_tokens})
     kind, router_path = choose_policy(None, None, slm)
     policy = policies.build(kind, slm_backend, None, router_path)
     engine = systems.routed(slm_backend, llm_backend, tokenizer, policy, verify=DEFAULT_VERIFY)
@@ -347,7 +347,7 @@ def urgent_requests(slm: str | None, llm: str | None, device: str, dtype: str, b
     servers taking turns."""
     slm_backend, llm_backend, tokenizer = load_pair(
         slm, llm, device, dtype=dtype, backend=backend, threads=threads,
-        llama={"max_rows": batch_clients + KEPT_ROWS, "n_ctx": batch_clients * 4096 + PREFIX_TOKENS})
+        llama={"max_rows": llama_rows(batch_clients), "n_ctx": batch_clients * 4096 + PREFIX_TOKENS})
     kind, router_path = choose_policy(None, None, slm)
     policy = policies.build(kind, slm_backend, None, router_path)
     engine = systems.routed(slm_backend, llm_backend, tokenizer, policy, verify=DEFAULT_VERIFY)
@@ -358,49 +358,58 @@ def urgent_requests(slm: str | None, llm: str | None, device: str, dtype: str, b
     task = progress.add_task("urgent requests", total=rounds * len(measured) * urgent)
     for _ in range(rounds):
         for scheduling in measured:
-            by_priority = scheduling == "priority"
-            limits = Limits(max_batch=batch_clients, max_tokens=max(n_tokens, urgent_tokens),
-                            scheduling_policy=scheduling)
-            before = dataclasses.replace(engine.counters)
-            with BackgroundServer(create_app(engine, "r2r", limits)) as server:
-                client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
-                started = [threading.Event() for _ in range(batch_clients)]
-                urgent_done = threading.Event()
-
-                def batch_job(k: int) -> list[dict]:
-                    answers, asked = [], k
-                    while not urgent_done.is_set():
-                        question = batch_questions[asked % len(batch_questions)]
-                        answers.append(timed_turn(client, [{"role": "user", "content": question}], n_tokens,
-                                                  started[k].set, priority=BATCH_JOB if by_priority else 0))
-                        asked += batch_clients
-                    return answers
-
-                start = time.perf_counter()
-                with concurrent.futures.ThreadPoolExecutor(batch_clients) as pool:
-                    jobs = [pool.submit(batch_job, k) for k in range(batch_clients)]
-                    try:
-                        for event in started:
-                            event.wait()
-                        answers = []
-                        for question in urgent_questions:
-                            time.sleep(pause_s)
-                            answers.append(timed_turn(client, [{"role": "user", "content": question}], urgent_tokens,
-                                                      priority=URGENT))
-                            progress.advance(task)
-                    finally:
-                        urgent_done.set()
-                    batch = [answer for job in jobs for answer in job.result()]
-                seconds = time.perf_counter() - start
-            measured[scheduling].append({
-                "urgent": answers, "preemptions": (engine.counters - before).preemptions,
-                "batch_requests": len(batch), "batch_tokens": sum(a["completion_tokens"] for a in batch),
-                "urgent_tokens": sum(a["completion_tokens"] for a in answers), "seconds": seconds})
+            measured[scheduling].append(urgent_run(engine, scheduling, batch_questions, urgent_questions,
+                                                   batch_clients, n_tokens, urgent_tokens, pause_s,
+                                                   lambda: progress.advance(task)))
     return {"batch_clients": batch_clients, "urgent": urgent, "tokens": n_tokens, "urgent_tokens": urgent_tokens,
             "pause_s": pause_s, "rounds": rounds, "dtype": dtype, "backend": backend,
             "device": str(slm_backend.device), "threads": threads or {},
             "kernels": kernels(slm=slm_backend, llm=llm_backend), "policy": policy.name,
             **urgency_figures(measured)}
+
+
+def urgent_run(engine: Engine, scheduling: str, batch_questions: list[str], urgent_questions: list[str],
+               batch_clients: int, n_tokens: int, urgent_tokens: int, pause_s: float, advance) -> dict:
+    """One server of `urgent_requests` under one scheduling policy: the batch job filling its batch, the urgent
+    requests one after another beside it; what they measured."""
+    by_priority = scheduling == "priority"
+    limits = Limits(max_batch=batch_clients, max_tokens=max(n_tokens, urgent_tokens),
+                    scheduling_policy=scheduling)
+    before = dataclasses.replace(engine.counters)
+    with BackgroundServer(create_app(engine, "r2r", limits)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+        started = [threading.Event() for _ in range(batch_clients)]
+        urgent_done = threading.Event()
+
+        def batch_job(k: int) -> list[dict]:
+            answers, asked = [], k
+            while not urgent_done.is_set():
+                question = batch_questions[asked % len(batch_questions)]
+                answers.append(timed_turn(client, [{"role": "user", "content": question}], n_tokens,
+                                          started[k].set, priority=BATCH_JOB if by_priority else 0))
+                asked += batch_clients
+            return answers
+
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(batch_clients) as pool:
+            jobs = [pool.submit(batch_job, k) for k in range(batch_clients)]
+            try:
+                for event in started:
+                    event.wait()
+                answers = []
+                for question in urgent_questions:
+                    time.sleep(pause_s)
+                    answers.append(timed_turn(client, [{"role": "user", "content": question}], urgent_tokens,
+                                              priority=URGENT))
+                    advance()
+            finally:
+                urgent_done.set()
+            batch = [answer for job in jobs for answer in job.result()]
+        seconds = time.perf_counter() - start
+    return {
+        "urgent": answers, "preemptions": (engine.counters - before).preemptions,
+        "batch_requests": len(batch), "batch_tokens": sum(a["completion_tokens"] for a in batch),
+        "urgent_tokens": sum(a["completion_tokens"] for a in answers), "seconds": seconds}
 
 
 def urgency_figures(measured: dict[str, list]) -> dict:

@@ -318,7 +318,7 @@ class Plan:
         runs resume)."""
         config = {"prompts": self.prompts, "tokens": self.tokens, "context": self.context,
                   "step_tokens": list(self.step_tokens), "backend": self.backend, "device": self.device,
-                  "verify": [str(v) for v in self.verify], "spec_k": list(self.spec_k)}
+                  "verify": [str(v.value) for v in self.verify], "spec_k": list(self.spec_k)}
         if self.slm_shape:
             config["slm_shape"] = self.slm_shape.name
         if self.batches != (1,):
@@ -542,7 +542,7 @@ def measure_real_pair(plan: Plan, result: dict, slm, slm_engine, router, tokeniz
             save(result)
     prompts = prompts[: plan.prompts]
     real_runs = [("slm", None, "off", None), ("llm", None, "off", None), ("r2r", router, "off", None)]
-    real_runs += [(f"r2r+verify={v}", router, v, None) for v in plan.verify]
+    real_runs += [(f"r2r+verify={v.value}", router, v, None) for v in plan.verify]
     real_runs += [(f"spec+k={k}", "slm", "strict", k) for k in plan.spec_k]
     for name, policy, setting, k in real_runs:
         if name in measured:

@@ -71,19 +71,24 @@ def summarize(result: dict, shares: list[float]) -> dict:
             if "round_ms" in run and spec:
                 table.append({"system": f"hf-assisted {key} †", "share": spec["llm_share"],
                               "predicted": tokens_per_round(spec) / (run["round_ms"] / 1000), "assisted": True})
-        for row in table:
-            reference = alone or alone_predicted
-            if row.get("measured"):
-                row["x_llm"] = row["measured"] / reference
-                row["x_model"] = row["measured"] / row["predicted"]
-            # assisted generation's figure comes from its measured cost per round: beside the LLM alone as measured
-            row["predicted_x_llm"] = row["predicted"] / (reference if row.get("assisted") else alone_predicted)
+        with_ratios(table, alone, alone_predicted)
         for batch in batches[1:] if batches[0] == 1 else batches:
             table += batched_rows(result, entry, measured, shares, batch)
         steps = {k: llm_ms[k] for k in sorted(llm_ms) if k in result["config"]["step_tokens"]}
         rows[name] = {"params_b": params_b, "build": (entry or {}).get("build"), "rows": table, "step_ms": steps}
     slm_alone = ((own_slm or real).get("systems") or {}).get("slm", {}).get("tokens_per_s")
     return {**result, "summary": rows, "slm_tokens_per_s": slm_alone}
+
+
+def with_ratios(table: list[dict], alone: float | None, alone_predicted: float) -> None:
+    """Each row's speed-up over the LLM alone (measured, where it was, else predicted) and over its cost model."""
+    reference = alone or alone_predicted
+    for row in table:
+        if row.get("measured"):
+            row["x_llm"] = row["measured"] / reference
+            row["x_model"] = row["measured"] / row["predicted"]
+        # assisted generation's figure comes from its measured cost per round: beside the LLM alone as measured
+        row["predicted_x_llm"] = row["predicted"] / (reference if row.get("assisted") else alone_predicted)
 
 
 def batched_rows(result: dict, entry: dict | None, measured: dict, shares: list[float], batch: int) -> list[dict]:

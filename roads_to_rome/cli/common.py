@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
@@ -62,3 +64,15 @@ def load_alone(spec: str | None, role: str, device: str, dtype: str, backend: st
     from roads_to_rome.models import load_alone
 
     return load_alone(spec, role, device, dtype, backend)
+
+
+def engine_config(options: dict, **given):
+    """The engine a command's options ask for (`locals()` of generate, chat and serve, which take the same ones):
+    every `EngineConfig` field the command has an option of that name for, the policy from `--router`, and `given`
+    (what the command works out itself) over them."""
+    from roads_to_rome.models import EngineConfig
+
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"policy"}
+    router = options.get("router")
+    chosen = {name: value for name, value in options.items() if name in names}
+    return EngineConfig(**{**chosen, **given}, policy=router.value if router else None)

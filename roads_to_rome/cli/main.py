@@ -14,7 +14,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 
 from roads_to_rome.cli import research, tables
 from roads_to_rome.cli.bench import bench_app
-from roads_to_rome.cli.common import output_format, sampling
+from roads_to_rome.cli.common import engine_config, output_format, sampling
 from roads_to_rome.cli.options import (
     AllowUnauthenticated,
     ApiKey,
@@ -57,6 +57,7 @@ from roads_to_rome.cli.options import (
     ModelName,
     Overlap,
     OverlapAhead,
+    PanelledCommand,
     Port,
     PrefillChunk,
     PrefixCacheTokens,
@@ -97,7 +98,7 @@ app.command()(research.calibrate)
 err_console = Console(stderr=True)
 
 
-@app.command()
+@app.command(cls=PanelledCommand)
 def generate(
     prompt: str = typer.Argument(..., help="The user's chat message (or plain text with --raw)."),
     raw: bool = typer.Option(False, "--raw", help="Plain completion: no chat template."),
@@ -118,8 +119,9 @@ def generate(
     llm_retry: LlmRetry = None, llm_api_key: LlmApiKey = None,
 ):
     """Answer one prompt with R2R routing; the LLM's tokens are highlighted, a reasoning model's thinking dimmed."""
+    options = dict(locals())  # (first: the options alone)
     from roads_to_rome import reasoning
-    from roads_to_rome.models import EngineConfig, load_engine
+    from roads_to_rome.models import load_engine
 
     if not prompt.strip():
         raise R2RError("the prompt is empty: give the text to answer")
@@ -130,12 +132,7 @@ def generate(
                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                       repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens,
                       output_format=output_format(json_schema, regex, choice, grammar_file))
-    engine = load_engine(EngineConfig(slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
-                                      policy=router.value if router else None, threshold=threshold,
-                                      router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
-                                      defer=defer, defer_group=defer_group, defer_steps=defer_steps, overlap=overlap,
-                                      overlap_ahead=overlap_ahead, threads=threads, llm_retry=llm_retry,
-                                      llm_api_key=llm_api_key, chat_template=chat_template))
+    engine = load_engine(engine_config(options))
     raw = raw or suffix is not None
     parser = None if raw else reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     if suffix is not None:
@@ -158,7 +155,7 @@ def generate(
     console.print(tables.stats(generation, engine, console.is_terminal, reasoned))
 
 
-@app.command()
+@app.command(cls=PanelledCommand)
 def chat(
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
     verify: Verify = None, max_unverified: MaxUnverified = None,
@@ -173,23 +170,17 @@ def chat(
 ):
     """Chat interactively; answers stream in with the LLM's tokens highlighted, a reasoning model's thinking dimmed.
     Empty line or Ctrl-D quits."""
+    options = dict(locals())  # (first: the options alone)
     from roads_to_rome import reasoning
     from roads_to_rome.core.prefix_cache import PREFIX_TOKENS
-    from roads_to_rome.core.request import Cancelled
     from roads_to_rome.core.scheduler import Scheduler
-    from roads_to_rome.models import EngineConfig, load_engine
-    from roads_to_rome.text import Detokenizer
+    from roads_to_rome.models import load_engine
 
     reasoning.check_parser(reasoning_parser)
     params = sampling(max_new_tokens, temperature, top_p, top_k, None, seed, presence_penalty=presence_penalty,
                       frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, min_p=min_p,
                       min_tokens=min_tokens)
-    engine = load_engine(EngineConfig(slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
-                                      policy=router.value if router else None, threshold=threshold,
-                                      router_path=router_path, seed=seed, verify=verify, max_unverified=max_unverified,
-                                      defer=defer, defer_group=defer_group, defer_steps=defer_steps, overlap=overlap,
-                                      overlap_ahead=overlap_ahead, threads=threads, llm_retry=llm_retry,
-                                      llm_api_key=llm_api_key, chat_template=chat_template))
+    engine = load_engine(engine_config(options))
     parser = reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     # One scheduler for the whole chat: each turn's prompt begins with the conversation so far, which the models keep
     # read (prefix caching), so a turn reads only its new message.
@@ -203,24 +194,7 @@ def chat(
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        results, detok, text = [], Detokenizer(engine.tokenizer), ""
-        prompt_ids = engine.encode_messages(messages)
-        start = reasoning.prompt_start(parser, engine.tokenizer, prompt_ids) if parser else None
-        try:
-            for steps in engine.stream([prompt_ids], params, results, session):
-                for step in steps:
-                    for n, (token, source, _) in enumerate(step.final, 1):  # only what verification cannot take back
-                        thinking = parser is not None and parser.split(text, start, final=False).thinking
-                        piece = detok.push(token, final=step.finished and n == len(step.final))
-                        text += piece
-                        if piece and not console.is_terminal and source in tables.MARKS:
-                            piece = piece.join(tables.MARKS[source])
-                        console.print(piece, style=tables.style(source, thinking), end="", markup=False,
-                                      highlight=False)
-        except KeyboardInterrupt:
-            session.cut(Cancelled())
-            console.print("\n[dim](interrupted)[/]")
-        console.print()
+        results = print_turn(engine, session, engine.encode_messages(messages), params, parser)
         if results:
             reasoned = reasoning.reason(parser, engine.tokenizer, results[0]) if parser else None
             console.print(tables.stats(results[0], engine, console.is_terminal, reasoned))
@@ -228,7 +202,33 @@ def chat(
             messages.append({"role": "assistant", "content": reasoned.content if reasoned else results[0].text})
 
 
-@app.command()
+def print_turn(engine, session, prompt_ids: list[int], params, parser) -> list:
+    """One turn of `chat`: its answer streamed to the console (only what verification cannot take back), the LLM's
+    tokens highlighted and thinking dimmed; Ctrl-C cuts it. Its generation, if it ended."""
+    from roads_to_rome import reasoning
+    from roads_to_rome.core.request import Cancelled
+    from roads_to_rome.text import Detokenizer
+
+    results, detok, text = [], Detokenizer(engine.tokenizer), ""
+    start = reasoning.prompt_start(parser, engine.tokenizer, prompt_ids) if parser else None
+    try:
+        for steps in engine.stream([prompt_ids], params, results, session):
+            for step in steps:
+                for n, (token, source, _) in enumerate(step.final, 1):
+                    thinking = parser is not None and parser.split(text, start, final=False).thinking
+                    piece = detok.push(token, final=step.finished and n == len(step.final))
+                    text += piece
+                    if piece and not console.is_terminal and source in tables.MARKS:
+                        piece = piece.join(tables.MARKS[source])
+                    console.print(piece, style=tables.style(source, thinking), end="", markup=False, highlight=False)
+    except KeyboardInterrupt:
+        session.cut(Cancelled())
+        console.print("\n[dim](interrupted)[/]")
+    console.print()
+    return results
+
+
+@app.command(cls=PanelledCommand)
 def serve(
     host: Host = "127.0.0.1", port: Port = 8000, model_name: ModelName = "r2r",
     router: RouterOpt = None, threshold: Threshold = None, router_path: RouterPath = None,
@@ -252,29 +252,22 @@ def serve(
 ):
     """OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health), with
     Anthropic's /v1/messages, and a playground at /."""
+    options = dict(locals())  # (first: the options alone)
     require_extra("serve", "`r2r serve`")
-    from roads_to_rome.backends.llamacpp import MAX_SEQUENCES
-    from roads_to_rome.core.prefix_cache import KEPT_ROWS
-    from roads_to_rome.models import EngineConfig, load_engine
+    from roads_to_rome.models import load_engine
+    from roads_to_rome.models.loading import llama_rows
     from roads_to_rome.reasoning import check_parser
     from roads_to_rome.serving import server
     from roads_to_rome.serving.guard import is_loopback
-    from roads_to_rome.serving.schemas import Limits
+    from roads_to_rome.serving.limits import Limits
     from roads_to_rome.tool_calls import check_tool_parser
 
     check_parser(reasoning_parser)
     check_tool_parser(tool_call_parser)
     check_exposure(host, api_key, allow_unauthenticated)
     prefix_cache_tokens = prefix_cache_tokens if enable_prefix_caching else 0
-    # llama.cpp: each kept prompt holds one of a context's sequences, beside the batch's rows
-    kept_rows = min(KEPT_ROWS, MAX_SEQUENCES - max_batch) if prefix_cache_tokens else 0
-    llama = {"max_rows": max_batch + max(kept_rows, 0), "n_ctx": kv_cache_tokens or max_batch * 4096}
-    engine = load_engine(EngineConfig(slm=slm, llm=llm, device=device, dtype=dtype, backend=backend,
-                                      policy=router.value if router else None, threshold=threshold,
-                                      router_path=router_path, verify=verify, max_unverified=max_unverified,
-                                      defer=defer, defer_group=defer_group, defer_steps=defer_steps, overlap=overlap,
-                                      overlap_ahead=overlap_ahead, threads=threads, llm_retry=llm_retry,
-                                      llm_api_key=llm_api_key, llama=llama, chat_template=chat_template))
+    llama = {"max_rows": llama_rows(max_batch, prefix_cache_tokens > 0), "n_ctx": kv_cache_tokens or max_batch * 4096}
+    engine = load_engine(engine_config(options, llama=llama))
     limits = Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
                     prefix_cache_tokens=prefix_cache_tokens,
                     scheduling_policy=SchedulingPolicy(scheduling_policy).value,

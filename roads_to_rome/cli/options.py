@@ -7,11 +7,51 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.core
 from rich.console import Console
 
 from roads_to_rome.routing import POLICIES
 
 console = Console()  # where the commands print
+
+# The panels a command's help groups its options in, in this order (an option named in none: "Options").
+PANELS = {
+    "Model and engine": ("--slm", "--llm", "--device", "--dtype", "--backend", "--threads", "--llm-retry",
+                         "--llm-api-key", "--kv-cache-tokens", "--chat-template"),
+    "Routing": ("--router", "--threshold", "--router-path", "--verify", "--max-unverified", "--defer",
+                "--defer-group", "--defer-steps", "--overlap", "--overlap-ahead"),
+    "Sampling and output": ("--max-new-tokens", "--temperature", "--top-p", "--top-k", "--presence-penalty",
+                            "--frequency-penalty", "--repetition-penalty", "--min-p", "--min-tokens", "--stop",
+                            "--json-schema", "--regex", "--choice", "--grammar-file", "--seed", "--json",
+                            "--logprobs", "--raw", "--suffix"),
+    "Server and network": ("--host", "--port", "--model-name", "--api-key", "--allow-unauthenticated", "--docs",
+                           "--drain-timeout"),
+    "Limits": ("--max-batch", "--max-queue", "--max-tokens", "--prefill-chunk", "--prefix-cache-tokens",
+               "--enable-prefix-caching", "--scheduling-policy", "--max-stop-strings", "--max-stop-chars",
+               "--max-tokenizing", "--max-body-bytes", "--max-head-seconds", "--max-body-seconds",
+               "--max-connections", "--max-request-seconds", "--responses-store-mib"),
+    "Compatibility": ("--reasoning-parser", "--tool-call-parser", "--trust-request-chat-template"),
+}
+
+
+class PanelledCommand(typer.core.TyperCommand):
+    """A command whose help click writes (every option's name whole, at any width: rich's tables cut long names
+    short at 80 columns), its options grouped under `PANELS`."""
+
+    def format_help(self, ctx, formatter) -> None:
+        super(typer.core.TyperCommand, self).format_help(ctx, formatter)  # click's own, past typer's rich one
+
+    def format_options(self, ctx, formatter) -> None:
+        panel_of = {name: panel for panel, names in PANELS.items() for name in names}
+        grouped: dict[str, list] = {panel: [] for panel in [*PANELS, "Options"]}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                grouped[next((panel_of[o] for o in param.opts if o in panel_of), "Options")].append(record)
+        for panel, records in grouped.items():
+            if records:
+                with formatter.section(panel):
+                    formatter.write_dl(records)
 
 RouterChoice = Enum("RouterChoice", {name: name for name in POLICIES}, type=str)
 
@@ -146,7 +186,7 @@ OverlapAhead = Annotated[int | None, typer.Option("--overlap-ahead", min=1, help
                                                   show_default=False)]
 
 
-# `r2r serve`: where it listens, who may use it, and the limits each request meets (serving/schemas.py's `Limits`).
+# `r2r serve`: where it listens, who may use it, and the limits each request meets (serving/limits.py's `Limits`).
 Host = Annotated[str, typer.Option("--host", help="Address to listen on. On a loopback address (the default) requests "
                                    "must name localhost in Host and Origin; any other needs --api-key.")]
 Port = Annotated[int, typer.Option("--port", min=1, max=65535)]

@@ -37,7 +37,7 @@ def stats(generation, engine, terminal: bool, reasoned=None) -> Table:
     table = Table(show_header=False, box=None, padding=(0, 2))
     t, policy, verify = generation.timings, engine.policy, engine.verify
     models = [(role, b) for role, b in (("SLM", engine.slm), ("LLM", engine.llm)) if b is not None]
-    marked = "highlighted" if terminal else "in [[ ]]" + (", fixes in {{ }}" if verify != "off" else "")
+    marked = "highlighted" if terminal else "in [[ ]]" + (", fixes in {{ }}" if verify.on else "")
     rows = [
         ("policy", policy.name + (f" (threshold {policy.threshold:g})" if policy.threshold is not None else "")),
         ("tokens", f"{len(generation.token_ids)} ({generation.finish_reason})"),
@@ -56,7 +56,7 @@ def stats(generation, engine, terminal: bool, reasoned=None) -> Table:
                                                                           reasoned.llm_rate_answer)]
         rows.insert(4, ("LLM rate thinking / answer", f"{shares[0]} / {shares[1]}  ({reasoned.reasoning_tokens} "
                                                       f"thinking tokens)"))
-    if verify != "off":
+    if verify.on:
         rows.insert(3, ("verification", f"{verify}: {generation.rollbacks} rollbacks, "
                                         f"{generation.sources.count('fix')} fixes, "
                                         f"{generation.discarded} tokens discarded"))

@@ -192,7 +192,7 @@ class Batch:
         step.proposal, step.slm_logits, step.hidden = proposal, logits, hidden
         for i in rows:
             s = sequences[i]
-            if s.verify == "strict" and s.params.temperature > 0 and i not in step.failed:  # the ratio test needs
+            if s.verify.strict and s.params.temperature > 0 and i not in step.failed:  # the ratio test needs
                 index = len(s.generation.token_ids)  # what the SLM drew from
                 s.checks.draft_probs[index] = sampling_probs(s.logits_at(logits[i], index)[None], s.params)[0]
         engine.sync()
@@ -261,7 +261,7 @@ class Batch:
             return True
         if self.call is None or not s.checks.pending(s):
             return False
-        if s.verify != "off" and s.max_unverified is not None and unread > s.max_unverified:
+        if s.verify.on and s.max_unverified is not None and unread > s.max_unverified:
             return True
         return unread > self.engine.deferral.tokens_ahead(len(self.sequences))
 

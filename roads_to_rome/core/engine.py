@@ -17,7 +17,7 @@ from roads_to_rome.core.chat_template import encode_messages
 from roads_to_rome.core.grammar import GrammarWalk, OutputFormat, grammar_tokenizer
 from roads_to_rome.core.llm_calls import Deferral, LLMCalls
 from roads_to_rome.core.request import Failure, Generation, Request, Sequence
-from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify
+from roads_to_rome.core.sampling import VERIFY_OFF, SamplingParams, Verify, check_max_unverified, parse_verify
 from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
@@ -33,10 +33,10 @@ FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5
               ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))  # StarCoder, SantaCoder
 
 
-def default_verify(routes: bool, routed: str | float = DEFAULT_VERIFY) -> str | float:
+def default_verify(routes: bool, routed: Verify | str = DEFAULT_VERIFY) -> Verify:
     """Verification where none is asked for: `routed` (the default, or an engine's own) where tokens are routed,
     off for one model writing alone (the slm or llm policy, a request forced onto one model)."""
-    return routed if routes else "off"
+    return parse_verify(routed) if routes else VERIFY_OFF
 
 
 class Engine:
@@ -46,7 +46,7 @@ class Engine:
     writes every token itself, for label responses, judges and the single-model baselines."""
 
     def __init__(self, slm: Backend | None, llm: Backend | None, tokenizer, policy: RoutingPolicy | None = None,
-                 verify: str | float = "off", max_unverified: int | None = None, defer: Deferral | str = "off",
+                 verify: Verify | str | float = "off", max_unverified: int | None = None, defer: Deferral | str = "off",
                  overlap: bool = False, llm_threads: int | None = None):
         """`verify`, `max_unverified`: the defaults of requests that do not set their own (see `Batch._catch_up`).
         `defer`: whether a routed row's LLM token may wait for an LLM call grouped with other rows' (a mode, or a
@@ -73,7 +73,7 @@ class Engine:
         self.kv_capacity = min((m.kv_capacity for m in models if m.kv_capacity is not None), default=None)
         self.max_rows = min((m.max_rows for m in models if m.max_rows is not None), default=None)
         self.verify, self.max_unverified = parse_verify(verify), check_max_unverified(max_unverified)
-        if self.verify != "off":
+        if self.verify.on:
             self._check_verifiable(self.verify)
         self.deferral = defer if isinstance(defer, Deferral) else Deferral(defer)
         self.overlap = bool(overlap) and self.routes
@@ -126,7 +126,7 @@ class Engine:
         params.check_vocabulary(vocab)
         # The engine's setting is for routed rows: a row forced onto one model is that model alone unless it asks.
         verify = request.verify if request.verify is not None else default_verify(request.force is None, self.verify)
-        if verify != "off":
+        if verify.on:
             self._check_verifiable(verify, request.params)
         max_unverified = self.max_unverified if request.max_unverified is None else request.max_unverified
         seed = request.params.seed
@@ -160,10 +160,10 @@ class Engine:
         """The tokenizer as structured outputs read it (built at the first request that asks for one)."""
         return grammar_tokenizer(self.tokenizer, self.writer.vocab_size, self.eos_ids)
 
-    def _check_verifiable(self, verify: str | float, params: SamplingParams | None = None) -> None:
+    def _check_verifiable(self, verify: Verify, params: SamplingParams | None = None) -> None:
         if not self.routes:
             raise R2RError("verification needs both models: the LLM checks the SLM's tokens")
-        if verify == "strict" and params is not None and params.temperature > 0 and not self.llm.full_logits:
+        if verify.strict and params is not None and params.temperature > 0 and not self.llm.full_logits:
             raise R2RError(f"strict verification while sampling needs the LLM's whole distribution; {self.llm.name} "
                            "gives its top tokens only: sample with temperature 0, or verify with a tolerance")
 

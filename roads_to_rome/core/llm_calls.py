@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -130,9 +129,9 @@ def llm_due(sequences: list, routed: list[bool], deferred: list[bool], unread: l
         return True
     waiting = [bool(s.checks.routed) or d for s, d in zip(sequences, deferred)]
     for i, s in enumerate(sequences):
-        if s.verify != "off" and s.max_unverified is not None and unread[i] >= s.max_unverified:
+        if s.verify.on and s.max_unverified is not None and unread[i] >= s.max_unverified:
             return True
-        if (s.verify != "off" or waiting[i]) and ends(i):  # a row is returned only once all of it is checked
+        if (s.verify.on or waiting[i]) and ends(i):  # a row is returned only once all of it is checked
             return True
     if not any(waiting):
         return False
@@ -218,7 +217,7 @@ class QueuedCache:
 class LLMCalls:
     """The LLM as a batch drives it: every operation on its caches goes through one `Worker` (overlap) or runs at
     once (`Inline`), in order. The operations whose results nobody waits for return at once; a catch-up returns a
-    future (`catch_up`). Anything else is the backend's own (`name`, `full_logits`...)."""
+    future (`catch_up`). What the LLM is (`name`, `full_logits`...) is read from its backend."""
 
     def __init__(self, backend, overlap: bool, threads: int | None = None):
         self.backend, self.overlap = backend, overlap
@@ -226,8 +225,19 @@ class LLMCalls:
         if overlap:
             weakref.finalize(self, self.runner.close)
 
-    def __getattr__(self, name):
-        return getattr(self.backend, name)
+    # What the LLM is, as code that takes this for a model reads it; what it does goes through the methods below.
+    name = property(lambda self: self.backend.name)
+    device = property(lambda self: self.backend.device)
+    remote = property(lambda self: self.backend.remote)
+    full_logits = property(lambda self: self.backend.full_logits)
+    scores_prompts = property(lambda self: self.backend.scores_prompts)
+    kv_capacity = property(lambda self: self.backend.kv_capacity)
+    max_rows = property(lambda self: self.backend.max_rows)
+    vocab_size = property(lambda self: self.backend.vocab_size)
+
+    def prompt_logprobs(self, ids: list[int], top: int):
+        """A server's own prompt log-probabilities (vLLM's): a request of their own, beside the queued reads."""
+        return self.backend.prompt_logprobs(ids, top)
 
     def new_cache(self) -> QueuedCache:
         return QueuedCache(self.backend.new_cache())
@@ -341,7 +351,7 @@ class PendingRead:
     """A catch-up the LLM is doing: its logits, on the batch's device, once `done`."""
 
     def __init__(self, future: Future, device: torch.device):
-        self.future, self.device, self.started = future, device, time.perf_counter()
+        self.future, self.device = future, device
 
     def done(self) -> bool:
         return self.future.done()

@@ -27,6 +27,13 @@ KEPT_ROWS = 16  # prompts each model keeps at most (on llama.cpp each holds one 
 PREFIX_TOKENS = 16384  # tokens each model keeps by default (the server's --prefix-cache-tokens, a chat's)
 
 
+def kept_prompt_rows(batch_rows: int, context_rows: int | None = None) -> int:
+    """Prompts a model keeps beside a batch of `batch_rows`: KEPT_ROWS, or, on a backend with a fixed number of rows
+    (`context_rows`: llama.cpp's sequences, each kept prompt holding one), as many as it holds beyond the batch's."""
+    return KEPT_ROWS if context_rows is None else max(0, min(KEPT_ROWS, context_rows - batch_rows))
+
+
+
 @dataclass
 class Kept:
     tokens: np.ndarray  # what the cache holds

@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from roads_to_rome.core.sampling import LogitRules, SamplingParams, adjust_logits, check_max_unverified, parse_verify
+from roads_to_rome.core.sampling import (
+    LogitRules,
+    SamplingParams,
+    Verify,
+    adjust_logits,
+    check_max_unverified,
+    parse_verify,
+)
 from roads_to_rome.core.verification import Checks
 from roads_to_rome.errors import R2RError
 
@@ -28,7 +35,7 @@ class Request:
     force: str | None = None  # "slm" or "llm": this request bypasses the policy
     threshold: float | None = None  # this request's own routing threshold (None: the policy's)
     target_rate: float | None = None  # aim for this LLM rate instead of a fixed threshold (`batch.row_thresholds`)
-    verify: str | float | None = None  # "off", "strict" or a tolerance in nats (None: the engine's)
+    verify: Verify | str | float | None = None  # off, strict or a tolerance in nats (None: the engine's), parsed
     max_unverified: int | None = None  # verify once this many tokens are unread by the LLM (None: the engine's)
     # The reply starts inside a reasoning model's thinking, which this token closes: a structured output applies
     # after it (None: from the first token).
@@ -207,7 +214,7 @@ class Sequence:
     """A request being decoded: the engine's running state for it (`Engine.sequence` makes one)."""
 
     request: Request
-    verify: str | float  # the request's setting, or the engine's default for it
+    verify: Verify  # the request's setting, or the engine's default for it
     max_unverified: int | None
     generation: Generation
     index: int = 0  # the prompt's position in its `Engine.run` / `Engine.stream` call
@@ -242,7 +249,7 @@ class Sequence:
     def uses_llm(self) -> bool:
         """Whether the LLM may ever read this sequence: not when it is forced onto the SLM and unverified, so that
         it costs the SLM alone, its prompt included."""
-        return not (self.force == "slm" and self.verify == "off")
+        return not (self.force == "slm" and not self.verify.on)
 
     @functools.cached_property
     def rules(self) -> LogitRules:

@@ -48,7 +48,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the output, beside the models' end-of-sequence ones
     min_tokens: int = 0  # nothing ends the output before it holds this many tokens (vLLM's rule)
     # Token sequences the output never holds: a sequence's last token is banned where the output ends with the rest
-    # (vLLM's `bad_words`, each word as its tokenizer writes it: `serving.schemas.bad_words`)
+    # (vLLM's `bad_words`, each word as its tokenizer writes it: `serving.adapter.bad_words`)
     bad_words: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False  # the stop string or stop token that ended it stays in the text
     skip_special_tokens: bool = True  # special tokens (<|im_start|>, an end of sequence...) are left out of the text
@@ -144,24 +144,51 @@ class SamplingParams:
                 raise R2RError(f"{name} names token {max(ids)}, beyond the vocabulary: ids are 0 to {vocab_size - 1}")
 
 
-def parse_verify_list(text: str) -> tuple[str | float, ...]:
+@dataclass(frozen=True)
+class Verify:
+    """A verification setting, made by `parse_verify` only: off, strict (a routed or unverified token stays only
+    where it is the LLM's own choice, or passes speculative sampling's test), or a tolerance in nats (a token within
+    that many nats of the LLM's best stays)."""
+
+    strict: bool = False
+    tolerance: float | None = None  # None: off, unless strict
+
+    @property
+    def on(self) -> bool:
+        return self.strict or self.tolerance is not None
+
+    @property
+    def value(self) -> str | float:
+        """The setting as it is written (JSON, system names): "off", "strict" or the tolerance."""
+        return "strict" if self.strict else "off" if self.tolerance is None else self.tolerance
+
+    def __str__(self) -> str:
+        return f"{self.value:g}" if self.tolerance is not None else str(self.value)
+
+
+VERIFY_OFF, VERIFY_STRICT = Verify(), Verify(strict=True)
+
+
+def parse_verify_list(text: str) -> tuple[Verify, ...]:
     """Several verification settings, comma-separated: one system each, wherever a command compares systems (empty:
     none)."""
     return tuple(parse_verify(v.strip()) for v in str(text).split(",") if v.strip())
 
 
-def parse_verify(value) -> str | float:
+def parse_verify(value) -> Verify:
     """The one parser of a verification setting: `off`, `strict`, or a tolerance in nats >= 0 (a number or its
     text)."""
-    if value in ("off", "strict"):
+    if isinstance(value, Verify):
         return value
+    if value in ("off", "strict"):
+        return VERIFY_STRICT if value == "strict" else VERIFY_OFF
     try:
         tolerance = float(value)
     except (TypeError, ValueError):
         tolerance = float("nan")
     if not tolerance >= 0 or tolerance == float("inf"):
         raise R2RError(f"verify takes off, strict or a tolerance in nats >= 0, got {value!r}")
-    return tolerance
+    return Verify(tolerance=tolerance)
 
 
 def check_max_unverified(n: int | None) -> int | None:

@@ -12,7 +12,7 @@ import torch
 
 from roads_to_rome.core.batch import Batch
 from roads_to_rome.core.layout import NO_ROWS
-from roads_to_rome.core.prefix_cache import KEPT_ROWS, PrefixCache, common_prefix
+from roads_to_rome.core.prefix_cache import PrefixCache, common_prefix, kept_prompt_rows
 from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step
 from roads_to_rome.core.scoring import score_prompt
 from roads_to_rome.errors import R2RError
@@ -363,7 +363,7 @@ def urgency(s: Sequence) -> tuple[int, int]:
 def prefix_caches(engine: Engine, tokens: int, max_batch: int | None) -> tuple[PrefixCache | None, ...]:
     """The writer's and the LLM's kept prompts (None: it keeps none). A backend with a fixed number of rows (llama.cpp's
     sequences) keeps as many prompts as it holds beyond the batch's rows."""
-    rows = KEPT_ROWS if engine.max_rows is None else min(KEPT_ROWS, engine.max_rows - (max_batch or engine.max_rows))
+    rows = kept_prompt_rows(max_batch or engine.max_rows or 0, engine.max_rows)
     return tuple(None if m is None or m.remote or not tokens or rows < 1 else PrefixCache(m, tokens, rows)
                  for m in (engine.writer, engine.llm_side))
 

@@ -51,7 +51,7 @@ class Checks:
 
     def pending(self, s: Sequence) -> bool:
         """Whether any of the row's written tokens still await the LLM's word."""
-        return bool(self.routed) or (s.verify != "off" and self.checked < len(s.generation.token_ids))
+        return bool(self.routed) or (s.verify.on and self.checked < len(s.generation.token_ids))
 
     def through(self, index: int) -> None:
         """The LLM has had its word on every token up to `index`."""
@@ -90,11 +90,6 @@ class RowRead(NamedTuple):
         return RowRead(torch.cat([head, later.logits]), min(self.first, later.first), later.reach)
 
 
-def waits(s: Sequence) -> bool:
-    """Whether any of the row's written tokens may await the LLM."""
-    return s.verify != "off" or bool(s.checks.routed)
-
-
 def first_rejection(s: Sequence, read: RowRead, last: int, proposal: int, park: bool,
                     full_logits: bool) -> Rejection | None:
     """Check a row's tokens the LLM has not had its word on yet, up to output index `last` (this step's token,
@@ -102,10 +97,10 @@ def first_rejection(s: Sequence, read: RowRead, last: int, proposal: int, park: 
     their deferred routed positions only. The first rejected one, or None."""
     gen, routed = s.generation, set(s.checks.routed)
     start = s.checks.checked
-    if s.verify != "off" and start < read.first and start <= last:
+    if s.verify.on and start < read.first and start <= last:
         raise R2RError(f"internal: an LLM read from output {read.first} cannot check output {start}")
     for index in range(max(start, read.first), last + 1):
-        if index not in routed and s.verify == "off":
+        if index not in routed and not s.verify.on:
             continue
         token = gen.token_ids[index] if index < len(gen.token_ids) else proposal
         at = read.at(index)
@@ -122,10 +117,10 @@ def check_token(s: Sequence, token: int, logits: torch.Tensor, index: int) -> in
     """Verification's rule for one token against the LLM's next-token logits: None when it is kept, else the
     LLM's token in its place."""
     params, logits = s.params, s.logits_at(logits, index)
-    if s.verify == "strict" and params.temperature > 0:  # speculative sampling: the output follows the LLM
+    if s.verify.strict and params.temperature > 0:  # speculative sampling: the output follows the LLM
         return _speculative(s, token, logits, index)
     best = int(logits.argmax())
-    kept = token == best if s.verify == "strict" else within_tolerance(logits, token, best, s.verify)
+    kept = token == best if s.verify.strict else within_tolerance(logits, token, best, s.verify.tolerance)
     if kept:
         return None
     return best if params.temperature == 0 else int(sample(logits[None], s.params, s.generator)[0])
@@ -206,7 +201,7 @@ def settle(s: Sequence, finished: bool) -> list[tuple[int, str, float]]:
     gen, checks = s.generation, s.checks
     if finished:
         newly_final = len(gen.token_ids)
-    elif s.verify != "off":
+    elif s.verify.on:
         newly_final = min(checks.checked, len(gen.token_ids))
     else:
         newly_final = checks.routed[0] if checks.routed else len(gen.token_ids)
@@ -221,7 +216,7 @@ def logits_needed(s: Sequence, reach: int) -> int:
     """How many of the LLM's last logits a catch-up whose last logits predict output `reach` must return to check
     row s: one per token from its first unchecked one if it verifies, else from its first waiting routed position
     on; one (the next token's) when nothing waits."""
-    if s.verify != "off":
+    if s.verify.on:
         first = s.checks.checked
     else:
         first = s.checks.routed[0] if s.checks.routed else reach

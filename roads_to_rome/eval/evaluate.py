@@ -58,7 +58,7 @@ def run_system(benchmark: str, items: list[benchmarks.Item], spec: System, engin
               "backends": [type(b).__name__ for b in (engine.writer, engine.llm if engine.routes else None) if b],
               # A retrained router is another system: its results must not join the old one's.
               "router": getattr(engine.policy, "identity", None),
-              "verify": engine.verify, "max_unverified": engine.max_unverified}
+              "verify": engine.verify.value, "max_unverified": engine.max_unverified}
     if spec.warmup is not None:
         config["warmup"] = spec.warmup
     if chat_template is not None:  # (absent otherwise: runs before the option resume as they were)
@@ -362,8 +362,14 @@ def evaluate(config: EvalConfig, console) -> dict:
             engine = spec.engine(slm_b, llm_b, tokenizer, router_path)
             run_system(benchmark, items, spec, engine, params, out_dir, c.batch_size, progress, c.chat_template)
 
-    # The report covers every system with results in this directory for these items, not only this call's:
-    # a benchmark run in chunks, or a baseline run on its own, still ends in one table and one plot.
+    return report(c, items, out_dir, tokenizer)
+
+
+def report(c: EvalConfig, items: list, out_dir, tokenizer) -> dict:
+    """The summary of every system with results in `out_dir` for these items, not only this call's (a benchmark
+    run in chunks, or a baseline run on its own, still ends in one table and one plot): summary.json, the plots,
+    the HTML page with a few examples. Returns the table."""
+    benchmark, item_ids = c.benchmark, {item.id for item in items}
     table = summaries(out_dir, item_ids)
     names = list(table)
     (out_dir / "summary.json").write_text(json.dumps(

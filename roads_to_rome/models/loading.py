@@ -14,12 +14,13 @@ from pathlib import Path
 
 from roads_to_rome import hardware
 from roads_to_rome.backends import AUTO, BACKENDS
-from roads_to_rome.backends.llamacpp import LlamaCppBackend, llama_cpp_available
+from roads_to_rome.backends.llamacpp import MAX_SEQUENCES, LlamaCppBackend, llama_cpp_available
 from roads_to_rome.backends.remote import DEFAULT_LLM_RETRY, RemoteBackend, is_remote
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.core.engine import Engine, default_verify
 from roads_to_rome.core.llm_calls import DEFAULT_DEFER, Deferral, parse_overlap, resolve_defer, resolve_overlap
-from roads_to_rome.core.sampling import check_max_unverified, parse_verify
+from roads_to_rome.core.prefix_cache import kept_prompt_rows
+from roads_to_rome.core.sampling import Verify, check_max_unverified, parse_verify
 from roads_to_rome.errors import R2RError
 from roads_to_rome.models import systems
 from roads_to_rome.models.packaged import (
@@ -271,7 +272,7 @@ class EngineConfig:
     threshold: float | None = None  # None: the policy's own (a router's calibrated one)
     router_path: Path | None = None
     seed: int | None = None  # the random policy's draws
-    verify: str | float | None = None  # None: `default_verify` (DEFAULT_VERIFY where a policy routes, else off)
+    verify: Verify | str | float | None = None  # None: `default_verify` (DEFAULT_VERIFY where routed, else off)
     max_unverified: int | None = None
     defer: str | None = None  # off, continue, park or auto (None: `DEFAULT_DEFER` when routing, off for one model)
     defer_group: float | None = None  # None: the grouping rule's default (`Deferral`)
@@ -353,7 +354,7 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
     verify = config.verify if config.verify is not None else default_verify(kind not in ("slm", "llm"))
     mode, rule = grouping_rule(config, kind)
     slm_b, llm_b, tokenizer = load_pair(config.slm, config.llm, config.device,
-                                        need_llm=kind != "slm" or verify != "off",
+                                        need_llm=kind != "slm" or verify.on,
                                         dtype=config.dtype, backend=config.backend, llama=config.llama,
                                         llm_retry=config.llm_retry, threads=config.threads,
                                         llm_api_key=config.llm_api_key, chat_template=config.chat_template)
@@ -369,3 +370,9 @@ def grouping_rule(config: EngineConfig, kind: str) -> tuple[str, Deferral]:
     mode = config.defer if config.defer is not None else "off" if kind in ("slm", "llm") else DEFAULT_DEFER
     return mode, Deferral.of("off" if mode == "auto" else mode, config.defer_group, config.defer_steps,
                              config.overlap_ahead)
+
+
+def llama_rows(batch_rows: int, keeps_prompts: bool = True) -> int:
+    """The sequences a llama.cpp context is made with for a batch of `batch_rows`: one per row, and one per kept
+    prompt where prompts are kept."""
+    return batch_rows + (kept_prompt_rows(batch_rows, MAX_SEQUENCES) if keeps_prompts else 0)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.llm_calls import Deferral
+from roads_to_rome.core.sampling import VERIFY_OFF, Verify, parse_verify
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing import policies
 from roads_to_rome.routing.policies import RoutingPolicy
@@ -39,12 +40,13 @@ class System:
     # entropy aiming at a rate: its threshold (nats) until a request has scores enough to aim by, and for answers
     # shorter than that throughout (None: ENTROPY_WARMUP_THRESHOLD)
     warmup: float | None = None
-    verify: str | float = "off"
+    verify: Verify = VERIFY_OFF
     max_unverified: int | None = None
 
     def __post_init__(self):
         if self.kind not in SYSTEMS:
             raise R2RError(f"unknown system {self.kind!r}: use one of {', '.join(SYSTEMS)}")
+        object.__setattr__(self, "verify", parse_verify(self.verify))
 
     @property
     def needs_llm(self) -> bool:
@@ -55,12 +57,12 @@ class System:
         """The LLM rate each request aims at (entropy: its threshold follows the request's own scores)."""
         return self.value if self.kind == "entropy" else None
 
-    def with_verify(self, verify: str | float, max_unverified: int | None) -> System:
+    def with_verify(self, verify: Verify | str | float, max_unverified: int | None) -> System:
         """This routed system with verification on catch-up, named for it."""
-        if verify == "off":
+        verify = parse_verify(verify)
+        if not verify.on:
             return self
-        suffix = f"+verify={verify:g}" if isinstance(verify, float) else f"+verify={verify}"
-        suffix += f"+n={max_unverified}" if max_unverified else ""
+        suffix = f"+verify={verify}" + (f"+n={max_unverified}" if max_unverified else "")
         return dataclasses.replace(self, name=self.name + suffix, verify=verify, max_unverified=max_unverified)
 
     def engine(self, slm, llm, tokenizer, router_path: Path | None = None) -> Engine:
@@ -86,7 +88,7 @@ class System:
 
 
 def routed(slm, llm, tokenizer, policy: str | RoutingPolicy, threshold: float | None = None,
-           router_path: Path | None = None, seed: int | None = None, verify: str | float = "off",
+           router_path: Path | None = None, seed: int | None = None, verify: Verify | str | float = "off",
            max_unverified: int | None = None, defer: Deferral | str = "off", overlap: bool = False,
            llm_threads: int | None = None) -> Engine:
     """The pair with a routing policy: by name (`policies.build`: router, entropy, random, slm, llm, at `threshold`,

@@ -14,7 +14,8 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from roads_to_rome.serving.schemas import Limits, error_response
+from roads_to_rome.serving.errors import error_response
+from roads_to_rome.serving.limits import Limits
 
 
 def uvicorn_config(app: FastAPI, host: str, port: int, **options) -> uvicorn.Config:

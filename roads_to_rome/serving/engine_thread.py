@@ -22,8 +22,9 @@ from roads_to_rome.core.sampling import NothingToWrite
 from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.errors import LLMUnavailable, R2RError, RemoteError
 from roads_to_rome.serving import request_ids
+from roads_to_rome.serving.errors import LLM_AWAY, APIError
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.metrics import Metrics
-from roads_to_rome.serving.schemas import LLM_AWAY, APIError, Limits
 
 log = logging.getLogger(__name__)
 ABANDON_AFTER_S = 1.0  # past the drain deadline, how long the engine gets to cut its requests itself

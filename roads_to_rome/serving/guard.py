@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response
 
 from roads_to_rome.core.chat_template import serve_templates
 from roads_to_rome.errors import R2RError
-from roads_to_rome.serving.schemas import APIError, Limits, error_response, shaped
+from roads_to_rome.serving.errors import APIError, error_response, shaped
+from roads_to_rome.serving.limits import Limits
 
 UNCAPPED = ("/health",)  # answered under any load: a supervisor's probe must not read a full server as dead
 KEYED = ("/v1/", "/metrics", "/tokenize", "/detokenize")

@@ -2,7 +2,7 @@
 for clients written against it (the `anthropic` package, agents built on it): a request's system prompt and messages
 become a chat, which the chat path answers (tools, thinking, structured outputs and R2R's knobs alike), and the reply
 comes back as content blocks: the thinking as a `thinking` block, the answer as `text`, each call as `tool_use`;
-whole, or streamed as the API's events. Errors have Anthropic's shape (`schemas.anthropic_error`), and the API key
+whole, or streamed as the API's events. Errors have Anthropic's shape (`errors.shaped`), and the API key
 may come as its `x-api-key` header."""
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from roads_to_rome.core.request import Generation
+from roads_to_rome.serving.chat_schemas import ChatBody
 from roads_to_rome.serving.engine_thread import Job
+from roads_to_rome.serving.errors import APIError
 from roads_to_rome.serving.replies import Reply, StreamFailure, choice_deltas, new_id, provenance, usage
-from roads_to_rome.serving.schemas import APIError, ChatBody, Number, Text
+from roads_to_rome.serving.schemas import Number, Text
 
 # ---- the request -------------------------------------------------------------------------------------------------
 

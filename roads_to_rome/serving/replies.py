@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from roads_to_rome.core.request import Generation, TokenLogprob
 from roads_to_rome.reasoning import Reasoned, ReasoningParser, llm_rate, prompt_start, reason
 from roads_to_rome.serving.engine_thread import ErrorReply, Job
-from roads_to_rome.serving.schemas import APIError, llm_away
+from roads_to_rome.serving.errors import APIError, llm_away
 from roads_to_rome.text import Detokenizer
 from roads_to_rome.tool_calls import CallStream, ToolCall, ToolParser, ToolSplit
 

@@ -21,9 +21,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from roads_to_rome.core.request import Generation
+from roads_to_rome.serving.chat_schemas import ChatBody, json_object_text
 from roads_to_rome.serving.engine_thread import ErrorReply, Job
+from roads_to_rome.serving.errors import APIError
 from roads_to_rome.serving.replies import Reply, StreamFailure, choice_deltas, new_id, provenance, usage
-from roads_to_rome.serving.schemas import APIError, ChatBody, Number, Text, json_object_text
+from roads_to_rome.serving.schemas import Number, Text
 
 LOGPROBS = "message.output_text.logprobs"  # what `include` names to get the answer's log-probabilities
 

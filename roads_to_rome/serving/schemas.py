@@ -1,133 +1,25 @@
-"""What a client may send: the server's limits, the request bodies, and how a body becomes a `Sequence` or an
-OpenAI-style error naming what to fix. Everything a body's types cannot say is checked here, before the request
-queues, so nothing a client sends can fail the batch."""
+"""What a client may send: the request bodies every API shares (`CommonBody`, the completions body, tokenizing)
+and the types their fields are made of. Chat's are in chat_schemas.py; how a body becomes a `Sequence`, in
+adapter.py."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from fastapi import Request as HTTPRequest
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from roads_to_rome.core.engine import Engine
-from roads_to_rome.core.grammar import GrammarWalk, OutputFormat
-from roads_to_rome.core.prefix_cache import PREFIX_TOKENS
-from roads_to_rome.core.request import Request, Sequence
+from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.core.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     REPETITION_PENALTY_RANGE,
-    SamplingParams,
     parse_verify,
 )
 from roads_to_rome.errors import R2RError
 from roads_to_rome.serving import request_ids
-from roads_to_rome.tool_calls import CLOSE, ToolParser, call_format
+from roads_to_rome.serving.errors import APIError
 
-
-@dataclass
-class Limits:
-    """Every limit one client's request meets. The defaults follow OpenAI's API and vLLM where they have one."""
-
-    max_batch: int = 8  # requests decoding (or having their prompt read) at once
-    max_queue: int = 64  # requests waiting for a slot; beyond that: 429
-    max_tokens: int = 4096  # the most new tokens one request may ask for
-    context_length: int = 32768  # prompt + new tokens of one request
-    # Prompt tokens read per model between two decode steps: large enough to read a prompt near the best rate,
-    # small enough that running streams keep getting tokens while it is read (README, "Serving").
-    prefill_chunk: int = 64
-    # Prompt tokens each model keeps read for newcomers whose prompt begins the same way (0: no prefix caching)
-    prefix_cache_tokens: int = PREFIX_TOKENS
-    # "fcfs": waiting requests are admitted in arrival order; "priority": by their `priority` (lower first), then so
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    max_body_bytes: int = 1 << 20  # a request body's limit (413 beyond): 8x what the longest context holds
-    # OpenAI's limit. Every row decodes its tail and searches it for each stop string every step, on the engine
-    # thread, and a stream holds back the longest one's length: both stay small.
-    max_stop_strings: int = 4
-    max_stop_chars: int = 256
-    # vLLM's bad_words, each tokenized on arrival and looked up at every token of the row: as many as a long list of
-    # slurs and misspellings holds, each a word or a phrase.
-    max_bad_words: int = 1024
-    max_bad_word_chars: int = 256
-    # Token ids one list of a request may name (allowed_token_ids, stop_token_ids, logit_bias), and tools one chat
-    # may offer (OpenAI's limit).
-    max_token_ids: int = 16384
-    max_tools: int = 128
-    # A structured output is compiled off the event loop, one at a time; past this it is a 400 naming the field.
-    max_compile_seconds: float = 10.0
-    # A prompt whose log-probabilities are asked for is read whole as it is admitted, holding up the other streams
-    # for as long: at most this many tokens (its logits are looked at in chunks, so memory is not what bounds it).
-    max_scored_prompt_tokens: int = 8192
-    # A chat template a request brings (--trust-request-chat-template) writes its chat in a process of its own,
-    # within this time and this much memory beyond what the process holds (a 400 past either).
-    max_template_seconds: float = 5.0
-    max_template_bytes: int = 128 << 20
-    # Long prompts waiting to be tokenized (or being tokenized) at once; beyond that: 429 before anything queues.
-    # Short prompts have a lane of their own, so a flood of long ones cannot hold them up.
-    max_tokenizing: int = 4
-    max_head_seconds: float = 10.0  # a request's line and headers must arrive within this (408; connections.py)
-    max_body_seconds: float = 30.0  # a body must arrive within this (408): a trickling client is cut off
-    # Requests in the server at once, queued and streaming included (429 beyond); connections open at once, twice
-    # this (closed as they open beyond: connections.py).
-    max_connections: int = 256
-    max_request_seconds: float = 600.0  # a whole (non-streamed) answer's deadline (408)
-    drain_timeout: float = 30.0  # seconds in-flight requests get to finish after a shutdown signal
-    # The Responses API's stored responses (their JSON), the least recently used dropped beyond it
-    responses_store_bytes: int = 64 << 20
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.code, self.kind, self.headers)
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API (serving/messages.py), whose errors have its shape
-ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                         404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
-                         429: "rate_limit_error", 503: "overloaded_error"}
-
-
-def shaped(path: str, response: Response) -> Response:
-    """An error answer as the API at `path` shapes errors: OpenAI's (`error_response`), or on the Messages API's
-    routes Anthropic's (`{"type": "error", "error": {"type", "message"}}`)."""
-    if not (path.startswith(MESSAGES_PATH) and isinstance(response, JSONResponse)):
-        return response
-    error = json.loads(response.body)["error"]
-    body = {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(response.status_code, "api_error"),
-                                       "message": error["message"]}}
-    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
-    return JSONResponse(body, status_code=response.status_code, headers=headers)
-
-
-LLM_RETRY_AFTER_S = 5  # what a request refused while the LLM is away is told (Retry-After): the probe's pace
-LLM_AWAY = "the LLM is unavailable at the moment; retry later (requests with r2r_policy 'slm' still run)"
-
-
-def llm_away() -> APIError:
-    """A request that needs a remote LLM which is away: 503, and when to try again."""
-    return APIError(503, LLM_AWAY, code="llm_unavailable", kind="server_error",
-                    headers={"Retry-After": str(LLM_RETRY_AFTER_S)})
-
-
-# ---- request bodies (unknown fields are ignored, as OpenAI clients send many) -----------------
 
 def utf8_text(text: str) -> str:
     """JSON can carry lone UTF-16 surrogates (\\ud800) that no tokenizer can encode."""
@@ -147,9 +39,16 @@ def verify_setting(value):
 
 
 Text = Annotated[str, AfterValidator(utf8_text)]
+
+
 Number = Annotated[float, Field(allow_inf_nan=False)]
+
+
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
 VerifySetting = Annotated[Number | str, AfterValidator(verify_setting)]
+
 
 # Fields of OpenAI's API (and vLLM's extras) that would change the answer and that this server does not do, with
 # the value that changes nothing: a request that sets one otherwise is refused, naming it, rather than answered as if
@@ -159,6 +58,8 @@ UNSUPPORTED = {"best_of": 1, "functions": None, "function_call": None,
                "guided_grammar": None, "use_beam_search": False,
                "length_penalty": 1.0,
                "logits_processors": None, "web_search_options": None, "audio": None, "modalities": None}
+
+
 NEUTRAL = {"functions": ([],), "function_call": ("none",), "suffix": ("",), "logits_processors": ([],),
            "modalities": (["text"],)}
 
@@ -311,214 +212,9 @@ class CommonBody(BaseModel):
         return "response_format.json_schema.schema" if self.response_format.json_schema else "response_format"
 
 
-class TextPart(BaseModel):
-    """A message's content given as parts: this server reads text only (an image part is a 400 naming it)."""
-
-    type: Literal["text"]
-    text: Text
-
-
-def json_object_text(text: str) -> str:
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"is not valid JSON ({e}): a call's arguments are a JSON object's text") from None
-    if not isinstance(value, dict):
-        raise ValueError("must be a JSON object's text")
-    return text
-
-
-class CalledFunction(BaseModel):
-    name: str
-    arguments: Annotated[str, AfterValidator(json_object_text)]
-
-
-class MessageToolCall(BaseModel):
-    """A call an earlier assistant message made, as the client hands it back."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
-    tool_call_id: str | None = None  # a tool's answer: to which call
-    # An assistant's thinking, handed back (vLLM's names): templates that show it (Qwen3's, for the turns after the
-    # last user message: a tool loop's) get it as `reasoning_content`; others leave it out.
-    reasoning_content: Text | None = None
-    reasoning: Text | None = None
-
-    @model_validator(mode="after")
-    def complete(self):
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError(f"only an assistant message holds tool_calls, not a {self.role} one")
-        if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
-            raise ValueError(f"only an assistant message holds its thinking, not a {self.role} one")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is missing (only an assistant message with tool_calls may leave it out)")
-        return self
-
-    def text(self) -> str | None:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content
-
-    def for_template(self) -> dict:
-        """The message as chat templates read it: its text; `developer` (OpenAI's newer name) as `system`; earlier
-        calls' arguments as objects (templates write them with `tojson`)."""
-        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-        if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
-        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
-        out.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id),
-                                      ("reasoning_content", thinking)) if v is not None})
-        return out
-
-
-class FunctionDefinition(BaseModel):
-    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(BaseModel):
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    type: Literal["function"]
-    function: FunctionName
-
-
-@dataclass
-class ToolUse:
-    """How a chat request uses its tools: those its prompt shows, how its reply is read, what holds it to calls."""
-
-    prompt_tools: list[dict] | None  # what the chat template gets (None: no tools in the prompt)
-    parser: ToolParser | None  # reads calls out of the reply (None: not read)
-    output_format: OutputFormat | None = None  # "required" or a named function: the reply is calls
-    one: bool = False  # parallel_tool_calls: false, a single call
-    stop: tuple[str, ...] = ()
-
-
-class ChatPrompt(BaseModel):
-    """A chat as the model's template writes it into a prompt: what a chat request and /tokenize share."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables the chat template reads
-    chat_template: Text | None = None  # vLLM's: the request's own template (a server that trusts them only)
-    tools: list[Tool] | None = None
-    # vLLM's: whether the prompt ends with the assistant's turn opened, or with the last message left open (the
-    # reply goes on writing it: a prefill)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-
-    @model_validator(mode="after")
-    def template_in_kwargs(self):
-        """vLLM takes the request's template from `chat_template_kwargs` too."""
-        kwargs = self.chat_template_kwargs or {}
-        if self.chat_template is None and isinstance(kwargs.get("chat_template"), str):
-            self.chat_template = kwargs["chat_template"]
-            self.chat_template_kwargs = {k: v for k, v in kwargs.items() if k != "chat_template"}
-        return self
-
-    def template_tools(self) -> list[dict] | None:
-        """The tools as the chat template gets them (OpenAI's shape), or None."""
-        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
-
-    def template_options(self) -> dict:
-        """How the chat template ends the prompt (`Engine.encode_messages`), or a 400 naming what to change."""
-        if self.continue_final_message:
-            if self.add_generation_prompt:
-                raise APIError(400, "continue_final_message goes on writing the last message, add_generation_prompt "
-                                    "opens a new one: set add_generation_prompt to false",
-                               param="add_generation_prompt")
-            last = self.messages[-1]
-            if last.role != "assistant" or not last.text():
-                raise APIError(400, "continue_final_message goes on writing the last message, which must be an "
-                                    f"assistant message with text in it (the last one is a {last.role} message"
-                                    f"{'' if last.text() else ' without text'})", param="messages")
-        return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message, "template": self.chat_template}
-
-
-class ChatBody(CommonBody, ChatPrompt):
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    echo: bool = False  # vLLM's: the reply's content starts with the last message's, where that is an assistant's
-    # OpenAI's, for reasoning models: handed to the chat template as `reasoning_effort` (as the Responses API's
-    # `reasoning.effort`), for templates that read it; others ignore it, as their models have no such setting
-    reasoning_effort: Text | None = None
-    include_reasoning: bool = True  # vLLM's: false leaves the thinking out of the reply (a reasoning parser's)
-
-    @model_validator(mode="after")
-    def effort_to_template(self):
-        if self.reasoning_effort is not None:
-            self.chat_template_kwargs = {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
-        return self
-
-    def echoed(self) -> list[str] | None:
-        """What the reply's content starts with (`echo`): the last message's text, where it is an assistant's."""
-        last = self.messages[-1]
-        return [last.text()] if self.echo and last.role == "assistant" and last.text() else None
-
-    def top_count(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def tool_use(self, parser: str | None) -> ToolUse:
-        """What the tools and tool_choice ask for, or a 400 naming the field: `parser` is the server's tool-call
-        parser for its model (None: its chat template takes no tools)."""
-        tools = self.tools or []
-        choice = self.tool_choice or ("auto" if tools else "none")
-        if not tools:
-            if choice in ("none", "auto"):
-                return ToolUse(None, None)
-            raise APIError(400, "tool_choice asks for a tool call, but the request offers no tools",
-                           param="tool_choice")
-        names = [tool.function.name for tool in tools]
-        if len(set(names)) < len(names):
-            raise APIError(400, "two tools have the same name: each function's name must be its own", param="tools")
-        if choice == "none":
-            return ToolUse(None, None)
-        if parser is None:
-            raise APIError(400, "this model's chat template does not take tools (it shows neither hermes' <tool_call> "
-                                "syntax, Llama 3's JSON calls nor Mistral's [TOOL_CALLS]), so the server cannot read "
-                                "calls from its replies; if it does take them, start the server with "
-                                "--tool-call-parser hermes, llama3_json or mistral", param="tools")
-        use = ToolUse(self.template_tools(), ToolParser(frozenset(names), parser), one=not self.parallel_tool_calls)
-        if choice == "auto":
-            use.stop = (CLOSE,) if parser == "hermes" and not self.parallel_tool_calls else ()
-            return use
-        if self.structured_outputs or (self.response_format and self.response_format.type != "text"):
-            raise APIError(400, "tool_choice required or a named function holds the reply to tool calls: leave "
-                                "response_format and structured_outputs out", param="tool_choice")
-        if isinstance(choice, NamedToolChoice):
-            if choice.function.name not in names:
-                raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
-                                    f"({', '.join(names)})", param="tool_choice")
-            functions, use.one = [t.function for t in tools if t.function.name == choice.function.name], True
-        else:
-            functions = [t.function for t in tools]
-        use.output_format = call_format([f.model_dump(exclude_none=True) for f in functions], use.one, parser)
-        return use  # (compiled, and checked, off the event loop: server.compiled_format)
-
-
 PromptText = Annotated[Text, Field(min_length=1)]
+
+
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
@@ -568,195 +264,9 @@ class TokenizeText(BaseModel):
     return_token_strs: bool = False
 
 
-class TokenizeChat(ChatPrompt):
-    """vLLM's /tokenize for messages, in the chat template as a chat request's prompt."""
-
-    model_config = ConfigDict(extra="forbid")
-    requested: str | None = Field(None, alias="model")
-    add_special_tokens: bool = False  # special tokens beside the template's own (a BOS)
-    return_token_strs: bool = False
-
-
 class DetokenizeBody(BaseModel):
     """vLLM's /detokenize."""
 
     model_config = ConfigDict(extra="forbid")
     requested: str | None = Field(None, alias="model")
     tokens: list[TokenId]
-
-
-def check_model(requested: str | None, model_name: str) -> None:
-    if requested is not None and requested != model_name:
-        raise APIError(404, f"the model {requested!r} does not exist; this server serves {model_name!r}",
-                       param="model", code="model_not_found")
-
-
-def check_body(body: CommonBody, model_name: str, limits: Limits) -> OutputFormat | None:
-    """What a body's types cannot say: the model it names, the options this server supports and the stop strings'
-    limits (before its prompt is tokenized). Returns the format its output must follow, built once here."""
-    check_model(body.requested, model_name)
-    for name, value in (body.model_extra or {}).items():
-        if name in UNSUPPORTED and value is not None and value != UNSUPPORTED[name] \
-                and value not in NEUTRAL.get(name, ()):
-            raise APIError(400, f"{name}={value!r} is not supported by this server (it would change the answer); "
-                                f"leave it out", param=name, code="unsupported_parameter")
-    if body.priority and limits.scheduling_policy != "priority":
-        raise APIError(400, "priority orders waiting requests only on a server started with --scheduling-policy "
-                            "priority: leave it out (or 0)", param="priority")
-    stop_strings(body, limits)
-    capped_lists(body, limits)
-    body.top_count()
-    body.prompt_top_count()
-    output_format = body.output_format()
-    choices = body.n * (len(body.prompts()) if isinstance(body, CompletionBody) else 1)
-    if choices > limits.max_batch + limits.max_queue:
-        raise APIError(400, f"the request asks for {choices} choices (n for each prompt); this server holds at most "
-                            f"{limits.max_batch + limits.max_queue} sequences at once (--max-batch + --max-queue)",
-                       param="n")
-    return output_format
-
-
-def truncated(body: CommonBody, prompt_ids: list[int], limits: Limits) -> list[int]:
-    """The prompt as vLLM's `truncate_prompt_tokens` leaves it: its last N tokens (-1: as many as a request holds)."""
-    keep = body.truncate_prompt_tokens
-    if keep is None:
-        return prompt_ids
-    if keep == 0:
-        raise APIError(400, "truncate_prompt_tokens keeps the prompt's last N tokens: give N of 1 or more, or -1 for "
-                            "as many as the server holds", param="truncate_prompt_tokens")
-    return prompt_ids[-(limits.context_length if keep == -1 else keep):]
-
-
-def stop_strings(body: CommonBody, limits: Limits) -> tuple[str, ...]:
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > limits.max_stop_strings:
-        raise APIError(400, f"stop holds {len(stop)} strings; this server takes at most {limits.max_stop_strings}",
-                       param="stop")
-    if any(len(s) > limits.max_stop_chars for s in stop):
-        raise APIError(400, f"a stop string is at most {limits.max_stop_chars} characters on this server",
-                       param="stop")
-    return tuple(stop)
-
-
-def capped_lists(body: CommonBody, limits: Limits) -> None:
-    """Every list a body may send holds at most its limit (stop strings: `stop_strings`): what grows with them runs
-    on the event loop or at every token."""
-    words = body.bad_words or []
-    if len(words) > limits.max_bad_words:
-        raise APIError(400, f"bad_words holds {len(words)} words; this server takes at most {limits.max_bad_words}",
-                       param="bad_words")
-    if any(len(w) > limits.max_bad_word_chars for w in words):
-        raise APIError(400, f"a bad word is at most {limits.max_bad_word_chars} characters on this server",
-                       param="bad_words")
-    for name in ("allowed_token_ids", "stop_token_ids", "logit_bias"):
-        ids = getattr(body, name) or ()
-        if len(ids) > limits.max_token_ids:
-            raise APIError(400, f"{name} names {len(ids)} tokens; this server takes at most {limits.max_token_ids}",
-                           param=name)
-    tools = getattr(body, "tools", None) or ()
-    if len(tools) > limits.max_tools:
-        raise APIError(400, f"tools offers {len(tools)} tools; this server takes at most {limits.max_tools}",
-                       param="tools")
-
-
-def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits,
-                   compiled: GrammarWalk | None = None, thinking_until: int | None = None,
-                   stop: tuple[str, ...] = (), banned: tuple[tuple[int, ...], ...] = ()) -> list[Sequence]:
-    """The request's `n` choices, each a sequence of its own; with a seed, choice i draws with seed + i (vLLM's
-    rule), so that they differ and each can be reproduced. `compiled`: the format the output must follow
-    (`check_body`'s, or the tool calls' grammar), compiled once for all choices (`Engine.compile_format`);
-    `thinking_until`: the token that closes the reply's thinking, where it starts inside it (a structured output
-    applies after it); `stop`: strings that end it beside the client's; `banned`: its bad words as tokens
-    (`bad_words`)."""
-    if body.n > 1 and body.seed is not None and body.seed + body.n > 2**64:
-        raise APIError(400, "with n choices, seed + n - 1 must fit in 64 bits", param="seed")
-    first = make_sequence(body, prompt_ids, engine, limits, compiled, thinking_until, stop, banned)
-    if body.n == 1:
-        return [first]
-    params = first.params
-    return [first] + [engine.sequence(dataclasses.replace(first.request, params=dataclasses.replace(
-        params, seed=None if params.seed is None else params.seed + i)), compiled=compiled) for i in range(1, body.n)]
-
-
-def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits,
-                  compiled: GrammarWalk | None, thinking_until: int | None, stop: tuple[str, ...],
-                  banned: tuple[tuple[int, ...], ...]) -> Sequence:
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if body.prompt_alone():
-        max_tokens = 1  # (the reply leaves it out)
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1 (0 only with echo: the prompt alone), got {max_tokens}",
-                       param="max_tokens")
-    if max_tokens is not None and max_tokens > limits.max_tokens:
-        raise APIError(400, f"max_tokens is at most {limits.max_tokens} on this server", param="max_tokens")
-    context = limits.context_length
-    room = context - len(prompt_ids)
-    if room <= 0 or (max_tokens is not None and max_tokens > room):
-        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but this "
-                            f"server holds at most {context} tokens per request", param="messages",
-                       code="context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = min(limits.max_tokens, room)
-    if body.prompt_top_count() is not None and len(prompt_ids) > limits.max_scored_prompt_tokens:
-        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this server scores prompts of at most "
-                            f"{limits.max_scored_prompt_tokens} (echo with logprobs, prompt_logprobs): score it in "
-                            "parts, or leave them out", param="prompt_logprobs" if body.prompt_logprobs is not None
-                       else "echo")
-    if body.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens is {body.min_tokens}, beyond max_tokens ({max_tokens})", param="min_tokens")
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                            top_k=body.top_k, stop=stop_strings(body, limits) + stop, seed=body.seed,
-                            logprobs=body.top_count(), presence_penalty=body.presence_penalty,
-                            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                            min_p=body.min_p, logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens,
-                            allowed_token_ids=body.allowed_token_ids, stop_token_ids=tuple(body.stop_token_ids or ()),
-                            ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-                            skip_special_tokens=body.skip_special_tokens,
-                            output_format=None if compiled is None else compiled.output_format, bad_words=banned)
-    try:
-        request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
-                          target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
-                          max_unverified=body.r2r_max_unverified, thinking_until=thinking_until,
-                          prompt_logprobs=body.prompt_top_count(), cache_salt=body.cache_salt,
-                          priority=body.priority)
-        return engine.sequence(request, compiled=compiled)  # here, not in the engine thread
-    except R2RError as e:
-        raise APIError(400, str(e)) from None
-
-
-def bad_words(words: list[str], tokenizer) -> tuple[tuple[int, ...], ...]:
-    """vLLM's `bad_words` as token sequences, read as vLLM reads them: each word as the tokenizer writes it at a
-    text's start and, where that gives another first token of the same count, after a space (inside a text)."""
-    sequences = []
-    for word in words:
-        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        if not plain:
-            raise APIError(400, f"the bad word {word!r} holds no token: give words with text in them",
-                           param="bad_words")
-        sequences.append(plain)
-        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        if spaced[0] != plain[0] and len(spaced) == len(plain):
-            sequences.append(spaced)
-    return tuple(sequences)
-
-
-def type_label(part) -> bool:
-    """Whether a part of an error's location names a type pydantic tried (a union's member), not a field."""
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
-
-
-async def validation_error(http: HTTPRequest, e: RequestValidationError) -> JSONResponse:
-    """FastAPI's body validation, as an OpenAI-style 400 naming the bad field: of a value that matches no member of
-    a union (text or a list of parts, say), the failure that went deepest into it, which is the one the client
-    meant."""
-    errors = e.errors()
-    first = max(errors, key=lambda error: sum(not type_label(x) for x in error["loc"]))
-    loc = [str(x) for x in first["loc"] if x != "body" and not type_label(x)]
-    param = ".".join(loc) if loc and first["type"] != "json_invalid" else None
-    if first["type"] == "json_invalid":
-        message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-    elif not loc:
-        message = "the request body must be a JSON object (sent with content-type: application/json)"
-    else:
-        message = f"{param}: {first['msg']}"
-    return APIError(400, message, param=param).response()

@@ -1,12 +1,13 @@
 """An OpenAI-compatible HTTP server for R2R, with continuous batching and per-token provenance.
 
-The rooms: schemas.py (limits, bodies, checks), guard.py (what never reaches a handler), engine_thread.py (the
-supervised thread that drives the engine's `Scheduler`), replies.py (whole answers and streams), responses.py and
-messages.py (OpenAI's Responses API and Anthropic's Messages API: their requests as chats, their answers from the
-same replies). Here: the app, its routes and errors, and `run`. A request is checked in full before it queues, so
-nothing a client sends can fail the batch; its prompt is then read in chunks between decode steps, so running
-streams keep going. Every error is a JSON body in the shape of the API asked (OpenAI's, or Anthropic's on
-/v1/messages); internals go to the server's log, not to clients.
+The rooms: limits.py and errors.py (what a request may cost, and each API's errors), schemas.py and
+chat_schemas.py (the bodies), adapter.py (a body's checks, and its sequences), guard.py (what never reaches a
+handler), engine_thread.py (the supervised thread that drives the engine's `Scheduler`), replies.py (whole answers
+and streams), responses.py and messages.py (OpenAI's Responses API and Anthropic's Messages API: their requests
+as chats, their answers from the same replies). Here: the app, its routes and errors, and `run`. A request is
+checked in full before it queues, so nothing a client sends can fail the batch; its prompt is then read in chunks
+between decode steps, so running streams keep going. Every error is a JSON body in the shape of the API asked
+(OpenAI's, or Anthropic's on /v1/messages); internals go to the server's log, not to clients.
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.errors import R2RError
 from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser, thinking_until
 from roads_to_rome.serving import request_ids
+from roads_to_rome.serving.adapter import bad_words, check_body, check_model, make_sequences, truncated
+from roads_to_rome.serving.chat_schemas import ChatBody, ChatPrompt, TokenizeChat, ToolUse
 from roads_to_rome.serving.connections import uvicorn_config
 from roads_to_rome.serving.engine_thread import EngineThread, Job
+from roads_to_rome.serving.errors import APIError, error_response, llm_away, shaped, validation_error
 from roads_to_rome.serving.guard import Compiling, Guard, TemplateLane, Tokenizing, check_api_key
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.messages import CountTokensBody, MessageDraft, MessagesBody, message_events, whole_message
 from roads_to_rome.serving.replies import Reply, stream_events, whole_answer
 from roads_to_rome.serving.responses import (
@@ -53,27 +58,7 @@ from roads_to_rome.serving.responses import (
     whole_response,
     without,
 )
-from roads_to_rome.serving.schemas import (
-    APIError,
-    ChatBody,
-    ChatPrompt,
-    CommonBody,
-    CompletionBody,
-    DetokenizeBody,
-    Limits,
-    TokenizeChat,
-    TokenizeText,
-    ToolUse,
-    bad_words,
-    check_body,
-    check_model,
-    error_response,
-    llm_away,
-    make_sequences,
-    shaped,
-    truncated,
-    validation_error,
-)
+from roads_to_rome.serving.schemas import CommonBody, CompletionBody, DetokenizeBody, TokenizeText
 from roads_to_rome.tool_calls import resolve_tool_parser
 
 log = logging.getLogger(__name__)
@@ -202,7 +187,7 @@ async def list_models(http: HTTPRequest):
     return {"object": "list", "data": [{
         "id": s.model_name, "object": "model", "created": 0, "owned_by": "r2r",
         "r2r": {"slm": engine.slm.name if engine.slm else None, "llm": engine.llm.name if engine.llm else None,
-                "policy": engine.policy.name, "threshold": engine.policy.threshold, "verify": engine.verify,
+                "policy": engine.policy.name, "threshold": engine.policy.threshold, "verify": engine.verify.value,
                 "max_unverified": engine.max_unverified, "defer": engine.deferral.mode,
                 "defer_group": engine.deferral.group, "defer_steps": engine.deferral.steps, "overlap": engine.overlap,
                 "max_batch": s.limits.max_batch, "max_tokens": s.limits.max_tokens,

@@ -11,7 +11,7 @@ import pytest
 from roads_to_rome.core.prefix_cache import KEPT_ROWS
 from roads_to_rome.models import load_engine
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,

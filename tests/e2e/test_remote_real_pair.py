@@ -18,7 +18,7 @@ from roads_to_rome.models import DEFAULT_LLM, converted_dir, gguf_path
 from roads_to_rome.models.loading import pick_dtype
 from roads_to_rome.routing.policies import AlwaysLLM
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 pytestmark = [pytest.mark.e2e]

@@ -14,7 +14,7 @@ from conftest import assert_idle_soon
 
 from roads_to_rome.models import load_engine
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.schemas import Limits
+from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,

@@ -23,7 +23,7 @@ def padded_file(tmp_path_factory):
 
 def test_the_default_slm_with_another_llm_gets_the_shipped_router_and_verification(padded_file):
     engine = load_engine(llm=str(padded_file), backend="llamacpp")  # tokenizers compared: the padding rows differ
-    assert engine.policy.name == "router" and engine.verify == 1.0
+    assert engine.policy.name == "router" and engine.verify.value == 1.0
     assert engine.llm.vocab_size == engine.slm.vocab_size == len(engine.tokenizer)
     prompt = engine.encode_chat("What is 48 / 2?")
     gen = engine.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
