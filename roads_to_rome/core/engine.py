@@ -179,11 +179,7 @@ class Engine:
     def encode_messages(self, messages: list[dict], template_kwargs: dict | None = None,
                         tools: list[dict] | None = None, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, template: str | None = None) -> list[int]:
-        """Messages in the model's chat template, ready for the assistant's answer; `template_kwargs`: variables
-        the template reads (Qwen3's `enable_thinking`, say); `tools`: the functions the model may call (OpenAI's
-        shape), which the template shows it. `add_generation_prompt` false ends the prompt after the last message;
-        `continue_final_message` leaves the last message open, for the answer to go on writing it. `template`: a
-        Jinja chat template to write them in instead of the tokenizer's."""
+        """Messages in the model's chat template (`chat_template.encode_messages`, with this engine's tokenizer)."""
         return encode_messages(self.tokenizer, messages, template_kwargs, tools, add_generation_prompt,
                                continue_final_message, template)
 

@@ -62,25 +62,23 @@ def truncated(body: CommonBody, prompt_ids: list[int], limits: Limits) -> list[i
 
 def stop_strings(body: CommonBody, limits: Limits) -> tuple[str, ...]:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > limits.max_stop_strings:
-        raise APIError(400, f"stop holds {len(stop)} strings; this server takes at most {limits.max_stop_strings}",
-                       param="stop")
-    if any(len(s) > limits.max_stop_chars for s in stop):
-        raise APIError(400, f"a stop string is at most {limits.max_stop_chars} characters on this server",
-                       param="stop")
+    capped_strings(stop, "stop", ("strings", "stop string"), limits.max_stop_strings, limits.max_stop_chars)
     return tuple(stop)
+
+
+def capped_strings(strings: list[str], field: str, nouns: tuple[str, str], most: int, chars: int) -> None:
+    """A list of texts holds at most `most` of them, each of at most `chars` characters (a 400 naming `field`)."""
+    if len(strings) > most:
+        raise APIError(400, f"{field} holds {len(strings)} {nouns[0]}; this server takes at most {most}", param=field)
+    if any(len(s) > chars for s in strings):
+        raise APIError(400, f"a {nouns[1]} is at most {chars} characters on this server", param=field)
 
 
 def capped_lists(body: CommonBody, limits: Limits) -> None:
     """Every list a body may send holds at most its limit (stop strings: `stop_strings`): what grows with them runs
     on the event loop or at every token."""
-    words = body.bad_words or []
-    if len(words) > limits.max_bad_words:
-        raise APIError(400, f"bad_words holds {len(words)} words; this server takes at most {limits.max_bad_words}",
-                       param="bad_words")
-    if any(len(w) > limits.max_bad_word_chars for w in words):
-        raise APIError(400, f"a bad word is at most {limits.max_bad_word_chars} characters on this server",
-                       param="bad_words")
+    capped_strings(body.bad_words or [], "bad_words", ("words", "bad word"), limits.max_bad_words,
+                   limits.max_bad_word_chars)
     for name in ("allowed_token_ids", "stop_token_ids", "logit_bias"):
         ids = getattr(body, name) or ()
         if len(ids) > limits.max_token_ids:
