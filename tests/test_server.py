@@ -495,10 +495,12 @@ def test_reasoning_effort_reaches_the_chat_template(slm, llm, tokenizer):
         for extra, said in (({}, ""), ({"reasoning_effort": "high"}, "high"),
                             ({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "minimal"}},
                              "minimal")):
-            reply = httpx.post(srv.url + "/v1/chat/completions", json={**sent, **extra})
+            # (the first starts the process request templates run in: seconds on a loaded machine)
+            reply = httpx.post(srv.url + "/v1/chat/completions", json={**sent, **extra}, timeout=60)
             assert reply.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(f"hi effort={said}")), extra
         response = httpx.post(srv.url + "/v1/responses", json={"input": "hi", "reasoning": {"effort": "medium"},
-                                                               "chat_template": template, "max_output_tokens": 1})
+                                                               "chat_template": template, "max_output_tokens": 1},
+                              timeout=60)
         assert response.json()["usage"]["input_tokens"] == len(tokenizer.encode("hi effort=medium")), response.text
 
 
@@ -518,7 +520,8 @@ def test_a_requests_chat_template_needs_a_server_that_trusts_them(server, slm, l
     expected = tokenizer.encode("user says What is 48 / 2?\nanswer:")
     with BackgroundServer(app) as srv:
         for asked in (sent, in_kwargs):
-            reply = httpx.post(srv.url + "/v1/chat/completions", json=asked)
+            # (the first starts the process request templates run in: seconds on a loaded machine)
+            reply = httpx.post(srv.url + "/v1/chat/completions", json=asked, timeout=60)
             assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(expected), reply.text
         tokens = httpx.post(srv.url + "/tokenize", json={k: sent[k] for k in ("messages", "chat_template")})
         assert tokens.json()["tokens"] == expected
