@@ -235,10 +235,6 @@ class LLMCalls:
     max_rows = property(lambda self: self.backend.max_rows)
     vocab_size = property(lambda self: self.backend.vocab_size)
 
-    def prompt_logprobs(self, ids: list[int], top: int):
-        """A server's own prompt log-probabilities (vLLM's): a request of their own, beside the queued reads."""
-        return self.backend.prompt_logprobs(ids, top)
-
     def new_cache(self) -> QueuedCache:
         return QueuedCache(self.backend.new_cache())
 
