@@ -64,9 +64,8 @@ def run_with_joins(engine, prompts, join_after, params, prefill_chunk=None):
     `prefill_chunk`, a newcomer's prompt is read that many tokens per turn between decode steps (as the server
     does), and it joins once read. Returns the sequences."""
     from roads_to_rome.core.request import Failure
-    from roads_to_rome.core.scheduler import Scheduler
 
-    scheduler = Scheduler(engine, prefill_chunk=prefill_chunk)
+    scheduler = engine.scheduler(prefill_chunk=prefill_chunk)
     sequences = [engine.sequence(Request(p, params), i) for i, p in enumerate(prompts)]
     scheduler.add(sequences[0])
     turns = 0

@@ -14,7 +14,6 @@ from roads_to_rome.core.layout import left_pad
 from roads_to_rome.core.llm_calls import Deferral
 from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import SamplingParams
-from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
 from roads_to_rome.routing.router import Router, RouterCheckpoint, RouterConfig
 
@@ -168,7 +167,7 @@ def test_rows_that_join_and_leave_keep_their_tokens_and_the_graphs_buffers(token
     expected = [reference.run([r])[0].token_ids for r in requests]
     fresh_slm, fresh_llm = tiny_pair(tokenizer, family, "cuda")
     engine = Engine(fresh_slm, fresh_llm, tokenizer, policy, verify=1.0)
-    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=7)
+    scheduler = engine.scheduler(max_batch=4, prefill_chunk=7)
     got, arrivals = {}, list(enumerate(requests))
     while arrivals or not scheduler.idle:
         if arrivals:

@@ -238,7 +238,7 @@ def test_cancelled_request_leaves_and_others_continue(slm, llm, tokenizer):
     prompts = encode(engine)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     alone = engine.generate(prompts, params)
-    batch = Batch(engine)
+    batch = Batch(engine.context)
     sequences = [engine.sequence(Request(p, params)) for p in prompts]
     batch.add(sequences)
     for _ in range(4):
@@ -291,7 +291,7 @@ def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, mon
     forward = slm.forward
     monkeypatch.setattr(slm, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     llm_row, slm_row = (engine.sequence(Request(prompt, params, force=model)) for model in ("llm", "slm"))
-    batch = Batch(engine)
+    batch = Batch(engine.context)
     batch.add([llm_row])
     calls.clear()
     for _ in range(5):

@@ -17,7 +17,6 @@ from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import LogitRules, NothingToWrite, SamplingParams, adjust_logits
-from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
@@ -70,7 +69,7 @@ def test_a_row_its_settings_leave_nothing_fails_alone(kind_pair, tokenizer):
     # A format whose only answer bad_words bans: the door cannot see it; the first step can.
     doomed = Request(prompts[1], SamplingParams(max_new_tokens=12, output_format=OutputFormat("choice", ["a"]),
                                                 bad_words=((a,),)))
-    scheduler = Scheduler(engine, max_batch=4)
+    scheduler = engine.scheduler(max_batch=4)
     sequences = [engine.sequence(Request(p, greedy, verify="strict"), i) for i, p in enumerate(prompts)]
     sequences.insert(1, engine.sequence(doomed, 2))
     for s in sequences:

@@ -15,7 +15,6 @@ from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.llm_calls import Deferral, resolve_overlap
 from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import SamplingParams
-from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.errors import LLMUnavailable, R2RError
 from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
 
@@ -94,7 +93,7 @@ def test_rows_join_leave_and_stand_still_while_a_call_is_in_flight(kind, kind_pa
                 for i, p in enumerate(PROMPTS * 2)]
     expected = [outputs(reference.run([r]))[0] for r in requests]
     engine = Engine(slm, SlowLLM(llm, 0.02), tokenizer, policy, verify=1.0, overlap=True)
-    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=7)
+    scheduler = engine.scheduler(max_batch=4, prefill_chunk=7)
     got, arrivals, held = {}, list(enumerate(requests)), 0
     while arrivals or not scheduler.idle:
         if arrivals:
@@ -138,7 +137,7 @@ def test_a_stalled_llm_holds_only_the_rows_that_wait_for_it_and_a_failed_one_fai
     slm_only = alone.generate([prompt], params)[0].token_ids
     for failing in (False, True):
         slow.gate.clear()  # the LLM stops answering
-        scheduler = Scheduler(engine)
+        scheduler = engine.scheduler()
         routed = engine.sequence(Request(prompt, params), 0)
         own = engine.sequence(Request(prompt, params, force="slm"), 1)
         scheduler.add(routed)

@@ -14,7 +14,7 @@ from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.prefix_cache import PrefixCache, common_prefix
 from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import SamplingParams
-from roads_to_rome.core.scheduler import PromptRead, Scheduler
+from roads_to_rome.core.scheduler import PromptRead
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
 from roads_to_rome.serving.limits import Limits
@@ -66,7 +66,7 @@ def test_a_prompt_that_begins_as_an_earlier_one_reads_only_the_rest_and_answers_
     answer = alone.generate([first], params)[0].token_ids
     second = first + answer + engine.encode_raw(" And of Spain?")
     third = first[:10] + engine.encode_raw(" something else entirely")
-    scheduler = Scheduler(engine, 4, prefill_chunk=7, prefix_tokens=4096)
+    scheduler = engine.scheduler(4, prefill_chunk=7, prefix_tokens=4096)
     writer_reads, llm_reads = columns_read(slm, monkeypatch), columns_read(llm, monkeypatch)
     gens = drive(scheduler, [Request(first, params)], engine)
     assert gens[0].token_ids == answer and gens[0].cached_tokens == 0
@@ -102,7 +102,7 @@ def test_requests_arriving_together_with_one_prompt_read_it_once(kind_pair, toke
     longer = prompt + engine.encode_raw(" And Spain?")
     apart = prompt[:8] + engine.encode_raw(" a question of its own, long enough to read in several chunks")
     params = SamplingParams(max_new_tokens=6)
-    scheduler = Scheduler(engine, 6, prefill_chunk=16, prefix_tokens=4096)  # (llama.cpp: 2 sequences to keep)
+    scheduler = engine.scheduler(6, prefill_chunk=16, prefix_tokens=4096)  # (llama.cpp: 2 sequences to keep)
     read, advance = [], PromptRead.advance
 
     def counted(prefill, chunk):  # prompt tokens each chunk read, summed over the models
@@ -136,7 +136,7 @@ def test_a_finished_row_kept_out_of_a_padded_batch_answers_as_read_afresh(kind_p
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
     short, long = engine.encode_raw("Count to five."), engine.encode_raw("A much longer prompt about bridges. " * 3)
     params = SamplingParams(max_new_tokens=6)
-    scheduler = Scheduler(engine, 4, prefill_chunk=5, prefix_tokens=4096)
+    scheduler = engine.scheduler(4, prefill_chunk=5, prefix_tokens=4096)
     sequences = [engine.sequence(Request(p, params)) for p in (short, long)]
     for s in sequences:
         scheduler.add(s)
@@ -221,7 +221,7 @@ def test_llamacpp_kept_prompts_hold_spare_sequences_and_give_their_kv_room_to_re
         models.append(LlamaCppBackend(tmp_path / f"{name}.gguf", name=name, n_ctx=256, max_rows=8,
                                       vocab_size=len(tokenizer)))
     engine = Engine(*models, tokenizer, RandomPolicy(0.3, seed=0))
-    scheduler = Scheduler(engine, 6, prefill_chunk=16, prefix_tokens=4096)
+    scheduler = engine.scheduler(6, prefill_chunk=16, prefix_tokens=4096)
     assert [p.max_rows for p in scheduler.prefixes] == [2, 2]
     prompts = [engine.encode_raw(f"number {i} " * 3) for i in range(5)]
     params = SamplingParams(max_new_tokens=4)

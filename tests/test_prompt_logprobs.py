@@ -11,7 +11,7 @@ import pytest
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import SamplingParams
-from roads_to_rome.core.scheduler import PromptRead, Scheduler
+from roads_to_rome.core.scheduler import PromptRead
 from roads_to_rome.core.scoring import score_prompt
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, entropy
@@ -40,9 +40,9 @@ def split_between(values):
 
 def scored(engine, ids, **request):
     sequence = engine.sequence(Request(ids, SamplingParams(max_new_tokens=1), prompt_logprobs=3, **request))
-    read = PromptRead(engine, sequence)
+    read = PromptRead(engine.context, sequence)
     try:
-        return score_prompt(engine, sequence, read.per_model)
+        return score_prompt(engine.context, sequence, read.per_model)
     finally:
         read.release()
 
@@ -158,7 +158,7 @@ def test_a_scored_prompt_is_read_once_by_each_model_and_decoding_goes_on_from_th
                                                         int(mask[:, -ids.shape[1]:].sum())))  # (padding left out)
         monkeypatch.setattr(model, "forward_sequence", counting(name, model.forward_sequence,
                                                                 lambda ids, *a, **k: len(ids)))
-    scheduler = Scheduler(engine, 2, prefill_chunk=prefill_chunk)  # (two at once: rows join and leave)
+    scheduler = engine.scheduler(2, prefill_chunk=prefill_chunk)  # (two at once: rows join and leave)
     sequences = [engine.sequence(r) for r in requests]
     for s in sequences:
         scheduler.add(s)

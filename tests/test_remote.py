@@ -92,7 +92,7 @@ def test_r2r_batches_with_the_remote_llm_match_the_same_model_run_locally(server
         engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=3))
         sequences = [engine.sequence(Request(engine.encode_chat(p), SamplingParams(max_new_tokens=n, ignore_eos=True)))
                      for p, n in zip(REMOTE_PROMPTS, (12, 30, 20))]
-        batch = Batch(engine)
+        batch = Batch(engine.context)
         batch.add(sequences[:2])
         for _ in range(5):
             batch.step()
@@ -238,8 +238,8 @@ def test_a_prompt_is_scored_by_a_vllm_llm_as_by_the_same_model_here(server, llm_
         for force in ("llm", None):
             engine = Engine(slm, model, tokenizer, RandomPolicy(0.5, seed=3))
             sequence = engine.sequence(dataclasses.replace(request, force=force))
-            read = PromptRead(engine, sequence)
-            scored[name, force] = score_prompt(engine, sequence, read.per_model)
+            read = PromptRead(engine.context, sequence)
+            scored[name, force] = score_prompt(engine.context, sequence, read.per_model)
             read.release()
         scored[name, "run"] = engine.run([request])[0]
     for force in ("llm", None):
@@ -304,7 +304,7 @@ def test_a_server_that_dies_mid_generation_fails_that_request_and_the_next_one_w
         engine = Engine(slm, llm, tokenizer, AlwaysLLM())
         prompt = engine.encode_chat(REMOTE_PROMPTS[0])
         params = SamplingParams(max_new_tokens=2000, ignore_eos=True)
-        batch = Batch(engine)
+        batch = Batch(engine.context)
         batch.add([engine.sequence(Request(prompt, params))])
         for _ in range(3):
             batch.step()

@@ -58,7 +58,7 @@ def test_a_request_is_checked_when_made_and_never_written_to(engine):
 def test_at_most_max_batch_sequences_run_and_each_leaves_once(engine):
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     alone = engine.generate([engine.encode_chat(p) for p in PROMPTS], params)
-    scheduler = Scheduler(engine, max_batch=2)
+    scheduler = engine.scheduler(max_batch=2)
     sequences = [engine.sequence(Request(engine.encode_chat(p), params), i) for i, p in enumerate(PROMPTS)]
     for s in sequences:
         scheduler.add(s)
@@ -80,7 +80,7 @@ def test_waiting_sequences_are_admitted_by_arrival_or_by_priority(engine, by_pri
     came after it."""
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     priorities = [0, 5, -1, 5, 0]
-    scheduler = Scheduler(engine, max_batch=1, by_priority=by_priority)
+    scheduler = engine.scheduler(max_batch=1, by_priority=by_priority)
     first = engine.sequence(Request(engine.encode_raw("running"), params), 9)
     scheduler.add(first)
     scheduler.turn()  # it runs; then the others arrive
@@ -103,7 +103,7 @@ def test_a_more_urgent_request_preempts_a_running_one_which_resumes_as_if_never_
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompts = [engine.encode_raw("A long answer about the bridges of Paris, please."), engine.encode_raw("Quick: 2+2?")]
-    scheduler = Scheduler(engine, max_batch=1, prefill_chunk=8, prefix_tokens=prefix_tokens, by_priority=True)
+    scheduler = engine.scheduler(max_batch=1, prefill_chunk=8, prefix_tokens=prefix_tokens, by_priority=True)
     running, urgent = (engine.sequence(Request(p, params, priority=priority), i)
                        for i, (p, priority) in enumerate(zip(prompts, (5, -1))))
     scheduler.add(running)
@@ -135,7 +135,7 @@ def test_preemption_takes_the_least_urgent_and_only_for_a_more_urgent_newcomer(e
     resumes before the other 3, which came after it. First come first served preempts nothing."""
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     for by_priority, order in ((True, [0, 3, 1, 2]), (False, [0, 1, 2, 3])):
-        scheduler = Scheduler(engine, max_batch=2, by_priority=by_priority)
+        scheduler = engine.scheduler(max_batch=2, by_priority=by_priority)
         before = engine.counters.preemptions
         sequences = [engine.sequence(Request(engine.encode_raw(f"prompt {i}"), params, priority=priority), i)
                      for i, priority in enumerate((0, 3, 3, 1))]
@@ -159,7 +159,7 @@ def test_admission_waits_for_kv_room_and_refuses_what_can_never_fit(slm, llm, to
     prompts = [engine.encode_chat(p) for p in PROMPTS[:3]]
     alone = engine.generate(prompts, params)
     engine.kv_capacity = max(len(p) for p in prompts) + 8  # room for one sequence at a time
-    scheduler = Scheduler(engine)
+    scheduler = engine.scheduler()
     sequences = [engine.sequence(Request(p, params), i) for i, p in enumerate(prompts)]
     for s in sequences:
         scheduler.add(s)
@@ -174,7 +174,7 @@ def test_admission_waits_for_kv_room_and_refuses_what_can_never_fit(slm, llm, to
 
 def test_cancelled_sequences_leave_with_a_failure_waiting_or_running(engine):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    scheduler = Scheduler(engine, max_batch=1, prefill_chunk=4)
+    scheduler = engine.scheduler(max_batch=1, prefill_chunk=4)
     running, waiting = (engine.sequence(Request(engine.encode_chat(p), params)) for p in PROMPTS[:2])
     scheduler.add(running)
     scheduler.add(waiting)
@@ -190,7 +190,7 @@ def test_cancelled_sequences_leave_with_a_failure_waiting_or_running(engine):
 
 def test_cut_and_drop_waiting_fail_every_sequence_they_hold(engine):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    scheduler = Scheduler(engine, max_batch=2, prefill_chunk=8)
+    scheduler = engine.scheduler(max_batch=2, prefill_chunk=8)
     sequences = [engine.sequence(Request(engine.encode_chat(p), params)) for p in PROMPTS[:3]]
     for s in sequences:
         scheduler.add(s)
@@ -210,7 +210,7 @@ def test_a_draining_server_lets_preempted_sequences_finish_and_its_deadline_cuts
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     stop = R2RError("stopping")
     for deadline in (False, True):
-        scheduler = Scheduler(engine, max_batch=1, by_priority=True)
+        scheduler = engine.scheduler(max_batch=1, by_priority=True)
         running, urgent, late = (engine.sequence(Request(engine.encode_raw(f"prompt {i}"), params, priority=p))
                                  for i, p in enumerate((5, 0, 1)))
         scheduler.add(running)
@@ -232,7 +232,7 @@ def test_a_draining_server_lets_preempted_sequences_finish_and_its_deadline_cuts
 
 def test_an_error_in_a_step_fails_the_sequences_in_it_and_the_scheduler_goes_on(engine, monkeypatch):
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
-    scheduler = Scheduler(engine)
+    scheduler = engine.scheduler()
     first = engine.sequence(Request(engine.encode_chat(PROMPTS[0]), params))
     scheduler.add(first)
     scheduler.turn()
@@ -267,7 +267,7 @@ def test_a_failed_step_or_read_gives_its_llamacpp_sequences_back_at_once(tokeniz
 
     def run_two(failing: tuple | None):
         """Two requests at once; `failing`: (backend, method, n) makes that method's n-th call fail."""
-        scheduler = Scheduler(engine, prefill_chunk=8)
+        scheduler = engine.scheduler(prefill_chunk=8)
         sequences = [engine.sequence(Request(p, params)) for p in prompts]
         if failing is not None:
             backend, name, n = failing
@@ -325,7 +325,7 @@ def test_a_longer_prompt_joins_a_batch_whose_llm_has_read_nothing_yet(kind_pair,
     prompts = [engine.encode_raw("0"), engine.encode_raw("0\u00d6 and more")]
     params = SamplingParams(max_new_tokens=6)
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
-    scheduler = Scheduler(engine, 4, prefill_chunk=2)
+    scheduler = engine.scheduler(4, prefill_chunk=2)
     sequences = [engine.sequence(Request(p, params)) for p in prompts]
     for s in sequences:
         scheduler.add(s)
@@ -368,7 +368,7 @@ def test_the_llm_never_reads_a_request_forced_onto_the_slm(kind_pair, tokenizer,
     alone = [Engine(slm, llm, tokenizer, AlwaysSLM() if r.force else AlwaysLLM()).generate(
         [r.prompt_ids], r.params)[0].token_ids for r in requests]
     read = longest_rows_handed(llm, monkeypatch)
-    scheduler = Scheduler(engine, 3, prefill_chunk=prefill_chunk)
+    scheduler = engine.scheduler(3, prefill_chunk=prefill_chunk)
     sequences = [engine.sequence(r) for r in requests]
     assert [s.uses_llm for s in sequences] == [False, True, False, True, True]
     for s in sequences:
@@ -401,7 +401,7 @@ def test_the_slm_never_reads_a_request_forced_onto_the_llm(kind_pair, tokenizer,
     routed_rows, route = [], engine.policy.route
     monkeypatch.setattr(engine.policy, "route",
                         lambda logits, *a: (routed_rows.append(len(logits)), route(logits, *a))[1])
-    scheduler = Scheduler(engine, 3, prefill_chunk=prefill_chunk)
+    scheduler = engine.scheduler(3, prefill_chunk=prefill_chunk)
     sequences = [engine.sequence(r) for r in requests]
     scheduler.add(sequences[0])
     events = []

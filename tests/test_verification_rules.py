@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from roads_to_rome.core.llm_calls import Deferral, llm_due
-from roads_to_rome.core.request import Generation, Request, Sequence
+from roads_to_rome.core.request import Checks, Generation, Request, Sequence
 from roads_to_rome.core.sampling import SamplingParams, parse_verify
-from roads_to_rome.core.verification import Checks, Rejection, RowRead, check_routed, first_rejection, settle, take_back
+from roads_to_rome.core.verification import Rejection, RowRead, check_routed, first_rejection, settle, take_back
 from roads_to_rome.errors import R2RError
 
 
@@ -62,11 +62,11 @@ def test_what_becomes_final_and_what_a_rejection_takes_back():
     take_back(s, Rejection(index=2, token=99, routed=False))
     assert (g.rollbacks, g.discarded) == (1, 2)
     v = sequence(4, verify=1.0)
-    assert settle(v, finished=False) == [] and v.checks.pending(v)
+    assert settle(v, finished=False) == [] and v.pending
     v.checks.through(1)  # a read that checked outputs 0 and 1 (overlap: a call that answered part of the row)
-    assert [t for t, _, _ in settle(v, finished=False)] == [0, 1] and v.checks.pending(v)
+    assert [t for t, _, _ in settle(v, finished=False)] == [0, 1] and v.pending
     v.checks.through(3)
-    assert [t for t, _, _ in settle(v, finished=False)] == [2, 3] and not v.checks.pending(v)
+    assert [t for t, _, _ in settle(v, finished=False)] == [2, 3] and not v.pending
 
 
 def test_a_read_checks_from_the_first_unchecked_token_and_merges_with_a_later_one():

@@ -25,7 +25,8 @@ import openai
 
 from roads_to_rome.backends.remote import is_remote
 from roads_to_rome.bench.measure import kernels
-from roads_to_rome.core.engine import DEFAULT_VERIFY, Counters, Engine
+from roads_to_rome.core.context import Counters
+from roads_to_rome.core.engine import DEFAULT_VERIFY, Engine
 from roads_to_rome.core.llm_calls import DEFER_MODES, Deferral
 from roads_to_rome.core.prefix_cache import PREFIX_TOKENS
 from roads_to_rome.data.benchmarks import GSM8K_DEV_ITEMS, gsm8k, gsm8k_prompt, gsm8k_worked

@@ -173,7 +173,6 @@ def chat(
     options = dict(locals())  # (first: the options alone)
     from roads_to_rome import reasoning
     from roads_to_rome.core.prefix_cache import PREFIX_TOKENS
-    from roads_to_rome.core.scheduler import Scheduler
     from roads_to_rome.models import load_engine
 
     reasoning.check_parser(reasoning_parser)
@@ -184,7 +183,7 @@ def chat(
     parser = reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     # One scheduler for the whole chat: each turn's prompt begins with the conversation so far, which the models keep
     # read (prefix caching), so a turn reads only its new message.
-    session = Scheduler(engine, max_batch=1, prefix_tokens=PREFIX_TOKENS)
+    session = engine.scheduler(max_batch=1, prefix_tokens=PREFIX_TOKENS)
     messages = []
     while True:
         try:

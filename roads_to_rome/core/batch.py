@@ -31,22 +31,21 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from roads_to_rome.core import verification
 from roads_to_rome.core.layout import Layout
-from roads_to_rome.core.llm_calls import PendingRead, llm_due
-from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step, Timings, TokenLogprob
-from roads_to_rome.core.sampling import sample, sampling_probs
+from roads_to_rome.core.llm_calls import Deferral, PendingRead, llm_due
+from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step, Timings
+from roads_to_rome.core.sampling import logprob_entries, sample, sampling_probs
 from roads_to_rome.errors import LLMUnavailable
 from roads_to_rome.routing import rate
 
 if TYPE_CHECKING:
-    from roads_to_rome.core.engine import Engine
-    from roads_to_rome.core.scheduler import PromptRead
+    from roads_to_rome.core.context import Context
 
 
 @dataclass
@@ -63,38 +62,57 @@ class Call:
         return self.pending.done()
 
 
+# What each phase of a step (`Batch.step`) hands the next, row by row. Two index spaces meet in them: a *column* of
+# the batch's token streams (this step writes column `width`) and an *output index*, a token's place in its row's
+# output (this step's token's is the output's length so far: `output_index`). A row's columns move (roll-backs, a
+# row that stands still), its output indices do not: verification counts in those.
+
+
 @dataclass
-class StepRecord:
-    """What the phases of one decode step hand each other (`Batch.step`), row by row."""
+class Proposal:
+    """1. The writer's token for each row, and what it saw."""
 
-    column: int  # where this step's tokens go
-    proposal: torch.Tensor | None = None  # the writer's token per row
-    proposed: list[int] | None = None  # ... as numbers (a pair's: the LLM's checks read them)
-    slm_logits: torch.Tensor | None = None  # None when the SLM did not run (every row forces the LLM)
-    hidden: torch.Tensor | None = None
-    routed: list[bool] = field(default_factory=list)  # the LLM takes this row's token
-    scores: list[float] = field(default_factory=list)  # the policy's score behind each decision
-    deferred: list[bool] = field(default_factory=list)  # routed, and its token may wait for a grouped call
-    held: list[bool] = field(default_factory=list)  # stands still: waits for the call in flight (`_stands_still`)
-    due: bool = False  # the LLM's rule calls it this step (`llm_due`)
-    reads: list[verification.RowRead | None] | None = None  # the LLM's word on each row this step (None: none)
-    full: bool = False  # the reads reach this step's tokens: routed rows take the LLM's
-    chosen: torch.Tensor | None = None  # the token each row writes
-    sources: list[str] = field(default_factory=list)
-    rejected: dict[int, verification.Rejection] = field(default_factory=dict)  # row -> its first rejected token
-    ended: set[int] = field(default_factory=set)  # rows whose end the LLM has now checked: they leave
-    failed: dict[int, Exception] = field(default_factory=dict)  # rows whose LLM call failed
-    llm_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> the LLM's logits its token came from
+    tokens: torch.Tensor  # [rows] (a placeholder in a row forced onto the LLM: the LLM's token takes its place)
+    logits: torch.Tensor | None  # [rows, V]; None when the writer did not run (every row forces the LLM)
+    hidden: torch.Tensor | None  # [rows, H], its last hidden state
 
-    def writer_of(self, i: int) -> torch.Tensor | None:
-        """The logits row i's token came from: the LLM's where it wrote it, else the writer's."""
-        if i in self.llm_logits:
-            return self.llm_logits[i]
-        return None if self.slm_logits is None else self.slm_logits[i]
+
+@dataclass
+class Routing:
+    """2. Which rows the LLM takes."""
+
+    routed: list[bool]  # the LLM takes this row's token
+    scores: list[float]  # the policy's score behind each decision
+    deferred: list[bool]  # routed, and its token may wait for a grouped call
+    deferral: Deferral  # the rule the LLM's calls follow (with overlap, every routed row defers: `_route`)
+    proposed: list[int] | None  # the proposal as numbers (a pair's: the LLM's checks read them)
+
+
+@dataclass
+class LLMWord:
+    """3. What the LLM has said this step."""
+
+    reads: list[verification.RowRead | None] | None  # its logits over each row's unchecked tokens (None: nothing)
+    reaches_now: bool  # the reads reach this step's tokens: routed rows take the LLM's
+    due: bool  # the LLM's rule calls it this step (`llm_due`): with overlap, the next call goes out after it
+    held: list[bool]  # rows that stand still, waiting for the call in flight (`_stands_still`)
+
+
+@dataclass
+class Decisions:
+    """4. The token each row writes, and the rows that move otherwise (back to a rejected token, standing, ending)."""
+
+    chosen: torch.Tensor  # [rows]
+    sources: list[str]  # who wrote each: "slm", "llm" (routed) or "fix" (verification's)
+    scores: list[float]
+    llm_logits: dict[int, torch.Tensor]  # row -> the LLM's logits its token came from
+    rejected: dict[int, verification.Rejection]  # row -> its first rejected token: it goes back there
+    held: list[bool]  # stands still (its last token written again)
+    ended: set[int]  # rows whose end the LLM has now checked: they leave
 
 
 class Batch:
-    """Sequences decoding in lockstep: one row each in the caches of the models that read it (`Engine.readers`: a
+    """Sequences decoding in lockstep: one row each in the caches of the models that read it (`Context.readers`: a
     sequence forced onto one model is in that model's only).
 
     Sequences can join between steps (continuous batching): a newcomer is left-padded to the
@@ -102,24 +120,22 @@ class Batch:
     already is, then its cache rows are appended. Finished and cancelled sequences leave.
     """
 
-    def __init__(self, engine: Engine, prefixes: tuple = (None, None)):
+    def __init__(self, context: Context, prefixes: tuple = (None, None)):
         """`prefixes`: the writer's and the LLM's kept prompts (core/prefix_cache.py; None: a model keeps none)."""
-        self.engine, self.prefixes = engine, prefixes
+        self.context, self.prefixes = context, prefixes
         self.sequences: list[Sequence] = []
-        self.layout = Layout(engine)  # the token streams and both caches
+        self.layout = Layout(context)  # the token streams and both caches
         self.call: Call | None = None  # (overlap) the LLM's catch-up in flight
 
-    def add(self, sequences: list[Sequence], prefill: PromptRead | None = None) -> None:
+    def add(self, sequences: list[Sequence], prefilled: tuple | None = None) -> None:
         """Sequences join the batch: left-padded to its width, read up to where each cache is. A sequence may
-        bring its prompt already read (`prefill`: the scheduler's chunked prefill, for one sequence)."""
+        bring its prompt already read (`prefilled`: the caches of the scheduler's chunked prefill, `PromptRead`'s
+        `per_model`, for one sequence)."""
         now = time.perf_counter()
         for s in sequences:
             s.started = s.started or now  # (a preempted sequence that resumes started earlier)
-        self._join(sequences, prefill)
-
-    def _join(self, sequences: list[Sequence], prefill: PromptRead | None) -> None:
-        self.layout.join([s.context_ids for s in sequences], [self.engine.readers(s) for s in sequences],
-                         prefill.per_model if prefill else None)
+        self.layout.join([s.context_ids for s in sequences], [self.context.readers(s) for s in sequences],
+                         prefilled)
         self.sequences += sequences
 
     def remove(self, sequences: list[Sequence]) -> None:
@@ -149,140 +165,122 @@ class Batch:
 
     def step(self) -> list[Step | Failure]:
         """One decode step for every sequence: what it added to each (`Step`), and the sequences that left without
-        a last step (`Failure`: cancelled, or the LLM call their tokens waited for failed)."""
+        a last step (`Failure`: cancelled, or the LLM call their tokens waited for failed). Each phase takes what the
+        ones before it returned; `failed` gathers the rows that failed in any of them (row -> error): they fail
+        alone."""
         cancelled = [s for s in self.sequences if s.cancelled]
         self._keep([i for i, s in enumerate(self.sequences) if not s.cancelled])
         left = [Failure(s, Cancelled()) for s in cancelled]
         if not self.sequences:
             return left
-        step = StepRecord(self.ids.shape[1])
+        failed: dict[int, Exception] = {}
         t0 = time.perf_counter()
-        self._propose(step)
+        proposal = self._propose(failed)
         t1 = time.perf_counter()
-        self._route(step)
+        routing = self._route(proposal, failed)
         t2 = time.perf_counter()
-        self._catch_up(step)
-        self._verify(step)
+        word = self._catch_up(routing, failed)
+        decisions = self._verify(proposal, routing, word, failed)
         t3 = time.perf_counter()
-        events = self._emit(step, (t0, t1, t2, t3))
-        self._send_call(step)
+        events = self._emit(proposal, decisions, word, failed, (t0, t1, t2, t3))
+        if self.context.overlap and word.due:
+            self._send_next()
         return left + events
 
-    def _propose(self, step: StepRecord) -> None:
+    def _propose(self, failed: dict[int, Exception]) -> Proposal:
         """1. The writer (the SLM of a pair) reads the columns it has not read yet of the rows it writes for (not
-        those forced onto the LLM) and proposes a token per row: (proposal, its logits, its last hidden state). A
-        row forced onto the LLM gets a placeholder (the LLM's token takes its place) and zero logits; when every row
-        is one, the SLM does not run, so "LLM alone" through a pair costs the LLM alone."""
-        engine, sequences, layout = self.engine, self.sequences, self.layout
-        step.proposal = self.ids[:, -1].clone()
+        those forced onto the LLM) and proposes a token per row. A row forced onto the LLM gets a placeholder (the
+        LLM's token takes its place) and zero logits; when every row is one, the SLM does not run, so "LLM alone"
+        through a pair costs the LLM alone."""
+        context, sequences, layout = self.context, self.sequences, self.layout
+        placeholders = self.ids[:, -1].clone()
         if not layout.writer_rows:
-            return
+            return Proposal(placeholders, None, None)
         cache, rows = layout.writer_cache, layout.writer_rows
-        engine.writer.tag_rows(cache, [sequences[i].request.cache_salt for i in rows])  # (an LLM alone, served)
-        logits, hidden = engine.writer.forward(cache, layout.writer_part(self.ids[:, cache.length :]),
-                                               layout.writer_part(self.mask))
-        writing = [sequences[i] for i in rows]
-        proposal, faults = sample_rows(logits, writing)
-        step.failed.update((rows[j], e) for j, e in faults.items())
+        context.writer.tag_rows(cache, [sequences[i].request.cache_salt for i in rows])  # (an LLM alone, served)
+        logits, hidden = context.writer.forward(cache, layout.writer_part(self.ids[:, cache.length :]),
+                                                layout.writer_part(self.mask))
+        tokens, faults = sample_rows(logits, [sequences[i] for i in rows])
+        failed.update((rows[j], e) for j, e in faults.items())
         if len(rows) < len(sequences):  # back to one row per sequence
             index = torch.tensor(rows, device=logits.device)
             logits = logits.new_zeros(len(sequences), logits.shape[1]).index_copy_(0, index, logits)
             hidden = hidden.new_zeros(len(sequences), hidden.shape[1]).index_copy_(0, index, hidden)
-            proposal = step.proposal.index_copy_(0, index.to(step.proposal.device), proposal)
-        step.proposal, step.slm_logits, step.hidden = proposal, logits, hidden
+            tokens = placeholders.index_copy_(0, index.to(placeholders.device), tokens)
         for i in rows:
             s = sequences[i]
-            if s.verify.strict and s.params.temperature > 0 and i not in step.failed:  # the ratio test needs
-                index = len(s.generation.token_ids)  # what the SLM drew from
+            if s.verify.strict and s.params.temperature > 0 and i not in failed:  # the ratio test needs what the
+                index = len(s.generation.token_ids)  # SLM drew from
                 s.checks.draft_probs[index] = sampling_probs(s.logits_at(logits[i], index)[None], s.params)[0]
-        engine.sync()
+        context.sync()
+        return Proposal(tokens, logits, hidden)
 
-    def _route(self, step: StepRecord) -> None:
+    def _route(self, proposal: Proposal, failed: dict[int, Exception]) -> Routing:
         """2. The policy decides which rows the LLM takes (a request may force one model), and which of those may
-        wait for a grouped call (--defer; every routed row with --overlap), not forced onto the LLM (a request that
-        asks for the LLM alone gets it at once)."""
-        engine, n = self.engine, len(self.sequences)
-        if step.slm_logits is None:  # the SLM is idle: every row is the LLM's
-            step.routed, step.scores = [True] * n, [0.0] * n
-        elif not engine.routes:  # one model alone writes every token
-            step.routed, step.scores = [False] * n, [0.0] * n
-        else:  # the policy looks at the rows the SLM wrote for; a row forced onto the LLM is the LLM's
+        wait for a grouped call, not forced onto the LLM (a request that asks for the LLM alone gets it at once)."""
+        context, sequences, n = self.context, self.sequences, len(self.sequences)
+        routed, scores = [False] * n, [0.0] * n
+        if proposal.logits is None:  # the SLM is idle: every row is the LLM's
+            routed = [True] * n
+        elif context.routes:  # the policy looks at the rows the SLM wrote for; a row forced onto the LLM is the LLM's
             rows = self.layout.writer_rows
-            inputs = (step.slm_logits, step.hidden, step.proposal)
+            inputs = (proposal.logits, proposal.hidden, proposal.tokens)
             if len(rows) < n:
-                index = torch.tensor(rows, device=step.slm_logits.device)
+                index = torch.tensor(rows, device=proposal.logits.device)
                 inputs = tuple(t.index_select(0, index.to(t.device)) for t in inputs)
-            writing = [self.sequences[i] for i in rows]
-            to_llm, scores = engine.policy.route(*inputs, row_thresholds(engine.policy, writing, self.ids.device))
-            step.routed, step.scores = [s.force == "llm" for s in self.sequences], [0.0] * n
-            for i, s, x, score in zip(rows, writing, to_llm.tolist(), scores.tolist()):
-                step.routed[i], step.scores[i] = (s.force == "llm" if s.force else bool(x)), score
-        for i in step.failed:  # a row that failed writes nothing: the LLM need not read it for this step
-            step.routed[i] = False
-        step.held = [False] * n
-        on = engine.deferral.on
-        step.deferred = [on and r and s.force is None for s, r in zip(self.sequences, step.routed)]
-        # The proposal as numbers, for the LLM's checks (one model alone checks nothing: no GPU sync for it here).
-        step.proposed = step.proposal.tolist() if engine.routes else None
+            writing = [sequences[i] for i in rows]
+            to_llm, row_scores = context.policy.route(*inputs, row_thresholds(context.policy, writing,
+                                                                              self.ids.device))
+            routed = [s.force == "llm" for s in sequences]
+            for i, s, x, score in zip(rows, writing, to_llm.tolist(), row_scores.tolist()):
+                routed[i], scores[i] = (s.force == "llm" if s.force else bool(x)), score
+        for i in failed:  # a row that failed writes nothing: the LLM need not read it for this step
+            routed[i] = False
+        # With overlap the LLM's calls run beside the SLM's steps: a routed row never waits for one, its token is
+        # checked when the call returns (`Deferral.overlapped`), so every routed row defers.
+        deferral = context.deferral.overlapped() if context.overlap else context.deferral
+        deferred = [deferral.on and r and s.force is None for s, r in zip(sequences, routed)]
+        # (one model alone checks nothing: no GPU sync for the proposal's numbers)
+        return Routing(routed, scores, deferred, deferral, proposal.tokens.tolist() if context.routes else None)
 
-    def _catch_up(self, step: StepRecord) -> None:
+    def _catch_up(self, routing: Routing, failed: dict[int, Exception]) -> LLMWord:
         """3. The LLM's word on the rows: a call sent at an earlier step, once it has answered (overlap: taken at the
         first step after it is ready, or waited for when a row needs the LLM's token now), and a read of every
         column since the LLM last read, when it is needed now (`llm_due` without overlap; a request forcing the LLM
-        with it). `step.reads[i]`: the LLM's logits over row i's unchecked tokens (None: nothing for it this step)."""
-        engine, sequences = self.engine, self.sequences
-        if not engine.routes:
-            return
-        column, read_from = step.column, self.layout.llm_cache.length
-        unread = [verification.unread_tokens(s, column, read_from) for s in sequences]
-        step.due = llm_due(sequences, step.routed, step.deferred, unread, lambda i: self._would_end(step, i),
-                           engine.deferral)
-        now = any(r and not d for r, d in zip(step.routed, step.deferred)) or (step.due and not engine.overlap)
-        held = [self._stands_still(s, unread[i]) for i, s in enumerate(sequences)]
+        with it)."""
+        context, sequences, width = self.context, self.sequences, self.ids.shape[1]
+        if not context.routes:
+            return LLMWord(None, False, False, [False] * len(sequences))
+        unread = [verification.unread_tokens(s, width, self.layout.llm_cache.length) for s in sequences]
+        due = llm_due(sequences, routing.routed, routing.deferred, unread,
+                      lambda i: self._would_end(routing.proposed[i], i), routing.deferral)
+        now = any(r and not d for r, d in zip(routing.routed, routing.deferred)) or (due and not context.overlap)
+        held = [self._stands_still(s, unread[i], routing.deferral) for i, s in enumerate(sequences)]
         landed = None
         if self.call is not None and (now or self.call.done() or all(held)):  # (no row could write: wait for it)
             call, self.call = self.call, None
-            landed = self._answers(call, step)
+            landed = answers(call, self.sequences, routing, failed)
         # A row the answer frees goes on at once; one whose end it has not checked stands still.
-        step.held = [self._stands_still(s, unread[i]) for i, s in enumerate(sequences)]
+        held = [self._stands_still(s, unread[i], routing.deferral) for i, s in enumerate(sequences)]
         if now:
-            fresh = self._answers(self._send(column, now=True), step)
+            fresh = answers(self._send(width, now=True), self.sequences, routing, failed)
             if landed is not None:
                 fresh = [f if old is None or f is None else old.merged(f) for old, f in zip(landed, fresh)]
-            landed, step.full = fresh, True
-        step.reads = landed
+            landed = fresh
+        return LLMWord(landed, now, due, held)
 
-    def _stands_still(self, s: Sequence, unread: int) -> bool:
+    def _stands_still(self, s: Sequence, unread: int, deferral: Deferral) -> bool:
         """Whether a row waits, writing nothing, for the call in flight: its output ended on a token the LLM has to
         check; or, while tokens of it wait for the LLM's word, it has written max_unverified tokens, or the deferral
         rule's `tokens_ahead`, beyond what the LLM was asked to read: what a roll-back may throw away, and what a
         stalled LLM's server lets it write, stays bounded."""
         if s.checks.ends is not None:
             return True
-        if self.call is None or not s.checks.pending(s):
+        if self.call is None or not s.pending:
             return False
         if s.verify.on and s.max_unverified is not None and unread > s.max_unverified:
             return True
-        return unread > self.engine.deferral.tokens_ahead(len(self.sequences))
-
-    def _answers(self, call: Call, step: StepRecord) -> list[verification.RowRead | None]:
-        """A call's logits, one `RowRead` per row of the batch now (None for a row that joined after it was sent).
-        If the LLM's server cannot be reached, the rows whose tokens wait for the LLM fail (`step.failed`); the
-        others go on without its word (they need none)."""
-        try:
-            logits = call.pending.result()
-        except LLMUnavailable as e:
-            for i, s in enumerate(self.sequences):
-                if s.checks.pending(s) or s.checks.ends or step.routed[i]:
-                    step.failed.setdefault(i, e)
-            return [None] * len(self.sequences)
-        rows = {id(s): j for j, s in enumerate(call.sequences)}
-        reads = []
-        for s in self.sequences:
-            j = rows.get(id(s))
-            reads.append(None if j is None else verification.RowRead(
-                logits[j], call.reach[j] - call.keep + 1, call.reach[j]))
-        return reads
+        return unread > deferral.tokens_ahead(len(self.sequences))
 
     def _send(self, column: int, now: bool = False) -> Call:
         """Ask the LLM to read every column since it last did, up to `column` (not included): its last logits predict
@@ -292,150 +290,99 @@ class Batch:
         layout = self.layout
         sequences = [self.sequences[i] for i in layout.llm_rows]  # (a row the LLM never reads is not sent)
         read_from, width = layout.llm_cache.length, self.ids.shape[1]
-        # Row i's output index at `column`: the furthest token the read can check.
-        reach = [column - width + len(s.generation.token_ids) for s in sequences]
+        reach = [output_index(s, column, width) for s in sequences]  # the furthest token each row's read can check
         row_keep = [min(column - read_from, verification.logits_needed(s, r))
-                    if now or s.checks.pending(s) or s.checks.ends else 0 for s, r in zip(sequences, reach)]
-        pending = self.engine.llm_side.catch_up(layout.llm_cache, layout.llm_part(self.ids[:, read_from:column]),
-                                                layout.llm_part(self.mask[:, :column]), row_keep,
-                                                [s.request.cache_salt for s in sequences])
+                    if now or s.pending or s.checks.ends else 0 for s, r in zip(sequences, reach)]
+        pending = self.context.llm.catch_up(layout.llm_cache, layout.llm_part(self.ids[:, read_from:column]),
+                                            layout.llm_part(self.mask[:, :column]), row_keep,
+                                            [s.request.cache_salt for s in sequences])
         return Call(pending, sequences, reach, max(row_keep))
 
-    def _send_call(self, step: StepRecord) -> None:
-        """(overlap) After the step, the next call, to run beside the SLM's next steps: when one is due and none is in
-        flight. It reads every column but the newest (the LLM's cache stays short of the batch's width, as a joining
-        row's reads expect), so it checks every token written so far."""
-        if not (self.engine.overlap and step.due and self.call is None and self.sequences):
+    def _send_next(self) -> None:
+        """(overlap) After a step whose rule called the LLM, the next call, to run beside the SLM's next steps, where
+        none is in flight. It reads every column but the newest (the LLM's cache stays short of the batch's width, as
+        a joining row's reads expect), so it checks every token written so far."""
+        if self.call is not None or not self.sequences:
             return
         column = self.ids.shape[1] - 1
-        if column > self.layout.llm_cache.length and any(s.checks.pending(s) or s.checks.ends for s in self.sequences):
+        if column > self.layout.llm_cache.length and any(s.pending or s.checks.ends for s in self.sequences):
             self.call = self._send(column)
 
-    def _verify(self, step: StepRecord) -> None:
+    def _verify(self, proposal: Proposal, routing: Routing, word: LLMWord, failed: dict[int, Exception]
+                ) -> Decisions:
         """4. The LLM's word on each row it read: its unchecked tokens in order (the first rejected one sends the
         row back there), then, where the read reaches this step's token, the routed rows' tokens. A row whose
         output ended on an unchecked token ends once they are checked; until then it stands still. Without the
         LLM's word deferred rows keep the SLM's token, to be checked at a later call."""
-        engine, sequences = self.engine, self.sequences
-        step.chosen = step.proposal.clone()
-        step.sources = ["llm" if r else engine.writer_source for r in step.routed]
-        reads = step.reads or [None] * len(sequences)
-        park, full_logits = engine.deferral.mode == "park", engine.routes and engine.llm.full_logits
-        if step.reads is not None:
-            engine.counters.llm_calls += 1
-        for i, s in enumerate(sequences):
-            read, routed_now = reads[i], step.routed[i] and step.full and not step.held[i]
-            if i in step.failed:
+        context = self.context
+        decisions = Decisions(proposal.tokens.clone(), ["llm" if r else context.writer_source for r in routing.routed],
+                              list(routing.scores), {}, {}, list(word.held), set())
+        if word.reads is not None:
+            context.counters.llm_calls += 1
+        for i, s in enumerate(self.sequences):
+            if i in failed:
                 continue
-            count = len(s.generation.token_ids)
-            if read is not None:
-                engine.counters.routed_rows += routed_now or bool(s.checks.routed)
-                # This step's token is checked only where the read reaches it and the row writes one.
-                last = min(read.reach, count - 1 if step.held[i] or routed_now else count)
-                try:
-                    found = verification.first_rejection(s, read, last, step.proposed[i], park, full_logits)
-                except Exception as e:  # this row's settings or format: it alone fails
-                    step.failed[i] = e
-                    continue
-                if found:
-                    step.rejected[i] = found
-                    step.held[i] = False
-                    continue
-                s.checks.through(count if routed_now else last)  # a token routed now is the LLM's own
-                if s.checks.ends is not None and not s.checks.pending(s):
-                    step.ended.add(i)
-                    continue
-            if step.held[i]:
-                continue
-            if routed_now:
-                step.llm_logits[i] = read.at(read.reach)
-                token, faults = sample_rows(step.llm_logits[i][None], sequences[i : i + 1])
-                if faults:
-                    step.failed[i] = faults[0]
-                    continue
-                step.chosen[i] = token[0]
-            elif step.deferred[i]:
-                verification.defer(s, count, None if step.slm_logits is None else step.slm_logits[i])
+            try:
+                verify_row(context, i, s, proposal, routing, word, decisions)
+            except Exception as e:  # noqa: BLE001 - this row's settings or format: it alone fails
+                failed[i] = e
+        return decisions
 
-    def _emit(self, step: StepRecord, times: tuple[float, ...]) -> list[Step | Failure]:
+    def _emit(self, proposal: Proposal, decisions: Decisions, word: LLMWord, failed: dict[int, Exception],
+              times: tuple[float, ...]) -> list[Step | Failure]:
         """5. Rows whose check rejected a token go back to it (their later tokens are discarded and the LLM's
         token goes in its place); rows that stand still stay where they are; then the new column is appended, each
         row's token recorded, and finished rows leave the batch, kept where a model keeps what it read (prefix
         caching). A row whose output ends on a token the LLM has yet to check stays, standing still, until it has."""
-        dropped = self._roll_back(step)
-        self.layout.append_column(step.chosen)
+        dropped = self._roll_back(decisions, failed)
+        self.layout.append_column(decisions.chosen)
         t0, t1, t2, t3 = times
         now = time.perf_counter()
         events, keep, finished = [], [], []
-        self.engine.counters.steps += 1
-        llm_ran = step.reads is not None
-        for i, (s, token, source, score) in enumerate(zip(self.sequences, step.chosen.tolist(), step.sources,
-                                                          step.scores)):
-            gen = s.generation
-            count_time(gen.timings, self.engine.writer_source, t1 - t0, t2 - t1, t3 - t2, now - t0,
-                       llm_ran and step.reads[i] is not None)
-            if i in step.failed:
-                events.append(Failure(s, step.failed[i]))
-                continue
-            if i in step.ended:
-                gen.finish_reason, s.checks.ends = s.checks.ends, None
-                gen.text, gen.stop_reason = final_text(self.engine.tokenizer, s)
-                events.append(Step(s, gen.token_ids[-1], gen.sources[-1], gen.scores[-1], True, 0,
-                                   verification.settle(s, True)))
-                finished.append(i)
-                continue
-            gen.elapsed_s = now - s.started
-            if step.held[i]:
-                keep.append(i)
-                continue
-            try:
-                record(s, token, source, score, step.writer_of(i) if gen.logprobs is not None else None)
-                reason = ends(self.engine, s, gen.token_ids)
-                if reason and s.checks.pending(s):  # the LLM checks its tokens first: the row waits for that
-                    s.checks.ends, reason = reason, None
-                if reason:
-                    gen.finish_reason = reason
-                    gen.text, gen.stop_reason = final_text(self.engine.tokenizer, s)
-            except Exception as e:  # noqa: BLE001 - one row's output: it alone fails
-                events.append(Failure(s, e))
-                continue
-            if reason:
-                finished.append(i)
-            else:
-                keep.append(i)
-            events.append(Step(s, token, source, float(score), reason is not None, dropped.get(i, 0),
-                               verification.settle(s, reason is not None)))
+        self.context.counters.steps += 1
+        tokens = decisions.chosen.tolist()
+        for i, s in enumerate(self.sequences):
+            count_time(s.generation.timings, self.context.writer_source, t1 - t0, t2 - t1, t3 - t2, now - t0,
+                       word.reads is not None and word.reads[i] is not None)
+            event = (Failure(s, failed[i]) if i in failed else
+                     emit_row(self.context.tokenizer, i, s, tokens[i], proposal, decisions, dropped.get(i, 0), now))
+            if event is not None:
+                events.append(event)
+            if not isinstance(event, Failure):  # (a row that failed leaves)
+                (finished if event is not None and event.finished else keep).append(i)
         self._keep_reads(finished)
         self._keep(keep)
         return events
 
-    def _would_end(self, step: StepRecord, i: int) -> bool:
+    def _would_end(self, proposed: int, i: int) -> bool:
         """Whether row i's output ends with this step's token, or ended on a token the LLM still has to check."""
         s = self.sequences[i]
-        return s.checks.ends is not None or ends(self.engine, s, s.generation.token_ids, step.proposed[i]) is not None
+        return s.checks.ends is not None or (
+            ends(self.context.tokenizer, s, s.generation.token_ids, proposed) is not None)
 
-    def _roll_back(self, step: StepRecord) -> dict[int, int]:
+    def _roll_back(self, decisions: Decisions, failed: dict[int, Exception]) -> dict[int, int]:
         """Put each rejecting row back to its rejected token, the LLM's token there, and keep each row that stands
         still where it is (its last token taken back and written again); returns how many earlier tokens each
         rejecting row dropped. Each row moves right by what it drops (`Layout.shift`: masking the dropped columns in
         place would leave holes in the middle of rows that every backend's positions would have to skip)."""
-        column, sequences = step.column, self.sequences
+        sequences, newest = self.sequences, self.ids.shape[1] - 1
         shifts = [0] * len(sequences)
-        for i, rejection in step.rejected.items():
+        for i, rejection in decisions.rejected.items():
             shifts[i] = len(sequences[i].generation.token_ids) - rejection.index
-        for i, held in enumerate(step.held):
-            if held and i not in step.ended and i not in step.failed:
+        for i, held in enumerate(decisions.held):
+            if held and i not in decisions.ended and i not in failed:
                 shifts[i] = 1
-                step.chosen[i] = self.ids[i, column - 1]
+                decisions.chosen[i] = self.ids[i, newest]
         if any(shifts):
             self.layout.shift(shifts)
-        for i, rejection in step.rejected.items():
+        for i, rejection in decisions.rejected.items():
             score = verification.take_back(sequences[i], rejection)
             if score is not None:
-                step.scores[i] = score  # the policy's score at the rejected position
-            step.chosen[i], step.sources[i] = rejection.token, "llm" if rejection.routed else "fix"
-            step.llm_logits[i] = rejection.logits
-        return {i: shifts[i] for i in step.rejected}
+                decisions.scores[i] = score  # the policy's score at the rejected position
+            decisions.chosen[i] = rejection.token
+            decisions.sources[i] = "llm" if rejection.routed else "fix"
+            decisions.llm_logits[i] = rejection.logits
+        return {i: shifts[i] for i in decisions.rejected}
 
     def _keep_reads(self, rows: list[int]) -> None:
         """Each model that keeps prompts keeps what it read of these rows, for later prompts that begin the same way
@@ -450,6 +397,98 @@ class Batch:
         self.layout.keep(rows)
         if not rows:
             self.call = None
+
+
+# --- a row's part of a phase -------------------------------------------------------------------------------
+
+
+def answers(call: Call, sequences: list[Sequence], routing: Routing, failed: dict[int, Exception]
+            ) -> list[verification.RowRead | None]:
+    """A call's logits, one `RowRead` per row of the batch now, `sequences` (None for a row that joined after it was
+    sent). If the LLM's server cannot be reached, the rows whose tokens wait for the LLM fail; the others go on
+    without its word (they need none)."""
+    try:
+        logits = call.pending.result()
+    except LLMUnavailable as e:
+        for i, s in enumerate(sequences):
+            if s.pending or s.checks.ends or routing.routed[i]:
+                failed.setdefault(i, e)
+        return [None] * len(sequences)
+    rows = {id(s): j for j, s in enumerate(call.sequences)}
+    reads = []
+    for s in sequences:
+        j = rows.get(id(s))
+        reads.append(None if j is None else verification.RowRead(
+            logits[j], call.reach[j] - call.keep + 1, call.reach[j]))
+    return reads
+
+
+def verify_row(context: Context, i: int, s: Sequence, proposal: Proposal, routing: Routing, word: LLMWord,
+               decisions: Decisions) -> None:
+    """Row i's part of `Batch._verify` (an error here is the row's own: it alone fails)."""
+    read = None if word.reads is None else word.reads[i]
+    routed_now = routing.routed[i] and word.reaches_now and not decisions.held[i]
+    index = len(s.generation.token_ids)  # this step's token's output index
+    if read is not None:
+        context.counters.routed_rows += routed_now or bool(s.checks.routed)
+        # This step's token is checked only where the read reaches it and the row writes one of its own (a token
+        # routed now is the LLM's).
+        last = min(read.reach, index - 1 if decisions.held[i] or routed_now else index)
+        found = verification.first_rejection(s, read, last, routing.proposed[i],
+                                             routing.deferral.mode == "park", context.llm.full_logits)
+        if found:
+            decisions.rejected[i], decisions.held[i] = found, False
+            return
+        s.checks.through(index if routed_now else last)
+        if s.checks.ends is not None and not s.pending:
+            decisions.ended.add(i)
+            return
+    if decisions.held[i]:
+        return
+    if routed_now:
+        decisions.llm_logits[i] = read.at(read.reach)
+        token, faults = sample_rows(decisions.llm_logits[i][None], [s])
+        if faults:
+            raise faults[0]
+        decisions.chosen[i] = token[0]
+    elif routing.deferred[i]:
+        verification.defer(s, index, None if proposal.logits is None else proposal.logits[i])
+
+
+def emit_row(tokenizer, i: int, s: Sequence, token: int, proposal: Proposal, decisions: Decisions, dropped: int,
+             now: float) -> Step | Failure | None:
+    """Row i's part of `Batch._emit`: its step, a failure of its own settings or output, or None where it stands
+    still."""
+    gen = s.generation
+    if i in decisions.ended:
+        gen.finish_reason, s.checks.ends = s.checks.ends, None
+        gen.text, gen.stop_reason = final_text(tokenizer, s)
+        return Step(s, gen.token_ids[-1], gen.sources[-1], gen.scores[-1], True, 0, verification.settle(s, True))
+    gen.elapsed_s = now - s.started
+    if decisions.held[i]:
+        return None
+    source, score = decisions.sources[i], decisions.scores[i]
+    try:
+        logits = decisions.llm_logits.get(i, proposal.logits[i] if proposal.logits is not None else None)
+        record(s, token, source, score, logits if gen.logprobs is not None else None)
+        reason = ends(tokenizer, s, gen.token_ids)
+        if reason and s.pending:  # the LLM checks its tokens first: the row waits for that
+            s.checks.ends, reason = reason, None
+        if reason:
+            gen.finish_reason = reason
+            gen.text, gen.stop_reason = final_text(tokenizer, s)
+    except Exception as e:  # noqa: BLE001 - one row's output: it alone fails
+        return Failure(s, e)
+    return Step(s, token, source, float(score), reason is not None, dropped, verification.settle(s, bool(reason)))
+
+
+# --- the helpers --------------------------------------------------------------------------------------------------
+
+
+def output_index(s: Sequence, column: int, width: int) -> int:
+    """The output index of row `s`'s token at a column of a batch `width` columns wide (its newest token, at column
+    width - 1, is its output's last)."""
+    return column - width + len(s.generation.token_ids)
 
 
 def row_thresholds(policy, sequences: list[Sequence], device) -> torch.Tensor | None:
@@ -470,10 +509,10 @@ def record(s: Sequence, token: int, source: str, score: float, logits: torch.Ten
     gen.sources.append(source)
     gen.scores.append(float(score))
     if gen.logprobs is not None:
-        gen.logprobs.append(token_logprob(logits, token, s.params.logprobs))
+        gen.logprobs.append(logprob_entries(logits[None], [token], s.params.logprobs)[0])
 
 
-def ends(engine: Engine, s: Sequence, tokens: list[int], then: int | None = None) -> str | None:
+def ends(tokenizer, s: Sequence, tokens: list[int], then: int | None = None) -> str | None:
     """Why an output of these tokens (followed by `then`, if given) is complete ("stop" or "length"), or None.
     Before it holds `min_tokens` nothing but the length ends it, and a stop string must end after their text
     (vLLM's rule)."""
@@ -487,7 +526,7 @@ def ends(engine: Engine, s: Sequence, tokens: list[int], then: int | None = None
             return "stop"
         if params.stop:
             in_prefix = max(0, params.min_tokens - (length - len(tail)))  # tail tokens within the first min_tokens
-            decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=params.skip_special_tokens)
+            decode = functools.partial(tokenizer.decode, skip_special_tokens=params.skip_special_tokens)
             if stop_at(decode(tail), params.stop, len(decode(tail[:in_prefix])) if in_prefix else 0):
                 return "stop"
     if length >= params.max_new_tokens:
@@ -533,14 +572,6 @@ def count_time(t: Timings, writer_source: str, writer_s: float, router_s: float,
     t.total_s += total_s
     t.steps += 1
     t.llm_calls += llm_ran
-
-
-def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    """A token's log-probability in the distribution these logits give, the `top` most likely tokens', and its rank."""
-    logprobs = torch.log_softmax(logits.float(), -1)
-    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0])
-    own = logprobs[token]
-    return TokenLogprob(float(own), list(zip(ids.tolist(), values.tolist())), int((logprobs > own).sum()) + 1)
 
 
 def sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[torch.Tensor, dict[int, Exception]]:

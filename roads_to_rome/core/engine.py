@@ -8,12 +8,12 @@ keeps for it are in request.py; sampling and verification's rules in sampling.py
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
 
 import torch
 
 from roads_to_rome.backends.base import Backend
 from roads_to_rome.core.chat_template import encode_messages
+from roads_to_rome.core.context import Context, Counters
 from roads_to_rome.core.grammar import GrammarWalk, OutputFormat, grammar_tokenizer
 from roads_to_rome.core.llm_calls import Deferral, LLMCalls
 from roads_to_rome.core.request import Failure, Generation, Request, Sequence
@@ -77,8 +77,6 @@ class Engine:
             self._check_verifiable(self.verify)
         self.deferral = defer if isinstance(defer, Deferral) else Deferral(defer)
         self.overlap = bool(overlap) and self.routes
-        if self.overlap:
-            self.deferral = self.deferral.overlapped()
         # The LLM as the batches drive it: its operations in order, in this thread or (overlap) in one of its own.
         self.llm_side = LLMCalls(llm, self.overlap, llm_threads) if self.routes else None
         self.counters = Counters()
@@ -141,12 +139,16 @@ class Engine:
                         generation=Generation(list(request.prompt_ids), params_b=self.params_b,
                                               logprobs=None if request.params.logprobs is None else []))
 
-    def readers(self, sequence: Sequence) -> tuple[bool, bool]:
-        """Whether the writer, and the LLM of a pair, ever read this sequence: a pair's request forced onto the LLM
-        costs the LLM alone, one forced onto the SLM and unverified the SLM alone, their prompts included."""
-        if not self.routes:
-            return True, False
-        return sequence.force != "llm", sequence.uses_llm
+    @property
+    def context(self) -> Context:
+        """What this engine's batches run with (core/context.py), as the engine is set now."""
+        return Context(self.writer, self.writer_source, self.llm_side, self.policy, self.deferral, self.overlap,
+                       self.tokenizer, self.pad_id, self.counters, self.kv_capacity, self.max_rows, self.sync)
+
+    def scheduler(self, max_batch: int | None = None, prefill_chunk: int | None = None, prefix_tokens: int = 0,
+                  by_priority: bool = False) -> Scheduler:
+        """A scheduler for this engine's requests (`Scheduler`: what the settings mean)."""
+        return Scheduler(self.context, max_batch, prefill_chunk, prefix_tokens, by_priority)
 
     def compile_format(self, output_format: OutputFormat) -> GrammarWalk:
         """A structured output checked and compiled for this engine's tokenizer: a walk at its start, which each
@@ -237,7 +239,7 @@ class Engine:
     def _decode(self, sequences: list[Sequence], scheduler: Scheduler | None = None):
         """The offline client of the scheduler: every sequence queued at once, turns to the end; an error is raised."""
         # (more sequences than the backend holds wait)
-        scheduler = scheduler if scheduler is not None else Scheduler(self, max_batch=self.max_rows)
+        scheduler = scheduler if scheduler is not None else self.scheduler(self.max_rows)
         for s in sequences:
             scheduler.add(s)
         while not scheduler.idle:
@@ -246,29 +248,6 @@ class Engine:
             if failed is not None:
                 raise failed.error
             yield events
-
-
-@dataclass
-class Counters:
-    """An engine's totals over its life (benchmarks take differences; the server reports them)."""
-
-    steps: int = 0  # decode steps (of a whole batch)
-    llm_calls: int = 0  # LLM catch-ups
-    routed_rows: int = 0  # rows whose routed token an LLM call served, summed over the calls
-    prefix_queries: int = 0  # prompt tokens looked up among the kept prompts (core/prefix_cache.py)
-    prefix_hits: int = 0  # ... of them found there, not read again
-    preemptions: int = 0  # sequences taken out of the batch for more urgent ones, to read on later (scheduler.py)
-
-    @property
-    def routed_rows_per_call(self) -> float:
-        return self.routed_rows / self.llm_calls if self.llm_calls else 0.0
-
-    def __sub__(self, before: Counters) -> Counters:
-        """What happened since `before` (a copy taken earlier)."""
-        return Counters(*(getattr(self, f.name) - getattr(before, f.name) for f in fields(self)))
-
-    def __add__(self, other: Counters) -> Counters:
-        return Counters(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
 def check_writable(params: SamplingParams, ending: set[int], vocab_size: int) -> None:

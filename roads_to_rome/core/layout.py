@@ -2,7 +2,7 @@
 common width) and their padding mask, and each model's KV cache. Rows join (padded to the batch's width, or the
 batch to theirs, and read up to where each cache is), leave, move right (a roll-back, a row that stands still) and
 gain a column per step; both caches follow every move. Each model's cache holds only the rows that model may read
-(`writer_rows`, `llm_rows`: `Engine.readers`): a row forced onto one model costs that model alone. `Batch`
+(`writer_rows`, `llm_rows`: `Context.readers`): a row forced onto one model costs that model alone. `Batch`
 (batch.py) decides the moves; this does them."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from roads_to_rome.core.engine import Engine
+    from roads_to_rome.core.context import Context
 
 NO_ROWS = torch.empty(0, dtype=torch.long)  # the `select_rows` index that keeps none: a cache lets go of every row
 
@@ -23,8 +23,8 @@ class Layout:
     alone). The writer's cache covers the rows in `writer_rows` and, once it has read, every column but the newest;
     the LLM's the rows in `llm_rows`, and the columns it has caught up on (rows ascending in both)."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, context: Context):
+        self.context = context
         self._ids = self._mask = None
         self._width = 0
         self.writer_cache, self.llm_cache = self.new_caches()
@@ -32,8 +32,8 @@ class Layout:
         self.llm_rows: list[int] = []
 
     def new_caches(self):
-        engine = self.engine
-        return engine.writer.new_cache(), engine.llm_side.new_cache() if engine.routes else None
+        context = self.context
+        return context.writer.new_cache(), context.llm.new_cache() if context.routes else None
 
     @property
     def ids(self) -> torch.Tensor | None:
@@ -57,9 +57,9 @@ class Layout:
 
     def caches(self):
         """(backend, cache) for each model the batch runs."""
-        yield self.engine.writer, self.writer_cache
+        yield self.context.writer, self.writer_cache
         if self.llm_cache is not None:
-            yield self.engine.llm_side, self.llm_cache
+            yield self.context.llm, self.llm_cache
 
     def set(self, ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
         self._ids, self._mask = ids, mask
@@ -68,11 +68,11 @@ class Layout:
     def join(self, prompts: list[tuple[int, ...]], readers: list[tuple[bool, bool]], prefilled: tuple | None = None
              ) -> None:
         """New rows: their prompts, read up to where each cache is, each by the models of its `readers` (whether the
-        writer, the LLM reads it: `Engine.readers`). `prefilled`: one prompt's (writer's cache, LLM's cache), each
+        writer, the LLM reads it: `Context.readers`). `prefilled`: one prompt's (writer's cache, LLM's cache), each
         None where that model did not read it, read alone by the scheduler's chunked prefill. Into an empty layout
         they come as they are."""
-        engine = self.engine
-        ids, mask = left_pad(prompts, engine.pad_id, engine.writer.device)
+        context = self.context
+        ids, mask = left_pad(prompts, context.pad_id, context.writer.device)
         writers = [j for j, (writes, _) in enumerate(readers) if writes]
         llms = [j for j, (_, reads) in enumerate(readers) if reads]
         if self._ids is None:  # the next step reads what their caches have not
@@ -86,7 +86,7 @@ class Layout:
         if ids.shape[1] > width:
             self.pad_left(ids.shape[1] - width)
         elif ids.shape[1] < width:
-            ids, mask = pad_columns_left(ids, mask, width - ids.shape[1], engine.pad_id)
+            ids, mask = pad_columns_left(ids, mask, width - ids.shape[1], context.pad_id)
         pad = self._width - len(prompts[0]) if prefilled else 0  # the prefilled row's padding
         joining = self._catch_up_newcomers(ids, mask, writers, llms, prefilled, pad)
         for backend, cache, fresh in joining:
@@ -102,11 +102,11 @@ class Layout:
         was). A prefilled cache has read the prompt alone: cut it to what the batch's cache covers and pad it to the
         batch's columns (positions count real tokens only, so padding it afterwards changes nothing). A cache that
         has read nothing yet takes its rows at its first read: a prefilled cache for it is let go."""
-        engine, joining = self.engine, []
+        context, joining = self.context, []
         mine = lambda rows: (ids, mask) if len(rows) == ids.shape[0] else (ids[rows], mask[rows])  # noqa: E731
-        parts = [(engine.writer, self.writer_cache, *mine(writers), prefilled[0] if prefilled else None)]
+        parts = [(context.writer, self.writer_cache, *mine(writers), prefilled[0] if prefilled else None)]
         if self.llm_cache is not None:
-            parts.append((engine.llm_side, self.llm_cache, *mine(llms), prefilled[1] if prefilled else None))
+            parts.append((context.llm, self.llm_cache, *mine(llms), prefilled[1] if prefilled else None))
         try:
             for backend, cache, new_ids, new_mask, fresh in parts:
                 if not cache.length or not new_ids.shape[0]:
@@ -145,14 +145,14 @@ class Layout:
         rows, room = self._ids.shape
         if self._width == room:
             grow = max(room, 64)
-            self._ids = torch.cat([self._ids, self._ids.new_full((rows, grow), self.engine.pad_id)], dim=1)
+            self._ids = torch.cat([self._ids, self._ids.new_full((rows, grow), self.context.pad_id)], dim=1)
             self._mask = torch.cat([self._mask, self._mask.new_zeros((rows, grow))], dim=1)
         self._ids[:, self._width] = tokens
         self._mask[:, self._width] = 1
         self._width += 1
 
     def pad_left(self, n: int) -> None:
-        self.set(*pad_columns_left(self.ids, self.mask, n, self.engine.pad_id))
+        self.set(*pad_columns_left(self.ids, self.mask, n, self.context.pad_id))
         for backend, cache in self.caches():
             backend.pad_left(cache, n)
 
@@ -163,9 +163,9 @@ class Layout:
             self.release()
             return
         self.set(self.ids[rows], self.mask[rows])
-        self.writer_rows, self.writer_cache = self._keep(self.engine.writer, self.writer_cache, self.writer_rows, rows)
+        self.writer_rows, self.writer_cache = self._keep(self.context.writer, self.writer_cache, self.writer_rows, rows)
         if self.llm_cache is not None:
-            self.llm_rows, self.llm_cache = self._keep(self.engine.llm_side, self.llm_cache, self.llm_rows, rows)
+            self.llm_rows, self.llm_cache = self._keep(self.context.llm, self.llm_cache, self.llm_rows, rows)
 
     def _keep(self, backend, cache, held: list[int], rows: list[int]) -> tuple[list[int], object]:
         """One model's cache, holding the batch rows `held`, after the batch keeps `rows`: the rows it holds then,
@@ -181,11 +181,11 @@ class Layout:
         at the last column: the batch stays rectangular and left-padded, which is all the backends assume. Both
         caches move the same way (`Backend.shift_rows`); what a row's shift pushes out of the LLM's is read again at
         its next catch-up."""
-        self.engine.writer.shift_rows(self.writer_cache, [shifts[i] for i in self.writer_rows])
+        self.context.writer.shift_rows(self.writer_cache, [shifts[i] for i in self.writer_rows])
         if self.llm_cache is not None:
-            self.engine.llm_side.shift_rows(self.llm_cache, [shifts[i] for i in self.llm_rows])
+            self.context.llm.shift_rows(self.llm_cache, [shifts[i] for i in self.llm_rows])
         width = self._width
-        ids, mask = torch.full_like(self.ids, self.engine.pad_id), torch.zeros_like(self.mask)
+        ids, mask = torch.full_like(self.ids, self.context.pad_id), torch.zeros_like(self.mask)
         for i, d in enumerate(shifts):
             ids[i, d:], mask[i, d:] = self.ids[i, : width - d], self.mask[i, : width - d]
         self.set(ids, mask)

@@ -13,12 +13,12 @@ import torch
 from roads_to_rome.core.sampling import (
     LogitRules,
     SamplingParams,
+    TokenLogprob,
     Verify,
     adjust_logits,
     check_max_unverified,
     parse_verify,
 )
-from roads_to_rome.core.verification import Checks
 from roads_to_rome.errors import R2RError
 
 if TYPE_CHECKING:
@@ -83,15 +83,6 @@ class Timings:
     total_s: float = 0.0
     steps: int = 0
     llm_calls: int = 0  # LLM catch-ups this request's row took part in
-
-
-class TokenLogprob(NamedTuple):
-    """A token's log-probability under the model that wrote it (the SLM, the LLM, or the LLM's fix), and that
-    model's most likely tokens there: the distribution the model gave, before penalties, temperature and top-p/top-k."""
-
-    logprob: float
-    top: list[tuple[int, float]]
-    rank: int = 1  # the token's place in that distribution, the most likely first (vLLM's `rank`)
 
 
 # The per-request counters, named once: `r2r generate --json`, the server's `usage` and "r2r" fields and its
@@ -209,6 +200,27 @@ class Totals:
             setattr(self.timings, name, getattr(self.timings, name) + getattr(gen.timings, name))
 
 
+@dataclass
+class Checks:
+    """One row's outstanding checks (indices are positions in the row's output; the rules: core/verification.py)."""
+
+    final: int = 0  # tokens that can no longer change (shown)
+    checked: int = 0  # the LLM has had its word on every token before this one (a row that does not verify: on
+    # every routed position before it)
+    routed: list[int] = field(default_factory=list)  # deferred routed positions, oldest first
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # the SLM's distribution a sampled token
+    # was drawn from (strict verification and deferred routing under sampling: the ratio test needs it)
+    ends: str | None = None  # why the output ended on a token the LLM has still to check ("stop" or "length"):
+    # the row stands still until it has (overlap: the call that checks it runs beside the other rows' steps)
+
+    def through(self, index: int) -> None:
+        """The LLM has had its word on every token up to `index`."""
+        self.checked = max(self.checked, index + 1)
+        self.routed = [k for k in self.routed if k > index]
+        for k in [k for k in self.draft_probs if k <= index]:
+            del self.draft_probs[k]
+
+
 @dataclass(eq=False)
 class Sequence:
     """A request being decoded: the engine's running state for it (`Engine.sequence` makes one)."""
@@ -244,6 +256,11 @@ class Sequence:
     @property
     def force(self) -> str | None:
         return self.request.force
+
+    @property
+    def pending(self) -> bool:
+        """Whether any of its written tokens still await the LLM's word."""
+        return bool(self.checks.routed) or (self.verify.on and self.checks.checked < len(self.generation.token_ids))
 
     @property
     def uses_llm(self) -> bool:

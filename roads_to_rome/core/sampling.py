@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -25,6 +25,29 @@ MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's r
 # float32 and the softmax over it a distribution.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range: -100 bans a token, 100 all but forces it)
+
+
+class TokenLogprob(NamedTuple):
+    """A token's log-probability under the model that wrote it (the SLM, the LLM, or the LLM's fix), and that
+    model's most likely tokens there: the distribution the model gave, before penalties, temperature and top-p/top-k."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+    rank: int = 1  # the token's place in that distribution, the most likely first (vLLM's `rank`)
+
+
+
+def logprob_entries(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's entry for its token: its log-probability under the row's logits [n, V], the `top` most likely
+    tokens' and its rank."""
+    if not tokens:
+        return []
+    logprobs = torch.log_softmax(logits.float(), -1)
+    own = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device)[:, None])
+    ranks = ((logprobs > own).sum(-1) + 1).tolist()
+    values, best = logprobs.topk(top, -1) if top else (logprobs[:, :0], logprobs[:, :0])
+    return [TokenLogprob(float(o), list(zip(i, v)), r)
+            for o, i, v, r in zip(own[:, 0].tolist(), best.tolist(), values.tolist(), ranks)]
 
 
 @dataclass(frozen=True)

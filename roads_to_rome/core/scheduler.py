@@ -18,7 +18,7 @@ from roads_to_rome.core.scoring import score_prompt
 from roads_to_rome.errors import R2RError
 
 if TYPE_CHECKING:
-    from roads_to_rome.core.engine import Engine
+    from roads_to_rome.core.context import Context
 
 
 class Scheduler:
@@ -35,7 +35,7 @@ class Scheduler:
     `Engine.stream` (generate, chat, eval, the label pipeline) to the end. A sequence leaves reporting it once:
     its last `Step` (finished) or a `Failure`."""
 
-    def __init__(self, engine: Engine, max_batch: int | None = None, prefill_chunk: int | None = None,
+    def __init__(self, context: Context, max_batch: int | None = None, prefill_chunk: int | None = None,
                  prefix_tokens: int = 0, by_priority: bool = False):
         """`max_batch`: sequences decoding or having their prompt read at once (None: no limit).
         `prefill_chunk`: prompt tokens each model reads per turn, a newcomer's prompt alone, between decode steps
@@ -44,10 +44,10 @@ class Scheduler:
         the same way (0: none; a model behind a server keeps none here, its server caches). `by_priority`: waiting
         sequences are admitted by their request's priority (lower first), then in arrival order, and one that finds
         no room preempts less urgent admitted ones (vLLM's priority scheduling: `_preempt_for`)."""
-        self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
+        self.context, self.max_batch, self.prefill_chunk = context, max_batch, prefill_chunk
         self.by_priority = by_priority
-        self.prefixes = prefix_caches(engine, prefix_tokens, max_batch)
-        self.batch = Batch(engine, self.prefixes)
+        self.prefixes = prefix_caches(context, prefix_tokens, max_batch)
+        self.batch = Batch(context, self.prefixes)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.reading: collections.deque[tuple[Sequence, PromptRead]] = collections.deque()  # admitted, prompt in chunks
         self.joining: list[Sequence] = []  # admitted, to join the batch at the next decode step
@@ -87,7 +87,7 @@ class Scheduler:
     def admit(self) -> list[Failure]:
         """Waiting sequences take a slot while one is free and their KV tokens fit; the cancelled ones leave. A
         sequence that asks for its prompt's log-probabilities has them scored as it is admitted."""
-        left, capacity = [], self.engine.kv_capacity
+        left, capacity = [], self.context.kv_capacity
         prefixes = [p for p in self.prefixes if p is not None and p.model.kv_capacity is not None]
         while self.waiting:
             s = self.waiting[0]
@@ -110,10 +110,10 @@ class Scheduler:
                     and self.scored is not None and self.scored[0] == scoring_key(s):  # another choice of its request
                 s.generation.prompt_logprobs, s.generation.prompt_sources = self.scored[1]
             if s.request.prompt_logprobs is not None and s.generation.prompt_logprobs is None:
-                read = PromptRead(self.engine, s, self.prefixes, reuse=False)  # (scored from its first token)
+                read = PromptRead(self.context, s, self.prefixes, reuse=False)  # (scored from its first token)
                 try:  # (the scoring models read the whole prompt at once: a turn as long as an unchunked prefill)
                     s.generation.prompt_logprobs, s.generation.prompt_sources = score_prompt(
-                        self.engine, s, read.per_model)
+                        self.context, s, read.per_model)
                     self.scored = (scoring_key(s), (s.generation.prompt_logprobs, s.generation.prompt_sources))
                 except Exception as e:  # only this sequence fails
                     read.release()
@@ -122,7 +122,7 @@ class Scheduler:
                 self.reading.append((s, read))  # the prompt is read: what is left of it is the other model's
             elif self.prefill_chunk or any(self.prefixes):
                 try:
-                    read = PromptRead(self.engine, s, self.prefixes, follows=self._read_to_follow(s))
+                    read = PromptRead(self.context, s, self.prefixes, follows=self._read_to_follow(s))
                 except Exception as e:  # only this sequence fails
                     left.append(Failure(s, e))
                     continue
@@ -165,7 +165,7 @@ class Scheduler:
         urgent first (the latest to arrive among equals), as vLLM does: each leaves the batch with what it wrote and
         goes back to the queue, to read its prompt and output again (from what prefix caching kept of them) when
         there is room. False, preempting none, when those it could preempt would not make room."""
-        capacity = self.engine.kv_capacity
+        capacity = self.context.kv_capacity
         slots = 0 if self.max_batch is None else self.admitted + 1 - self.max_batch  # slots short
         tokens = 0 if capacity is None else self.kv_in_use + s.request.kv_tokens - capacity  # KV tokens short
         candidates = [v for v in self._admitted() if urgency(v) > urgency(s) and not v.cancelled]
@@ -198,7 +198,7 @@ class Scheduler:
             read.release()
         self.kv_in_use -= s.request.kv_tokens
         s.preemptions += 1
-        self.engine.counters.preemptions += 1
+        self.context.counters.preemptions += 1
         self._queue(s)
 
     def forget_kept(self) -> None:
@@ -244,7 +244,7 @@ class Scheduler:
                 return left
             self.reading.popleft()
             prefill.keep()
-            self.batch.add([s], prefill)  # leaves the batch as it was if it fails
+            self.batch.add([s], prefill.per_model)  # leaves the batch as it was if it fails
         except Exception as e:  # only this sequence was being read: only it fails
             if self.reading and self.reading[0][0] is s:
                 self.reading.popleft()
@@ -265,7 +265,7 @@ class Scheduler:
         try:
             stepped = self.batch.step()
         except Exception as e:  # a step runs every row at once: fail the sequences in it, start a fresh batch
-            failed, self.batch = self.batch, Batch(self.engine, self.prefixes)
+            failed, self.batch = self.batch, Batch(self.context, self.prefixes)
             failed.release()
             return events + [self._leave(s, Failure(s, e)) for s in before]
         return events + [self._leave(e.sequence, e) if isinstance(e, Failure) or e.finished else e for e in stepped]
@@ -282,22 +282,23 @@ class PromptRead:
     already decoding keep producing tokens while a long prompt is read. Each model reads the prompt
     alone, into a cache of its own, up to all but the prompt's last token (the sequence's first
     decode step reads that one and proposes the first new token); `Batch.add` fits that cache into
-    the batch. A model does not read a prompt it will never be asked about (`Engine.readers`): the LLM a request
+    the batch. A model does not read a prompt it will never be asked about (`Context.readers`): the LLM a request
     forced onto the SLM, the SLM one forced onto the LLM."""
 
-    def __init__(self, engine: Engine, sequence: Sequence, prefixes: tuple = (None, None), reuse: bool = True,
+    def __init__(self, context: Context, sequence: Sequence, prefixes: tuple = (None, None), reuse: bool = True,
                  follows: PromptRead | None = None):
         """`prefixes`: the writer's and the LLM's kept prompts (`Scheduler.prefixes`); `reuse`: whether the read may
         start from one of them (not when every position's output is wanted: a scored prompt). `follows`: a read in
         progress that shares most of this prompt, to wait for (`Scheduler.admit`): this one starts once it is done;
         otherwise it starts now."""
-        writes, reads = engine.readers(sequence)
-        self.readers = (engine.writer if writes else None, engine.llm_side if reads else None)
-        self.engine, self.prefixes, self.reuse, self.follows, self.sequence = engine, prefixes, reuse, follows, sequence
+        writes, reads = context.readers(sequence)
+        self.readers = (context.writer if writes else None, context.llm if reads else None)
+        self.context, self.prefixes, self.reuse, self.follows = context, prefixes, reuse, follows
+        self.sequence = sequence
         self.prompt = sequence.context_ids  # (a preempted sequence reads its output again too)
         self.goal = len(self.prompt) - 1
         self.salt = sequence.request.cache_salt
-        self.ids = torch.tensor([self.prompt], device=engine.writer.device)
+        self.ids = torch.tensor([self.prompt], device=context.writer.device)
         # (writer's cache, LLM's), None for a model that does not read it: as `Layout.join` takes them; made when
         # the read starts (`start`), from a kept prompt where one begins as this one does
         self.per_model: tuple | None = None
@@ -319,8 +320,8 @@ class PromptRead:
             self.sequence.generation.cached_tokens = found
         self.follows = None  # (waited for: let it go)
         if self.reuse and any(self.prefixes):
-            self.engine.counters.prefix_queries += self.goal
-            self.engine.counters.prefix_hits += found
+            self.context.counters.prefix_queries += self.goal
+            self.context.counters.prefix_hits += found
 
     @property
     def started(self) -> bool:
@@ -360,12 +361,12 @@ def urgency(s: Sequence) -> tuple[int, int]:
     return s.request.priority, s.arrival
 
 
-def prefix_caches(engine: Engine, tokens: int, max_batch: int | None) -> tuple[PrefixCache | None, ...]:
+def prefix_caches(context: Context, tokens: int, max_batch: int | None) -> tuple[PrefixCache | None, ...]:
     """The writer's and the LLM's kept prompts (None: it keeps none). A backend with a fixed number of rows (llama.cpp's
     sequences) keeps as many prompts as it holds beyond the batch's rows."""
-    rows = kept_prompt_rows(max_batch or engine.max_rows or 0, engine.max_rows)
+    rows = kept_prompt_rows(max_batch or context.max_rows or 0, context.max_rows)
     return tuple(None if m is None or m.remote or not tokens or rows < 1 else PrefixCache(m, tokens, rows)
-                 for m in (engine.writer, engine.llm_side))
+                 for m in (context.writer, context.llm))
 
 
 def make_room(prefixes: list[PrefixCache], room: int) -> None:

@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from roads_to_rome.core.request import Sequence, TokenLogprob
+from roads_to_rome.core.request import Sequence
+from roads_to_rome.core.sampling import TokenLogprob
 from roads_to_rome.routing import rate
 
 if TYPE_CHECKING:
-    from roads_to_rome.core.engine import Engine
+    from roads_to_rome.core.context import Context
 
 
-def score_prompt(engine: Engine, sequence: Sequence, caches: tuple) -> tuple[list[TokenLogprob | None], list[str]]:
+def score_prompt(context: Context, sequence: Sequence, caches: tuple) -> tuple[list[TokenLogprob | None], list[str]]:
     """Each prompt token's entry (None for the first: nothing comes before it) and which model gave it ("slm" or
     "llm"), with the request's `prompt_logprobs` most likely tokens. Each model that scores reads the prompt once,
     whole, into its cache of `caches` (the writer's, the LLM's: a `PromptRead`'s, None for a model that does not
@@ -47,20 +48,20 @@ def score_prompt(engine: Engine, sequence: Sequence, caches: tuple) -> tuple[lis
 
     with torch.inference_mode():
         if writer_cache is not None:
-            routing, writer = PromptRouting(engine, sequence), keep(engine.writer_source)
+            routing, writer = PromptRouting(context, sequence), keep(context.writer_source)
 
             def route_then_keep(first: int, logits: torch.Tensor, hidden: torch.Tensor) -> None:
                 sources.extend(routing.decide(logits, hidden))
                 writer(first, logits, hidden)
 
-            engine.writer.score_sequence(read, writer_cache, route_then_keep)
+            context.writer.score_sequence(read, writer_cache, route_then_keep)
         else:
             sources.extend(["llm"] * len(read))
-        if "llm" in sources and engine.writer_source != "llm":
-            if engine.llm.full_logits:
-                engine.llm_side.score_sequence(read, llm_cache, keep("llm"))
+        if "llm" in sources and context.writer_source != "llm":
+            if context.llm.full_logits:
+                context.llm.score_sequence(read, llm_cache, keep("llm"))
             else:  # a server's own (vLLM's); the LLM's cache reads the prompt as any other's
-                served = engine.llm.prompt_logprobs(ids, top, sequence.request.cache_salt)
+                served = context.llm.backend.prompt_logprobs(ids, top, sequence.request.cache_salt)
                 for t, source in enumerate(sources):
                     if source == "llm":
                         entries[t] = served_logprob(served[t], ids[t + 1], top)
@@ -90,18 +91,18 @@ class PromptRouting:
     a chunk of positions at a time (`decide`): the policy's choice, as while decoding, or the one the request
     forces. A target LLM rate follows the decisions before each position, across chunks."""
 
-    def __init__(self, engine: Engine, sequence: Sequence):
-        self.engine, self.sequence = engine, sequence
+    def __init__(self, context: Context, sequence: Sequence):
+        self.context, self.sequence = context, sequence
         self.scores: list[float] = []
         self.routed = 0
 
     def decide(self, logits: torch.Tensor, hidden: torch.Tensor) -> list[str]:
-        engine, n = self.engine, logits.shape[0]
-        if not engine.routes:
-            return [engine.writer_source] * n
+        context, n = self.context, logits.shape[0]
+        if not context.routes:
+            return [context.writer_source] * n
         if self.sequence.force is not None:
             return [self.sequence.force] * n
-        request, policy = self.sequence.request, engine.policy
+        request, policy = self.sequence.request, context.policy
         if request.target_rate is None:
             thresholds = None if request.threshold is None else torch.full((n,), request.threshold,
                                                                             device=logits.device)

@@ -5,10 +5,10 @@ Two kinds of token wait for the LLM's word:
 - *unverified* tokens: a row that verifies (`--verify strict` or a tolerance) writes the SLM's tokens at once and
   the LLM checks each at its next catch-up (`check_token`: the tolerance rule, or speculative sampling's test);
 - *deferred routed* tokens: with `--defer continue` or `park` a routed row does not force an LLM call in the step
-  that routes it. It keeps the SLM's token for now and the position waits in `Checks.routed`; the LLM decides it at
-  its next call, grouped with the other rows' (`llm_calls.llm_due` says when; with --overlap that call runs
-  beside the SLM's next steps, and every routed row goes on this way). At a routed position the LLM's own token is
-  what immediate routing would have written, so `check_routed` keeps the SLM's token only where it is that token
+  that routes it. It keeps the SLM's token for now and the position waits in `Checks.routed` (request.py); the LLM
+  decides it at its next call, grouped with the other rows' (`llm_calls.llm_due` says when; with --overlap that call
+  runs beside the SLM's next steps, and every routed row goes on this way). At a routed position the LLM's own token
+  is what immediate routing would have written, so `check_routed` keeps the SLM's token only where it is that token
   (under sampling: where speculative sampling's test keeps it, so the token still follows the LLM's distribution);
   `park` takes back every waiting position, as if the row had taken no token while it waited.
 
@@ -24,41 +24,13 @@ rejected row, `settle` when the step's token is in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from roads_to_rome.core.request import Sequence
 from roads_to_rome.core.sampling import sample, sampling_probs, speculative_residual, within_tolerance
 from roads_to_rome.errors import R2RError
-
-if TYPE_CHECKING:
-    from roads_to_rome.core.request import Sequence
-
-
-@dataclass
-class Checks:
-    """One row's outstanding checks (indices are positions in the row's output)."""
-
-    final: int = 0  # tokens that can no longer change (shown)
-    checked: int = 0  # the LLM has had its word on every token before this one (a row that does not verify: on
-    # every routed position before it)
-    routed: list[int] = field(default_factory=list)  # deferred routed positions, oldest first
-    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # the SLM's distribution a sampled token
-    # was drawn from (strict verification and deferred routing under sampling: the ratio test needs it)
-    ends: str | None = None  # why the output ended on a token the LLM has still to check ("stop" or "length"):
-    # the row stands still until it has (overlap: the call that checks it runs beside the other rows' steps)
-
-    def pending(self, s: Sequence) -> bool:
-        """Whether any of the row's written tokens still await the LLM's word."""
-        return bool(self.routed) or (s.verify.on and self.checked < len(s.generation.token_ids))
-
-    def through(self, index: int) -> None:
-        """The LLM has had its word on every token up to `index`."""
-        self.checked = max(self.checked, index + 1)
-        self.routed = [k for k in self.routed if k > index]
-        for k in [k for k in self.draft_probs if k <= index]:
-            del self.draft_probs[k]
 
 
 class Rejection(NamedTuple):

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step
 from roads_to_rome.core.sampling import NothingToWrite
-from roads_to_rome.core.scheduler import Scheduler
 from roads_to_rome.errors import LLMUnavailable, R2RError, RemoteError
 from roads_to_rome.serving import request_ids
 from roads_to_rome.serving.errors import LLM_AWAY, APIError
@@ -71,7 +70,7 @@ class EngineThread:
 
     def __init__(self, engine: Engine, limits: Limits, on_failure: Callable[[BaseException], None] | None = None):
         self.engine, self.limits, self.on_failure = engine, limits, on_failure
-        self.scheduler = Scheduler(engine, limits.max_batch, limits.prefill_chunk, limits.prefix_cache_tokens,
+        self.scheduler = engine.scheduler(limits.max_batch, limits.prefill_chunk, limits.prefix_cache_tokens,
                                    by_priority=limits.scheduling_policy == "priority")
         self.metrics = Metrics(engine, self.load)
         self.jobs: dict[int, Job] = {}  # id(sequence) -> its job, until the sequence leaves the scheduler

@@ -25,7 +25,8 @@ from openai.types.completion_choice import Logprobs
 from openai.types.completion_usage import CompletionTokensDetails, PromptTokensDetails
 from pydantic import BaseModel
 
-from roads_to_rome.core.request import Generation, TokenLogprob
+from roads_to_rome.core.request import Generation
+from roads_to_rome.core.sampling import TokenLogprob
 from roads_to_rome.reasoning import Reasoned, ReasoningParser, llm_rate, prompt_start, reason
 from roads_to_rome.serving.engine_thread import ErrorReply, Job
 from roads_to_rome.serving.errors import APIError, llm_away
