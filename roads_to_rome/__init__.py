@@ -6,7 +6,7 @@ on the default pair (`r2r models prepare` first):
     from roads_to_rome import SamplingParams, load_engine
 
     engine = load_engine()  # the default pair, the shipped router, verification at 1 nat
-    prompt = engine.encode_chat("What is 17 * 23? Finish with 'The answer is N'.")
+    prompt = engine.prompts.chat("What is 17 * 23? Finish with 'The answer is N'.")
     result = engine.generate([prompt], SamplingParams(max_new_tokens=128))[0]
     print(result.text, f"{result.llm_rate:.0%} of the tokens from the LLM")
 

@@ -62,7 +62,7 @@ def main() -> None:
     router = random_router(slm)
     recorded = shapes.Recorded(slm)
     chat = systems.alone(recorded, tokenizer, "slm")
-    prompts = [chat.encode_chat(f"What is {i} times {i + 3}? Explain step by step, please, with care.")
+    prompts = [chat.prompts.chat(f"What is {i} times {i + 3}? Explain step by step, please, with care.")
                for i in range(max(args.batch))]
     print("system        batch  first reads per pass (SLM + LLM)")
     for batch in args.batch:

@@ -31,7 +31,7 @@ parser.add_argument("--out")
 args = parser.parse_args()
 
 engine = load_engine(EngineConfig())
-prompt = engine.encode_chat(gsm8k_prompt(gsm8k()[0]))
+prompt = engine.prompts.chat(gsm8k_prompt(gsm8k()[0]))
 answer = engine.generate([prompt], SamplingParams(max_new_tokens=args.positions, ignore_eos=True))[0].token_ids
 rows, _ = engine.slm.forward_sequence(prompt + answer[:-1], start=len(prompt) - 1)
 rows = rows.float()

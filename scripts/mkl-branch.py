@@ -31,7 +31,7 @@ def measure(tokens: int) -> dict:
     result = {"processor": hardware.describe_cpu(), "MKL_CBWR": os.environ.get("MKL_CBWR"), "kernels": slm.kernels}
     for role, model in (("slm", slm), ("llm", llm)):
         engine = Engine.alone(model, tokenizer)
-        prompts = [engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:max(ROWS)]]
+        prompts = [engine.prompts.chat(gsm8k_prompt(item)) for item in gsm8k()[:max(ROWS)]]
 
         def timed(rows: int, n: int) -> float:
             start = time.perf_counter()

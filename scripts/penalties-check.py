@@ -47,7 +47,7 @@ systems = {"plain": SamplingParams(max_new_tokens=args.tokens),
            "penalised": SamplingParams(max_new_tokens=args.tokens, presence_penalty=args.presence,
                                        frequency_penalty=args.frequency, repetition_penalty=args.repetition)}
 items = gsm8k()[: args.prompts]
-engine.generate([engine.encode_chat("Hi")], SamplingParams(max_new_tokens=4))  # warm-up
+engine.generate([engine.prompts.chat("Hi")], SamplingParams(max_new_tokens=4))  # warm-up
 
 
 def repeated_share(tokens: list[int], n: int = 4) -> float:
@@ -57,7 +57,7 @@ def repeated_share(tokens: list[int], n: int = 4) -> float:
 
 rows = []
 for k, item in enumerate(items):
-    prompt = engine.encode_chat(gsm8k_prompt(item))
+    prompt = engine.prompts.chat(gsm8k_prompt(item))
     order = list(systems) if k % 2 == 0 else list(reversed(systems))
     for name in order:
         penalty_seconds[0] = 0.0

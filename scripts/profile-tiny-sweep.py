@@ -27,7 +27,7 @@ tokenizer = tiny_tokenizer()
 slm = TorchBackend(tiny_model(tokenizer, hidden=32, seed=0), name="tiny-slm")
 llm = TorchBackend(tiny_model(tokenizer, hidden=64, seed=1), name="tiny-llm")
 engine = Engine(slm, llm, tokenizer, EntropyPolicy(4.0), verify=1.0)
-prompts = [engine.encode_chat(p) for p in PROMPTS]
+prompts = [engine.prompts.chat(p) for p in PROMPTS]
 params = SamplingParams(max_new_tokens=24)
 engine.generate(prompts, params)  # warm-up
 tokens, profile, start = 0, cProfile.Profile(), time.perf_counter()

@@ -44,7 +44,7 @@ for backend, verify in [(b, v) for b in args.backend or ["llamacpp"] for v in ar
     slm, llm, tokenizer = pairs[backend]
     policy = policies.build("router", slm, None, router_path_for(None, None))
     engine = Engine(slm, llm, tokenizer, policy, verify=verify)
-    prompts = prompts or [engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[: args.prompts]]
+    prompts = prompts or [engine.prompts.chat(gsm8k_prompt(item)) for item in gsm8k()[: args.prompts]]
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
     tokens = llm_tokens = rollbacks = discarded = calls = steps = slm_s = llm_s = 0
     start = time.perf_counter()

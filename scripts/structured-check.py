@@ -66,13 +66,13 @@ def graded(text: str, reference: str) -> tuple[bool, bool]:
 
 
 engine = load_engine(EngineConfig())
-engine.generate([engine.encode_chat("Hi")], SamplingParams(max_new_tokens=4))  # warm-up
+engine.generate([engine.prompts.chat("Hi")], SamplingParams(max_new_tokens=4))  # warm-up
 _ = engine.grammar_tokenizer  # built once, before the timings
 ways = {"asked in the prompt": None, "schema enforced": OutputFormat.json_schema(SCHEMA),
         "schema, bounded whitespace": OutputFormat.json_schema(SCHEMA, whitespace=WHITESPACE)}
 rows = []
 for k, item in enumerate(gsm8k()[: args.prompts]):
-    prompt = engine.encode_chat(item["question"] + ASK)
+    prompt = engine.prompts.chat(item["question"] + ASK)
     names = list(ways)
     for name in names[k % len(names):] + names[: k % len(names)]:
         params = SamplingParams(max_new_tokens=args.tokens, output_format=ways[name])

@@ -39,11 +39,11 @@ def sorted_rows(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 engine = load_engine(EngineConfig(verify=args.verify))
-engine.generate([engine.encode_chat("Hi")], SamplingParams(max_new_tokens=4))  # warm-up
+engine.generate([engine.prompts.chat("Hi")], SamplingParams(max_new_tokens=4))  # warm-up
 ways = {"sorting whole rows": sorted_rows, "ranking the likeliest": ranked}
 rows = []
 for k, item in enumerate(gsm8k()[: args.prompts]):
-    prompt = engine.encode_chat(gsm8k_prompt(item))
+    prompt = engine.prompts.chat(gsm8k_prompt(item))
     params = SamplingParams(max_new_tokens=args.tokens, temperature=0.6, top_p=0.95, seed=k)
     outputs = {}
     for name in (list(ways) if k % 2 == 0 else list(reversed(ways))):

@@ -56,7 +56,7 @@ def until(condition, what: str, timeout: float = 30.0) -> None:
 
 
 def encode(engine, prompts=PROMPTS):
-    return [engine.encode_chat(p) for p in prompts]
+    return [engine.prompts.chat(p) for p in prompts]
 
 
 def run_with_joins(engine, prompts, join_after, params, prefill_chunk=None):
@@ -82,7 +82,7 @@ def llm_greedy_reference(llm, tokenizer, texts, max_new_tokens):
     """The LLM alone, greedy, on these chat prompts: what strict verification must reproduce token for token.
     Returns (the encoded prompts, the sampling params, each prompt's tokens)."""
     alone = Engine.alone(llm, tokenizer)
-    prompts = [alone.encode_chat(text) for text in texts]
+    prompts = [alone.prompts.chat(text) for text in texts]
     params = SamplingParams(max_new_tokens=max_new_tokens)
     return prompts, params, [g.token_ids for g in alone.generate(prompts, params)]
 

@@ -23,8 +23,8 @@ def test_importing_the_package_imports_no_torch():
 
 def test_the_public_names_run_a_pair(slm, llm, tokenizer):
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(0.0))  # entropy >= 0 always: every token from the LLM
-    result = engine.generate([engine.encode_raw("a b c")], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
-    alone = Engine.alone(llm, tokenizer).generate([engine.encode_raw("a b c")],
+    result = engine.generate([engine.prompts.raw("a b c")], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+    alone = Engine.alone(llm, tokenizer).generate([engine.prompts.raw("a b c")],
                                                   SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
     assert result.token_ids == alone.token_ids and result.llm_rate == 1.0
 

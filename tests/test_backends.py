@@ -340,7 +340,7 @@ def test_pairs_whose_heads_differ_in_padding_rows_work(padded_pair, tokenizer):
     assert llm.embedding_table().shape[0] == len(tokenizer) + 20
     for policy in (AlwaysLLM(), RandomPolicy(0.5, seed=0)):
         engine = Engine(slm, llm, tokenizer, policy)
-        prompts = [engine.encode_chat(p) for p in PROMPTS]
+        prompts = [engine.prompts.chat(p) for p in PROMPTS]
         params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=3)
         for gen in engine.generate(prompts, params):
             assert len(gen.token_ids) == 12 and max(gen.token_ids) < len(tokenizer)

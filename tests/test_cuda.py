@@ -84,7 +84,7 @@ def test_cuda_equals_the_cpu(pair, tokenizer, family):
 def test_strict_verification_equals_the_llm_alone_on_cuda(pair, tokenizer, policy):
     slm, llm = pair
     alone = Engine.alone(llm, tokenizer)
-    prompts = [alone.encode_chat(p) for p in PROMPTS]
+    prompts = [alone.prompts.chat(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=N_TOKENS)
     expected = [g.token_ids for g in alone.generate(prompts, params)]
     engine = Engine(slm, llm, tokenizer, policy, verify="strict")
@@ -141,7 +141,7 @@ def test_with_overlap_each_models_graphs_are_recorded_while_the_other_runs(token
     their buffers and graphs; strict verification still writes the LLM's greedy tokens."""
     slm, llm = tiny_pair(tokenizer, family, "cuda")
     alone = Engine.alone(llm, tokenizer)
-    prompts = [alone.encode_chat(p) for p in PROMPTS]
+    prompts = [alone.prompts.chat(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=N_TOKENS)
     expected = [g.token_ids for g in alone.generate(prompts, params)]
     fresh_slm, fresh_llm = tiny_pair(tokenizer, family, "cuda")
@@ -162,7 +162,7 @@ def test_rows_that_join_and_leave_keep_their_tokens_and_the_graphs_buffers(token
     slm, llm = tiny_pair(tokenizer, family, "cuda")
     policy = EntropyPolicy(3.0)
     reference = Engine(slm, llm, tokenizer, policy, verify=1.0)
-    requests = [Request(reference.encode_chat(p + " " * i), SamplingParams(max_new_tokens=8 + 5 * i))
+    requests = [Request(reference.prompts.chat(p + " " * i), SamplingParams(max_new_tokens=8 + 5 * i))
                 for i, p in enumerate(PROMPTS * 2)]
     expected = [reference.run([r])[0].token_ids for r in requests]
     fresh_slm, fresh_llm = tiny_pair(tokenizer, family, "cuda")

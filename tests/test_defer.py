@@ -42,7 +42,7 @@ def test_deferred_routing_gives_every_row_the_tokens_of_immediate_routing(kind_p
     for name, policy in row_policies(slm).items():
         for verify in ("off", 1.0, "strict"):
             immediate = Engine(slm, llm, tokenizer, policy, verify=verify)
-            prompts = [immediate.encode_chat(p) for p in PROMPTS]
+            prompts = [immediate.prompts.chat(p) for p in PROMPTS]
             expected = outputs(immediate.generate(prompts, params))
             before = immediate.counters.llm_calls
             for rule in (Deferral(mode, group=0.75, steps=4), Deferral(mode, group=1.0, steps=50)):
@@ -79,7 +79,7 @@ def test_strict_verification_with_deferral_is_the_llms_greedy_output(kind_pair, 
 def test_a_stream_with_deferral_shows_only_tokens_that_stay(kind_pair, tokenizer):
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), defer=Deferral("continue", group=1.0, steps=8))
-    results = assert_stream_shows_only_tokens_that_stay(engine, [engine.encode_chat(p) for p in PROMPTS], N_TOKENS)
+    results = assert_stream_shows_only_tokens_that_stay(engine, [engine.prompts.chat(p) for p in PROMPTS], N_TOKENS)
     assert sum(g.deferred_replaced for g in results) > 0
 
 
@@ -94,7 +94,7 @@ def test_a_deferred_routed_token_under_sampling_follows_the_llms_distribution(ki
     rows = min(llm.max_rows or 400, 400)
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(1e9), defer=Deferral(mode, group=1.0, steps=100),
                     overlap=overlap)
-    prompt = engine.encode_chat("What is 48 / 2?")
+    prompt = engine.prompts.chat("What is 48 / 2?")
     base = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=20, ignore_eos=True)
     target = sampling_probs(llm.forward_sequence(prompt)[0][-1:], base)[0]
     draft = sampling_probs(slm.forward_sequence(prompt)[0][-1:], base)[0]
@@ -119,7 +119,7 @@ def test_a_deferred_routed_token_under_sampling_follows_the_llms_distribution(ki
 
 def test_a_request_forcing_the_llm_is_never_deferred_and_bad_settings_are_refused(slm, llm, tokenizer):
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(0.0), defer="continue")
-    prompt = engine.encode_chat("Hi")
+    prompt = engine.prompts.chat("Hi")
     gens = engine.run([Request(prompt, SamplingParams(max_new_tokens=6), force="llm")] * 3)
     assert all(g.deferred == 0 and g.sources == ["llm"] * len(g.token_ids) for g in gens)
     with pytest.raises(R2RError, match="defer takes off, continue, park"):

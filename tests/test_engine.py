@@ -215,8 +215,8 @@ def test_empty_prompt_and_missing_llm_are_refused(slm, tokenizer):
 @pytest.mark.parametrize("prefill_chunk", [None, 1, 7])
 def test_requests_joining_a_running_batch_decode_as_if_alone(slm, llm, tokenizer, prefill_chunk):
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=3))
-    short, long_ = engine.encode_raw("Hi"), engine.encode_chat("Bonjour! Paris is the capital of which country?" * 3)
-    prompts = [engine.encode_chat("What is 48 / 2?"), short, long_, engine.encode_chat("def add(a, b):")]
+    short, long_ = engine.prompts.raw("Hi"), engine.prompts.chat("Bonjour! Paris is the capital of which country?" * 3)
+    prompts = [engine.prompts.chat("What is 48 / 2?"), short, long_, engine.prompts.chat("def add(a, b):")]
     # A shorter newcomer (padded to the batch), a longer one (the batch is padded to it), one late; with
     # chunked prefill, read a token or 7 per step while the batch decodes.
     sequences = run_with_joins(engine, prompts, join_after=[3, 5, 9], params=SamplingParams(max_new_tokens=16),
@@ -342,7 +342,7 @@ def test_the_engine_equals_the_bare_forward_loops_of_the_benchmark(slm, tokenize
     from roads_to_rome.bench.measure import bare_loop
 
     engine = Engine(slm, None, tokenizer)
-    prompt = engine.encode_chat("What is 48 / 2?")
+    prompt = engine.prompts.chat("What is 48 / 2?")
     gen = engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
     dynamic, _ = bare_loop(slm.model, prompt, 12)
     static, _ = bare_loop(slm.model, prompt, 12, static=True)

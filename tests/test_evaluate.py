@@ -154,7 +154,7 @@ def test_entropy_matched_to_r2r_routes_short_answers_at_r2rs_rate(run_cli, pair,
     items = {item.id: item for item in benchmarks.load("gsm8k")[:6]}
 
     def entropies(row):
-        prompt = encoder.encode_prompt(items[row["id"]].prompt)
+        prompt = encoder.prompts.prompt(items[row["id"]].prompt)
         return entropy(slm.forward_sequence(prompt + row["token_ids"][:-1], len(prompt) - 1)[0])
 
     r2r = read_results(d / "r2r.jsonl")

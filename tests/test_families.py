@@ -40,7 +40,7 @@ def test_strict_verification_is_the_llms_greedy_output(family_pair, tokenizer, o
 def test_rows_joining_a_running_batch_decode_as_if_alone(family_pair, tokenizer):
     slm, llm = family_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0), verify="strict")
-    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    prompts = [engine.prompts.chat(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=N_TOKENS)
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
     joined = run_with_joins(engine, prompts, join_after=[2, 5], params=params)

@@ -481,7 +481,7 @@ def test_local_judge_reusing_its_cache_answers_as_a_fresh_one(llm, tokenizer):
     assert shared.cached  # the cache was kept between cases
     fresh = [judges.LocalJudge(engine)([case])[0] for case in cases]
     assert reused == fresh
-    greedy = engine.generate([engine.encode_chat(judges.judge_prompt(*cases[0]))],
+    greedy = engine.generate([engine.prompts.chat(judges.judge_prompt(*cases[0]))],
                              SamplingParams(max_new_tokens=judges.LocalJudge.ANSWER_TOKENS))[0]
     assert fresh[0][1] == greedy.text
 
@@ -815,16 +815,16 @@ def test_infill_responses_are_asked_in_the_middle_and_end_at_their_stop(tmp_path
     from roads_to_rome.core.request import Request
 
     writer = Engine.alone(slm, tokenizer, "slm")
-    writer.fim_ids = (0, 1, 2)  # the tiny tokenizer's special tokens stand in for the FIM markers
+    writer.prompts.fim_ids = (0, 1, 2)  # the tiny tokenizer's special tokens stand in for the FIM markers
     prompts = [{"id": f"f{i}", "domain": "infill", "prompt": f"def add(a, b):\n    {i}", "suffix": "\n    return c\n",
                 "stop": ["l"]} for i in range(4)] + [{"id": "chat", "domain": "qa", "prompt": "What is 48 / 2?"}]
     labels.step_responses(prompts, writer, tmp_path, max_new_tokens=24, batch_size=3, writer="slm")
     rows = {r["id"]: r for r in labels.Parts(tmp_path, "responses").rows()}
-    assert rows["chat"]["prompt_ids"] == writer.encode_chat("What is 48 / 2?")
+    assert rows["chat"]["prompt_ids"] == writer.prompts.chat("What is 48 / 2?")
     stopped = 0
     for p in prompts[:4]:
         r = rows[p["id"]]
-        assert r["prompt_ids"] == writer.encode_infill(p["prompt"], p["suffix"])
+        assert r["prompt_ids"] == writer.prompts.infill(p["prompt"], p["suffix"])
         assert r["prompt_ids"][0] == 0 and r["prompt_ids"][-1] == 2
         alone = writer.run([Request(r["prompt_ids"], SamplingParams(max_new_tokens=24))])[0].token_ids
         n = len(r["response_ids"])

@@ -55,7 +55,7 @@ def test_logits_and_hidden_states_match_the_torch_backend(gguf_pair, slm, llm, t
 @pytest.mark.parametrize("policy, role", [(AlwaysSLM(), "slm"), (AlwaysLLM(), "llm")])
 def test_always_one_model_equals_its_own_greedy_output(gguf_pair, tokenizer, policy, role):
     engine = Engine(*gguf_pair, tokenizer, policy)
-    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    prompts = [engine.prompts.chat(p) for p in PROMPTS]
     reference = gguf_pair[0] if role == "slm" else gguf_pair[1]
     params = SamplingParams(max_new_tokens=24)
     expected = [greedy_by_full_forward(reference, p, 24, engine.eos_ids) for p in prompts]
@@ -67,7 +67,7 @@ def test_always_one_model_equals_its_own_greedy_output(gguf_pair, tokenizer, pol
 def test_requests_joining_and_mixed_routing_decode_as_if_alone(gguf_pair, tokenizer, prefill_chunk):
     slm, llm = gguf_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=3))
-    prompts = [engine.encode_chat(p) for p in PROMPTS] + [engine.encode_raw("Hi")]
+    prompts = [engine.prompts.chat(p) for p in PROMPTS] + [engine.prompts.raw("Hi")]
     requests = run_with_joins(engine, prompts, join_after=[2, 4, 7], params=SamplingParams(max_new_tokens=12),
                               prefill_chunk=prefill_chunk)
     assert sum(r.generation.llm_tokens for r in requests) > 0

@@ -187,7 +187,7 @@ def test_an_output_format_holds_the_text_to_a_schema(srv, slm, llm, tokenizer):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"],
               "additionalProperties": False}
     engine = Engine(slm, llm, tokenizer)
-    own = engine.run([Request(engine.encode_chat("A digit"), SamplingParams(
+    own = engine.run([Request(engine.prompts.chat("A digit"), SamplingParams(
         max_new_tokens=24, output_format=OutputFormat.json_schema(schema)), force="llm")])[0]
     for field in ({"output_config": {"format": {"type": "json_schema", "schema": schema}}},
                   {"extra_body": {"output_format": {"type": "json_schema", "schema": schema}}}):

@@ -66,7 +66,7 @@ def test_overlap_gives_every_row_the_tokens_of_the_calls_in_the_step(kind_pair, 
             for mode in ("off", "continue", "park"):
                 rule = Deferral(mode, group=0.75, steps=4)
                 reference = Engine(slm, llm, tokenizer, policy, verify=verify, defer=rule)
-                prompts = [reference.encode_chat(p) for p in PROMPTS]
+                prompts = [reference.prompts.chat(p) for p in PROMPTS]
                 expected = outputs(reference.generate(prompts, params))
                 for delay in (0.0, 0.01):
                     slow = SlowLLM(llm, delay)
@@ -89,7 +89,7 @@ def test_rows_join_leave_and_stand_still_while_a_call_is_in_flight(kind, kind_pa
     slm, llm = kind_pair
     policy = EntropyPolicy(3.0)
     reference = Engine(slm, llm, tokenizer, policy, verify=1.0)
-    requests = [Request(reference.encode_chat(p + " " * i), SamplingParams(max_new_tokens=8 + 5 * i))
+    requests = [Request(reference.prompts.chat(p + " " * i), SamplingParams(max_new_tokens=8 + 5 * i))
                 for i, p in enumerate(PROMPTS * 2)]
     expected = [outputs(reference.run([r]))[0] for r in requests]
     engine = Engine(slm, SlowLLM(llm, 0.02), tokenizer, policy, verify=1.0, overlap=True)
@@ -124,7 +124,7 @@ def test_strict_verification_with_overlap_is_the_llms_greedy_output(kind_pair, t
 def test_a_stream_with_overlap_shows_only_tokens_that_stay(kind_pair, tokenizer):
     slm, llm = kind_pair
     engine = Engine(slm, SlowLLM(llm, 0.01), tokenizer, EntropyPolicy(3.0), overlap=True)
-    results = assert_stream_shows_only_tokens_that_stay(engine, [engine.encode_chat(p) for p in PROMPTS], N_TOKENS)
+    results = assert_stream_shows_only_tokens_that_stay(engine, [engine.prompts.chat(p) for p in PROMPTS], N_TOKENS)
     assert sum(g.deferred_replaced for g in results) > 0
 
 
@@ -132,7 +132,7 @@ def test_a_stalled_llm_holds_only_the_rows_that_wait_for_it_and_a_failed_one_fai
     slow = SlowLLM(llm)
     engine = Engine(slm, slow, tokenizer, EntropyPolicy(0.5), verify=1.0, overlap=True)
     alone = Engine.alone(slm, tokenizer, "slm")
-    prompt = engine.encode_chat("What is 48 / 2?")
+    prompt = engine.prompts.chat("What is 48 / 2?")
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     slm_only = alone.generate([prompt], params)[0].token_ids
     for failing in (False, True):

@@ -70,7 +70,7 @@ def test_neural_policy_runs_in_the_engine(slm, llm, tokenizer):
     policy = NeuralPolicy(ckpt, slm.embed, threshold=0.5)
     assert policy.num_params == sum(p.numel() for p in ckpt.router.parameters())
     engine = Engine(slm, llm, tokenizer, policy)
-    gen = engine.generate([engine.encode_chat("What is 48 / 2?")], SamplingParams(max_new_tokens=10))[0]
+    gen = engine.generate([engine.prompts.chat("What is 48 / 2?")], SamplingParams(max_new_tokens=10))[0]
     assert all(0.0 <= s <= 1.0 for s in gen.scores)
     assert [s >= 0.5 for s in gen.scores] == [src == "llm" for src in gen.sources]
     slm_b, router_b, _ = gen.params_b

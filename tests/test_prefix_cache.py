@@ -60,12 +60,12 @@ def test_a_prompt_that_begins_as_an_earlier_one_reads_only_the_rest_and_answers_
     tokens and starts from them; a request forced onto the SLM takes nothing from the LLM."""
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
-    first = engine.encode_raw("A conversation about the capital of France, its rivers and its bridges. " * 2)
+    first = engine.prompts.raw("A conversation about the capital of France, its rivers and its bridges. " * 2)
     params = SamplingParams(max_new_tokens=8)
     alone = Engine(slm, llm, tokenizer, AlwaysLLM())
     answer = alone.generate([first], params)[0].token_ids
-    second = first + answer + engine.encode_raw(" And of Spain?")
-    third = first[:10] + engine.encode_raw(" something else entirely")
+    second = first + answer + engine.prompts.raw(" And of Spain?")
+    third = first[:10] + engine.prompts.raw(" something else entirely")
     scheduler = engine.scheduler(4, prefill_chunk=7, prefix_tokens=4096)
     writer_reads, llm_reads = columns_read(slm, monkeypatch), columns_read(llm, monkeypatch)
     gens = drive(scheduler, [Request(first, params)], engine)
@@ -98,9 +98,9 @@ def test_requests_arriving_together_with_one_prompt_read_it_once(kind_pair, toke
     nor does one with another cache_salt."""
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
-    prompt = engine.encode_raw("Three answers to one question about the rivers of France, please. " * 2)
-    longer = prompt + engine.encode_raw(" And Spain?")
-    apart = prompt[:8] + engine.encode_raw(" a question of its own, long enough to read in several chunks")
+    prompt = engine.prompts.raw("Three answers to one question about the rivers of France, please. " * 2)
+    longer = prompt + engine.prompts.raw(" And Spain?")
+    apart = prompt[:8] + engine.prompts.raw(" a question of its own, long enough to read in several chunks")
     params = SamplingParams(max_new_tokens=6)
     scheduler = engine.scheduler(6, prefill_chunk=16, prefix_tokens=4096)  # (llama.cpp: 2 sequences to keep)
     read, advance = [], PromptRead.advance
@@ -134,7 +134,7 @@ def test_a_finished_row_kept_out_of_a_padded_batch_answers_as_read_afresh(kind_p
     afresh: the LLM's own answer (strict verification), and the SLM's own when forced onto it."""
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
-    short, long = engine.encode_raw("Count to five."), engine.encode_raw("A much longer prompt about bridges. " * 3)
+    short, long = engine.prompts.raw("Count to five."), engine.prompts.raw("A much longer prompt about bridges. " * 3)
     params = SamplingParams(max_new_tokens=6)
     scheduler = engine.scheduler(4, prefill_chunk=5, prefix_tokens=4096)
     sequences = [engine.sequence(Request(p, params)) for p in (short, long)]
@@ -143,7 +143,7 @@ def test_a_finished_row_kept_out_of_a_padded_batch_answers_as_read_afresh(kind_p
     while not scheduler.idle:
         assert not [e.error for e in scheduler.turn() if isinstance(e, Failure)]
     answer = sequences[0].generation.token_ids
-    follow = short + answer + engine.encode_raw(" and back")
+    follow = short + answer + engine.prompts.raw(" and back")
     gens = drive(scheduler, [Request(follow, params), Request(follow + [5], params, force="slm")], engine)
     assert gens[0].cached_tokens >= len(short) + len(answer) - 3 and gens[1].cached_tokens >= len(follow) - 1
     assert gens[0].token_ids == Engine(slm, llm, tokenizer, AlwaysLLM()).generate([follow], params)[0].token_ids
@@ -223,11 +223,11 @@ def test_llamacpp_kept_prompts_hold_spare_sequences_and_give_their_kv_room_to_re
     engine = Engine(*models, tokenizer, RandomPolicy(0.3, seed=0))
     scheduler = engine.scheduler(6, prefill_chunk=16, prefix_tokens=4096)
     assert [p.max_rows for p in scheduler.prefixes] == [2, 2]
-    prompts = [engine.encode_raw(f"number {i} " * 3) for i in range(5)]
+    prompts = [engine.prompts.raw(f"number {i} " * 3) for i in range(5)]
     params = SamplingParams(max_new_tokens=4)
     gens = drive(scheduler, [Request(p, params) for p in prompts] + [Request(prompts[4], params)], engine)
     assert [len(p.kept) for p in scheduler.prefixes] == [2, 2] and gens[-1].cached_tokens == len(prompts[4]) - 1
-    prompt = engine.encode_raw("x y " * 5)
+    prompt = engine.prompts.raw("x y " * 5)
     big = Request(prompt, SamplingParams(max_new_tokens=256 - len(prompt) - 2, ignore_eos=True))
     gens = drive(scheduler, [big], engine)  # admitted once kept prompts made room: its every cell is written
     assert len(gens[0].token_ids) == big.params.max_new_tokens

@@ -110,7 +110,7 @@ def thinker():
     tokenizer = think_tokenizer(R1_TEMPLATE)
     model = tiny_model(tokenizer, hidden=32, seed=0)
     engine = Engine(TorchBackend(model), None, tokenizer)
-    prompt = engine.encode_chat("What is 48 / 2?")
+    prompt = engine.prompts.chat("What is 48 / 2?")
     first = engine.generate([prompt], SamplingParams(max_new_tokens=8))[0].token_ids
     close = tokenizer.convert_tokens_to_ids("</think>")
     with torch.no_grad():

@@ -76,7 +76,7 @@ def test_the_llm_alone_through_the_remote_backend_equals_the_servers_own_greedy(
     assert llm.kernels.endswith(f"(prefix cache: {reuse})")
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for engine in (Engine.alone(llm, tokenizer), Engine(slm, llm, tokenizer, AlwaysLLM())):
-        prompts = [engine.encode_chat(p) for p in REMOTE_PROMPTS[:2]]
+        prompts = [engine.prompts.chat(p) for p in REMOTE_PROMPTS[:2]]
         outs = engine.generate(prompts, params)  # the two rows go to the server at once
         for ids, out in zip(prompts, outs):
             assert len(out.token_ids) == 40
@@ -90,7 +90,7 @@ def test_r2r_batches_with_the_remote_llm_match_the_same_model_run_locally(server
     outs = {}
     for name, llm in (("remote", served(server, tokenizer, slm)), ("local", local)):
         engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=3))
-        sequences = [engine.sequence(Request(engine.encode_chat(p), SamplingParams(max_new_tokens=n, ignore_eos=True)))
+        sequences = [engine.sequence(Request(engine.prompts.chat(p), SamplingParams(max_new_tokens=n, ignore_eos=True)))
                      for p, n in zip(REMOTE_PROMPTS, (12, 30, 20))]
         batch = Batch(engine.context)
         batch.add(sequences[:2])
@@ -108,7 +108,7 @@ def test_deferred_routing_through_the_remote_llm_gives_lockstep_routings_tokens(
     """Grouped LLM calls (--defer) through a serving engine: every row's tokens are those lockstep routing gives it,
     with and without strict verification (whose output is then the server's own greedy one)."""
     llm = served(server, tokenizer, slm)
-    prompts = [Engine.alone(slm, tokenizer, "slm").encode_chat(p) for p in REMOTE_PROMPTS]
+    prompts = [Engine.alone(slm, tokenizer, "slm").prompts.chat(p) for p in REMOTE_PROMPTS]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     deferred = 0
     for verify in ("off", "strict"):
@@ -129,7 +129,7 @@ def test_overlap_through_the_remote_llm_gives_the_tokens_of_its_calls_in_the_ste
     in the step give it (lockstep and grouped), batched and alone; strict verification is the server's own greedy
     output."""
     llm = served(server, tokenizer, slm)
-    prompts = [Engine.alone(slm, tokenizer, "slm").encode_chat(p) for p in REMOTE_PROMPTS]
+    prompts = [Engine.alone(slm, tokenizer, "slm").prompts.chat(p) for p in REMOTE_PROMPTS]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     for verify in ("off", 1.0, "strict"):
         for mode in ("off", "continue"):
@@ -148,7 +148,7 @@ def test_strict_verification_through_the_remote_llm_gives_the_servers_own_greedy
     llm = served(server, tokenizer, slm)
     for n in (None, 4):
         engine = Engine(slm, llm, tokenizer, RandomPolicy(0.2, seed=1), verify="strict", max_unverified=n)
-        prompts = [engine.encode_chat(p) for p in REMOTE_PROMPTS[:2]]
+        prompts = [engine.prompts.chat(p) for p in REMOTE_PROMPTS[:2]]
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
         for ids, out in zip(prompts, outs):
             assert out.token_ids == server.own_greedy(ids, 32)
@@ -161,7 +161,7 @@ def test_tolerance_verification_through_the_remote_llm_matches_the_same_model_ru
     outs = {}
     for name, llm in (("remote", served(server, tokenizer, slm)), ("local", local)):
         engine = Engine(slm, llm, tokenizer, RandomPolicy(0.2, seed=5), verify=1.0, max_unverified=6)
-        prompts = [engine.encode_chat(p) for p in REMOTE_PROMPTS]
+        prompts = [engine.prompts.chat(p) for p in REMOTE_PROMPTS]
         gens = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
         outs[name] = [(g.token_ids, g.sources, g.rollbacks) for g in gens]
     assert outs["remote"] == outs["local"]
@@ -181,7 +181,7 @@ def test_the_remote_backends_pool_threads_start_no_threads_of_their_own(server, 
     # has let go while its OS thread still winds down (so only growth can tell).
     native_before = process.num_threads() - threading.active_count()
     llm = RemoteBackend(server.url, tokenizer, slm.eos_ids, vocab_size=151_936, api_key=KEY)
-    rows = [Engine.alone(llm, tokenizer).encode_chat(p) for p in REMOTE_PROMPTS]
+    rows = [Engine.alone(llm, tokenizer).prompts.chat(p) for p in REMOTE_PROMPTS]
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
@@ -226,7 +226,7 @@ def test_a_prompt_is_scored_by_a_vllm_llm_as_by_the_same_model_here(server, llm_
     from roads_to_rome.core.scheduler import PromptRead
     from roads_to_rome.core.scoring import score_prompt
 
-    ids = Engine.alone(slm, tokenizer).encode_chat(REMOTE_PROMPTS[0])
+    ids = Engine.alone(slm, tokenizer).prompts.chat(REMOTE_PROMPTS[0])
     llm = served(server, tokenizer, slm)
     request = Request(ids, SamplingParams(max_new_tokens=6, ignore_eos=True), prompt_logprobs=3)
     if server.engine == "llamacpp":
@@ -302,7 +302,7 @@ def test_a_server_that_dies_mid_generation_fails_that_request_and_the_next_one_w
     with LlamaServer(llm_files["gguf"], slots=1) as srv:
         llm = remote(srv.url, tokenizer, slm, retry=1, timeout=10)
         engine = Engine(slm, llm, tokenizer, AlwaysLLM())
-        prompt = engine.encode_chat(REMOTE_PROMPTS[0])
+        prompt = engine.prompts.chat(REMOTE_PROMPTS[0])
         params = SamplingParams(max_new_tokens=2000, ignore_eos=True)
         batch = Batch(engine.context)
         batch.add([engine.sequence(Request(prompt, params))])
@@ -356,7 +356,7 @@ def test_what_the_server_writes_itself_equals_the_engines_token_by_token_greedy(
     def written(rows: list[list[int]], n: int) -> list[list[int]]:
         return llm.complete(llm.new_cache(), *left_pad(rows, engine.pad_id, llm.device), n)
 
-    prompts = [engine.encode_chat(p) for p in REMOTE_PROMPTS]
+    prompts = [engine.prompts.chat(p) for p in REMOTE_PROMPTS]
     whole = written(prompts, 24)
     assert whole == [g.token_ids for g in engine.generate(prompts, SamplingParams(max_new_tokens=24))]
     cache = llm.new_cache()
@@ -382,7 +382,7 @@ def test_a_server_started_with_a_key_needs_it_and_r2r_sends_it(server, slm, toke
         remote(server.url, tokenizer, slm, api_key="")
     llm = remote(server.url, tokenizer, slm, api_key=KEY)
     engine = Engine(slm, llm, tokenizer, AlwaysLLM())
-    prompt = engine.encode_chat(REMOTE_PROMPTS[0])
+    prompt = engine.prompts.chat(REMOTE_PROMPTS[0])
     out = engine.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
     assert len(out.token_ids) == 6 and out.llm_tokens == 6
     monkeypatch.setenv("R2R_LLM_API_KEY", KEY)  # from the environment, as `r2r serve` reads it

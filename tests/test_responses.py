@@ -334,7 +334,7 @@ def test_text_format_holds_the_output_to_a_schema_and_vllms_structured_outputs_g
     engine = Engine(slm, llm, tokenizer)
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["n"], "additionalProperties": False}
-    prompt = engine.encode_chat("A number")
+    prompt = engine.prompts.chat("A number")
     for fmt, own_format in ((({"type": "json_schema", "name": "number", "schema": schema}),
                              OutputFormat.json_schema(schema)), ({"type": "json_object"}, OutputFormat("json_object"))):
         response = client.responses.create(model="tiny", input="A number", max_output_tokens=24, **GREEDY,
@@ -363,6 +363,24 @@ def test_the_answers_log_probabilities_come_when_included(client):
     assert [e.token for e in streamed] == [e.token for e in entries][:len(streamed)]
     assert [e.token for e in events[-1].response.output[0].content[0].logprobs] == [e.token for e in entries]
     assert client.responses.create(**kw).output[0].content[0].logprobs == []
+
+
+def test_errors_name_the_fields_as_the_responses_api_does(client):
+    """The chat path's errors say a Responses request's own names, in their text and their param (the body knows the
+    API's names: `CommonBody.in_api`), never the chat field it became."""
+    kw = {"model": "tiny", "input": "Hi", **GREEDY}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**kw, max_output_tokens=10**6)
+    assert refused.value.param == "max_output_tokens" and refused.value.message.count("max_output_tokens") == 1
+    assert "max_tokens" not in refused.value.message.replace("max_output_tokens", "")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**kw, max_output_tokens=0)
+    assert refused.value.param == "max_output_tokens" and "max_tokens" not in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**{**kw, "extra_body": {**GREEDY["extra_body"], "structured_outputs": {"regex": "a"}}},
+                                text={"format": {"type": "json_object"}})
+    assert "text.format or structured_outputs" in refused.value.message
+    assert "response_format" not in refused.value.message
 
 
 def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(srv, client):

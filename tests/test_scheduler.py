@@ -57,9 +57,9 @@ def test_a_request_is_checked_when_made_and_never_written_to(engine):
 
 def test_at_most_max_batch_sequences_run_and_each_leaves_once(engine):
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    alone = engine.generate([engine.encode_chat(p) for p in PROMPTS], params)
+    alone = engine.generate([engine.prompts.chat(p) for p in PROMPTS], params)
     scheduler = engine.scheduler(max_batch=2)
-    sequences = [engine.sequence(Request(engine.encode_chat(p), params), i) for i, p in enumerate(PROMPTS)]
+    sequences = [engine.sequence(Request(engine.prompts.chat(p), params), i) for i, p in enumerate(PROMPTS)]
     for s in sequences:
         scheduler.add(s)
     events, most = [], 0
@@ -81,11 +81,11 @@ def test_waiting_sequences_are_admitted_by_arrival_or_by_priority(engine, by_pri
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     priorities = [0, 5, -1, 5, 0]
     scheduler = engine.scheduler(max_batch=1, by_priority=by_priority)
-    first = engine.sequence(Request(engine.encode_raw("running"), params), 9)
+    first = engine.sequence(Request(engine.prompts.raw("running"), params), 9)
     scheduler.add(first)
     scheduler.turn()  # it runs; then the others arrive
     for i, priority in enumerate(priorities):
-        scheduler.add(engine.sequence(Request(engine.encode_raw(f"prompt {i}"), params, priority=priority), i))
+        scheduler.add(engine.sequence(Request(engine.prompts.raw(f"prompt {i}"), params, priority=priority), i))
     done = [e.sequence.index for e in drive(scheduler) if isinstance(e, Step) and e.finished]
     assert done == ([2, 9, 0, 4, 1, 3] if by_priority else [9, 0, 1, 2, 3, 4])
     assert engine.counters.preemptions == by_priority
@@ -102,7 +102,7 @@ def test_a_more_urgent_request_preempts_a_running_one_which_resumes_as_if_never_
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    prompts = [engine.encode_raw("A long answer about the bridges of Paris, please."), engine.encode_raw("Quick: 2+2?")]
+    prompts = [engine.prompts.raw(t) for t in ("A long answer about the bridges of Paris, please.", "Quick: 2+2?")]
     scheduler = engine.scheduler(max_batch=1, prefill_chunk=8, prefix_tokens=prefix_tokens, by_priority=True)
     running, urgent = (engine.sequence(Request(p, params, priority=priority), i)
                        for i, (p, priority) in enumerate(zip(prompts, (5, -1))))
@@ -137,7 +137,7 @@ def test_preemption_takes_the_least_urgent_and_only_for_a_more_urgent_newcomer(e
     for by_priority, order in ((True, [0, 3, 1, 2]), (False, [0, 1, 2, 3])):
         scheduler = engine.scheduler(max_batch=2, by_priority=by_priority)
         before = engine.counters.preemptions
-        sequences = [engine.sequence(Request(engine.encode_raw(f"prompt {i}"), params, priority=priority), i)
+        sequences = [engine.sequence(Request(engine.prompts.raw(f"prompt {i}"), params, priority=priority), i)
                      for i, priority in enumerate((0, 3, 3, 1))]
         scheduler.add(sequences[0])
         scheduler.add(sequences[1])
@@ -156,7 +156,7 @@ def test_preemption_takes_the_least_urgent_and_only_for_a_more_urgent_newcomer(e
 def test_admission_waits_for_kv_room_and_refuses_what_can_never_fit(slm, llm, tokenizer):
     engine = Engine(slm, llm, tokenizer, AlwaysLLM())
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    prompts = [engine.encode_chat(p) for p in PROMPTS[:3]]
+    prompts = [engine.prompts.chat(p) for p in PROMPTS[:3]]
     alone = engine.generate(prompts, params)
     engine.kv_capacity = max(len(p) for p in prompts) + 8  # room for one sequence at a time
     scheduler = engine.scheduler()
@@ -175,7 +175,7 @@ def test_admission_waits_for_kv_room_and_refuses_what_can_never_fit(slm, llm, to
 def test_cancelled_sequences_leave_with_a_failure_waiting_or_running(engine):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     scheduler = engine.scheduler(max_batch=1, prefill_chunk=4)
-    running, waiting = (engine.sequence(Request(engine.encode_chat(p), params)) for p in PROMPTS[:2])
+    running, waiting = (engine.sequence(Request(engine.prompts.chat(p), params)) for p in PROMPTS[:2])
     scheduler.add(running)
     scheduler.add(waiting)
     for _ in range(8):
@@ -191,7 +191,7 @@ def test_cancelled_sequences_leave_with_a_failure_waiting_or_running(engine):
 def test_cut_and_drop_waiting_fail_every_sequence_they_hold(engine):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     scheduler = engine.scheduler(max_batch=2, prefill_chunk=8)
-    sequences = [engine.sequence(Request(engine.encode_chat(p), params)) for p in PROMPTS[:3]]
+    sequences = [engine.sequence(Request(engine.prompts.chat(p), params)) for p in PROMPTS[:3]]
     for s in sequences:
         scheduler.add(s)
     scheduler.turn()
@@ -211,7 +211,7 @@ def test_a_draining_server_lets_preempted_sequences_finish_and_its_deadline_cuts
     stop = R2RError("stopping")
     for deadline in (False, True):
         scheduler = engine.scheduler(max_batch=1, by_priority=True)
-        running, urgent, late = (engine.sequence(Request(engine.encode_raw(f"prompt {i}"), params, priority=p))
+        running, urgent, late = (engine.sequence(Request(engine.prompts.raw(f"prompt {i}"), params, priority=p))
                                  for i, p in enumerate((5, 0, 1)))
         scheduler.add(running)
         scheduler.turn()
@@ -233,7 +233,7 @@ def test_a_draining_server_lets_preempted_sequences_finish_and_its_deadline_cuts
 def test_an_error_in_a_step_fails_the_sequences_in_it_and_the_scheduler_goes_on(engine, monkeypatch):
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     scheduler = engine.scheduler()
-    first = engine.sequence(Request(engine.encode_chat(PROMPTS[0]), params))
+    first = engine.sequence(Request(engine.prompts.chat(PROMPTS[0]), params))
     scheduler.add(first)
     scheduler.turn()
     forward = engine.writer.forward
@@ -241,7 +241,7 @@ def test_an_error_in_a_step_fails_the_sequences_in_it_and_the_scheduler_goes_on(
     events = scheduler.turn()
     assert [(e.sequence, str(e.error)) for e in events] == [(first, "boom")]
     monkeypatch.setattr(engine.writer, "forward", forward)
-    second = engine.sequence(Request(engine.encode_chat(PROMPTS[1]), params))
+    second = engine.sequence(Request(engine.prompts.chat(PROMPTS[1]), params))
     scheduler.add(second)
     events = drive(scheduler)
     assert all(isinstance(e, Step) and e.sequence is second for e in events) and events[-1].finished
@@ -262,7 +262,7 @@ def test_a_failed_step_or_read_gives_its_llamacpp_sequences_back_at_once(tokeniz
     slm = LlamaCppBackend(tmp_path / "slm.gguf", name="tiny-slm", n_ctx=1024, max_rows=2, vocab_size=len(tokenizer))
     engine = Engine(slm, llm, tokenizer, AlwaysLLM(), verify="off")
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    prompts = [engine.encode_chat(p) for p in PROMPTS[:2]]
+    prompts = [engine.prompts.chat(p) for p in PROMPTS[:2]]
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
 
     def run_two(failing: tuple | None):
@@ -301,7 +301,7 @@ def test_a_failed_step_or_read_gives_its_llamacpp_sequences_back_at_once(tokeniz
 def test_an_offline_run_of_more_requests_than_the_backend_holds_queues_them(slm, llm, tokenizer, monkeypatch):
     engine = Engine(slm, llm, tokenizer, AlwaysLLM())
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    prompts = [engine.prompts.chat(p) for p in PROMPTS]
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
     engine.max_rows = 2
     admitted = Scheduler.admit
@@ -322,7 +322,7 @@ def test_a_longer_prompt_joins_a_batch_whose_llm_has_read_nothing_yet(kind_pair,
     backend and in the LLM's queue alike, so the newcomer's caches fit: each answer is the one it gets alone."""
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.0, seed=0), overlap=overlap)  # routes nothing
-    prompts = [engine.encode_raw("0"), engine.encode_raw("0\u00d6 and more")]
+    prompts = [engine.prompts.raw("0"), engine.prompts.raw("0\u00d6 and more")]
     params = SamplingParams(max_new_tokens=6)
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
     scheduler = engine.scheduler(4, prefill_chunk=2)
@@ -357,7 +357,7 @@ def test_the_llm_never_reads_a_request_forced_onto_the_slm(kind_pair, tokenizer,
     the LLM's at once, once) and join. Strict verification makes each routed row's answer the LLM's own."""
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
-    long, short = engine.encode_raw("a prompt only the SLM reads, " * 4), engine.encode_raw("Count to five.")
+    long, short = engine.prompts.raw("a prompt only the SLM reads, " * 4), engine.prompts.raw("Count to five.")
     requests = [Request(long, SamplingParams(max_new_tokens=14), force="slm"),
                 Request(short, SamplingParams(max_new_tokens=4)),
                 Request(long[3:], SamplingParams(max_new_tokens=6), force="slm"),
@@ -389,7 +389,7 @@ def test_the_slm_never_reads_a_request_forced_onto_the_llm(kind_pair, tokenizer,
     those alone, and each answer is the one it gets alone."""
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.4, seed=1), verify="strict", overlap=overlap)
-    prompt = engine.encode_raw("Count to five, then back.")
+    prompt = engine.prompts.raw("Count to five, then back.")
     requests = [Request(prompt, SamplingParams(max_new_tokens=14), force="llm"),
                 Request(prompt[2:], SamplingParams(max_new_tokens=5)),
                 Request(prompt[1:], SamplingParams(max_new_tokens=4), force="llm"),

@@ -381,7 +381,7 @@ def test_logit_bias_min_p_and_vllms_stopping_fields_reach_the_engine_through_the
             settings["logit_bias"] = {int(t): b for t, b in settings["logit_bias"].items()}
         params = SamplingParams(max_new_tokens=12, **{k: tuple(v) if isinstance(v, list) else v
                                                       for k, v in settings.items()})
-        own = engine.run([Request(engine.encode_chat(prompt), params, force="llm")])[0]
+        own = engine.run([Request(engine.prompts.chat(prompt), params, force="llm")])[0]
         assert answer.model_extra["r2r"]["token_ids"] == own.token_ids, settings
         assert answer.choices[0].message.content == own.text and answer.choices[0].finish_reason == own.finish_reason
         assert own.token_ids != ids
@@ -406,7 +406,7 @@ def test_bad_words_never_come_whichever_model_writes_and_each_answer_is_the_engi
     for extra in ({"r2r_policy": "llm"}, {"r2r_verify": "strict", "r2r_threshold": 0.1}):
         answer = chat(client, prompt, max_tokens=16, extra_body={"ignore_eos": True, "bad_words": words, **extra})
         got = answer.model_extra["r2r"]["token_ids"]
-        own = engine.run([Request(engine.encode_chat(prompt), SamplingParams(
+        own = engine.run([Request(engine.prompts.chat(prompt), SamplingParams(
             max_new_tokens=16, ignore_eos=True, bad_words=sequences), force="llm")])[0]
         assert got == own.token_ids and not holds(got)
     refused = httpx.post(f"{client.base_url}chat/completions", json={
@@ -581,7 +581,7 @@ def test_structured_outputs_through_the_openai_client_are_the_engines_own_answer
         extra = {"r2r_policy": "llm", **fields.pop("extra_body", {})}
         answer = client.chat.completions.create(model="tiny-r2r", messages=[{"role": "user", "content": prompt}],
                                                 max_tokens=24, temperature=0, extra_body=extra, **fields)
-        own = engine.run([Request(engine.encode_chat(prompt), SamplingParams(max_new_tokens=24, output_format=fmt),
+        own = engine.run([Request(engine.prompts.chat(prompt), SamplingParams(max_new_tokens=24, output_format=fmt),
                                   force="llm")])[0]
         assert answer.model_extra["r2r"]["token_ids"] == own.token_ids, fields
         assert answer.choices[0].message.content == own.text
@@ -591,7 +591,7 @@ def test_structured_outputs_through_the_openai_client_are_the_engines_own_answer
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == own.text
     assert own.text in ("red", "green")
     compact = cases[2][1]
-    text = engine.run([Request(engine.encode_chat(prompt), SamplingParams(max_new_tokens=24, output_format=compact),
+    text = engine.run([Request(engine.prompts.chat(prompt), SamplingParams(max_new_tokens=24, output_format=compact),
                                force="llm")])[0].text
     assert set(json.loads(text)) == {"ok", "n"}
 
@@ -659,7 +659,7 @@ def test_a_suffix_asks_the_model_to_fill_in_the_middle(server, slm, llm, tokeniz
     no_fim = httpx.post(server + "/v1/completions", json={"prompt": "def f(", "suffix": "\n", "max_tokens": 4})
     assert no_fim.status_code == 400 and "no fill-in-the-middle tokens" in no_fim.json()["error"]["message"]
     engine = Engine(slm, llm, tokenizer)
-    engine.fim_ids = (10, 11, 12)
+    engine.prompts.fim_ids = (10, 11, 12)
     with BackgroundServer(create_app(engine, "tiny-r2r", Limits(max_tokens=64, context_length=256))) as fim:
         client = openai.OpenAI(base_url=fim.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         answer = client.completions.create(model="tiny-r2r", prompt="def add(a, b):", suffix="\nprint(add(1, 2))",

@@ -181,7 +181,7 @@ def test_3_a_running_stream_keeps_receiving_tokens_while_a_long_prompt_is_read(s
         time.sleep(0.01)
     submitted = time.monotonic()
     long_prompt = "Natalia sold clips to 48 of her friends in April. " * 8  # ~230 tokens: ~60 chunks of 4
-    assert len(engine.encode_chat(long_prompt)) > 200
+    assert len(engine.prompts.chat(long_prompt)) > 200
     newcomer = Stream(server, body(long_prompt, max_tokens=4, r2r_policy="slm")).wait()
     running.wait()
     assert newcomer.error is None and running.error is None, (newcomer.error, running.error)

@@ -381,7 +381,7 @@ def test_each_tokens_logprob_comes_from_the_model_that_wrote_it(engine, slm, llm
     entries = reply.choices[0].logprobs.content
     assert len(entries) == len(r2r["token_ids"]) == reply.usage.completion_tokens
     assert {"slm", "llm"} <= set(r2r["sources"]) | {"llm"} and "slm" in r2r["sources"]
-    prompt = engine.encode_messages([{"role": "user", "content": "48 / 2?"}])
+    prompt = engine.prompts.messages([{"role": "user", "content": "48 / 2?"}])
     for k, (token, source, entry) in enumerate(zip(r2r["token_ids"], r2r["sources"], entries)):
         model = slm.model if source == "slm" else llm.model
         want = expected_logprobs(model, prompt + r2r["token_ids"][:k])

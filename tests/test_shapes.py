@@ -71,7 +71,7 @@ def test_both_backends_run_the_shape_and_pair_it_with_an_slm(shape_file, slm, to
     built = LlamaCppBackend(shape_file, name="tiny", vocab_size=len(tokenizer))
     torch_llm = TorchBackend(shape_models.torch_shape(TINY, "cpu", torch.float32), name="tiny",
                              vocab_size=len(tokenizer))
-    prompt = Engine.alone(slm, tokenizer).encode_chat("What is 48 / 2?")
+    prompt = Engine.alone(slm, tokenizer).prompts.chat("What is 48 / 2?")
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     for llm in (built, torch_llm):
         assert llm.vocab_size == len(tokenizer) and llm.hidden_size == TINY.hidden
@@ -203,7 +203,7 @@ def test_the_llm_that_agrees_at_a_rate_keeps_every_deferred_token_at_rate_one_on
 
     engine = Engine(slm, shapes.AgreesAtRate(llm, 1.0), tokenizer, RandomPolicy(0.3, seed=0),
                     defer=Deferral("continue", 1.0, 4))
-    prompts = [engine.encode_chat(p) for p in ("What is 48 / 2?", "def add(a, b):", "Count to five.")]
+    prompts = [engine.prompts.chat(p) for p in ("What is 48 / 2?", "def add(a, b):", "Count to five.")]
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert sum(g.deferred for g in gens) > 0
     assert [g.deferred_kept for g in gens] == [g.deferred for g in gens]
@@ -240,7 +240,7 @@ def test_an_overlapped_call_agrees_at_the_rate_with_the_slms_token_just_past_its
     proposals = shapes.Proposals(recorded)
     engine = Engine(recorded, shapes.AgreesAtRate(llm, rate, proposals=proposals), tokenizer,
                     shapes.RouterAtShare(random_router(slm), 0.3, proposals=proposals), overlap=True)
-    prompt = engine.encode_chat("What is 48 / 2?")
+    prompt = engine.prompts.chat("What is 48 / 2?")
     gen = engine.generate([prompt], SamplingParams(max_new_tokens=32, ignore_eos=True))[0]
     assert gen.deferred > 0
     assert gen.deferred_kept == (gen.deferred if rate else 0)
@@ -252,7 +252,7 @@ def test_a_run_that_recorded_graphs_is_timed_again_and_marked_where_it_never_sto
     from roads_to_rome.models import systems
 
     engine = systems.alone(shapes.Recorded(slm), tokenizer, "slm")
-    prompt = engine.encode_chat("What is 48 / 2?")
+    prompt = engine.prompts.chat("What is 48 / 2?")
     monkeypatch.setattr(slm, "captures", 0)
     real_run = shapes.timed_run
     for recording_runs, runs, recorded in ((2, 3, 0), (0, 1, 0), (9, shapes_report.WARM_RUNS, 1)):

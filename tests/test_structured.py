@@ -67,7 +67,7 @@ def test_the_thinking_before_its_closing_token_is_free(tokenizer, ll_tokenizer):
 def test_every_kind_of_format_holds_for_r2rs_output_greedy_and_sampled(slm, llm, tokenizer, kind):
     fmt, holds = FORMATS[kind]
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0), verify="1")
-    prompts = [engine.encode_chat(p) for p in ("What is 48 / 2?", "def add(a, b):")]
+    prompts = [engine.prompts.chat(p) for p in ("What is 48 / 2?", "def add(a, b):")]
     sources, examined = [], 0
     sampled = [SamplingParams(max_new_tokens=40, output_format=fmt, temperature=1.0, top_p=0.95, seed=s)
                for s in range(3)]
@@ -97,7 +97,7 @@ def test_a_structural_tag_holds_its_structures_in_free_text(slm, llm, tokenizer,
     space = "[ \t\n]*"
     whole = f"a={space}\\d{{1,2}}{space};"
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0), verify="1")
-    prompts = [engine.encode_chat(p) for p in ("What is 48 / 2?", "def add(a, b):")]
+    prompts = [engine.prompts.chat(p) for p in ("What is 48 / 2?", "def add(a, b):")]
     structures = 0
     for seed in (None, 0, 1, 2, 3):
         sampled = {} if seed is None else {"temperature": 1.0, "seed": seed}
@@ -158,7 +158,7 @@ def test_a_structural_tags_format_form_holds_what_xgrammars_tutorial_says(tokeni
 def test_min_tokens_does_not_outlast_a_finished_format(slm, tokenizer):
     """A format that allows nothing but its end ends the output even before min_tokens (else no token is left)."""
     engine = Engine.alone(slm, tokenizer, "slm")
-    gen = engine.generate([engine.encode_chat("Hi")], SamplingParams(
+    gen = engine.generate([engine.prompts.chat("Hi")], SamplingParams(
         max_new_tokens=20, min_tokens=10, output_format=OutputFormat("choice", ["yes", "no"])))[0]
     assert gen.text in ("yes", "no") and gen.finish_reason == "stop"
 
@@ -170,7 +170,7 @@ def test_a_reasoning_reply_thinks_freely_then_follows_the_format(slm, tokenizer)
     close = tokenizer.encode("Paris")[0]
     params = SamplingParams(max_new_tokens=20, logit_bias={close: 100.0},
                             output_format=OutputFormat("regex", "[a-c]{1,3}x"))
-    prompt = engine.encode_chat("Hi")
+    prompt = engine.prompts.chat("Hi")
     thinking = engine.run([Request(prompt, params, thinking_until=close)])[0]
     answer = tokenizer.decode(thinking.token_ids[1:], skip_special_tokens=True)
     assert thinking.token_ids[0] == close and re.fullmatch("[a-c]{1,3}x", answer)

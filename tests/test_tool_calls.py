@@ -155,7 +155,7 @@ def test_the_call_grammar_holds_r2rs_output_to_calls(tool_engine, tool_tokenizer
     """Greedy and sampled, each reply is calls of the offered functions with arguments of their schemas, tagged (the
     tags written as the tokenizer's own tokens) or bare."""
     fmt = call_format([WEATHER["function"], TIME["function"]], one)
-    prompt = tool_engine.encode_messages([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME])
+    prompt = tool_engine.prompts.messages([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME])
     params = [SamplingParams(max_new_tokens=60, output_format=fmt)] + [
         SamplingParams(max_new_tokens=60, output_format=fmt, temperature=1.0, seed=s) for s in range(4)]
     opened, examined = tool_tokenizer.convert_tokens_to_ids("<tool_call>"), 0
@@ -190,7 +190,7 @@ def llama_engine(tool_engine):
 
 def test_the_llama3_call_grammar_holds_r2rs_output_to_calls(llama_engine):
     """Llama 3's syntax: bare objects with "parameters", `; ` between them, arguments held to their schemas."""
-    prompt = llama_engine.encode_messages([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME])
+    prompt = llama_engine.prompts.messages([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME])
     examined = 0
     for one in (True, False):
         fmt = call_format([WEATHER["function"], TIME["function"]], one, "llama3_json")
@@ -359,7 +359,7 @@ def test_the_prompt_holds_the_tools_earlier_calls_and_their_answers(client, tool
     expected = [*history[:3], {"role": "system", "content": "Be brief."}]
     expected[1] = {**history[1], "tool_calls": [{**history[1]["tool_calls"][0], "function": {
         "name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]}
-    ids = tool_engine.encode_messages(expected, tools=[WEATHER])
+    ids = tool_engine.prompts.messages(expected, tools=[WEATHER])
     assert out.usage.prompt_tokens == len(ids)
     text = tool_engine.tokenizer.decode(ids)
     assert '"arguments": {"city": "Paris", "days": 2}}' in text and "<tool_response>\nsunny" in text

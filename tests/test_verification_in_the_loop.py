@@ -42,7 +42,7 @@ def test_strict_under_greedy_is_the_llms_greedy_output_for_every_policy_and_inte
 def test_off_is_plain_r2r_and_a_huge_tolerance_rejects_nothing(kind_pair, tokenizer):
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=2))
-    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    prompts = [engine.prompts.chat(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=N_TOKENS)
     plain = engine.generate(prompts, params)
     for verify, n in (("off", None), ("off", 2), (1e9, None), (1e9, 3)):
@@ -58,7 +58,7 @@ def test_a_tolerance_keeps_only_tokens_the_llm_finds_nearly_as_likely(kind_pair,
     slm, llm = kind_pair
     tolerance = 1.0
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.1, seed=0), verify=tolerance, max_unverified=4)
-    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    prompts = [engine.prompts.chat(p) for p in PROMPTS]
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=N_TOKENS))
     assert sum(g.rollbacks for g in gens) > 0
     for prompt, gen in zip(prompts, gens):
@@ -76,7 +76,7 @@ def test_requests_joining_a_verifying_batch_get_the_llms_output(kind_pair, token
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.2, seed=3), verify="strict", max_unverified=3)
     alone = Engine.alone(llm, tokenizer)
-    prompts = [engine.encode_chat(p) for p in PROMPTS] + [engine.encode_raw("Hi")]
+    prompts = [engine.prompts.chat(p) for p in PROMPTS] + [engine.prompts.raw("Hi")]
     params = SamplingParams(max_new_tokens=16)
     requests = run_with_joins(engine, prompts, join_after=[2, 5, 9], params=params, prefill_chunk=prefill_chunk)
     for prompt, r in zip(prompts, requests):
@@ -86,7 +86,7 @@ def test_requests_joining_a_verifying_batch_get_the_llms_output(kind_pair, token
 def test_stream_shows_only_final_tokens_and_ends_with_all_of_them(kind_pair, tokenizer):
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, AlwaysSLM(), verify="strict", max_unverified=4)
-    assert_stream_shows_only_tokens_that_stay(engine, [engine.encode_chat(p) for p in PROMPTS], N_TOKENS)
+    assert_stream_shows_only_tokens_that_stay(engine, [engine.prompts.chat(p) for p in PROMPTS], N_TOKENS)
 
 
 def test_strict_under_sampling_follows_the_llms_distribution(kind_pair, tokenizer):
@@ -94,7 +94,7 @@ def test_strict_under_sampling_follows_the_llms_distribution(kind_pair, tokenize
     SLM's (every token is verified at once: max_unverified 1)."""
     slm, llm = kind_pair
     engine = Engine(slm, llm, tokenizer, AlwaysSLM(), verify="strict", max_unverified=1)
-    prompt = engine.encode_chat("What is 48 / 2?")
+    prompt = engine.prompts.chat("What is 48 / 2?")
     base = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=20)
     target = sampling_probs(llm.forward_sequence(prompt)[0][-1:], base)[0]
     draft = sampling_probs(slm.forward_sequence(prompt)[0][-1:], base)[0]
@@ -107,7 +107,7 @@ def test_strict_under_sampling_with_penalties_follows_the_llms_penalised_distrib
     """The same with a repetition penalty, which the first token already feels through the prompt's tokens: the
     ratio test compares the two models' penalised distributions."""
     engine = Engine(slm, llm, tokenizer, AlwaysSLM(), verify="strict", max_unverified=1)
-    prompt = engine.encode_chat("What is 48 / 2?")
+    prompt = engine.prompts.chat("What is 48 / 2?")
     params = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=20, repetition_penalty=3.0)
     logits = llm.forward_sequence(prompt)[0][-1]
     target = sampling_probs(apply_penalties(logits, params, prompt, [])[None], params)[0]
@@ -183,7 +183,7 @@ def test_with_penalties_or_logit_rules_strict_is_the_llms_own_output_and_deferra
 
     slm, llm = kind_pair
     alone = Engine.alone(llm, tokenizer)
-    prompts = [alone.encode_chat(p) for p in PROMPTS]
+    prompts = [alone.prompts.chat(p) for p in PROMPTS]
     if settings == "structured output":
         params = SamplingParams(max_new_tokens=N_TOKENS, output_format=OutputFormat.json_schema(ANSWER_SCHEMA,
                                                                                            any_whitespace=False))
@@ -220,7 +220,7 @@ def test_penalised_greedy_decoding_matches_a_hand_computed_reference(llm, tokeni
     from transformers import RepetitionPenaltyLogitsProcessor
 
     alone = Engine.alone(llm, tokenizer)
-    prompt = alone.encode_chat(PROMPTS[2])
+    prompt = alone.prompts.chat(PROMPTS[2])
     out = alone.generate([prompt], SamplingParams(max_new_tokens=N_TOKENS, **PENALTIES))[0].token_ids
     logits, _ = llm.forward_sequence(prompt + out[:-1], start=len(prompt) - 1)
     repetition = RepetitionPenaltyLogitsProcessor(PENALTIES["repetition_penalty"])

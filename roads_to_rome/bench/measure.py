@@ -77,7 +77,7 @@ def overhead(slm: str | None, device: str, dtype: str, n_tokens: int, rounds: in
     the bare loops drive the transformers model itself."""
     slm_backend, tokenizer = load_model(slm, "slm", device, dtype, backend="torch")
     engine = systems.alone(slm_backend, tokenizer, "slm")
-    prompt_ids = engine.encode_chat(BENCH_PROMPT)
+    prompt_ids = engine.prompts.chat(BENCH_PROMPT)
     params = SamplingParams(max_new_tokens=n_tokens, ignore_eos=True)
     model = slm_backend.model
 
@@ -114,7 +114,7 @@ def batching(slm: str | None, llm: str | None, device: str, dtype: str, threshol
     """R2R (entropy routing) on `batch_size` GSM8K dev prompts: one at a time vs all in one batch."""
     slm_backend, llm_backend, tokenizer = load_pair(slm, llm, device, dtype=dtype, backend=backend)
     engine = systems.routed(slm_backend, llm_backend, tokenizer, "entropy", threshold)
-    prompts = [engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:batch_size]]
+    prompts = [engine.prompts.chat(gsm8k_prompt(item)) for item in gsm8k()[:batch_size]]
     params = SamplingParams(max_new_tokens=n_tokens)
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
     start = time.perf_counter()
@@ -174,7 +174,7 @@ def remote(llm_url: str, backend: str, dtype: str, context: int, new_tokens: lis
             catch_up[where][k] = {"cached_ms": step_ms(llm, context, k), "cold_ms": cold_ms(llm, context + k)}
             progress.advance(task, 2)
     kind, router = models.choose_policy(None, router_path, None)
-    prompts = [systems.alone(slm_b, tokenizer, "slm").encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:n_prompts]]
+    prompts = [systems.alone(slm_b, tokenizer, "slm").prompts.chat(gsm8k_prompt(item)) for item in gsm8k()[:n_prompts]]
     params = SamplingParams(max_new_tokens=n_tokens)
     figures, outputs = {}, {}
     for where, llm in llms.items():
@@ -225,7 +225,7 @@ def backend_agreement(n_prompts: int, n_tokens: int, router_path, entropy_thresh
     task = progress.add_task("backends", total=n_prompts)
     found = {name: {"hidden": [], "argmax": [], "entropy": [], "router": []} for name in slms}
     for item in gsm8k()[:n_prompts]:
-        prompt = writer.encode_chat(gsm8k_prompt(item))
+        prompt = writer.prompts.chat(gsm8k_prompt(item))
         answer = writer.generate([prompt], SamplingParams(max_new_tokens=n_tokens))[0].token_ids
         ids = prompt + answer
         for name, (slm, _) in slms.items():
@@ -279,7 +279,7 @@ def compare(n_prompts: int, n_tokens: int, dtype: str, router_path, threshold: f
     router_path = models.router_path_for(router_path, None)
     pairs = {name: load_pair(None, None, "cpu", dtype=dtype, backend=name) for name in backends}
     first_slm, _, tokenizer = next(iter(pairs.values()))
-    prompts = [systems.alone(first_slm, tokenizer, "slm").encode_chat(gsm8k_prompt(item))
+    prompts = [systems.alone(first_slm, tokenizer, "slm").prompts.chat(gsm8k_prompt(item))
                for item in gsm8k()[:n_prompts]]
     params = SamplingParams(max_new_tokens=n_tokens)
 

@@ -408,7 +408,7 @@ class Measurement:
         self.result.setdefault("kernels", {})["slm"] = self.slm.kernels
         self.slm_engine = systems.alone(self.slm, self.tokenizer, "slm")
         count = max(plan.prompts_at(b) for b in plan.batches)
-        self.prompts = [self.slm_engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:count]]
+        self.prompts = [self.slm_engine.prompts.chat(gsm8k_prompt(item)) for item in gsm8k()[:count]]
         self.lengths = self.result["prompt_tokens"] = [len(p) for p in self.prompts[: plan.prompts]]
         self.widths = {str(b): batch_widths([len(p) for p in self.prompts[: plan.prompts_at(b)]], b)
                        for b in plan.batches}

@@ -136,9 +136,9 @@ def generate(
     raw = raw or suffix is not None
     parser = None if raw else reasoning.parser_for(reasoning.resolve_parser(reasoning_parser, engine.tokenizer))
     if suffix is not None:
-        prompt_ids = engine.encode_infill(prompt, suffix)
+        prompt_ids = engine.prompts.infill(prompt, suffix)
     else:
-        prompt_ids = engine.encode_raw(prompt) if raw else engine.encode_chat(prompt)
+        prompt_ids = engine.prompts.raw(prompt) if raw else engine.prompts.chat(prompt)
     # A structured output follows a reasoning model's thinking.
     from roads_to_rome.core.request import Request
 
@@ -193,7 +193,7 @@ def chat(
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        results = print_turn(engine, session, engine.encode_messages(messages), params, parser)
+        results = print_turn(engine, session, engine.prompts.messages(messages), params, parser)
         if results:
             reasoned = reasoning.reason(parser, engine.tokenizer, results[0]) if parser else None
             console.print(tables.stats(results[0], engine, console.is_terminal, reasoned))

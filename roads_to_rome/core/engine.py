@@ -12,10 +12,10 @@ import functools
 import torch
 
 from roads_to_rome.backends.base import Backend
-from roads_to_rome.core.chat_template import encode_messages
 from roads_to_rome.core.context import Context, Counters
 from roads_to_rome.core.grammar import GrammarWalk, OutputFormat, grammar_tokenizer
 from roads_to_rome.core.llm_calls import Deferral, LLMCalls
+from roads_to_rome.core.prompts import Prompts
 from roads_to_rome.core.request import Failure, Generation, Request, Sequence
 from roads_to_rome.core.sampling import VERIFY_OFF, SamplingParams, Verify, check_max_unverified, parse_verify
 from roads_to_rome.core.scheduler import Scheduler
@@ -26,11 +26,6 @@ from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 # recovers most of the accuracy the router alone misses for little more LLM share (docs: "Verification on
 # catch-up"). A model alone (the slm or llm policy, a request that forces one) is not verified unless asked.
 DEFAULT_VERIFY = "1"
-
-
-# Fill-in-the-middle markers, as code models spell them: (prefix, suffix, middle).
-FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
-              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))  # StarCoder, SantaCoder
 
 
 def default_verify(routes: bool, routed: Verify | str = DEFAULT_VERIFY) -> Verify:
@@ -55,6 +50,7 @@ class Engine:
         if slm is None and llm is None:
             raise R2RError("an engine needs at least one model")
         self.slm, self.llm, self.tokenizer = slm, llm, tokenizer
+        self.prompts = Prompts(tokenizer)  # a chat, a message, fill in the middle: as this tokenizer's tokens
         # The writer proposes every token: the SLM, or the LLM when it runs alone.
         self.writer, self.writer_source = (slm, "slm") if slm is not None else (llm, "llm")
         self.routes = slm is not None and llm is not None
@@ -173,44 +169,6 @@ class Engine:
     def alone(cls, model: Backend, tokenizer, role: str = "llm") -> Engine:
         """One model writing every token; `role` ("slm" or "llm") is what its tokens count as."""
         return cls(model, None, tokenizer) if role == "slm" else cls(None, model, tokenizer)
-
-    def encode_chat(self, message: str) -> list[int]:
-        """A user message in the model's chat template, ready for the assistant's answer."""
-        return self.encode_messages([{"role": "user", "content": message}])
-
-    def encode_messages(self, messages: list[dict], template_kwargs: dict | None = None,
-                        tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                        continue_final_message: bool = False, template: str | None = None) -> list[int]:
-        """Messages in the model's chat template (`chat_template.encode_messages`, with this engine's tokenizer)."""
-        return encode_messages(self.tokenizer, messages, template_kwargs, tools, add_generation_prompt,
-                               continue_final_message, template)
-
-    def encode_prompt(self, prompt: str, suffix: str | None = None) -> list[int]:
-        """A benchmark item's or a label prompt's tokens: a user message in the chat template, or with `suffix` the
-        text between `prompt` and `suffix`, asked as fill in the middle."""
-        return self.encode_chat(prompt) if suffix is None else self.encode_infill(prompt, suffix)
-
-    def encode_raw(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
-
-    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
-        """Fill in the middle: the text between `prefix` and `suffix`, asked in the code model's own format (prefix,
-        suffix, then the middle's marker: Qwen2.5-Coder's and StarCoder's tokens)."""
-        if self.fim_ids is None:
-            raise R2RError("this model has no fill-in-the-middle tokens (Qwen2.5-Coder's <|fim_prefix|>, "
-                           "<|fim_suffix|>, <|fim_middle|> or StarCoder's): leave the suffix out")
-        begin, hole, middle = self.fim_ids
-        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
-        return [begin, *encode(prefix), hole, *encode(suffix), middle]
-
-    @functools.cached_property
-    def fim_ids(self) -> tuple[int, int, int] | None:
-        """The tokenizer's fill-in-the-middle tokens (prefix, suffix, middle), or None."""
-        for names in FIM_TOKENS:
-            ids = [self.tokenizer.convert_tokens_to_ids(name) for name in names]
-            if all(isinstance(i, int) and i != self.tokenizer.unk_token_id for i in ids):
-                return tuple(ids)
-        return None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         return self.run([Request(p, params) for p in prompts])

@@ -80,7 +80,7 @@ def run_system(benchmark: str, items: list[benchmarks.Item], spec: System, engin
     with path.open("a") as f:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
-            requests = [Request(engine.encode_prompt(item.prompt, item.suffix), params, target_rate=spec.target_rate)
+            requests = [Request(engine.prompts.prompt(item.prompt, item.suffix), params, target_rate=spec.target_rate)
                         for item in chunk]
             began = time.perf_counter()
             for item, gen in zip(chunk, engine.run(requests)):
@@ -309,7 +309,7 @@ def entropy_at_rate(slm, tokenizer, items: list[benchmarks.Item], rows: list[dic
     for item in items:
         written = by_id.get(item.id, {}).get("token_ids")
         if written:
-            prompt = encoder.encode_prompt(item.prompt, item.suffix)
+            prompt = encoder.prompts.prompt(item.prompt, item.suffix)
             logits, _ = slm.forward_sequence(prompt + written[:-1], len(prompt) - 1)
             scores.append(policies.entropy(logits))
     return threshold_at_rate(torch.cat(scores), rate) if scores else ENTROPY_WARMUP_THRESHOLD

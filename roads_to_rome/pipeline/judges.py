@@ -114,7 +114,7 @@ class LocalJudge:
     def __call__(self, cases: list[tuple[str, str, str]]) -> list[tuple[str, str]]:
         out = []
         for case in cases:
-            raw = self.engine.tokenizer.decode(self.answer(self.engine.encode_chat(judge_prompt(*case))),
+            raw = self.engine.tokenizer.decode(self.answer(self.engine.prompts.chat(judge_prompt(*case))),
                                                skip_special_tokens=True)
             out.append((parse_verdict(raw), raw))
         return out

@@ -141,7 +141,7 @@ def step_responses(prompts: list[dict], engine, out: Path, max_new_tokens: int, 
     writing = engine.llm if writer == "llm" else engine.slm
     for i in range(0, len(todo), batch_size):
         chunk = todo[i : i + batch_size]
-        prompt_ids = [engine.encode_prompt(p["prompt"], p.get("suffix")) for p in chunk]
+        prompt_ids = [engine.prompts.prompt(p["prompt"], p.get("suffix")) for p in chunk]
         began = time.perf_counter()
         # An LLM behind a server writes whole responses there (it knows no stop strings); a local model, and
         # responses with stop strings, through the engine.
@@ -520,7 +520,7 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
         if rollout_judged:
             # A reference belongs to the prompt a response answered: matched by its prompt tokens, never by id alone
             # (another prompt set may reuse the ids, and a regenerated one may differ in a few prompts).
-            by_prompt = {tuple(llm_alone.encode_prompt(p["prompt"], p.get("suffix"))): p["reference"]
+            by_prompt = {tuple(llm_alone.prompts.prompt(p["prompt"], p.get("suffix"))): p["reference"]
                          for p in prompt_set}
             responses = Parts(out, "responses").rows()
             references = {r["id"]: by_prompt[tuple(r["prompt_ids"])] for r in responses

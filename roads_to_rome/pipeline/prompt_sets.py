@@ -148,7 +148,7 @@ def write_word_problems(llm_engine, count: int, seed: int = 0, batch_size: int =
     while len(rows) < count and attempt < 4 * count:
         asks = [WRITE_PROMPT.format(topic=TOPICS[(attempt + k) % len(TOPICS)], steps=3 + (attempt + k) % 3)
                 for k in range(batch_size)]
-        requests = [Request(llm_engine.encode_chat(ask), SamplingParams(
+        requests = [Request(llm_engine.prompts.chat(ask), SamplingParams(
             max_new_tokens=160, temperature=0.8, top_p=0.95, seed=seed * 100_003 + attempt + k))
             for k, ask in enumerate(asks)]  # a seed per problem: a topic comes round again with another
         gens = llm_engine.run(requests)

@@ -115,16 +115,17 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if body.prompt_alone():
         max_tokens = 1  # (the reply leaves it out)
+    name = body.named("max_tokens")
     if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1 (0 only with echo: the prompt alone), got {max_tokens}",
-                       param="max_tokens")
+        raise APIError(400, f"{name} must be at least 1 (0 only with echo: the prompt alone), got {max_tokens}",
+                       param=name)
     if max_tokens is not None and max_tokens > limits.max_tokens:
-        raise APIError(400, f"max_tokens is at most {limits.max_tokens} on this server", param="max_tokens")
+        raise APIError(400, f"{name} is at most {limits.max_tokens} on this server", param=name)
     context = limits.context_length
     room = context - len(prompt_ids)
     if room <= 0 or (max_tokens is not None and max_tokens > room):
-        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but this "
-                            f"server holds at most {context} tokens per request", param="messages",
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and {name} is {max_tokens}, but this "
+                            f"server holds at most {context} tokens per request", param=body.named("messages"),
                        code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(limits.max_tokens, room)
@@ -134,7 +135,7 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
                             "parts, or leave them out", param="prompt_logprobs" if body.prompt_logprobs is not None
                        else "echo")
     if body.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens is {body.min_tokens}, beyond max_tokens ({max_tokens})", param="min_tokens")
+        raise APIError(400, f"min_tokens is {body.min_tokens}, beyond {name} ({max_tokens})", param="min_tokens")
     params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                             top_k=body.top_k, stop=stop_strings(body, limits) + stop, seed=body.seed,
                             logprobs=body.top_count(), presence_penalty=body.presence_penalty,

@@ -145,7 +145,7 @@ class ChatPrompt(BaseModel):
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     def template_options(self) -> dict:
-        """How the chat template ends the prompt (`Engine.encode_messages`), or a 400 naming what to change."""
+        """How the chat template ends the prompt (`Prompts.messages`), or a 400 naming what to change."""
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise APIError(400, "continue_final_message goes on writing the last message, add_generation_prompt "
@@ -155,7 +155,7 @@ class ChatPrompt(BaseModel):
             if last.role != "assistant" or not last.text():
                 raise APIError(400, "continue_final_message goes on writing the last message, which must be an "
                                     f"assistant message with text in it (the last one is a {last.role} message"
-                                    f"{'' if last.text() else ' without text'})", param="messages")
+                                    f"{'' if last.text() else ' without text'})", param=self.named("messages"))
         return {"add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message, "template": self.chat_template}
 
@@ -213,7 +213,7 @@ class ChatBody(CommonBody, ChatPrompt):
             return use
         if self.structured_outputs or (self.response_format and self.response_format.type != "text"):
             raise APIError(400, "tool_choice required or a named function holds the reply to tool calls: leave "
-                                "response_format and structured_outputs out", param="tool_choice")
+                                f"{self.named('response_format')} and structured_outputs out", param="tool_choice")
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in names:
                 raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import sys
 import time
 from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -25,7 +23,7 @@ from roads_to_rome.serving.chat_schemas import ChatBody, json_object_text
 from roads_to_rome.serving.engine_thread import ErrorReply, Job
 from roads_to_rome.serving.errors import APIError
 from roads_to_rome.serving.replies import Reply, StreamFailure, choice_deltas, new_id, provenance, usage
-from roads_to_rome.serving.schemas import Number, Text
+from roads_to_rome.serving.schemas import Number, Text, renamed
 
 LOGPROBS = "message.output_text.logprobs"  # what `include` names to get the answer's log-probabilities
 
@@ -238,9 +236,9 @@ class ResponsesBody(BaseModel):
         if effort is not None:
             chat["chat_template_kwargs"] = {**(extra.get("chat_template_kwargs") or {}), "reasoning_effort": effort}
         try:
-            return ChatBody.model_validate(chat), conversation
+            return ChatBody.model_validate(chat).in_api(NAMES), conversation
         except ValidationError as e:
-            errors = [{**error, "loc": ("body", *responses_param(".".join(map(str, error["loc"]))).split("."))}
+            errors = [{**error, "loc": ("body", *renamed(".".join(map(str, error["loc"])), NAMES).split("."))}
                       for error in e.errors()]
             raise RequestValidationError(errors) from None
 
@@ -296,32 +294,11 @@ def without(chat: ChatBody, spans: list[tuple[int, int]]) -> ChatBody:
     return chat.model_copy(update={"messages": [m for i, m in enumerate(chat.messages) if i not in gone]})
 
 
-# Chat fields as a Responses request names them, the longer names first (an input item's index is not a message's:
-# `input` alone)
-RENAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-           "response_format.json_schema": "text.format", "response_format": "text.format", "messages": "input"}
-
-
-def responses_param(param: str) -> str:
-    """A chat field's name (dotted, as errors name it) as the Responses request has it."""
-    for chat, own in RENAMES.items():
-        if param == chat or param.startswith(chat + "."):
-            return own if chat == "messages" else own + param[len(chat):]
-    return param
-
-
-WORDS = ("max_tokens", "max_completion_tokens", "response_format")  # renamed in errors' text too
-
-
-@contextmanager
-def responses_names():
-    """Errors the chat path raises, with the fields named as a Responses request names them."""
-    try:
-        yield
-    except APIError as e:
-        e.param = responses_param(e.param) if e.param else e.param
-        e.message = re.sub(r"\b(" + "|".join(WORDS) + r")\b", lambda m: RENAMES[m[1]], e.message)
-        raise
+# Chat fields as a Responses request names them (`CommonBody.in_api`): name, and whether what follows stays (an input
+# item's index is not a message's: `input` alone)
+NAMES = {"max_tokens": ("max_output_tokens", True), "max_completion_tokens": ("max_output_tokens", True),
+         "response_format.json_schema": ("text.format", True), "response_format": ("text.format", True),
+         "messages": ("input", False)}
 
 
 # ---- the response ------------------------------------------------------------------------------------------------

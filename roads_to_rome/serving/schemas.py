@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
 
 from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.core.sampling import (
@@ -120,6 +120,8 @@ class StructuredOutputs(BaseModel):
 
 class CommonBody(BaseModel):
     model_config = ConfigDict(extra="allow")  # kept, to refuse the unsupported ones by name (`check_body`)
+    # The fields as the client's API names them, where it made this body from its own (`named`)
+    _names: dict[str, tuple[str, bool]] = PrivateAttr(default_factory=dict)
     requested: str | None = Field(None, alias="model")  # the model id the client asks for
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -186,7 +188,8 @@ class CommonBody(BaseModel):
         field when it is not one. (Whether it can be followed is known once it compiles: server.compiled_format.)"""
         response = self.response_format if self.response_format and self.response_format.type != "text" else None
         if response and self.structured_outputs:
-            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+            raise APIError(400, f"give {self.named('response_format')} or structured_outputs, not both",
+                           param="structured_outputs")
         if self.structured_outputs:
             fmt = self.structured_outputs.output_format()
         elif response is None:
@@ -198,8 +201,9 @@ class CommonBody(BaseModel):
             fmt = OutputFormat("structural_tag", {"type": "structural_tag",
                                                   **{k: v for k, v in given.items() if v is not None}})
         elif response.json_schema is None:
-            raise APIError(400, "response_format of type json_schema needs its json_schema (name and schema)",
-                           param="response_format.json_schema")
+            field = self.named("response_format.json_schema")
+            raise APIError(400, f"{self.named('response_format')} of type json_schema needs its json_schema (name "
+                                "and schema)", param=field)
         else:
             schema = response.json_schema.schema_
             return OutputFormat("json_object") if schema is None else OutputFormat.json_schema(schema)
@@ -209,7 +213,28 @@ class CommonBody(BaseModel):
         """The field `output_format` reads the format from, for an error about it."""
         if self.structured_outputs:
             return "structured_outputs"
-        return "response_format.json_schema.schema" if self.response_format.json_schema else "response_format"
+        return self.named("response_format.json_schema.schema" if self.response_format.json_schema
+                          else "response_format")
+
+    def named(self, field: str) -> str:
+        """A field (dotted) as the request's own API names it, for an error's text and `param`: a Responses
+        request's `max_output_tokens` for `max_tokens` (`renamed`, with the names its API gave this body)."""
+        return renamed(field, self._names)
+
+    def in_api(self, names: dict[str, tuple[str, bool]]) -> CommonBody:
+        """This body, saying its fields as another API names them: chat field (dotted prefix) -> (the API's name,
+        whether what follows the prefix stays)."""
+        self._names = names
+        return self
+
+
+def renamed(field: str, names: dict[str, tuple[str, bool]]) -> str:
+    """A dotted field as `names` (`CommonBody.in_api`) says it, the longest prefix first; else as it is."""
+    for prefix in sorted(names, key=len, reverse=True):
+        if field == prefix or field.startswith(prefix + "."):
+            own, keeps_rest = names[prefix]
+            return own + field[len(prefix):] if keeps_rest else own
+    return field
 
 
 PromptText = Annotated[Text, Field(min_length=1)]

@@ -54,7 +54,6 @@ from roads_to_rome.serving.responses import (
     ResponseStore,
     oldest_turns,
     response_events,
-    responses_names,
     whole_response,
     without,
 )
@@ -219,9 +218,8 @@ async def create_response(body: ResponsesBody, http: HTTPRequest):
     """OpenAI's Responses API: the input as a chat, answered as output items (serving/responses.py)."""
     s = server(http)
     body.checked()
-    with responses_names():
-        chat, conversation = body.chat_request(s.responses.history(body.previous_response_id))
-        jobs, reply, _ = await queue_chat(s, chat, fit=body.truncation == "auto")
+    chat, conversation = body.chat_request(s.responses.history(body.previous_response_id))
+    jobs, reply, _ = await queue_chat(s, chat, fit=body.truncation == "auto")
     draft = Draft(body, chat, conversation, s.model_name, jobs[0].sequence.params.max_new_tokens)
     if body.background:
         return JSONResponse(s.responses.start(jobs[0], reply, draft))
@@ -304,7 +302,7 @@ async def completions(body: CompletionBody, http: HTTPRequest):
     if suffix is not None and not all(isinstance(p, str) for p in body.prompts()):
         raise APIError(400, "a suffix goes with a prompt given as text: the prompt and the suffix are framed by the "
                             "model's fill-in-the-middle tokens", param="suffix")
-    encode = s.engine.encode_raw if suffix is None else lambda text: s.engine.encode_infill(text, suffix)
+    encode = s.engine.prompts.raw if suffix is None else lambda text: s.engine.prompts.infill(text, suffix)
     given = [await tokenize(s, len(p) + len(suffix or ""), encode, p) if isinstance(p, str) else p
              for p in body.prompts()]
     prompts = [truncated(body, ids, s.limits) for ids in given]
@@ -364,7 +362,7 @@ async def chat_prompt(s: ServerState, body: ChatPrompt, prompt_tools: list[dict]
                                  options["continue_final_message"], options["template"])
     # what the template will hold
     chars = len(json.dumps([messages, prompt_tools], ensure_ascii=False))
-    encode = functools.partial(s.engine.encode_messages, **options)
+    encode = functools.partial(s.engine.prompts.messages, **options)
     return await tokenize(s, chars, encode, messages, body.chat_template_kwargs, prompt_tools)
 
 
@@ -432,7 +430,7 @@ async def submit(s: ServerState, body: CommonBody, prompts: list[list[int]], out
                  echo: list[str] | None = None, tools: ToolUse | None = None) -> tuple[list[Job], Reply]:
     """The request's sequences, queued for the engine, and the `Reply` that renders what they write."""
     structured = output_format is not None
-    compiled = None
+    compiled, field = None, None
     if structured:  # once per request, off the event loop; each choice walks a copy
         if tools is not None and output_format is tools.output_format:
             field, what = "tools", "a tool's parameters cannot be followed"
@@ -445,8 +443,8 @@ async def submit(s: ServerState, body: CommonBody, prompts: list[list[int]], out
         banned = await tokenize(s, sum(map(len, body.bad_words)), bad_words, body.bad_words, s.engine.tokenizer)
     reasoning = s.reasoning if chat else None
     sequences = [sequence for ids in prompts for sequence in make_sequences(
-        body, ids, s.engine, s.limits, compiled,
-        answer_after(reasoning, s.engine.tokenizer, ids) if structured else None, tools.stop if tools else (), banned)]
+        body, ids, s.engine, s.limits, compiled, answer_after(reasoning, s.engine.tokenizer, ids, field)
+        if structured else None, tools.stop if tools else (), banned)]
     if body.r2r_policy != "slm" and ((await llm_health(s)) or {}).get("status") == "unavailable":
         s.engine_thread.metrics.refused()
         raise llm_away()
@@ -460,12 +458,12 @@ async def submit(s: ServerState, body: CommonBody, prompts: list[list[int]], out
     return jobs, reply
 
 
-def answer_after(parser: ReasoningParser | None, tokenizer, prompt_ids: list[int]) -> int | None:
+def answer_after(parser: ReasoningParser | None, tokenizer, prompt_ids: list[int], field: str) -> int | None:
     """Where a structured output starts in a reply to these tokens: after the token that closes its thinking."""
     try:
         return thinking_until(parser, tokenizer, prompt_ids) if parser else None
     except R2RError as e:
-        raise APIError(400, str(e), param="response_format") from None
+        raise APIError(400, str(e), param=field) from None
 
 
 def run(app: FastAPI, host: str, port: int) -> int:

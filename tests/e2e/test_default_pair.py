@@ -63,7 +63,7 @@ def test_always_one_model_equals_its_greedy_generation(torch_pair, role):
     slm, llm, tokenizer = torch_pair
     engine = Engine(slm, llm, tokenizer, AlwaysSLM() if role == "slm" else AlwaysLLM())
     reference = (slm if role == "slm" else llm).model
-    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    prompts = [engine.prompts.chat(p) for p in PROMPTS]
     # ignore_eos on both sides so that every row really runs TORCH_TOKENS steps.
     params = SamplingParams(max_new_tokens=TORCH_TOKENS, ignore_eos=True)
     for prompt in prompts:
@@ -92,7 +92,7 @@ def test_always_one_model_on_llamacpp_equals_llamacpps_own_greedy_output(llamacp
     # the attention sums then round differently and near-ties flip).
     reference = llama_cpp.Llama(str(gguf_path(DEFAULT_SLM if role == "slm" else DEFAULT_LLM)), n_ctx=1024,
                                 n_batch=512, flash_attn=True, verbose=False)
-    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    prompts = [engine.prompts.chat(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True)
     expected = []
     for prompt in prompts:
@@ -253,7 +253,7 @@ def test_strict_verification_gives_the_llms_greedy_output(backend, request):
 
     slm, llm, tokenizer = request.getfixturevalue("llamacpp_pair" if backend == "llamacpp" else "torch_pair_float32")
     alone = Engine.alone(llm, tokenizer)
-    prompts = [alone.encode_chat(p) for p in PROMPTS]
+    prompts = [alone.prompts.chat(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=TORCH_TOKENS if backend == "torch" else N_TOKENS, ignore_eos=True)
     if backend == "llamacpp":
         expected = [alone.generate([p], params)[0].token_ids for p in prompts]
@@ -288,7 +288,7 @@ def test_with_penalties_and_a_logit_bias_strict_verification_gives_the_llms_own_
 
     slm, llm, tokenizer = llamacpp_pair
     alone = Engine.alone(llm, tokenizer)
-    prompts = [alone.encode_chat(p) for p in (PROMPTS[0], PROMPTS[2])]  # code, and a GSM8K question
+    prompts = [alone.prompts.chat(p) for p in (PROMPTS[0], PROMPTS[2])]  # code, and a GSM8K question
     plain = [g.token_ids for g in alone.generate(prompts, SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True))]
     banned = Counter(t for out in plain for t in out).most_common(1)[0][0]
     params = SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3,
@@ -322,7 +322,7 @@ def test_under_a_json_schema_strict_verification_gives_the_llms_own_valid_json_o
               "required": ["reasoning", "answer"], "additionalProperties": False}
     params = SamplingParams(max_new_tokens=300, output_format=OutputFormat.json_schema(schema))
     alone = Engine.alone(llm, tokenizer)
-    prompt = alone.encode_chat(gsm8k()[0]["question"] + '\nReply as JSON: {"reasoning": ..., "answer": ...}.')
+    prompt = alone.prompts.chat(gsm8k()[0]["question"] + '\nReply as JSON: {"reasoning": ..., "answer": ...}.')
     want = alone.run([Request(prompt, params)])[0].token_ids
     router = policies.build("router", slm, None, models.router_path_for(None, None))
     engine = Engine(slm, llm, tokenizer, router, verify="strict", defer=Deferral("continue"))
@@ -353,7 +353,7 @@ def test_a_structural_tag_holds_a_tool_call_in_running_text_to_its_schema_on_lla
               "required": ["city", "unit"], "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                                "parameters": schema}}]
-    prompt = engine.encode_messages([{"role": "user", "content": "What's the weather in Paris, in celsius?"}],
+    prompt = engine.prompts.messages([{"role": "user", "content": "What's the weather in Paris, in celsius?"}],
                                     tools=tools)
     kelvin = {**schema, "properties": {"city": {"type": "string"}, "unit": {"enum": ["kelvin"]}}}
     tag = {"triggers": ['{"name"'], "structures": [{"begin": '{"name": "get_weather", "arguments": ',

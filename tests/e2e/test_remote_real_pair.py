@@ -48,7 +48,7 @@ def test_the_llm_through_the_remote_backend_equals_the_servers_own_greedy(server
     slm_backend, tokenizer = slm
     llm = RemoteBackend(server.url, tokenizer, slm_backend.eos_ids, vocab_size=slm_backend.vocab_size)
     engine = Engine(slm_backend, llm, tokenizer, AlwaysLLM())
-    prompts = [engine.encode_chat(gsm8k_prompt(item)) for item in gsm8k()[:2]]
+    prompts = [engine.prompts.chat(gsm8k_prompt(item)) for item in gsm8k()[:2]]
     # (16 tokens: each is a call to the server, and vLLM runs the 1.5B in float32 where bf16 is not native)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
     for ids, out in zip(prompts, outs):

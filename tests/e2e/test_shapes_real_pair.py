@@ -25,7 +25,7 @@ def test_the_default_slm_with_another_llm_gets_the_shipped_router_and_verificati
     engine = load_engine(llm=str(padded_file), backend="llamacpp")  # tokenizers compared: the padding rows differ
     assert engine.policy.name == "router" and engine.verify.value == 1.0
     assert engine.llm.vocab_size == engine.slm.vocab_size == len(engine.tokenizer)
-    prompt = engine.encode_chat("What is 48 / 2?")
+    prompt = engine.prompts.chat("What is 48 / 2?")
     gen = engine.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
     assert len(gen.token_ids) == 24 and all(t < len(engine.tokenizer) for t in gen.token_ids)
     assert gen.llm_tokens > 0  # random weights disagree with the SLM: verification sends fixes
