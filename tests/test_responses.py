@@ -19,7 +19,8 @@ from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
 from roads_to_rome.serving.limits import Limits
-from roads_to_rome.serving.responses import ResponsesBody, ResponseStore, conversation_of
+from roads_to_rome.serving.response_store import ResponseStore, conversation_of
+from roads_to_rome.serving.responses_schemas import ResponsesBody
 from roads_to_rome.serving.server import create_app
 
 GREEDY = {"temperature": 0, "extra_body": {"r2r_policy": "llm"}}  # the same tokens every time

@@ -219,14 +219,14 @@ def test_5_bodies_over_the_limit_are_413_and_health_answers_while_bodies_are_tok
     # Just under the limit: tokenised off the event loop (then refused: longer than the context). Tokenising is
     # held until /health has answered: were it on the event loop, /health could not answer and would time out.
     entered, released = threading.Event(), threading.Event()
-    encode = engine.encode_messages
+    encode = engine.prompts.messages
 
     def held(*args, **kwargs):
         entered.set()
         released.wait(timeout=60)
         return encode(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "encode_messages", held)
+    monkeypatch.setattr(engine.prompts, "messages", held)
     near = body("48 / 2 " * 8000)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         posts = [pool.submit(post, server, near) for _ in range(4)]
@@ -273,7 +273,7 @@ def test_6_an_unexpected_error_is_a_json_500_without_internals(server, engine, e
     def broken(*args, **kwargs):
         raise KeyError("secret internals")
 
-    monkeypatch.setattr(engine, "encode_messages", broken)
+    monkeypatch.setattr(engine.prompts, "messages", broken)
     response = post(server, body())
     assert response.status_code == 500
     assert "secret" not in response.text and "KeyError" not in response.text

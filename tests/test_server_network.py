@@ -59,7 +59,7 @@ def server(engine):
 @pytest.mark.parametrize("stop,why", [(["a", "b", "c", "d", "e"], "at most 4"), (["x" * 257], "at most 256")])
 def test_stop_lists_past_the_limits_are_400s_before_any_tokenizing(server, engine, monkeypatch, stop, why):
     tokenized = []
-    monkeypatch.setattr(engine, "encode_messages", lambda m, *_, **__: tokenized.append(m) or [1])
+    monkeypatch.setattr(engine.prompts, "messages", lambda m, *_, **__: tokenized.append(m) or [1])
     response = post(server, body(stop=stop))
     assert response.status_code == 400 and why in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == "stop" and not tokenized
@@ -79,14 +79,14 @@ def test_a_flood_of_stop_lists_beside_a_normal_request(server):
 
 
 def test_a_tokenizer_flood_gets_429_before_it_queues_and_a_short_prompt_still_answers(server, engine, monkeypatch):
-    encode = engine.encode_messages
+    encode = engine.prompts.messages
 
     def slow(messages, *args, **kwargs):  # a long prompt that takes a while to tokenize
         if len(messages[0]["content"]) > 16384:
             time.sleep(1.0)
         return encode(messages, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "encode_messages", slow)
+    monkeypatch.setattr(engine.prompts, "messages", slow)
     results = []
     flood = [threading.Thread(target=lambda: results.append(post(server, body("48 / 2 " * 4000))))
              for _ in range(6)]

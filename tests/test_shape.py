@@ -14,10 +14,6 @@ MAX_MODULE_LINES = {"serving": 350, "bench": 500, "cli": 450}
 MAX_STEP_RECORD_FIELDS = 10  # what one phase of a decode step hands the next (core/batch.py)
 # Still past their rule (issue "House round four"): they may shrink, never grow.
 LARGER = {
-    "serving/responses.py": 720,
-    "serving/replies.py": 513,
-    "serving/server.py": 494,
-    "serving/messages.py": 403,
     "bench/shapes.py": 559,
     "cli/bench.py": 462,
 }

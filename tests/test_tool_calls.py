@@ -16,8 +16,8 @@ from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
 from roads_to_rome.serving.limits import Limits
-from roads_to_rome.serving.replies import CallsSent
 from roads_to_rome.serving.server import create_app
+from roads_to_rome.serving.streams import CallsSent
 from roads_to_rome.tool_calls import (
     CallStream,
     Compactor,

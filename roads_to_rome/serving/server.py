@@ -1,27 +1,19 @@
 """An OpenAI-compatible HTTP server for R2R, with continuous batching and per-token provenance.
 
-The rooms: limits.py and errors.py (what a request may cost, and each API's errors), schemas.py and
-chat_schemas.py (the bodies), adapter.py (a body's checks, and its sequences), guard.py (what never reaches a
-handler), engine_thread.py (the supervised thread that drives the engine's `Scheduler`), replies.py (whole answers
-and streams), responses.py and messages.py (OpenAI's Responses API and Anthropic's Messages API: their requests
-as chats, their answers from the same replies). Here: the app, its routes and errors, and `run`. A request is
-checked in full before it queues, so nothing a client sends can fail the batch; its prompt is then read in chunks
-between decode steps, so running streams keep going. Every error is a JSON body in the shape of the API asked
+Its rooms are listed in docs/architecture.md; here: the app, its routes and errors, and `run`. A request is checked
+in full before it queues (submission.py), so nothing a client sends can fail the batch; its prompt is then read in
+chunks between decode steps, so running streams keep going. Every error is a JSON body in the shape of the API asked
 (OpenAI's, or Anthropic's on /v1/messages); internals go to the server's log, not to clients.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import functools
 import html
 import importlib.resources
-import json
 import logging
-import time
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import uvicorn
@@ -35,45 +27,28 @@ from starlette.exceptions import HTTPException
 from starlette.staticfiles import StaticFiles
 
 from roads_to_rome.core.engine import Engine
-from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.errors import R2RError
-from roads_to_rome.reasoning import ReasoningParser, parser_for, resolve_parser, thinking_until
+from roads_to_rome.reasoning import parser_for, resolve_parser
 from roads_to_rome.serving import request_ids
-from roads_to_rome.serving.adapter import bad_words, check_body, check_model, make_sequences, truncated
-from roads_to_rome.serving.chat_schemas import ChatBody, ChatPrompt, TokenizeChat, ToolUse
+from roads_to_rome.serving.adapter import check_body, check_model, truncated
+from roads_to_rome.serving.chat_schemas import ChatBody, TokenizeChat
 from roads_to_rome.serving.connections import uvicorn_config
-from roads_to_rome.serving.engine_thread import EngineThread, Job
-from roads_to_rome.serving.errors import APIError, error_response, llm_away, shaped, validation_error
+from roads_to_rome.serving.engine_thread import EngineThread
+from roads_to_rome.serving.errors import APIError, error_response, shaped, validation_error
 from roads_to_rome.serving.guard import Compiling, Guard, TemplateLane, Tokenizing, check_api_key
 from roads_to_rome.serving.limits import Limits
-from roads_to_rome.serving.messages import CountTokensBody, MessageDraft, MessagesBody, message_events, whole_message
-from roads_to_rome.serving.replies import Reply, stream_events, whole_answer
-from roads_to_rome.serving.responses import (
-    Draft,
-    ResponsesBody,
-    ResponseStore,
-    oldest_turns,
-    response_events,
-    whole_response,
-    without,
-)
-from roads_to_rome.serving.schemas import CommonBody, CompletionBody, DetokenizeBody, TokenizeText
+from roads_to_rome.serving.messages import MessageDraft, message_events, whole_message
+from roads_to_rome.serving.messages_schemas import CountTokensBody, MessagesBody
+from roads_to_rome.serving.response_store import ResponseStore
+from roads_to_rome.serving.responses import Draft, response_events, whole_response
+from roads_to_rome.serving.responses_schemas import ResponsesBody
+from roads_to_rome.serving.schemas import CompletionBody, DetokenizeBody, TokenizeText
+from roads_to_rome.serving.state import ServerState, llm_health, server
+from roads_to_rome.serving.streams import whole_answer
+from roads_to_rome.serving.submission import chat_prompt, checked_chat, queue_chat, respond, tokenize
 from roads_to_rome.tool_calls import resolve_tool_parser
 
 log = logging.getLogger(__name__)
-@dataclass
-class ServerState:
-    engine: Engine
-    model_name: str
-    limits: Limits
-    engine_thread: EngineThread
-    tokenizing: Tokenizing
-    compiling: Compiling
-    reasoning: ReasoningParser | None  # splits chat replies' thinking from their answer
-    tool_parser: str | None  # the call syntax chat replies' tool calls are read in (None: tools are refused)
-    probing: concurrent.futures.ThreadPoolExecutor  # asks a remote LLM whether it is back, off the event loop
-    responses: ResponseStore  # the Responses API's stored responses
-    templates: TemplateLane | None = None  # writes chats in templates requests bring (None: they may bring none)
 
 
 def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = None, api_key: str | None = None,
@@ -147,17 +122,6 @@ async def internal_error(http: HTTPRequest, e: Exception) -> Response:
 routes = APIRouter()
 
 
-def server(http: HTTPRequest) -> ServerState:
-    return http.app.state.r2r
-
-
-async def llm_health(s: ServerState) -> dict | None:
-    """None while the LLM is up (or there is none); what `/health` reports of it while a remote one is away
-    (`Backend.health`: a probe of its server, off the event loop)."""
-    llm = s.engine.llm
-    return None if llm is None else await asyncio.get_running_loop().run_in_executor(s.probing, llm.health)
-
-
 @routes.get("/health")
 async def health(http: HTTPRequest):
     """`ok`; `degraded` while a remote LLM is away or stalled (requests that need it wait, or get 503 once it is
@@ -224,7 +188,8 @@ async def create_response(body: ResponsesBody, http: HTTPRequest):
     if body.background:
         return JSONResponse(s.responses.start(jobs[0], reply, draft))
     if body.stream:
-        return StreamingResponse(response_events(jobs[0], reply, draft, s.responses), media_type="text/event-stream")
+        events = response_events(jobs[0], reply, draft, s.responses.put)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     def kept(gens):
         response = whole_response(draft, reply, gens[0])
@@ -347,123 +312,6 @@ def validated(model: type[BaseModel], body: dict):
         return model.model_validate(body)
     except ValidationError as e:
         raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in e.errors()]) from None
-
-
-async def chat_prompt(s: ServerState, body: ChatPrompt, prompt_tools: list[dict] | None) -> list[int]:
-    """A chat's prompt tokens, in the model's chat template: the messages, the tools it shows, how it ends."""
-    if body.chat_template is not None and s.templates is None:
-        raise APIError(400, "this server writes chats in its own chat template; a request's chat_template needs a "
-                            "server started with --trust-request-chat-template: leave it out",
-                       param="chat_template")
-    messages = [m.for_template() for m in body.messages]
-    options = body.template_options()
-    if body.chat_template is not None:  # a client's template: in a process of its own, within a time and memory
-        return await s.templates(messages, body.chat_template_kwargs, prompt_tools, options["add_generation_prompt"],
-                                 options["continue_final_message"], options["template"])
-    # what the template will hold
-    chars = len(json.dumps([messages, prompt_tools], ensure_ascii=False))
-    encode = functools.partial(s.engine.prompts.messages, **options)
-    return await tokenize(s, chars, encode, messages, body.chat_template_kwargs, prompt_tools)
-
-
-async def tokenize(s: ServerState, chars: int, encode, *args) -> list[int]:
-    try:
-        return await s.tokenizing(chars, encode, *args)
-    except R2RError as e:
-        raise APIError(400, str(e)) from None
-
-
-async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: list[list[int]],
-                  output_format, chat: bool, echo: list[str] | None = None, tools: ToolUse | None = None):
-    """Each prompt's `n` choices, decoded side by side, answered whole or streamed (choice i * n + j: prompt i's
-    j-th), their output held to `output_format`; `echo`: each prompt's text, which its choices' text starts with;
-    `tools`: how a chat reply's tool calls are read."""
-    jobs, reply = await submit(s, body, prompts, output_format, chat, echo, tools)
-    if body.stream:
-        options = body.stream_options
-        include_usage = bool(options and options.include_usage)
-        reply.running_usage = include_usage and options.continuous_usage_stats
-        return StreamingResponse(stream_events(jobs, reply, include_usage), media_type="text/event-stream")
-    return await whole_answer(http, jobs, s.limits.max_request_seconds, reply.whole)
-
-
-async def checked_chat(s: ServerState, chat: ChatBody, fit: bool = False
-                       ) -> tuple[list[int], OutputFormat | None, ToolUse]:
-    """A chat request checked in full: its prompt, the format its output follows (its own, or its tool choice's),
-    how its tools are used. `fit`: the oldest turns go until the conversation fits (OpenAI's `truncation:
-    "auto"`)."""
-    output_format = check_body(chat, s.model_name, s.limits)
-    tools = chat.tool_use(s.tool_parser)
-    prompt_ids = await chat_prompt(s, chat, tools.prompt_tools)
-    fits = lambda ids: len(ids) + (chat.max_tokens or 1) <= s.limits.context_length  # noqa: E731
-    if fit and not fits(prompt_ids):
-        prompt_ids = await fitted_prompt(s, chat, tools, fits)
-    return truncated(chat, prompt_ids, s.limits), tools.output_format or output_format, tools
-
-
-async def fitted_prompt(s: ServerState, chat: ChatBody, tools: ToolUse, fits) -> list[int]:
-    """The prompt of the chat less the fewest oldest turns that make it `fits` (OpenAI's `truncation: "auto"`),
-    found by halving: a few renderings of the chat, not one per turn dropped. The chat keeps what is left."""
-    spans = oldest_turns(chat)
-    low, high, best = 1, len(spans), None  # (dropping more turns never lengthens the prompt)
-    while low <= high:
-        middle = (low + high) // 2
-        ids = await chat_prompt(s, without(chat, spans[:middle]), tools.prompt_tools)
-        if fits(ids):
-            high, best = middle - 1, (middle, ids)
-        else:
-            low = middle + 1
-    dropped, ids = best or (len(spans), None)
-    chat.messages = without(chat, spans[:dropped]).messages
-    return ids if ids is not None else await chat_prompt(s, chat, tools.prompt_tools)
-
-
-async def queue_chat(s: ServerState, chat: ChatBody, fit: bool = False) -> tuple[list[Job], Reply, list[int]]:
-    """A chat that another API's request became (Responses, Messages), checked and queued as a chat request's would
-    be; with its prompt."""
-    prompt_ids, output_format, tools = await checked_chat(s, chat, fit)
-    jobs, reply = await submit(s, chat, [prompt_ids], output_format, True, tools=tools)
-    return jobs, reply, prompt_ids
-
-
-async def submit(s: ServerState, body: CommonBody, prompts: list[list[int]], output_format, chat: bool,
-                 echo: list[str] | None = None, tools: ToolUse | None = None) -> tuple[list[Job], Reply]:
-    """The request's sequences, queued for the engine, and the `Reply` that renders what they write."""
-    structured = output_format is not None
-    compiled, field = None, None
-    if structured:  # once per request, off the event loop; each choice walks a copy
-        if tools is not None and output_format is tools.output_format:
-            field, what = "tools", "a tool's parameters cannot be followed"
-        else:
-            field = body.format_field()
-            what = field
-        compiled = await s.compiling(field, what, s.engine.compile_format, output_format)
-    banned = ()
-    if body.bad_words:
-        banned = await tokenize(s, sum(map(len, body.bad_words)), bad_words, body.bad_words, s.engine.tokenizer)
-    reasoning = s.reasoning if chat else None
-    sequences = [sequence for ids in prompts for sequence in make_sequences(
-        body, ids, s.engine, s.limits, compiled, answer_after(reasoning, s.engine.tokenizer, ids, field)
-        if structured else None, tools.stop if tools else (), banned)]
-    if body.r2r_policy != "slm" and ((await llm_health(s)) or {}).get("status") == "unavailable":
-        s.engine_thread.metrics.refused()
-        raise llm_away()
-    jobs = [Job(sequence, asyncio.get_running_loop()) for sequence in sequences]
-    s.engine_thread.submit(jobs)
-    reply = Reply(("chatcmpl-" if chat else "cmpl-") + request_ids.get(), int(time.time()), s.model_name, chat,
-                  reasoning, s.engine.tokenizer, body.n, echo, tools.parser if tools else None,
-                  bool(tools and tools.one), prompt_entries=body.prompt_logprobs is not None,
-                  prompt_alone=body.prompt_alone(), token_ids=body.return_tokens_as_token_ids,
-                  with_ids=body.return_token_ids, show_reasoning=body.include_reasoning if chat else True)
-    return jobs, reply
-
-
-def answer_after(parser: ReasoningParser | None, tokenizer, prompt_ids: list[int], field: str) -> int | None:
-    """Where a structured output starts in a reply to these tokens: after the token that closes its thinking."""
-    try:
-        return thinking_until(parser, tokenizer, prompt_ids) if parser else None
-    except R2RError as e:
-        raise APIError(400, str(e), param=field) from None
 
 
 def run(app: FastAPI, host: str, port: int) -> int:
