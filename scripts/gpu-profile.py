@@ -31,7 +31,7 @@ import torch
 
 from roads_to_rome.backends.torch_backend import TorchBackend
 from roads_to_rome.bench.shape_models import SHAPES, default_tokenizer, random_router, torch_shape
-from roads_to_rome.bench.shapes import RouterAtShare
+from roads_to_rome.bench.stand_ins import RouterAtShare
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.sampling import SamplingParams
 

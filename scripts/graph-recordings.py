@@ -21,7 +21,7 @@ from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 from roads_to_rome.backends.static_cache import padded_size  # noqa: E402
 from roads_to_rome.backends.torch_backend import TorchBackend  # noqa: E402
-from roads_to_rome.bench import shapes  # noqa: E402
+from roads_to_rome.bench import shapes, stand_ins  # noqa: E402
 from roads_to_rome.bench.shape_models import random_router  # noqa: E402
 from roads_to_rome.models import systems  # noqa: E402
 
@@ -60,7 +60,7 @@ def main() -> None:
     slm = Counted(tiny_model(tokenizer, hidden=32, seed=0), name="slm")
     llm = Counted(tiny_model(tokenizer, hidden=64, seed=1), name="llm")
     router = random_router(slm)
-    recorded = shapes.Recorded(slm)
+    recorded = stand_ins.Recorded(slm)
     chat = systems.alone(recorded, tokenizer, "slm")
     prompts = [chat.prompts.chat(f"What is {i} times {i + 3}? Explain step by step, please, with care.")
                for i in range(max(args.batch))]
@@ -70,9 +70,10 @@ def main() -> None:
             for overlap in (False, True):
                 if batch == 1 and mode != "off":
                     continue
-                proposals = shapes.Proposals(recorded)
-                engine = systems.routed(recorded, shapes.AgreesAtRate(shapes.Recorded(llm), 0.68, proposals=proposals),
-                                        tokenizer, shapes.RouterAtShare(router, 0.11, seed=0, proposals=proposals),
+                proposals = stand_ins.Proposals(recorded)
+                llm_side = stand_ins.AgreesAtRate(stand_ins.Recorded(llm), 0.68, proposals=proposals)
+                engine = systems.routed(recorded, llm_side,
+                                        tokenizer, stand_ins.RouterAtShare(router, 0.11, seed=0, proposals=proposals),
                                         defer=mode, overlap=overlap)
                 counts = []
                 for _ in range(args.passes):

@@ -9,7 +9,7 @@ from conftest import HAS_LLAMA
 from tiny import save_gguf, tiny_model
 
 from roads_to_rome.backends.torch_backend import TorchBackend
-from roads_to_rome.bench import cost_model, shape_models, shapes, shapes_report
+from roads_to_rome.bench import cost_model, shape_models, shapes, shapes_report, stand_ins
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.routing.policies import RandomPolicy
@@ -201,7 +201,7 @@ def test_the_llm_that_agrees_at_a_rate_keeps_every_deferred_token_at_rate_one_on
     """What the grouped runs put in place of a real pair's agreement, over torch's logits (inference tensors)."""
     from roads_to_rome.core.llm_calls import Deferral
 
-    engine = Engine(slm, shapes.AgreesAtRate(llm, 1.0), tokenizer, RandomPolicy(0.3, seed=0),
+    engine = Engine(slm, stand_ins.AgreesAtRate(llm, 1.0), tokenizer, RandomPolicy(0.3, seed=0),
                     defer=Deferral("continue", 1.0, 4))
     prompts = [engine.prompts.chat(p) for p in ("What is 48 / 2?", "def add(a, b):", "Count to five.")]
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
@@ -223,10 +223,10 @@ def test_the_llm_that_agrees_at_a_rate_prefers_the_written_token_where_it_agrees
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 4, 50, generator=generator)
     new_ids = torch.randint(0, 50, (3, 6), generator=generator)
-    agreed = shapes.AgreesAtRate(Fixed(logits), 1.0).forward_all(None, new_ids, None, 4)
+    agreed = stand_ins.AgreesAtRate(Fixed(logits), 1.0).forward_all(None, new_ids, None, 4)
     assert torch.equal(agreed[:, :3].argmax(-1), new_ids[:, 3:])
     assert torch.equal(agreed[:, 3], logits[:, 3])
-    assert torch.equal(shapes.AgreesAtRate(Fixed(logits), 0.0).forward_all(None, new_ids, None, 4), logits)
+    assert torch.equal(stand_ins.AgreesAtRate(Fixed(logits), 0.0).forward_all(None, new_ids, None, 4), logits)
 
 
 @pytest.mark.parametrize("rate", [1.0, 0.0])
@@ -236,10 +236,10 @@ def test_an_overlapped_call_agrees_at_the_rate_with_the_slms_token_just_past_its
     the rate, not never."""
     from roads_to_rome.bench.shape_models import random_router
 
-    recorded = shapes.Recorded(slm)
-    proposals = shapes.Proposals(recorded)
-    engine = Engine(recorded, shapes.AgreesAtRate(llm, rate, proposals=proposals), tokenizer,
-                    shapes.RouterAtShare(random_router(slm), 0.3, proposals=proposals), overlap=True)
+    recorded = stand_ins.Recorded(slm)
+    proposals = stand_ins.Proposals(recorded)
+    engine = Engine(recorded, stand_ins.AgreesAtRate(llm, rate, proposals=proposals), tokenizer,
+                    stand_ins.RouterAtShare(random_router(slm), 0.3, proposals=proposals), overlap=True)
     prompt = engine.prompts.chat("What is 48 / 2?")
     gen = engine.generate([prompt], SamplingParams(max_new_tokens=32, ignore_eos=True))[0]
     assert gen.deferred > 0
@@ -251,7 +251,7 @@ def test_a_run_that_recorded_graphs_is_timed_again_and_marked_where_it_never_sto
     any runs again, up to WARM_RUNS runs, and the table marks one whose last run still recorded."""
     from roads_to_rome.models import systems
 
-    engine = systems.alone(shapes.Recorded(slm), tokenizer, "slm")
+    engine = systems.alone(stand_ins.Recorded(slm), tokenizer, "slm")
     prompt = engine.prompts.chat("What is 48 / 2?")
     monkeypatch.setattr(slm, "captures", 0)
     real_run = shapes.timed_run

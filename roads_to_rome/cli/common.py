@@ -8,6 +8,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from roads_to_rome.cli.options import console
+from roads_to_rome.errors import R2RError
 
 
 def progress_bar(*columns: ProgressColumn) -> Progress:
@@ -76,3 +77,21 @@ def engine_config(options: dict, **given):
     router = options.get("router")
     chosen = {name: value for name, value in options.items() if name in names}
     return EngineConfig(**{**chosen, **given}, policy=router.value if router else None)
+
+
+def whole_numbers(text: str, option: str) -> list[int]:
+    """A comma-separated list of whole numbers >= 1 (empty text: none)."""
+    try:
+        values = [int(k) for k in text.split(",")] if text.strip() else []
+    except ValueError:
+        raise R2RError(f"{option} takes comma-separated whole numbers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise R2RError(f"every {option} value must be at least 1")
+    return values
+
+
+def show_machine(where: str, result: dict) -> None:
+    """The machine, and what ran each model on it (llama.cpp's kernels, torch's CPU capability or the GPU)."""
+    console.print(f"measured on {where}")
+    for role, ran_with in result.get("kernels", {}).items():
+        console.print(f"  {role}: {ran_with}", markup=False, highlight=False)
