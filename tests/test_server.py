@@ -1,6 +1,7 @@
 """The OpenAI-compatible server on a tiny pair, driven by the official openai client over loopback."""
 
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import os
@@ -17,7 +18,7 @@ from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.routing.rate import CATCH_UP_TOKENS
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.limits import Limits
+from roads_to_rome.serving.limits import SERVER_SCHEDULING, Limits
 from roads_to_rome.serving.server import create_app
 
 
@@ -684,8 +685,8 @@ def test_priority_orders_waiting_requests_on_a_server_that_schedules_by_it(serve
 
     monkeypatch.setattr(slm, "_read", slow)
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
-    app = create_app(engine, "tiny-r2r", Limits(max_batch=1, max_tokens=480, context_length=512,
-                                                scheduling_policy="priority"))
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=1, max_tokens=480, context_length=512),
+                     scheduling=dataclasses.replace(SERVER_SCHEDULING, by_priority=True))
     with BackgroundServer(app) as srv:
         finished = []
 
@@ -723,8 +724,8 @@ def test_a_more_urgent_request_preempts_a_stream_which_then_goes_on_where_it_was
         return read(*args, **kwargs)
 
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
-    app = create_app(engine, "tiny-r2r", Limits(max_batch=1, max_tokens=200, context_length=256,
-                                                scheduling_policy="priority"))
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=1, max_tokens=200, context_length=256),
+                     scheduling=dataclasses.replace(SERVER_SCHEDULING, by_priority=True))
     with BackgroundServer(app) as srv:
         body = {"prompt": "A story about a lighthouse", "max_tokens": 120, "ignore_eos": True, "temperature": 0,
                 "r2r_policy": "slm"}

@@ -25,7 +25,7 @@ from helpers import until
 
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.request import Request, Sequence
-from roads_to_rome.core.scheduler import Scheduler
+from roads_to_rome.core.scheduler import Scheduler, Scheduling
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
@@ -44,7 +44,7 @@ def engine(slm, llm, tokenizer):
 @pytest.fixture(scope="module")
 def server(engine):
     app = create_app(engine, "tiny-r2r", Limits(max_batch=4, max_queue=16, max_tokens=400, context_length=512,
-                                                prefill_chunk=4, max_body_bytes=64 * 1024))
+                                                max_body_bytes=64 * 1024), scheduling=Scheduling(prefill_chunk=4))
     with BackgroundServer(app) as srv:
         yield srv.url
 
@@ -482,8 +482,8 @@ def test_soak_8_clients_200_requests_of_every_kind(engine, monkeypatch):
         return advance(scheduler)
 
     monkeypatch.setattr(Scheduler, "advance", gated)
-    app = create_app(engine, "tiny-r2r", Limits(max_batch=3, max_queue=4, max_tokens=64, context_length=512,
-                                                prefill_chunk=16))
+    app = create_app(engine, "tiny-r2r", Limits(max_batch=3, max_queue=4, max_tokens=64, context_length=512),
+                     scheduling=Scheduling(prefill_chunk=16))
     prompts = [f"What is {n} / 2?" for n in range(40, 46)] + ["Paris is the capital of France. " * 12]
     process = psutil.Process(os.getpid())  # the server runs in this process
 

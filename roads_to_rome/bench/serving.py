@@ -37,7 +37,7 @@ from roads_to_rome.plots import pyplot
 from roads_to_rome.progress import QUIET
 from roads_to_rome.routing import policies
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.limits import Limits
+from roads_to_rome.serving.limits import SERVER_SCHEDULING, Limits
 from roads_to_rome.serving.server import create_app
 
 DEFAULT_SYSTEMS = "r2r,r2r+overlap,llm,spec+k=4"
@@ -223,8 +223,9 @@ def conversations(slm: str | None, llm: str | None, device: str, dtype: str, cli
     task = progress.add_task("conversations", total=rounds * len(settings) * clients * turns)
     for _ in range(rounds):
         for name, kept in settings.items():
-            limits = Limits(max_batch=clients * n, max_tokens=n_tokens, prefix_cache_tokens=kept)
-            with BackgroundServer(create_app(engine, "r2r", limits)) as server:
+            limits = Limits(max_batch=clients * n, max_tokens=n_tokens)
+            scheduling = dataclasses.replace(SERVER_SCHEDULING, prefix_tokens=kept)
+            with BackgroundServer(create_app(engine, "r2r", limits, scheduling=scheduling)) as server:
                 client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
 
                 # Client k may start once client k - 1 has its first token (with shots; all at once otherwise).
@@ -374,10 +375,10 @@ def urgent_run(engine: Engine, scheduling: str, batch_questions: list[str], urge
     """One server of `urgent_requests` under one scheduling policy: the batch job filling its batch, the urgent
     requests one after another beside it; what they measured."""
     by_priority = scheduling == "priority"
-    limits = Limits(max_batch=batch_clients, max_tokens=max(n_tokens, urgent_tokens),
-                    scheduling_policy=scheduling)
+    limits = Limits(max_batch=batch_clients, max_tokens=max(n_tokens, urgent_tokens))
     before = dataclasses.replace(engine.counters)
-    with BackgroundServer(create_app(engine, "r2r", limits)) as server:
+    admitted = dataclasses.replace(SERVER_SCHEDULING, by_priority=by_priority)
+    with BackgroundServer(create_app(engine, "r2r", limits, scheduling=admitted)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
         started = [threading.Event() for _ in range(batch_clients)]
         urgent_done = threading.Event()

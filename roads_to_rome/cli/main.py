@@ -253,6 +253,7 @@ def serve(
     Anthropic's /v1/messages, and a playground at /."""
     options = dict(locals())  # (first: the options alone)
     require_extra("serve", "`r2r serve`")
+    from roads_to_rome.core.scheduler import Scheduling
     from roads_to_rome.models import load_engine
     from roads_to_rome.models.loading import llama_rows
     from roads_to_rome.reasoning import check_parser
@@ -267,16 +268,16 @@ def serve(
     prefix_cache_tokens = prefix_cache_tokens if enable_prefix_caching else 0
     llama = {"max_rows": llama_rows(max_batch, prefix_cache_tokens > 0), "n_ctx": kv_cache_tokens or max_batch * 4096}
     engine = load_engine(engine_config(options, llama=llama))
-    limits = Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
-                    prefix_cache_tokens=prefix_cache_tokens,
-                    scheduling_policy=SchedulingPolicy(scheduling_policy).value,
-                    max_body_bytes=max_body_bytes, max_stop_strings=max_stop_strings, max_stop_chars=max_stop_chars,
+    scheduling = Scheduling(prefill_chunk, prefix_cache_tokens,
+                            by_priority=SchedulingPolicy(scheduling_policy) == SchedulingPolicy.priority)
+    limits = Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, max_body_bytes=max_body_bytes,
+                    max_stop_strings=max_stop_strings, max_stop_chars=max_stop_chars,
                     max_tokenizing=max_tokenizing, max_head_seconds=max_head_seconds, max_body_seconds=max_body_seconds,
                     max_connections=max_connections, max_request_seconds=max_request_seconds,
                     drain_timeout=drain_timeout, responses_store_bytes=responses_store_mib << 20)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=is_loopback(host),
                             docs=docs, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
-                            trust_request_chat_template=trust_request_chat_template)
+                            trust_request_chat_template=trust_request_chat_template, scheduling=scheduling)
     console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
     status = server.run(app, host, port)
     if status:

@@ -18,7 +18,7 @@ from roads_to_rome.core.llm_calls import Deferral, LLMCalls
 from roads_to_rome.core.prompts import Prompts
 from roads_to_rome.core.request import Failure, Generation, Request, Sequence
 from roads_to_rome.core.sampling import VERIFY_OFF, SamplingParams, Verify, check_max_unverified, parse_verify
-from roads_to_rome.core.scheduler import Scheduler
+from roads_to_rome.core.scheduler import Scheduler, Scheduling
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, RoutingPolicy
 
@@ -143,8 +143,8 @@ class Engine:
 
     def scheduler(self, max_batch: int | None = None, prefill_chunk: int | None = None, prefix_tokens: int = 0,
                   by_priority: bool = False) -> Scheduler:
-        """A scheduler for this engine's requests (`Scheduler`: what the settings mean)."""
-        return Scheduler(self.context, max_batch, prefill_chunk, prefix_tokens, by_priority)
+        """A scheduler for this engine's requests (`Scheduling`: what the settings mean)."""
+        return Scheduler(self.context, max_batch, Scheduling(prefill_chunk, prefix_tokens, by_priority))
 
     def compile_format(self, output_format: OutputFormat) -> GrammarWalk:
         """A structured output checked and compiled for this engine's tokenizer: a walk at its start, which each

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,6 +22,21 @@ if TYPE_CHECKING:
     from roads_to_rome.core.context import Context
 
 
+@dataclass(frozen=True)
+class Scheduling:
+    """How a `Scheduler` admits sequences and reads their prompts (the server's: serving/limits.py)."""
+
+    # Prompt tokens each model reads per turn, a newcomer's prompt alone, between decode steps (None: newcomers join
+    # the batch at once and its next decode step reads their prompts together, unless prefix caching reads each alone)
+    prefill_chunk: int | None = None
+    # Prompt tokens each model keeps for newcomers that begin the same way (0: none; a model behind a server keeps
+    # none here, its server caches)
+    prefix_tokens: int = 0
+    # Waiting sequences are admitted by their request's priority (lower first), then in arrival order, and one that
+    # finds no room preempts less urgent admitted ones (vLLM's priority scheduling: `_preempt_for`)
+    by_priority: bool = False
+
+
 class Scheduler:
     """Which sequences decode, which wait, and when a newcomer's prompt is read: the one loop every client drives.
 
@@ -35,18 +51,13 @@ class Scheduler:
     `Engine.stream` (generate, chat, eval, the label pipeline) to the end. A sequence leaves reporting it once:
     its last `Step` (finished) or a `Failure`."""
 
-    def __init__(self, context: Context, max_batch: int | None = None, prefill_chunk: int | None = None,
-                 prefix_tokens: int = 0, by_priority: bool = False):
-        """`max_batch`: sequences decoding or having their prompt read at once (None: no limit).
-        `prefill_chunk`: prompt tokens each model reads per turn, a newcomer's prompt alone, between decode steps
-        (None: newcomers join the batch at once and its next decode step reads their prompts together, unless
-        prefix caching reads each alone). `prefix_tokens`: prompt tokens each model keeps for newcomers that begin
-        the same way (0: none; a model behind a server keeps none here, its server caches). `by_priority`: waiting
-        sequences are admitted by their request's priority (lower first), then in arrival order, and one that finds
-        no room preempts less urgent admitted ones (vLLM's priority scheduling: `_preempt_for`)."""
-        self.context, self.max_batch, self.prefill_chunk = context, max_batch, prefill_chunk
-        self.by_priority = by_priority
-        self.prefixes = prefix_caches(context, prefix_tokens, max_batch)
+    def __init__(self, context: Context, max_batch: int | None = None, scheduling: Scheduling | None = None):
+        """`max_batch`: sequences decoding or having their prompt read at once (None: no limit); `scheduling`: how
+        they are admitted and read (`Scheduling`)."""
+        scheduling = scheduling or Scheduling()
+        self.context, self.max_batch, self.prefill_chunk = context, max_batch, scheduling.prefill_chunk
+        self.by_priority = scheduling.by_priority
+        self.prefixes = prefix_caches(context, scheduling.prefix_tokens, max_batch)
         self.batch = Batch(context, self.prefixes)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.reading: collections.deque[tuple[Sequence, PromptRead]] = collections.deque()  # admitted, prompt in chunks

@@ -5,6 +5,7 @@ bad words go to a `Request` per choice. Nothing a client sends can fail the batc
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.grammar import GrammarWalk, OutputFormat
@@ -24,29 +25,47 @@ def check_model(requested: str | None, model_name: str) -> None:
                        param="model", code="model_not_found")
 
 
-def check_body(body: CommonBody, model_name: str, limits: Limits) -> OutputFormat | None:
-    """What a body's types cannot say: the model it names, the options this server supports and the stop strings'
-    limits (before its prompt is tokenized). Returns the format its output must follow, built once here."""
+@dataclass(frozen=True)
+class Checked:
+    """What `check_body` worked out of a body, kept for its sequences (`make_sequences`), not worked out again."""
+
+    output_format: OutputFormat | None  # the format its output must follow
+    format_field: str | None  # the field that format came from, for an error about it ("tools": a tool choice's)
+    stop: tuple[str, ...]  # its stop strings
+    logprobs: int | None  # alternatives each token's log-probability comes with (None: none)
+    prompt_logprobs: int | None  # ... each prompt token's
+
+    def for_tools(self, tools_format: OutputFormat | None) -> Checked:
+        """With a tool choice's grammar (tool_choice required or named), which holds the reply to calls."""
+        return self if tools_format is None else dataclasses.replace(self, output_format=tools_format,
+                                                                     format_field="tools")
+
+
+def check_body(body: CommonBody, model_name: str, limits: Limits, by_priority: bool) -> Checked:
+    """What a body's types cannot say: the model it names, the options this server supports (`priority` where the
+    scheduler orders `by_priority`) and the stop strings' limits (before its prompt is tokenized); what it asks for,
+    worked out once."""
     check_model(body.requested, model_name)
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED and value is not None and value != UNSUPPORTED[name] \
                 and value not in NEUTRAL.get(name, ()):
             raise APIError(400, f"{name}={value!r} is not supported by this server (it would change the answer); "
                                 f"leave it out", param=name, code="unsupported_parameter")
-    if body.priority and limits.scheduling_policy != "priority":
+    if body.priority and not by_priority:
         raise APIError(400, "priority orders waiting requests only on a server started with --scheduling-policy "
                             "priority: leave it out (or 0)", param="priority")
-    stop_strings(body, limits)
+    stop = stop_strings(body, limits)
     capped_lists(body, limits)
-    body.top_count()
-    body.prompt_top_count()
+    checked = Checked(None, None, stop, body.top_count(), body.prompt_top_count())
     output_format = body.output_format()
+    if output_format is not None:
+        checked = dataclasses.replace(checked, output_format=output_format, format_field=body.format_field())
     choices = body.n * (len(body.prompts()) if isinstance(body, CompletionBody) else 1)
     if choices > limits.max_batch + limits.max_queue:
         raise APIError(400, f"the request asks for {choices} choices (n for each prompt); this server holds at most "
                             f"{limits.max_batch + limits.max_queue} sequences at once (--max-batch + --max-queue)",
                        param="n")
-    return output_format
+    return checked
 
 
 def truncated(body: CommonBody, prompt_ids: list[int], limits: Limits) -> list[int]:
@@ -90,7 +109,7 @@ def capped_lists(body: CommonBody, limits: Limits) -> None:
                        param="tools")
 
 
-def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits,
+def make_sequences(body: CommonBody, checked: Checked, prompt_ids: list[int], engine: Engine, limits: Limits,
                    compiled: GrammarWalk | None = None, thinking_until: int | None = None,
                    stop: tuple[str, ...] = (), banned: tuple[tuple[int, ...], ...] = ()) -> list[Sequence]:
     """The request's `n` choices, each a sequence of its own; with a seed, choice i draws with seed + i (vLLM's
@@ -101,7 +120,7 @@ def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limi
     (`bad_words`)."""
     if body.n > 1 and body.seed is not None and body.seed + body.n > 2**64:
         raise APIError(400, "with n choices, seed + n - 1 must fit in 64 bits", param="seed")
-    first = make_sequence(body, prompt_ids, engine, limits, compiled, thinking_until, stop, banned)
+    first = make_sequence(body, checked, prompt_ids, engine, limits, compiled, thinking_until, stop, banned)
     if body.n == 1:
         return [first]
     params = first.params
@@ -109,7 +128,7 @@ def make_sequences(body: CommonBody, prompt_ids: list[int], engine: Engine, limi
         params, seed=None if params.seed is None else params.seed + i)), compiled=compiled) for i in range(1, body.n)]
 
 
-def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limits: Limits,
+def make_sequence(body: CommonBody, checked: Checked, prompt_ids: list[int], engine: Engine, limits: Limits,
                   compiled: GrammarWalk | None, thinking_until: int | None, stop: tuple[str, ...],
                   banned: tuple[tuple[int, ...], ...]) -> Sequence:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -129,7 +148,7 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
                        code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(limits.max_tokens, room)
-    if body.prompt_top_count() is not None and len(prompt_ids) > limits.max_scored_prompt_tokens:
+    if checked.prompt_logprobs is not None and len(prompt_ids) > limits.max_scored_prompt_tokens:
         raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this server scores prompts of at most "
                             f"{limits.max_scored_prompt_tokens} (echo with logprobs, prompt_logprobs): score it in "
                             "parts, or leave them out", param="prompt_logprobs" if body.prompt_logprobs is not None
@@ -137,8 +156,8 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens is {body.min_tokens}, beyond {name} ({max_tokens})", param="min_tokens")
     params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                            top_k=body.top_k, stop=stop_strings(body, limits) + stop, seed=body.seed,
-                            logprobs=body.top_count(), presence_penalty=body.presence_penalty,
+                            top_k=body.top_k, stop=checked.stop + stop, seed=body.seed,
+                            logprobs=checked.logprobs, presence_penalty=body.presence_penalty,
                             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                             min_p=body.min_p, logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens,
                             allowed_token_ids=body.allowed_token_ids, stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -149,7 +168,7 @@ def make_sequence(body: CommonBody, prompt_ids: list[int], engine: Engine, limit
         request = Request(prompt_ids, params, force=body.r2r_policy, threshold=body.r2r_threshold,
                           target_rate=body.r2r_llm_rate, verify=body.r2r_verify,
                           max_unverified=body.r2r_max_unverified, thinking_until=thinking_until,
-                          prompt_logprobs=body.prompt_top_count(), cache_salt=body.cache_salt,
+                          prompt_logprobs=checked.prompt_logprobs, cache_salt=body.cache_salt,
                           priority=body.priority)
         return engine.sequence(request, compiled=compiled)  # here, not in the engine thread
     except R2RError as e:

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step
 from roads_to_rome.core.sampling import NothingToWrite
+from roads_to_rome.core.scheduler import Scheduler, Scheduling
 from roads_to_rome.errors import LLMUnavailable, R2RError, RemoteError
 from roads_to_rome.serving import request_ids
 from roads_to_rome.serving.errors import LLM_AWAY, APIError
-from roads_to_rome.serving.limits import Limits
+from roads_to_rome.serving.limits import SERVER_SCHEDULING, Limits
 from roads_to_rome.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,10 @@ class EngineThread:
     """Drives the engine's `Scheduler` in a thread of its own and hands each job its events. The queue's limit (429)
     and draining on shutdown (503) are the server's; admission, chunked prefill and decoding are the scheduler's."""
 
-    def __init__(self, engine: Engine, limits: Limits, on_failure: Callable[[BaseException], None] | None = None):
+    def __init__(self, engine: Engine, limits: Limits, scheduling: Scheduling = SERVER_SCHEDULING,
+                 on_failure: Callable[[BaseException], None] | None = None):
         self.engine, self.limits, self.on_failure = engine, limits, on_failure
-        self.scheduler = engine.scheduler(limits.max_batch, limits.prefill_chunk, limits.prefix_cache_tokens,
-                                   by_priority=limits.scheduling_policy == "priority")
+        self.scheduler = Scheduler(engine.context, limits.max_batch, scheduling)
         self.metrics = Metrics(engine, self.load)
         self.jobs: dict[int, Job] = {}  # id(sequence) -> its job, until the sequence leaves the scheduler
         self.wakeup = threading.Condition()

@@ -1,11 +1,12 @@
-"""Every limit one client's request meets (`Limits`): the server's flags and what each costs."""
+"""Every limit one client's request meets (`Limits`): the server's flags and what each costs; and how the server's
+scheduler admits and reads requests (`SERVER_SCHEDULING`, its default)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from roads_to_rome.core.prefix_cache import PREFIX_TOKENS
+from roads_to_rome.core.scheduler import Scheduling
 
 
 @dataclass
@@ -16,13 +17,6 @@ class Limits:
     max_queue: int = 64  # requests waiting for a slot; beyond that: 429
     max_tokens: int = 4096  # the most new tokens one request may ask for
     context_length: int = 32768  # prompt + new tokens of one request
-    # Prompt tokens read per model between two decode steps: large enough to read a prompt near the best rate,
-    # small enough that running streams keep getting tokens while it is read (README, "Serving").
-    prefill_chunk: int = 64
-    # Prompt tokens each model keeps read for newcomers whose prompt begins the same way (0: no prefix caching)
-    prefix_cache_tokens: int = PREFIX_TOKENS
-    # "fcfs": waiting requests are admitted in arrival order; "priority": by their `priority` (lower first), then so
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_body_bytes: int = 1 << 20  # a request body's limit (413 beyond): 8x what the longest context holds
     # OpenAI's limit. Every row decodes its tail and searches it for each stop string every step, on the engine
     # thread, and a stream holds back the longest one's length: both stay small.
@@ -57,3 +51,10 @@ class Limits:
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish after a shutdown signal
     # The Responses API's stored responses (their JSON), the least recently used dropped beyond it
     responses_store_bytes: int = 64 << 20
+
+
+# Prompt tokens read per model between two decode steps: large enough to read a prompt near the best rate, small
+# enough that running streams keep getting tokens while it is read (README, "Serving"); prompts each model keeps read
+# for newcomers whose prompt begins the same way; waiting requests admitted in arrival order (--scheduling-policy
+# fcfs; priority: by their `priority`, lower first).
+SERVER_SCHEDULING = Scheduling(prefill_chunk=64, prefix_tokens=PREFIX_TOKENS, by_priority=False)

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 from starlette.staticfiles import StaticFiles
 
 from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.scheduler import Scheduling
 from roads_to_rome.errors import R2RError
 from roads_to_rome.reasoning import parser_for, resolve_parser
 from roads_to_rome.serving import request_ids
@@ -36,7 +37,7 @@ from roads_to_rome.serving.connections import uvicorn_config
 from roads_to_rome.serving.engine_thread import EngineThread
 from roads_to_rome.serving.errors import APIError, error_response, shaped, validation_error
 from roads_to_rome.serving.guard import Compiling, Guard, TemplateLane, Tokenizing, check_api_key
-from roads_to_rome.serving.limits import Limits
+from roads_to_rome.serving.limits import SERVER_SCHEDULING, Limits
 from roads_to_rome.serving.messages import MessageDraft, message_events, whole_message
 from roads_to_rome.serving.messages_schemas import CountTokensBody, MessagesBody
 from roads_to_rome.serving.response_store import ResponseStore
@@ -53,12 +54,14 @@ log = logging.getLogger(__name__)
 
 def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = None, api_key: str | None = None,
                loopback_only: bool = True, docs: bool = False, reasoning_parser: str = "auto",
-               tool_call_parser: str = "auto", trust_request_chat_template: bool = False) -> FastAPI:
+               tool_call_parser: str = "auto", trust_request_chat_template: bool = False,
+               scheduling: Scheduling = SERVER_SCHEDULING) -> FastAPI:
     """`loopback_only`: refuse requests whose Host or Origin is not localhost (for a server bound to a
     loopback address). `docs`: serve /docs and /openapi.json. `reasoning_parser`: how chat replies' thinking is
     told from their answer (roads_to_rome/reasoning.py); `tool_call_parser`: how their tool calls are read
     (roads_to_rome/tool_calls.py). `trust_request_chat_template`: chat requests may give their own `chat_template`
-    (vLLM's flag; transformers runs templates sandboxed, but a client's may take long to write)."""
+    (vLLM's flag; transformers runs templates sandboxed, but a client's may take long to write). `scheduling`: how
+    requests are admitted and their prompts read (core/scheduler.py)."""
     check_api_key(api_key)
     limits = dataclasses.replace(limits or Limits())  # this server's own copy: the caller's is left as it was
     if engine.max_rows is not None and limits.max_batch > engine.max_rows:
@@ -67,13 +70,14 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     # One request's limit: what one row may hold, and the KV pool all rows share where the backend has one.
     limits.context_length = min(limits.context_length, engine.max_context, engine.kv_capacity or engine.max_context)
     reasoning = parser_for(resolve_parser(reasoning_parser, engine.tokenizer))
-    state = ServerState(engine, model_name, limits, EngineThread(engine, limits), Tokenizing(limits.max_tokenizing),
-                        Compiling(limits.max_compile_seconds, limits.max_tokenizing), reasoning,
+    state = ServerState(engine, model_name, limits, EngineThread(engine, limits, scheduling),
+                        Tokenizing(limits.max_tokenizing), Compiling(limits.max_compile_seconds, limits.max_tokenizing),
+                        reasoning,
                         resolve_tool_parser(tool_call_parser, engine.tokenizer),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-probe"),
                         ResponseStore(limits.responses_store_bytes),
                         TemplateLane(engine.tokenizer, limits.max_template_seconds, limits.max_template_bytes,
-                                     limits.max_tokenizing) if trust_request_chat_template else None)
+                                     limits.max_tokenizing) if trust_request_chat_template else None, scheduling)
 
     async def lifespan(app):
         state.engine_thread.start()
@@ -173,8 +177,8 @@ async def favicon():
 async def chat_completions(body: ChatBody, http: HTTPRequest):
     s = server(http)
     request_ids.name(body.request_id)
-    prompt_ids, output_format, tools = await checked_chat(s, body)
-    return await respond(http, s, body, [prompt_ids], output_format, chat=True, tools=tools, echo=body.echoed())
+    prompt_ids, checked, tools = await checked_chat(s, body)
+    return await respond(http, s, body, checked, [prompt_ids], chat=True, tools=tools, echo=body.echoed())
 
 
 @routes.post("/v1/responses")
@@ -262,7 +266,7 @@ async def count_message_tokens(body: CountTokensBody, http: HTTPRequest):
 async def completions(body: CompletionBody, http: HTTPRequest):
     s = server(http)
     request_ids.name(body.request_id)
-    output_format = check_body(body, s.model_name, s.limits)
+    checked = check_body(body, s.model_name, s.limits, s.scheduling.by_priority)
     suffix = body.suffix or None
     if suffix is not None and not all(isinstance(p, str) for p in body.prompts()):
         raise APIError(400, "a suffix goes with a prompt given as text: the prompt and the suffix are framed by the "
@@ -273,7 +277,7 @@ async def completions(body: CompletionBody, http: HTTPRequest):
     prompts = [truncated(body, ids, s.limits) for ids in given]
     echoed = [p if isinstance(p, str) and len(ids) == len(whole) else s.engine.tokenizer.decode(ids)
               for p, ids, whole in zip(body.prompts(), prompts, given)] if body.echo else None
-    return await respond(http, s, body, prompts, output_format, chat=False, echo=echoed)
+    return await respond(http, s, body, checked, prompts, chat=False, echo=echoed)
 
 
 @routes.post("/tokenize")

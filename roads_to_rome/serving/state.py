@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from fastapi import Request as HTTPRequest
 
 from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.scheduler import Scheduling
 from roads_to_rome.reasoning import ReasoningParser
 from roads_to_rome.serving.engine_thread import EngineThread
 from roads_to_rome.serving.guard import Compiling, TemplateLane, Tokenizing
-from roads_to_rome.serving.limits import Limits
+from roads_to_rome.serving.limits import SERVER_SCHEDULING, Limits
 from roads_to_rome.serving.response_store import ResponseStore
 
 
@@ -30,6 +31,7 @@ class ServerState:
     probing: concurrent.futures.ThreadPoolExecutor  # asks a remote LLM whether it is back, off the event loop
     responses: ResponseStore  # the Responses API's stored responses
     templates: TemplateLane | None = None  # writes chats in templates requests bring (None: they may bring none)
+    scheduling: Scheduling = SERVER_SCHEDULING  # how requests are admitted and read
 
 
 def server(http: HTTPRequest) -> ServerState:

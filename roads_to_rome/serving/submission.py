@@ -12,11 +12,10 @@ import time
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.errors import R2RError
 from roads_to_rome.reasoning import ReasoningParser, thinking_until
 from roads_to_rome.serving import request_ids
-from roads_to_rome.serving.adapter import bad_words, check_body, make_sequences, truncated
+from roads_to_rome.serving.adapter import Checked, bad_words, check_body, make_sequences, truncated
 from roads_to_rome.serving.chat_schemas import ChatBody, ChatPrompt, ToolUse
 from roads_to_rome.serving.engine_thread import Job
 from roads_to_rome.serving.errors import APIError, llm_away
@@ -50,12 +49,12 @@ async def tokenize(s: ServerState, chars: int, encode, *args) -> list[int]:
         raise APIError(400, str(e)) from None
 
 
-async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: list[list[int]],
-                  output_format, chat: bool, echo: list[str] | None = None, tools: ToolUse | None = None):
+async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, checked: Checked, prompts: list[list[int]],
+                  chat: bool, echo: list[str] | None = None, tools: ToolUse | None = None):
     """Each prompt's `n` choices, decoded side by side, answered whole or streamed (choice i * n + j: prompt i's
-    j-th), their output held to `output_format`; `echo`: each prompt's text, which its choices' text starts with;
-    `tools`: how a chat reply's tool calls are read."""
-    jobs, reply = await submit(s, body, prompts, output_format, chat, echo, tools)
+    j-th), as `checked` says (their output held to its format); `echo`: each prompt's text, which its choices' text
+    starts with; `tools`: how a chat reply's tool calls are read."""
+    jobs, reply = await submit(s, body, checked, prompts, chat, echo, tools)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(jobs, reply, include_usage), media_type="text/event-stream")
@@ -63,17 +62,17 @@ async def respond(http: HTTPRequest, s: ServerState, body: CommonBody, prompts: 
 
 
 async def checked_chat(s: ServerState, chat: ChatBody, fit: bool = False
-                       ) -> tuple[list[int], OutputFormat | None, ToolUse]:
-    """A chat request checked in full: its prompt, the format its output follows (its own, or its tool choice's),
-    how its tools are used. `fit`: the oldest turns go until the conversation fits (OpenAI's `truncation:
-    "auto"`)."""
-    output_format = check_body(chat, s.model_name, s.limits)
+                       ) -> tuple[list[int], Checked, ToolUse]:
+    """A chat request checked in full: its prompt, what it asks for (the format its output follows: its own, or its
+    tool choice's), how its tools are used. `fit`: the oldest turns go until the conversation fits (OpenAI's
+    `truncation: "auto"`)."""
+    checked = check_body(chat, s.model_name, s.limits, s.scheduling.by_priority)
     tools = chat.tool_use(s.tool_parser)
     prompt_ids = await chat_prompt(s, chat, tools.prompt_tools)
     fits = lambda ids: len(ids) + (chat.max_tokens or 1) <= s.limits.context_length  # noqa: E731
     if fit and not fits(prompt_ids):
         prompt_ids = await fitted_prompt(s, chat, tools, fits)
-    return truncated(chat, prompt_ids, s.limits), tools.output_format or output_format, tools
+    return truncated(chat, prompt_ids, s.limits), checked.for_tools(tools.output_format), tools
 
 
 async def fitted_prompt(s: ServerState, chat: ChatBody, tools: ToolUse, fits) -> list[int]:
@@ -96,30 +95,26 @@ async def fitted_prompt(s: ServerState, chat: ChatBody, tools: ToolUse, fits) ->
 async def queue_chat(s: ServerState, chat: ChatBody, fit: bool = False) -> tuple[list[Job], ChatReply, list[int]]:
     """A chat that another API's request became (Responses, Messages), checked and queued as a chat request's would
     be; with its prompt."""
-    prompt_ids, output_format, tools = await checked_chat(s, chat, fit)
-    jobs, reply = await submit(s, chat, [prompt_ids], output_format, True, tools=tools)
+    prompt_ids, checked, tools = await checked_chat(s, chat, fit)
+    jobs, reply = await submit(s, chat, checked, [prompt_ids], True, tools=tools)
     return jobs, reply, prompt_ids
 
 
-async def submit(s: ServerState, body: CommonBody, prompts: list[list[int]], output_format, chat: bool,
+async def submit(s: ServerState, body: CommonBody, checked: Checked, prompts: list[list[int]], chat: bool,
                  echo: list[str] | None = None, tools: ToolUse | None = None
                  ) -> tuple[list[Job], ChatReply | CompletionReply]:
     """The request's sequences, queued for the engine, and the `Reply` that renders what they write."""
-    structured = output_format is not None
-    compiled, field = None, None
+    structured, field = checked.output_format is not None, checked.format_field
+    compiled = None
     if structured:  # once per request, off the event loop; each choice walks a copy
-        if tools is not None and output_format is tools.output_format:
-            field, what = "tools", "a tool's parameters cannot be followed"
-        else:
-            field = body.format_field()
-            what = field
-        compiled = await s.compiling(field, what, s.engine.compile_format, output_format)
+        what = "a tool's parameters cannot be followed" if field == "tools" else field
+        compiled = await s.compiling(field, what, s.engine.compile_format, checked.output_format)
     banned = ()
     if body.bad_words:
         banned = await tokenize(s, sum(map(len, body.bad_words)), bad_words, body.bad_words, s.engine.tokenizer)
     reasoning = s.reasoning if chat else None
     sequences = [sequence for ids in prompts for sequence in make_sequences(
-        body, ids, s.engine, s.limits, compiled, answer_after(reasoning, s.engine.tokenizer, ids, field)
+        body, checked, ids, s.engine, s.limits, compiled, answer_after(reasoning, s.engine.tokenizer, ids, field)
         if structured else None, tools.stop if tools else (), banned)]
     if body.r2r_policy != "slm" and ((await llm_health(s)) or {}).get("status") == "unavailable":
         s.engine_thread.metrics.refused()

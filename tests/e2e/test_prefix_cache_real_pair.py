@@ -2,6 +2,7 @@
 what both models kept of the first (its prompt and answer), and the distribution it answers from is the one a server
 that keeps nothing gives, up to llama.cpp's own noise between ways of reading the same tokens."""
 
+import dataclasses
 import importlib.util
 import math
 
@@ -11,7 +12,7 @@ import pytest
 from roads_to_rome.core.prefix_cache import KEPT_ROWS
 from roads_to_rome.models import load_engine
 from roads_to_rome.serving.background import BackgroundServer
-from roads_to_rome.serving.limits import Limits
+from roads_to_rome.serving.limits import SERVER_SCHEDULING, Limits
 from roads_to_rome.serving.server import create_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
@@ -24,7 +25,8 @@ def test_a_second_turn_reads_only_its_new_message_and_answers_from_the_same_dist
     engine = load_engine(device="cpu", backend="llamacpp", llama={"max_rows": 2 + KEPT_ROWS, "n_ctx": 8192})
     answers, turns = {}, [{"role": "user", "content": FIRST}]
     for kept in (16384, 0):
-        with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=2, prefix_cache_tokens=kept))) as srv:
+        scheduling = dataclasses.replace(SERVER_SCHEDULING, prefix_tokens=kept)
+        with BackgroundServer(create_app(engine, "r2r", Limits(max_batch=2), scheduling=scheduling)) as srv:
             url = srv.url + "/v1/chat/completions"
             if kept:  # the first turn, answered here; the server that keeps nothing is asked the same second turn
                 first = httpx.post(url, json={"messages": turns, "max_tokens": 64, "temperature": 0},
