@@ -2,7 +2,7 @@
 
 On every backend, under greedy decoding, every request gets exactly the tokens it gets with the calls in the step
 (lockstep or grouped), however late the LLM answers: batched, alone, with rows joining and leaving while a call is
-in flight; strict verification is still the LLM's own output; a stream shows only tokens that stay. A stalled LLM
+in flight (on llama.cpp, whose chunked prompt reads round otherwise, up to a near-tie of the LLM's two best tokens); strict verification is still the LLM's own output; a stream shows only tokens that stay. A stalled LLM
 holds only the rows that wait for it, and a failed one fails only those."""
 
 import threading
@@ -80,19 +80,25 @@ def test_overlap_gives_every_row_the_tokens_of_the_calls_in_the_step(kind_pair, 
     assert in_flight_steps > 0
 
 
+# (llama.cpp) How close the LLM's two best tokens may be, in nats, where a prompt read in chunks may pick the other
+# one: its batch kernels sum in another order than one row's, which moves logits by float32 rounding, far below this.
+NEAR_TIE = 1e-3
+
+
 def test_rows_join_leave_and_stand_still_while_a_call_is_in_flight(kind, kind_pair, tokenizer):
-    """Requests of different lengths arrive one per turn and their prompts are read in chunks while the LLM is slow:
-    each ends with the tokens it gets alone in lockstep. (On torch: llama.cpp's logits for a prompt read in chunks
-    differ in the last bits from those of a prompt read whole, with or without overlap, as its batch kernels do.)"""
-    if kind == "llamacpp":
-        pytest.skip("llama.cpp reads a prompt in chunks with other kernels than whole: not bit-exact either way")
+    """Requests of different lengths arrive one per turn and their prompts are read in chunks while the LLM is slow.
+    On torch each ends with the tokens it gets alone in lockstep. llama.cpp reads a prompt in chunks with other
+    kernels than whole (its logits differ in the last bits, with or without overlap), so there strict verification
+    runs, and each output is the LLM's own greedy one, read alone and whole, up to its first near-tie: a token that
+    differs must be the LLM's runner-up there, within NEAR_TIE nats of its best, and nothing after it is compared."""
     slm, llm = kind_pair
-    policy = EntropyPolicy(3.0)
-    reference = Engine(slm, llm, tokenizer, policy, verify=1.0)
-    requests = [Request(reference.prompts.chat(p + " " * i), SamplingParams(max_new_tokens=8 + 5 * i))
+    policy, exact = EntropyPolicy(3.0), kind != "llamacpp"
+    reference = Engine(slm, llm, tokenizer, policy, verify=1.0) if exact else Engine.alone(llm, tokenizer)
+    requests = [Request(reference.prompts.chat(p + " " * i),
+                        SamplingParams(max_new_tokens=8 + 5 * i, logprobs=None if exact else 2))
                 for i, p in enumerate(PROMPTS * 2)]
-    expected = [outputs(reference.run([r]))[0] for r in requests]
-    engine = Engine(slm, SlowLLM(llm, 0.02), tokenizer, policy, verify=1.0, overlap=True)
+    expected = [reference.run([r])[0] for r in requests]
+    engine = Engine(slm, SlowLLM(llm, 0.02), tokenizer, policy, verify=1.0 if exact else "strict", overlap=True)
     scheduler = engine.scheduler(max_batch=4, prefill_chunk=7)
     got, arrivals, held = {}, list(enumerate(requests)), 0
     while arrivals or not scheduler.idle:
@@ -103,10 +109,28 @@ def test_rows_join_leave_and_stand_still_while_a_call_is_in_flight(kind, kind_pa
         for event in scheduler.turn():
             assert not isinstance(event, Failure), event.error
             if event.finished:
-                got[event.sequence.index] = (event.sequence.generation.token_ids, event.sequence.generation.sources)
+                got[event.sequence.index] = event.sequence.generation
         held += sum(len(s.generation.token_ids) == before.get(id(s), -1) for s in scheduler.batch.sequences)
-    assert [got[i] for i in range(len(requests))] == expected
+    if exact:
+        assert outputs([got[i] for i in range(len(requests))]) == outputs(expected)
+    else:
+        near_ties = [first_difference_is_a_near_tie(got[i].token_ids, expected[i]) for i in range(len(requests))]
+        print("llama.cpp, first differences' gaps (None: the same tokens):", near_ties)
+        assert near_ties.count(None) >= len(requests) // 2, near_ties  # (most agree to the last token)
     assert held > 0  # some row waited, standing still, for the LLM to check where it ends
+
+
+def first_difference_is_a_near_tie(tokens: list[int], reference) -> float | None:
+    """None where `tokens` are the reference generation's; else the gap between the LLM's two best tokens where they
+    first differ, asserted below NEAR_TIE with `tokens` taking the runner-up there."""
+    k = next((k for k, (a, b) in enumerate(zip(tokens, reference.token_ids)) if a != b), None)
+    if k is None:
+        assert len(tokens) == len(reference.token_ids), (tokens, reference.token_ids)
+        return None
+    (best, best_lp), (second, second_lp) = reference.logprobs[k].top[:2]
+    assert best == reference.token_ids[k] and tokens[k] == second and best_lp - second_lp < NEAR_TIE, (
+        f"output {k}: wrote {tokens[k]}, the LLM alone {best} ({best_lp:.6f}), runner-up {second} ({second_lp:.6f})")
+    return best_lp - second_lp
 
 
 def test_strict_verification_with_overlap_is_the_llms_greedy_output(kind_pair, tokenizer):
