@@ -2,8 +2,9 @@
 
 On every backend, under greedy decoding, every request gets exactly the tokens it gets with the calls in the step
 (lockstep or grouped), however late the LLM answers: batched, alone, with rows joining and leaving while a call is
-in flight (on llama.cpp, whose chunked prompt reads round otherwise, up to a near-tie of the LLM's two best tokens); strict verification is still the LLM's own output; a stream shows only tokens that stay. A stalled LLM
-holds only the rows that wait for it, and a failed one fails only those."""
+in flight (on llama.cpp, whose chunked prompt reads round otherwise, up to a near-tie of the LLM's two best
+tokens); strict verification is still the LLM's own output; a stream shows only tokens that stay. A stalled LLM holds
+only the rows that wait for it, and a failed one fails only those."""
 
 import threading
 import time
