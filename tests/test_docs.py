@@ -1,4 +1,5 @@
-"""Every `r2r` command shown in the README and docs/ names a command that exists and only options it takes."""
+"""Every `r2r` command shown in the README and docs/ names a command that exists and only options it takes; the README
+stays a page users read: short, with table cells a line or two long."""
 
 import re
 import shlex
@@ -24,6 +25,18 @@ def shown_commands() -> list[tuple[str, str]]:
 
 
 COMMANDS = shown_commands()
+
+
+README_LINES, CELL_CHARS = 240, 250
+
+
+def test_the_readme_stays_short():
+    """Details have their pages under docs/: the README says what R2R is, how to start and where to read on."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_LINES, f"README.md is past {README_LINES} lines: move details to docs/"
+    cells = [cell.strip() for line in text.splitlines() if line.startswith("|") for cell in line.strip("|").split("|")]
+    long = [cell[:60] for cell in cells if len(cell) > CELL_CHARS]
+    assert not long, f"README table cells past {CELL_CHARS} characters (give the detail on its results page): {long}"
 
 
 def test_the_readme_shows_commands():
