@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from roads_to_rome.core.request import Sequence
-from roads_to_rome.core.sampling import TokenLogprob
+from roads_to_rome.core.sampling import TokenLogprob, logprob_entries
 from roads_to_rome.routing import rate
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def score_prompt(context: Context, sequence: Sequence, caches: tuple) -> tuple[l
         """A chunk visitor that keeps the entries of the positions `source` gives."""
         def visit(first: int, logits: torch.Tensor, _hidden: torch.Tensor) -> None:
             rows = [j for j in range(len(logits)) if sources[first + j] == source]
-            for j, entry in zip(rows, chunk_logprobs(logits[rows], [ids[first + j + 1] for j in rows], top)):
+            for j, entry in zip(rows, logprob_entries(logits[rows], [ids[first + j + 1] for j in rows], top)):
                 entries[first + j] = entry
         return visit
 
@@ -66,18 +66,6 @@ def score_prompt(context: Context, sequence: Sequence, caches: tuple) -> tuple[l
                     if source == "llm":
                         entries[t] = served_logprob(served[t], ids[t + 1], top)
     return [None, *entries], sources
-
-
-def chunk_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
-    """Each row's entry for its token (`token_logprob`, for rows [n, V] at once)."""
-    if not tokens:
-        return []
-    logprobs = torch.log_softmax(logits.float(), -1)
-    own = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device)[:, None])
-    ranks = ((logprobs > own).sum(-1) + 1).tolist()
-    values, best = logprobs.topk(top, -1) if top else (logprobs[:, :0], logprobs[:, :0])
-    return [TokenLogprob(float(o), list(zip(i, v)), r)
-            for o, i, v, r in zip(own[:, 0].tolist(), best.tolist(), values.tolist(), ranks)]
 
 
 def served_logprob(ranked: dict[int, tuple[float, int]], token: int, top: int) -> TokenLogprob:
