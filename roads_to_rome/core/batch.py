@@ -22,9 +22,11 @@ Because every row gains exactly one token per step, both caches stay rectangular
 always covers all columns but the newest, the LLM's whatever it has caught up on so far. Each holds
 only the rows its model reads: a request forced onto one model costs that model alone.
 
-Top to bottom: `Call` and `StepRecord` (what a step's phases hand each other), `Batch` (the five phases), then
-the helpers: when an output ends, time accounting, log-probabilities, sampling rows. The `Scheduler`
-(scheduler.py) decides which sequences are in the batch; `Engine` (engine.py) is what clients call.
+Top to bottom: `Call` (an LLM read in flight) and the records a step's phases hand each other (`Proposal`,
+`Routing`, `LLMWord`, `Decisions`), `Batch` (the five phases), a row's part of a phase (`answers`, `verify_row`,
+`emit_row`), then the helpers: when an output ends, time accounting, sampling rows. The `Scheduler` (scheduler.py)
+decides which sequences are in the batch, with what the engine gives it (`Context`, context.py); `Engine`
+(engine.py) is what clients call.
 """
 
 from __future__ import annotations
