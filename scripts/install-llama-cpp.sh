@@ -1,5 +1,7 @@
 #!/bin/sh
-# Installs llama-cpp-python built for this processor: `install-llama-cpp.sh VERSION PIP`.
+# Installs llama-cpp-python built for this processor: `install-llama-cpp.sh VERSION PIP [build]`. With `build` it
+# only builds the wheel where this processor has none (pip wheel writes nothing into PIP's environment, so the
+# set-up runs it beside the model downloads), and a later call without it installs the kept wheel.
 #
 # llama.cpp compiles for the CPU it is built on (-march=native), so a wheel must not be reused on another
 # processor, and pip's own cache keys wheels by version only. The wheel is kept under a key made of the
@@ -11,6 +13,7 @@
 set -eu
 version=$1
 pip=$2
+only=${3:-}
 flags=${R2R_CPU_FLAGS:-$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m)}  # (the variable: for tests)
 key=$(printf '%s\n%s\n%s\n' "$version" "$flags" "${CMAKE_ARGS:-}" | sha256sum | cut -c1-16)  # a user's own build options too
 dir="${XDG_CACHE_HOME:-$HOME/.cache}/r2r/wheels/llama-cpp-python-$version-$key"
@@ -26,6 +29,7 @@ if ! ls "$dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     "$pip" wheel --quiet --no-cache-dir --no-deps --wheel-dir "$dir.partial" "llama-cpp-python==$version"
     rm -rf "$dir" && mv "$dir.partial" "$dir"
 fi
+[ "$only" = build ] && exit 0
 wheel=$(ls "$dir"/llama_cpp_python-*.whl)
 "$pip" install --quiet --no-deps --force-reinstall "$wheel"  # this build, even over the same version
 "$pip" install --quiet "$wheel"  # and what it needs (numpy, diskcache, jinja2...)

@@ -74,7 +74,8 @@ main.main()
 
 def test_set_up_builds_llama_cpp_once_per_processor_and_without_amx_where_it_has_amx(tmp_path):
     """scripts/install-llama-cpp.sh with a pip that only records what it was asked: a wheel per processor (never
-    one built for another CPU), AMX compiled out on AMX CPUs, the kept wheel installed without a rebuild."""
+    one built for another CPU), AMX compiled out on AMX CPUs, the kept wheel installed without a rebuild; `build`
+    only builds (what `make test` runs beside the model downloads), installing nothing."""
     log = tmp_path / "pip.log"
     pip = tmp_path / "pip"
     pip.write_text(f"""#!/bin/sh
@@ -87,11 +88,11 @@ fi
     pip.chmod(0o755)
     script = Path(__file__).parents[1] / "scripts/install-llama-cpp.sh"
 
-    def set_up(flags):
+    def set_up(flags, *only):
         env = {**os.environ, "R2R_CPU_FLAGS": flags, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-        subprocess.run(["sh", str(script), "0.3.36", str(pip)], env=env, check=True, capture_output=True)
-        calls = log.read_text().splitlines()
-        log.unlink()
+        subprocess.run(["sh", str(script), "0.3.36", str(pip), *only], env=env, check=True, capture_output=True)
+        calls = log.read_text().splitlines() if log.exists() else []
+        log.unlink(missing_ok=True)
         return calls
 
     avx512 = "flags : fpu sse2 avx2 avx512f avx512_vnni"
@@ -103,5 +104,9 @@ fi
     on_amx = set_up(amx)  # another processor: its own build, with AMX compiled out
     assert [c.split()[0] for c in on_amx] == ["wheel", "install", "install"]
     assert "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in on_amx[0]
+    zen3 = "flags : fpu sse2 avx2 fma"
+    assert [c.split()[0] for c in set_up(zen3, "build")] == ["wheel"]  # built, not installed
+    assert set_up(zen3, "build") == []  # kept: nothing to do
+    assert [c.split()[0] for c in set_up(zen3)] == ["install", "install"]  # then installed, not built again
     wheels = sorted(p.parent.name for p in (tmp_path / "cache/r2r/wheels").glob("*/*.whl"))
-    assert len(wheels) == 2 and all(w.startswith("llama-cpp-python-0.3.36-") for w in wheels)
+    assert len(wheels) == 3 and all(w.startswith("llama-cpp-python-0.3.36-") for w in wheels)
