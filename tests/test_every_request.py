@@ -164,6 +164,7 @@ def loaded_server(slm, llm, tokenizer, monkeypatch):
         yield srv.url
 
 
+@pytest.mark.timed  # (a bystander's rate, measured: with the cores to itself)
 def test_a_large_schema_with_many_choices_holds_up_neither_health_nor_a_stream(loaded_server):
     url, schema = loaded_server, big_schema(500)
     payload = chat("Fill it in.", n=16, max_tokens=4, response_format={
@@ -178,6 +179,7 @@ def test_a_large_schema_with_many_choices_holds_up_neither_health_nor_a_stream(l
     assert_idle_soon(url)
 
 
+@pytest.mark.timed  # (a bystander's rate, measured: with the cores to itself)
 def test_bad_words_at_their_cap_hold_up_neither_health_nor_a_stream_and_past_it_are_refused(loaded_server):
     url, limits = loaded_server, Limits()
     words = [f"w{i:04d}" + "x" * (limits.max_bad_word_chars - 5) for i in range(limits.max_bad_words)]

@@ -158,6 +158,7 @@ def loaded_tool_server(slm, llm, monkeypatch):
         yield server.url, len(tokenizer)
 
 
+@pytest.mark.timed  # (a bystander's rate, measured: with the cores to itself, not beside another test process)
 @pytest.mark.parametrize("field", [field for field, _, _ in capped(Limits(), 300)])
 def test_each_list_at_its_cap_holds_up_nobody_and_past_it_is_a_400_naming_it(loaded_tool_server, field):
     """A bystander stream keeps at least half the rate it keeps beside the same requests without the field (a
