@@ -57,14 +57,16 @@ def encode_messages(tokenizer, messages: list[dict], template_kwargs: dict | Non
 
 
 def serve_templates(connection, tokenizer, memory_bytes: int) -> None:
-    """A process's loop that writes chats in templates requests bring (`TemplateLane`): each job is
-    `encode_messages`' arguments; each answer ("ok", ids) or ("error", message). Its address space may grow by
-    `memory_bytes` past what it holds once started: a template that builds more fails with a MemoryError, here."""
+    """A process's loop that writes chats in templates requests bring (`TemplateLane`): first ("ready", None) once it
+    has started, then for each job (`encode_messages`' arguments) an answer, ("ok", ids) or ("error", message). Its
+    address space may grow by `memory_bytes` past what it holds once started: a template that builds more fails with
+    a MemoryError, here."""
     import jinja2  # noqa: F401 - (loaded before the limit is set)
 
     tokenizer.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{{ messages[0].content }}",
                                   tokenize=True)  # (what a first render loads, before the limit is set too)
     resource.setrlimit(resource.RLIMIT_AS, (address_space() + memory_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    connection.send(("ready", None))  # (a template's time counts from here: starting takes seconds on a busy machine)
     while True:
         try:
             job = connection.recv()

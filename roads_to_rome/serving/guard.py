@@ -213,6 +213,11 @@ class Compiling:
         self.lane.shutdown(wait=False, cancel_futures=True)
 
 
+# How long the template process may take to start (a spawned Python importing the tokenizer's library: seconds on a
+# busy machine) before a request that needs it gets a 503.
+TEMPLATE_START_SECONDS = 60.0
+
+
 class TemplateLane:
     """Chat templates that requests bring (--trust-request-chat-template) write their chats in a process of their own,
     one at a time, within `seconds` and `memory_bytes` (`core.chat_template.serve_templates`): a template that
@@ -235,13 +240,16 @@ class TemplateLane:
             status, value = await asyncio.get_running_loop().run_in_executor(self.thread, self._write, job)
         finally:
             self.in_lane -= 1
+        if status == "unavailable":
+            raise APIError(503, value, code="template_unavailable", kind="server_error")
         if status != "ok":
             raise APIError(400, value, param="chat_template")
         return value
 
     def _write(self, job: tuple) -> tuple[str, object]:
-        if self.process is None or not self.process.is_alive():
-            self._start()
+        if (self.process is None or not self.process.is_alive()) and not self._start():
+            return "unavailable", (f"the process that writes chats in requests' templates did not start within "
+                                   f"{TEMPLATE_START_SECONDS:g} s; retry")
         self.connection.send(job)
         if self.connection.poll(self.seconds):
             try:
@@ -253,13 +261,21 @@ class TemplateLane:
         return "error", (f"the chat template did not write these messages within {self.seconds:g} s, this server's "
                          "limit: loop less in it")
 
-    def _start(self) -> None:
+    def _start(self) -> bool:
         context = multiprocessing.get_context("spawn")  # (not a fork of a process with threads and a model)
         self.connection, theirs = context.Pipe()
         self.process = context.Process(target=serve_templates, args=(theirs, self.tokenizer, self.memory_bytes),
                                        name="r2r-templates", daemon=True)
         self.process.start()
         theirs.close()
+        # Its start (importing, the tokenizer) is not the template's time: the job is sent once it says it is ready.
+        try:
+            if self.connection.poll(TEMPLATE_START_SECONDS) and self.connection.recv()[0] == "ready":
+                return True
+        except EOFError:  # (it died starting)
+            pass
+        self._stop()
+        return False
 
     def _stop(self) -> None:
         if self.process is not None:
