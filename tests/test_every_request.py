@@ -2,6 +2,7 @@
 error that names them, while the rows beside it go on token for token as they would have without it; what the door
 can see is a 400."""
 
+import asyncio
 import json
 import re
 import threading
@@ -13,6 +14,7 @@ from bystander import during, slowed
 from conftest import assert_idle_soon
 from helpers import encode
 
+from roads_to_rome.core.chat_template import encode_messages
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.core.request import Failure, Request
@@ -20,6 +22,7 @@ from roads_to_rome.core.sampling import LogitRules, NothingToWrite, SamplingPara
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
+from roads_to_rome.serving.guard import TemplateLane
 from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
@@ -296,6 +299,18 @@ def test_responses_with_two_thousand_turns_and_truncation_auto_answers_within_tw
 
 
 LOOPS = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"  # 82 characters of work
+
+
+def test_a_request_templates_time_counts_once_its_process_has_started(tokenizer):
+    """The process that writes requests' templates takes longer to start (a spawned Python importing the tokenizer's
+    library) than this lane's limit of half a second: the first template is still written, its time counted from when
+    the process said it had started (it once failed the first request on a busy machine)."""
+    lane = TemplateLane(tokenizer, seconds=0.5, memory_bytes=128 << 20, limit=2)
+    job = ([{"role": "user", "content": "hi"}], None, None, True, False, "{{ messages[0]['content'] }} then")
+    try:
+        assert asyncio.run(lane(*job)) == encode_messages(tokenizer, *job)
+    finally:
+        lane.shutdown()
 
 
 def test_a_request_template_that_loops_or_builds_a_large_text_holds_up_no_ordinary_chat(trusting_server):
