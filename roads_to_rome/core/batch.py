@@ -257,9 +257,9 @@ class Batch:
         due = llm_due(sequences, routing.routed, routing.deferred, unread,
                       lambda i: self._would_end(routing.proposed[i], i), routing.deferral)
         now = any(r and not d for r, d in zip(routing.routed, routing.deferred)) or (due and not context.overlap)
-        held = [self._stands_still(s, unread[i], routing.deferral) for i, s in enumerate(sequences)]
         landed = None
-        if self.call is not None and (now or self.call.done() or all(held)):  # (no row could write: wait for it)
+        if self.call is not None and (now or self.call.done() or all(  # (no row could write: wait for it)
+                self._stands_still(s, unread[i], routing.deferral) for i, s in enumerate(sequences))):
             call, self.call = self.call, None
             landed = answers(call, self.sequences, routing, failed)
         # A row the answer frees goes on at once; one whose end it has not checked stands still.
