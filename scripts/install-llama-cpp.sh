@@ -10,18 +10,21 @@
 # On CPUs with AMX (Intel Sapphire Rapids and later), llama.cpp's AMX matmul crashes the process at the first
 # decode (0.3.36); a build with AMX compiled out keeps the repacked AVX-512 layouts, which the backend then
 # turns on (backends/llamacpp.py reads what the build compiled in).
+#
+# The multimodal library (mtmd, LLAVA_BUILD) is left out: this project reads text only.
 set -eu
 version=$1
 pip=$2
 only=${3:-}
 flags=${R2R_CPU_FLAGS:-$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m)}  # (the variable: for tests)
-key=$(printf '%s\n%s\n%s\n' "$version" "$flags" "${CMAKE_ARGS:-}" | sha256sum | cut -c1-16)  # a user's own build options too
+export CMAKE_ARGS="-DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}"
+key=$(printf '%s\n%s\n%s\n' "$version" "$flags" "$CMAKE_ARGS" | sha256sum | cut -c1-16)  # a user's own build options too
 dir="${XDG_CACHE_HOME:-$HOME/.cache}/r2r/wheels/llama-cpp-python-$version-$key"
 if ! ls "$dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     case "$flags" in
         *amx_int8*)
             no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-            export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'"
+            export CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'"
             echo "this CPU has AMX: building llama.cpp without it (its AMX kernels crash), repacked layouts kept";;
     esac
     echo "building llama-cpp-python $version for this processor (minutes; kept in $dir)"

@@ -2,6 +2,7 @@
 tiny model and llama.cpp on a GGUF file holding the same weights, for each architecture family (Qwen2, Qwen3,
 Llama)."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_backend
@@ -59,6 +60,29 @@ def test_it_implements_the_protocol(backend, tokenizer):
     assert backend.num_params > 0 and backend.max_context > 0
     assert backend.embedding_table().shape[0] >= backend.vocab_size
     assert backend.embed(torch.tensor([1, 2])).shape == (2, backend.embedding_table().shape[1])
+
+
+def test_llamacpps_embedding_table_is_the_files_as_gguf_py_reads_it(tokenizer, tmp_path):
+    """The router's embedding table on llama.cpp comes from ggml's own GGUF reader (C), not gguf-py's (Python, seconds
+    for a real vocabulary): the same bytes, the same rows; a file llama.cpp cannot read is an error that says so."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from gguf import GGUFReader
+
+    from roads_to_rome.backends.llamacpp import tensor_bytes
+
+    slm = make_backend("llamacpp", tiny_model(tokenizer, hidden=32, seed=0), tokenizer, tmp_path, "slm")
+    from gguf.quants import dequantize
+
+    (tensor,) = [t for t in GGUFReader(str(slm.path)).tensors if t.name == "token_embd.weight"]
+    raw, kind = tensor_bytes(slm.path, "token_embd.weight")
+    assert kind == tensor.tensor_type and np.array_equal(raw, tensor.data.reshape(-1).view(np.uint8))
+    expected = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(-1, slm.hidden_size).copy())
+    assert torch.equal(slm.embedding_table(), expected.to(torch.bfloat16))
+    (tmp_path / "not.gguf").write_bytes(b"not a gguf file" * 100)
+    with pytest.raises(R2RError, match="is not a GGUF file"):
+        tensor_bytes(tmp_path / "not.gguf", "token_embd.weight")
+    with pytest.raises(R2RError, match="has no tensor"):
+        tensor_bytes(slm.path, "no_such.weight")
 
 
 def test_a_local_model_decodes_token_by_token_and_complete_reads_nothing(backend, tokenizer):

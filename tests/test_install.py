@@ -75,7 +75,7 @@ main.main()
 def test_set_up_builds_llama_cpp_once_per_processor_and_without_amx_where_it_has_amx(tmp_path):
     """scripts/install-llama-cpp.sh with a pip that only records what it was asked: a wheel per processor (never
     one built for another CPU), AMX compiled out on AMX CPUs, the kept wheel installed without a rebuild; `build`
-    only builds (what `make test` runs beside the model downloads), installing nothing."""
+    only builds (what `make test` runs beside the model downloads), installing nothing; never the multimodal library."""
     log = tmp_path / "pip.log"
     pip = tmp_path / "pip"
     pip.write_text(f"""#!/bin/sh
@@ -100,6 +100,7 @@ fi
     first = set_up(avx512)
     assert [c.split()[0] for c in first] == ["wheel", "install", "install"] and "-mno-amx" not in first[0]
     assert "--no-cache-dir" in first[0]  # never a wheel from pip's cache, which keys by version only
+    assert "-DLLAVA_BUILD=OFF" in first[0]  # text only: llama-cpp-python's multimodal library is not built
     assert [c.split()[0] for c in set_up(avx512)] == ["install", "install"]  # kept for this processor: no rebuild
     on_amx = set_up(amx)  # another processor: its own build, with AMX compiled out
     assert [c.split()[0] for c in on_amx] == ["wheel", "install", "install"]

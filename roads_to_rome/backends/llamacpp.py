@@ -302,11 +302,11 @@ class LlamaCppBackend(LocalBackend):
 
     def embedding_table(self) -> torch.Tensor:
         if self._embedding_table is None:
-            from gguf import GGUFReader
+            from gguf.constants import GGMLQuantizationType
             from gguf.quants import dequantize
 
-            tensor = next(t for t in GGUFReader(str(self.path)).tensors if t.name == "token_embd.weight")
-            table = dequantize(tensor.data, tensor.tensor_type).reshape(-1, self.hidden_size)
+            raw, kind = tensor_bytes(self.path, "token_embd.weight")
+            table = dequantize(raw, GGMLQuantizationType(kind)).reshape(-1, self.hidden_size)
             # bf16, as the torch backend loads it: the router's embedding hash must agree across backends.
             self._embedding_table = torch.from_numpy(np.array(table, dtype=np.float32)).to(torch.bfloat16)
         return self._embedding_table
@@ -317,6 +317,43 @@ class LlamaCppBackend(LocalBackend):
             llama_cpp.llama_free(self._ctx)
             llama_cpp.llama_model_free(self._model)
             self._ctx = None
+
+
+class _GGUFParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+@functools.cache
+def _gguf_library():
+    """ggml's GGUF reader (C), as libllama's handle finds it in the ggml library it links."""
+    lib = llama_cpp.llama_cpp._lib
+    lib.gguf_init_from_file.restype, lib.gguf_init_from_file.argtypes = ctypes.c_void_p, [ctypes.c_char_p,
+                                                                                           _GGUFParams]
+    for function, result in (("gguf_find_tensor", ctypes.c_int64), ("gguf_get_tensor_offset", ctypes.c_size_t),
+                             ("gguf_get_tensor_size", ctypes.c_size_t), ("gguf_get_tensor_type", ctypes.c_int)):
+        getattr(lib, function).restype, getattr(lib, function).argtypes = result, [ctypes.c_void_p, ctypes.c_int64]
+    lib.gguf_find_tensor.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.gguf_get_data_offset.restype, lib.gguf_get_data_offset.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
+    lib.gguf_free.restype, lib.gguf_free.argtypes = None, [ctypes.c_void_p]
+    return lib
+
+
+def tensor_bytes(path: Path, name: str) -> tuple[np.ndarray, int]:
+    """One tensor's bytes in a GGUF file (mapped, not read) and its ggml type, found by ggml's own GGUF reader:
+    gguf-py's reader parses every metadata value in Python, seconds for a 150k-token vocabulary's."""
+    lib = _gguf_library()
+    context = lib.gguf_init_from_file(str(path).encode(), _GGUFParams(True, None))
+    if not context:
+        raise R2RError(f"{path} is not a GGUF file llama.cpp can read")
+    try:
+        index = lib.gguf_find_tensor(context, name.encode())
+        if index < 0:
+            raise R2RError(f"{path} has no tensor {name}")
+        start = lib.gguf_get_data_offset(context) + lib.gguf_get_tensor_offset(context, index)
+        size, kind = lib.gguf_get_tensor_size(context, index), lib.gguf_get_tensor_type(context, index)
+    finally:
+        lib.gguf_free(context)
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(size,)), kind
 
 
 if llama_cpp is not None:

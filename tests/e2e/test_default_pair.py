@@ -56,11 +56,10 @@ def transformers_greedy(model, prompts: list[list[int]], outputs: list[list[int]
     return logits[:, -n:].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("role", ["slm", "llm"])
-def test_always_one_model_equals_its_greedy_generation(torch_pair, role):
-    """The engine's proof: routing everything to one model reproduces that model token for token (in the dtype the
-    engine runs in here: the reference is the same loaded model), each prompt alone and the three batched."""
-    slm, llm, tokenizer = torch_pair
+def always_one_model_proof(pair, role: str) -> list[list[int]]:
+    """The engine's proof: routing everything to one model reproduces that model token for token (in the dtype of
+    `pair`: the reference is the same loaded model), each prompt alone and the three batched; the batch's outputs."""
+    slm, llm, tokenizer = pair
     engine = Engine(slm, llm, tokenizer, AlwaysSLM() if role == "slm" else AlwaysLLM())
     reference = (slm if role == "slm" else llm).model
     prompts = [engine.prompts.chat(p) for p in PROMPTS]
@@ -73,10 +72,56 @@ def test_always_one_model_equals_its_greedy_generation(torch_pair, role):
         assert gen.sources == [role] * TORCH_TOKENS
     batch = [g.token_ids for g in engine.generate(prompts, params)]
     assert batch == transformers_greedy(reference, prompts, batch, engine.pad_id)
+    return batch
+
+
+def test_always_the_slm_equals_its_greedy_generation(torch_pair):
+    """The proof for the SLM in the dtype `--dtype auto` picks here (bf16 where the processor has it natively)."""
+    always_one_model_proof(torch_pair, "slm")
+
+
+def test_always_the_llm_and_strict_verification_write_transformers_greedy_output_on_torch(torch_pair_float32):
+    """The proof for the LLM, then verification on catch-up, strict, held to the same batched output: the shipped
+    router (the LLM checks at routed tokens and at the end) and speculative decoding (the SLM alone, checked every 4
+    tokens) both write the LLM's own greedy output, on the 3 prompts of different lengths in one batch, so that rows
+    roll back while others go on. In float32, where a multi-token LLM forward and a one-token step agree to well
+    below any logit gap, padded or not: the LLM's greedy output is then transformers' own, one output for all three
+    (one proof and one set of references where the LLM was proved apart from verification, in bf16 here)."""
+    from roads_to_rome.routing import policies
+
+    slm, llm, tokenizer = torch_pair_float32
+    want = always_one_model_proof(torch_pair_float32, "llm")
+    prompts = [Engine.alone(llm, tokenizer).prompts.chat(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=TORCH_TOKENS, ignore_eos=True)
+    router = policies.build("router", slm, None, models.router_path_for(None, None))
+    rollbacks = 0
+    for policy, interval in ((router, None), (AlwaysSLM(), 4)):
+        gens = Engine(slm, llm, tokenizer, policy, verify="strict", max_unverified=interval).generate(prompts, params)
+        rollbacks += sum(g.rollbacks for g in gens)
+        for out, expected in zip((g.token_ids for g in gens), want):
+            split = next((i for i, (a, b) in enumerate(zip(out, expected)) if a != b), None)
+            assert split is None, (policy.name, split)
+    assert rollbacks > 0  # the LLM did correct the SLM
+
+
+@pytest.fixture(scope="module")
+def llamacpp_alone(llamacpp_pair) -> dict[str, list[list[int]]]:
+    """Each prompt written alone by one model through the engine on llama.cpp (N_TOKENS greedy tokens), by role:
+    the test below proves them llama.cpp's own greedy output, and the LLM's are what verification is held to."""
+    slm, llm, tokenizer = llamacpp_pair
+    params = SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True)
+    outputs = {}
+    for role, policy in (("slm", AlwaysSLM()), ("llm", AlwaysLLM())):
+        engine = Engine(slm, llm, tokenizer, policy)
+        gens = [engine.generate([engine.prompts.chat(p)], params)[0] for p in PROMPTS]
+        assert all(g.sources == [role] * N_TOKENS for g in gens)
+        outputs[role] = [g.token_ids for g in gens]
+    return outputs
 
 
 @pytest.mark.parametrize("role", ["slm", "llm"])
-def test_always_one_model_on_llamacpp_equals_llamacpps_own_greedy_output(llamacpp_pair, role, monkeypatch):
+def test_always_one_model_on_llamacpp_equals_llamacpps_own_greedy_output(llamacpp_pair, llamacpp_alone, role,
+                                                                         monkeypatch):
     """The same proof on the llama.cpp backend, against llama-cpp-python's own greedy generation."""
     import llama_cpp
 
@@ -103,10 +148,7 @@ def test_always_one_model_on_llamacpp_equals_llamacpps_own_greedy_output(llamacp
             if len(out) == N_TOKENS:
                 break
         expected.append(out)
-    for prompt, want in zip(prompts, expected):
-        gen = engine.generate([prompt], params)[0]
-        assert gen.token_ids == want
-        assert gen.sources == [role] * N_TOKENS
+    assert llamacpp_alone[role] == expected
     # Batched rows run through llama.cpp's matrix-matrix kernels, which round differently from its
     # one-row kernels: a row may leave the one-row greedy path, but only where two tokens nearly tie.
     reference_backend = slm if role == "slm" else llm
@@ -241,41 +283,30 @@ def test_eval_fills_in_a_humaneval_line_with_the_real_pair(tmp_path):
     assert summary["llm"]["accuracy"] == 1.0  # (the LLM writes both lines right: a check that the prompt is FIM's)
 
 
-@pytest.mark.parametrize("backend", ["torch", "llamacpp"])
-def test_strict_verification_gives_the_llms_greedy_output(backend, request):
-    """Verification on catch-up, strict: the shipped router (the LLM checks at routed tokens and at the
-    end) and speculative decoding (the SLM alone, checked every 4 tokens) both write the LLM's own greedy
-    output, on 3 prompts of different lengths in one batch (64 tokens; 32 on torch), so that rows roll back while
-    others go on. Torch in float32: a multi-token LLM forward and a one-token step then agree to well below any
-    logit gap, padded or not; the LLM's greedy output there is transformers' own. On llama.cpp (Q4_K_M) they round
-    differently, so where a row leaves the LLM's one-token path alone, its two top tokens must nearly tie there."""
+def test_strict_verification_gives_the_llms_greedy_output_on_llamacpp(llamacpp_pair, llamacpp_alone):
+    """The same verification as on torch above, on llama.cpp (Q4_K_M), against the LLM's own greedy output proved
+    above: a multi-token forward and one-token steps round differently there, so where a row leaves the LLM's
+    one-token path, its two top tokens must nearly tie there (64 tokens)."""
     from roads_to_rome.routing import policies
 
-    slm, llm, tokenizer = request.getfixturevalue("llamacpp_pair" if backend == "llamacpp" else "torch_pair_float32")
-    alone = Engine.alone(llm, tokenizer)
-    prompts = [alone.prompts.chat(p) for p in PROMPTS]
-    params = SamplingParams(max_new_tokens=TORCH_TOKENS if backend == "torch" else N_TOKENS, ignore_eos=True)
-    if backend == "llamacpp":
-        expected = [alone.generate([p], params)[0].token_ids for p in prompts]
+    slm, llm, tokenizer = llamacpp_pair
+    prompts = [Engine.alone(llm, tokenizer).prompts.chat(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True)
     router = policies.build("router", slm, None, models.router_path_for(None, None))
     rollbacks = 0
     for policy, interval in ((router, None), (AlwaysSLM(), 4)):
-        engine = Engine(slm, llm, tokenizer, policy, verify="strict", max_unverified=interval)
-        gens = engine.generate(prompts, params)
+        gens = Engine(slm, llm, tokenizer, policy, verify="strict", max_unverified=interval).generate(prompts, params)
         rollbacks += sum(g.rollbacks for g in gens)
-        outs = [g.token_ids for g in gens]
-        wants = transformers_greedy(llm.model, prompts, outs, alone.pad_id) if backend == "torch" else expected
-        for prompt, out, want in zip(prompts, outs, wants):
+        for prompt, out, want in zip(prompts, (g.token_ids for g in gens), llamacpp_alone["llm"]):
             split = next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), None)
-            if backend == "torch":
-                assert split is None, (policy.name, split)
-            elif split is not None:
+            if split is not None:
                 logits, _ = llm.forward_sequence(prompt + want[:split])
-                assert abs((logits[-1, want[split]] - logits[-1, out[split]]).item()) < 0.5
+                assert abs((logits[-1, want[split]] - logits[-1, out[split]]).item()) < 0.5, (policy.name, split)
     assert rollbacks > 0  # the LLM did correct the SLM
 
 
-def test_with_penalties_and_a_logit_bias_strict_verification_gives_the_llms_own_output_on_llamacpp(llamacpp_pair):
+def test_with_penalties_and_a_logit_bias_strict_verification_gives_the_llms_own_output_on_llamacpp(llamacpp_pair,
+                                                                                                   llamacpp_alone):
     """The same proof with presence, frequency and repetition penalties and a logit bias that bans the token the
     LLM's plain answers use most, through the shipped router and grouped calls: every token the LLM checks is judged
     on the logits so shaped, so the output is the LLM's own output under them (up to llama.cpp's near-ties,
@@ -289,7 +320,7 @@ def test_with_penalties_and_a_logit_bias_strict_verification_gives_the_llms_own_
     slm, llm, tokenizer = llamacpp_pair
     alone = Engine.alone(llm, tokenizer)
     prompts = [alone.prompts.chat(p) for p in (PROMPTS[0], PROMPTS[2])]  # code, and a GSM8K question
-    plain = [g.token_ids for g in alone.generate(prompts, SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True))]
+    plain = [llamacpp_alone["llm"][0], llamacpp_alone["llm"][2]]
     banned = Counter(t for out in plain for t in out).most_common(1)[0][0]
     params = SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3,
                             repetition_penalty=1.2, logit_bias={banned: -100.0})

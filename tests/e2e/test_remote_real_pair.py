@@ -55,6 +55,9 @@ def test_the_llm_through_the_remote_backend_equals_the_servers_own_greedy(server
         assert out.token_ids == server.own_greedy(ids, 16)
 
 
+# The commands take a server's URL whatever engine serves it: proved once, on llama.cpp's server (it starts in seconds);
+# vLLM's protocol on the real pair is the test above, and R2R's routed calls through it are test_remote.py's.
+@pytest.mark.parametrize("server", ["llamacpp"], indirect=True)
 def test_r2r_with_the_remote_llm_end_to_end(server, slm, run_cli, tmp_path):
     code, out, err = run_cli("generate", "What is 48 / 2? Answer with the number.", "--llm", server.url,
                              "--backend", "llamacpp", "--max-new-tokens", "24")
