@@ -234,15 +234,20 @@ def stream_times(url: str, prompt: str, policy: str | None, max_tokens: int, out
     out["ended"] = time.monotonic()
 
 
+# Long enough for /health to say so (STALLED_AFTER_S) and for the SLM-only stream (0.08 s a token, 200 tokens) to
+# show a gap if it waited; a call's retry budget outlasts it by two per-call timeouts.
+STALL_S = 12.0
+
+
 @NEEDS_LLAMA_SERVER
 def test_with_overlap_a_stalled_llm_holds_only_the_rows_that_wait_for_it(llm_files, slm, tokenizer):
-    """The LLM's server stopped (SIGSTOP) for 20 s while an SLM-only stream and a routed one run (short: it has written
-    all it may by the time the LLM is back, and waits for its word): the SLM-only stream's chunks keep coming (no gap
-    over 3 s), /health says degraded once the routed row's call has waited STALLED_AFTER_S, and both finish right
-    after SIGCONT. Killed for good instead: the routed request ends with the LLM-away error, the SLM-only one
-    finishes."""
+    """The LLM's server stopped (SIGSTOP) for STALL_S while an SLM-only stream and a routed one run (short: it has
+    written all it may by the time the LLM is back, and waits for its word): the SLM-only stream's chunks keep
+    coming (no gap over 3 s), /health says degraded once the routed row's call has waited STALLED_AFTER_S, and both
+    finish right after SIGCONT. Killed for good instead: the routed request ends with the LLM-away error, the
+    SLM-only one finishes."""
     with LlamaServer(llm_files["gguf"], slots=4) as llm_server:
-        llm = remote(llm_server.url, tokenizer, slm, retry=30.0, timeout=TIMEOUT)
+        llm = remote(llm_server.url, tokenizer, slm, retry=STALL_S + 2 * TIMEOUT, timeout=TIMEOUT)
         # about 8% of the tiny SLM's tokens routed
         never = slm.eos_ids | {tokenizer.eos_token_id}
         engine = Engine(SlowSLM(slm, 0.08, never), llm, tokenizer, EntropyPolicy(3.7), verify="off", overlap=True)
@@ -253,7 +258,7 @@ def test_with_overlap_a_stalled_llm_holds_only_the_rows_that_wait_for_it(llm_fil
             def run_both():
                 outs = ({}, {})
                 threads = [threading.Thread(target=stream_times, args=(url, LONG[0], policy, tokens, out))
-                           for policy, tokens, out in zip((None, "slm"), (40, 300), outs)]
+                           for policy, tokens, out in zip((None, "slm"), (40, 200), outs)]
                 for t in threads:
                     t.start()
                 while not all(out.get("times") for out in outs):
@@ -264,7 +269,7 @@ def test_with_overlap_a_stalled_llm_holds_only_the_rows_that_wait_for_it(llm_fil
             stopped = time.monotonic()
             signal_group(llm_server, signal.SIGSTOP)
             degraded = None
-            while time.monotonic() - stopped < 20:
+            while time.monotonic() - stopped < STALL_S:
                 if degraded is None and (said := httpx.get(url + "/health").json())["status"] == "degraded":
                     degraded = said["llm"]
                 time.sleep(0.2)
