@@ -63,21 +63,28 @@ def test_it_implements_the_protocol(backend, tokenizer):
 
 
 def test_llamacpps_embedding_table_is_the_files_as_gguf_py_reads_it(tokenizer, tmp_path):
-    """The router's embedding table on llama.cpp comes from ggml's own GGUF reader (C), not gguf-py's (Python, seconds
-    for a real vocabulary): the same bytes, the same rows; a file llama.cpp cannot read is an error that says so."""
+    """The router's embedding table on llama.cpp is found by ggml's own GGUF reader and converted by ggml's own
+    dequantization (C), not gguf-py's (Python: seconds for a real vocabulary): the same bytes, the same values, for a
+    float32 table and a quantized one; a file llama.cpp cannot read is an error that says so."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     from gguf import GGUFReader
-
-    from roads_to_rome.backends.llamacpp import tensor_bytes
-
-    slm = make_backend("llamacpp", tiny_model(tokenizer, hidden=32, seed=0), tokenizer, tmp_path, "slm")
     from gguf.quants import dequantize
 
-    (tensor,) = [t for t in GGUFReader(str(slm.path)).tensors if t.name == "token_embd.weight"]
-    raw, kind = tensor_bytes(slm.path, "token_embd.weight")
-    assert kind == tensor.tensor_type and np.array_equal(raw, tensor.data.reshape(-1).view(np.uint8))
-    expected = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(-1, slm.hidden_size).copy())
-    assert torch.equal(slm.embedding_table(), expected.to(torch.bfloat16))
+    from roads_to_rome.backends.llamacpp import dequantized, tensor_bytes
+    from roads_to_rome.bench.shape_models import quantize
+
+    slm = make_backend("llamacpp", tiny_model(tokenizer, hidden=32, seed=0), tokenizer, tmp_path, "slm")
+    kinds = []
+    for path in (slm.path, quantize(slm.path, tmp_path / "q8_0.gguf", ftype=7)):  # LLAMA_FTYPE_MOSTLY_Q8_0
+        (tensor,) = [t for t in GGUFReader(str(path)).tensors if t.name == "token_embd.weight"]
+        raw, kind = tensor_bytes(path, "token_embd.weight")
+        assert kind == tensor.tensor_type and np.array_equal(raw, tensor.data.reshape(-1).view(np.uint8))
+        expected = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+        assert np.array_equal(dequantized(raw, kind), expected)
+        kinds.append(tensor.tensor_type.name)
+    assert kinds == ["F32", "Q8_0"]
+    assert torch.equal(slm.embedding_table(), torch.from_numpy(dequantized(*tensor_bytes(
+        slm.path, "token_embd.weight"))).reshape(-1, slm.hidden_size).to(torch.bfloat16))
     (tmp_path / "not.gguf").write_bytes(b"not a gguf file" * 100)
     with pytest.raises(R2RError, match="is not a GGUF file"):
         tensor_bytes(tmp_path / "not.gguf", "token_embd.weight")

@@ -302,13 +302,9 @@ class LlamaCppBackend(LocalBackend):
 
     def embedding_table(self) -> torch.Tensor:
         if self._embedding_table is None:
-            from gguf.constants import GGMLQuantizationType
-            from gguf.quants import dequantize
-
-            raw, kind = tensor_bytes(self.path, "token_embd.weight")
-            table = dequantize(raw, GGMLQuantizationType(kind)).reshape(-1, self.hidden_size)
+            table = dequantized(*tensor_bytes(self.path, "token_embd.weight")).reshape(-1, self.hidden_size)
             # bf16, as the torch backend loads it: the router's embedding hash must agree across backends.
-            self._embedding_table = torch.from_numpy(np.array(table, dtype=np.float32)).to(torch.bfloat16)
+            self._embedding_table = torch.from_numpy(table).to(torch.bfloat16)
         return self._embedding_table
 
     def __del__(self):
@@ -323,6 +319,13 @@ class _GGUFParams(ctypes.Structure):
     _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
 
 
+class _TypeTraits(ctypes.Structure):  # ggml.h's struct ggml_type_traits
+    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
+                ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool),
+                ("to_float", ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)),
+                ("from_float_ref", ctypes.c_void_p)]
+
+
 @functools.cache
 def _gguf_library():
     """ggml's GGUF reader (C), as libllama's handle finds it in the ggml library it links."""
@@ -335,6 +338,7 @@ def _gguf_library():
     lib.gguf_find_tensor.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     lib.gguf_get_data_offset.restype, lib.gguf_get_data_offset.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
     lib.gguf_free.restype, lib.gguf_free.argtypes = None, [ctypes.c_void_p]
+    lib.ggml_get_type_traits.restype, lib.ggml_get_type_traits.argtypes = ctypes.POINTER(_TypeTraits), [ctypes.c_int]
     return lib
 
 
@@ -354,6 +358,19 @@ def tensor_bytes(path: Path, name: str) -> tuple[np.ndarray, int]:
     finally:
         lib.gguf_free(context)
     return np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(size,)), kind
+
+
+def dequantized(raw: np.ndarray, kind: int) -> np.ndarray:
+    """A tensor's bytes of ggml type `kind` as float32, by ggml's own conversion (gguf-py's, in numpy, takes seconds
+    for an embedding table)."""
+    traits = _gguf_library().ggml_get_type_traits(kind).contents
+    if not traits.to_float:  # float32 already (ggml converts nothing), or a type no model's weights have
+        if traits.type_name != b"f32":
+            raise R2RError(f"ggml cannot convert {traits.type_name.decode()} to float32")
+        return raw.view(np.float32).copy()
+    out = np.empty(raw.size // traits.type_size * traits.blck_size, dtype=np.float32)
+    traits.to_float(raw.ctypes.data, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
+    return out
 
 
 if llama_cpp is not None:

@@ -71,7 +71,9 @@ def always_one_model_proof(pair, role: str, alone: bool = True) -> list[list[int
         assert len(gen.token_ids) == TORCH_TOKENS
         assert gen.token_ids == transformers_greedy(reference, [prompt], [gen.token_ids], engine.pad_id)[0]
         assert gen.sources == [role] * TORCH_TOKENS
-    batch = [g.token_ids for g in engine.generate(prompts, params)]
+    gens = engine.generate(prompts, params)
+    assert all(g.sources == [role] * TORCH_TOKENS for g in gens)
+    batch = [g.token_ids for g in gens]
     assert batch == transformers_greedy(reference, prompts, batch, engine.pad_id)
     return batch
 
