@@ -184,6 +184,12 @@ def test_prepare_makes_only_what_llamacpp_needs_and_torch_converts_on_first_use(
     assert not models.converted_dir(fake).exists()
     path = models.resolve(None, fake)  # a torch backend asks: converted now, once
     assert models.is_converted(fake) and path == str(models.converted_dir(fake))
+    from transformers import AutoTokenizer
+
+    # The copy's tokenizer is the one kept at set-up (not parsed from the GGUF file again): the same vocabulary.
+    kept, copied = (AutoTokenizer.from_pretrained(str(d)) for d in (models.tokenizer_dir(fake), path))
+    assert len(copied) == len(kept) and copied("def f(x): return x")["input_ids"] == kept("def f(x): return x")[
+        "input_ids"]
     loaded, _ = models.loading._load_one(path, "SLM", "cpu", torch.float32)
     ids = torch.tensor([[1, 5, 9, 20]])
     with torch.no_grad():

