@@ -92,6 +92,39 @@ def test_llamacpps_embedding_table_is_the_files_as_gguf_py_reads_it(tokenizer, t
         tensor_bytes(slm.path, "no_such.weight")
 
 
+def test_ggmls_dequantization_gives_gguf_pys_values_for_a_q4_k_m_file_and_its_bf16_copy(tokenizer, tmp_path):
+    """The bf16 copy of a GGUF file (what torch and vLLM read) is transformers' reading of it, with gguf-py's numpy
+    dequantization swapped for ggml's own while it reads (`ggml_dequantization`): the same values for every tensor
+    of a Q4_K_M file (k-quants, their fallbacks and float32 norms), so the same copy."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from roads_to_rome.backends.llamacpp import ggml_dequantization, gguf_py_dequantize
+    from roads_to_rome.bench.shape_models import quantize
+
+    # hidden 256: k-quants need rows of 256
+    source = make_backend("llamacpp", tiny_model(tokenizer, hidden=256, seed=0), tokenizer, tmp_path, "f32").path
+    path = quantize(source, tmp_path / "q4_k_m.gguf")
+    kinds = set()
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        assert np.array_equal(gguf_py_dequantize(tensor.data, tensor.tensor_type),
+                              gguf.dequantize(tensor.data, tensor.tensor_type)), tensor.name
+        kinds.add(tensor.tensor_type.name)
+    assert {"Q4_K", "F32"} <= kinds, kinds
+
+    def read():
+        return AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.bfloat16)
+
+    own = gguf.dequantize
+    with ggml_dequantization():
+        assert gguf.dequantize is gguf_py_dequantize
+        fast = read().state_dict()
+    assert gguf.dequantize is own
+    slow = read().state_dict()
+    assert fast.keys() == slow.keys() and all(torch.equal(fast[k], slow[k]) for k in fast)
+
+
 def test_a_local_model_decodes_token_by_token_and_complete_reads_nothing(backend, tokenizer):
     """`complete` is for a model that writes whole continuations in one go (a server); a local one says None and
     leaves the cache as it was, for the caller to step `forward`."""

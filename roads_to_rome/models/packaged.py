@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from roads_to_rome import files
+from roads_to_rome.backends.llamacpp import ggml_dequantization
 from roads_to_rome.errors import R2RError
 from roads_to_rome.progress import QUIET
 
@@ -220,9 +221,10 @@ def convert_gguf(gguf_file: Path, out_dir: Path, source: dict, tokenizer_from: P
     try:
         tokenizer = (AutoTokenizer.from_pretrained(str(tokenizer_from)) if tokenizer_from else
                      AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name))
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.bfloat16
-        )
+        with ggml_dequantization():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.bfloat16
+            )
     except Exception as e:  # the gguf reader raises many kinds of errors on a broken file
         raise R2RError(f"cannot read GGUF file {gguf_file}: {type(e).__name__}: {e}") from None
     # transformers dequantized every weight (no GGUF matmul kernel here) but still marks the
