@@ -78,6 +78,24 @@ def always_one_model_proof(pair, role: str, alone: bool = True) -> list[list[int
     return batch
 
 
+def strict_verification_runs(pair, tokens: int):
+    """The shipped router (the LLM checks at routed tokens and at the end) and speculative decoding (the SLM alone,
+    checked every 4 tokens), strict, each on the 3 prompts in one batch: the prompts, (policy, outputs) for each,
+    and the rollbacks they made in all."""
+    from roads_to_rome.routing import policies
+
+    slm, llm, tokenizer = pair
+    prompts = [Engine.alone(llm, tokenizer).prompts.chat(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    router = policies.build("router", slm, None, models.router_path_for(None, None))
+    runs, rollbacks = [], 0
+    for policy, interval in ((router, None), (AlwaysSLM(), 4)):
+        gens = Engine(slm, llm, tokenizer, policy, verify="strict", max_unverified=interval).generate(prompts, params)
+        rollbacks += sum(g.rollbacks for g in gens)
+        runs.append((policy.name, [g.token_ids for g in gens]))
+    return prompts, runs, rollbacks
+
+
 def test_always_the_slm_equals_its_greedy_generation(torch_pair):
     """The proof for the SLM in the dtype `--dtype auto` picks here (bf16 where the processor has it natively)."""
     always_one_model_proof(torch_pair, "slm")
@@ -92,20 +110,12 @@ def test_always_the_llm_and_strict_verification_write_transformers_greedy_output
     Rows alone on torch are the SLM's proof's (the engine's code for a row alone is the same for either model), and
     the LLM alone's on the real pair llama.cpp's, below: the most costly steps of the suite where float32 is all a
     processor has."""
-    from roads_to_rome.routing import policies
-
-    slm, llm, tokenizer = torch_pair_float32
     want = always_one_model_proof(torch_pair_float32, "llm", alone=False)
-    prompts = [Engine.alone(llm, tokenizer).prompts.chat(p) for p in PROMPTS]
-    params = SamplingParams(max_new_tokens=TORCH_TOKENS, ignore_eos=True)
-    router = policies.build("router", slm, None, models.router_path_for(None, None))
-    rollbacks = 0
-    for policy, interval in ((router, None), (AlwaysSLM(), 4)):
-        gens = Engine(slm, llm, tokenizer, policy, verify="strict", max_unverified=interval).generate(prompts, params)
-        rollbacks += sum(g.rollbacks for g in gens)
-        for out, expected in zip((g.token_ids for g in gens), want):
+    _, runs, rollbacks = strict_verification_runs(torch_pair_float32, TORCH_TOKENS)
+    for policy, outs in runs:
+        for out, expected in zip(outs, want):
             split = next((i for i, (a, b) in enumerate(zip(out, expected)) if a != b), None)
-            assert split is None, (policy.name, split)
+            assert split is None, (policy, split)
     assert rollbacks > 0  # the LLM did correct the SLM
 
 
@@ -292,21 +302,14 @@ def test_strict_verification_gives_the_llms_greedy_output_on_llamacpp(llamacpp_p
     """The same verification as on torch above, on llama.cpp (Q4_K_M), against the LLM's own greedy output proved
     above: a multi-token forward and one-token steps round differently there, so where a row leaves the LLM's
     one-token path, its two top tokens must nearly tie there (64 tokens)."""
-    from roads_to_rome.routing import policies
-
-    slm, llm, tokenizer = llamacpp_pair
-    prompts = [Engine.alone(llm, tokenizer).prompts.chat(p) for p in PROMPTS]
-    params = SamplingParams(max_new_tokens=N_TOKENS, ignore_eos=True)
-    router = policies.build("router", slm, None, models.router_path_for(None, None))
-    rollbacks = 0
-    for policy, interval in ((router, None), (AlwaysSLM(), 4)):
-        gens = Engine(slm, llm, tokenizer, policy, verify="strict", max_unverified=interval).generate(prompts, params)
-        rollbacks += sum(g.rollbacks for g in gens)
-        for prompt, out, want in zip(prompts, (g.token_ids for g in gens), llamacpp_alone["llm"]):
+    llm = llamacpp_pair[1]
+    prompts, runs, rollbacks = strict_verification_runs(llamacpp_pair, N_TOKENS)
+    for policy, outs in runs:
+        for prompt, out, want in zip(prompts, outs, llamacpp_alone["llm"]):
             split = next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), None)
             if split is not None:
                 logits, _ = llm.forward_sequence(prompt + want[:split])
-                assert abs((logits[-1, want[split]] - logits[-1, out[split]]).item()) < 0.5, (policy.name, split)
+                assert abs((logits[-1, want[split]] - logits[-1, out[split]]).item()) < 0.5, (policy, split)
     assert rollbacks > 0  # the LLM did correct the SLM
 
 
