@@ -11,14 +11,19 @@
 # decode (0.3.36); a build with AMX compiled out keeps the repacked AVX-512 layouts, which the backend then
 # turns on (backends/llamacpp.py reads what the build compiled in).
 #
-# The multimodal library (mtmd, LLAVA_BUILD) is left out: this project reads text only.
+# The multimodal library (mtmd, LLAVA_BUILD) is left out: this project reads text only. So is llama.cpp's "common"
+# library, which llama-cpp-python builds but never loads (llama-cpp-without-common.cmake says how): together half
+# the build.
 set -eu
 version=$1
 pip=$2
 only=${3:-}
 flags=${R2R_CPU_FLAGS:-$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m)}  # (the variable: for tests)
+without_common="$(cd "$(dirname "$0")" && pwd)/llama-cpp-without-common.cmake"
 export CMAKE_ARGS="-DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}"
-key=$(printf '%s\n%s\n%s\n' "$version" "$flags" "$CMAKE_ARGS" | sha256sum | cut -c1-16)  # a user's own build options too
+# the key: a user's own build options too, and the include file's text rather than its path (a checkout's place)
+key=$(printf '%s\n%s\n%s\n%s\n' "$version" "$flags" "$CMAKE_ARGS" "$(cat "$without_common")" | sha256sum | cut -c1-16)
+export CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_PROJECT_llama.cpp_INCLUDE='$without_common'"
 dir="${XDG_CACHE_HOME:-$HOME/.cache}/r2r/wheels/llama-cpp-python-$version-$key"
 if ! ls "$dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     case "$flags" in

@@ -75,7 +75,8 @@ main.main()
 def test_set_up_builds_llama_cpp_once_per_processor_and_without_amx_where_it_has_amx(tmp_path):
     """scripts/install-llama-cpp.sh with a pip that only records what it was asked: a wheel per processor (never
     one built for another CPU), AMX compiled out on AMX CPUs, the kept wheel installed without a rebuild; `build`
-    only builds (what `make test` runs beside the model downloads), installing nothing; never the multimodal library."""
+    only builds (what `make test` runs beside the model downloads), installing nothing; never the multimodal library
+    nor llama.cpp's common one; a checkout in another folder reuses the kept wheel."""
     log = tmp_path / "pip.log"
     pip = tmp_path / "pip"
     pip.write_text(f"""#!/bin/sh
@@ -88,7 +89,7 @@ fi
     pip.chmod(0o755)
     script = Path(__file__).parents[1] / "scripts/install-llama-cpp.sh"
 
-    def set_up(flags, *only):
+    def set_up(flags, *only, script=script):
         env = {**os.environ, "R2R_CPU_FLAGS": flags, "XDG_CACHE_HOME": str(tmp_path / "cache")}
         subprocess.run(["sh", str(script), "0.3.36", str(pip), *only], env=env, check=True, capture_output=True)
         calls = log.read_text().splitlines() if log.exists() else []
@@ -101,6 +102,14 @@ fi
     assert [c.split()[0] for c in first] == ["wheel", "install", "install"] and "-mno-amx" not in first[0]
     assert "--no-cache-dir" in first[0]  # never a wheel from pip's cache, which keys by version only
     assert "-DLLAVA_BUILD=OFF" in first[0]  # text only: llama-cpp-python's multimodal library is not built
+    include = script.parent / "llama-cpp-without-common.cmake"  # nor llama.cpp's common library, which it never loads
+    assert f"-DCMAKE_PROJECT_llama.cpp_INCLUDE='{include}'" in first[0]
+    assert "set(LLAMA_BUILD_COMMON OFF)" in include.read_text().splitlines()
+    elsewhere = tmp_path / "another checkout/scripts"  # (a space in its path, too)
+    elsewhere.mkdir(parents=True)
+    for file in (script, include):
+        (elsewhere / file.name).write_bytes(file.read_bytes())
+    assert [c.split()[0] for c in set_up(avx512, script=elsewhere / script.name)] == ["install", "install"]
     assert [c.split()[0] for c in set_up(avx512)] == ["install", "install"]  # kept for this processor: no rebuild
     on_amx = set_up(amx)  # another processor: its own build, with AMX compiled out
     assert [c.split()[0] for c in on_amx] == ["wheel", "install", "install"]
