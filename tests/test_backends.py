@@ -92,16 +92,19 @@ def test_llamacpps_embedding_table_is_the_files_as_gguf_py_reads_it(tokenizer, t
         tensor_bytes(slm.path, "no_such.weight")
 
 
-def test_ggmls_dequantization_gives_gguf_pys_values_for_a_q4_k_m_file_and_its_bf16_copy(tokenizer, tmp_path):
-    """The bf16 copy of a GGUF file (what torch and vLLM read) is transformers' reading of it, with gguf-py's numpy
-    dequantization swapped for ggml's own while it reads (`ggml_dequantization`): the same values for every tensor
-    of a Q4_K_M file (k-quants, their fallbacks and float32 norms), so the same copy."""
+def test_ggmls_dequantization_gives_gguf_pys_values_for_a_q4_k_m_file_and_its_bf16_copy(tokenizer, tmp_path,
+                                                                                         monkeypatch):
+    """The bf16 copy of a GGUF file (what torch and vLLM read, `convert_gguf`) is transformers' reading of it, with
+    gguf-py's numpy dequantization swapped for ggml's own while it reads (`ggml_dequantization`): the same values for
+    every tensor of a Q4_K_M file (k-quants, their fallbacks and float32 norms), so the same copy; and the file's
+    header is parsed once, though transformers asks for it twice (config, weights)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     import gguf
     from transformers import AutoModelForCausalLM
 
     from roads_to_rome.backends.llamacpp import ggml_dequantization, gguf_py_dequantize
     from roads_to_rome.bench.shape_models import quantize
+    from roads_to_rome.models.packaged import convert_gguf
 
     # hidden 256: k-quants need rows of 256
     source = make_backend("llamacpp", tiny_model(tokenizer, hidden=256, seed=0), tokenizer, tmp_path, "f32").path
@@ -113,15 +116,25 @@ def test_ggmls_dequantization_gives_gguf_pys_values_for_a_q4_k_m_file_and_its_bf
         kinds.add(tensor.tensor_type.name)
     assert {"Q4_K", "F32"} <= kinds, kinds
 
-    def read():
-        return AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.bfloat16)
-
     own = gguf.dequantize
     with ggml_dequantization():
         assert gguf.dequantize is gguf_py_dequantize
-        fast = read().state_dict()
     assert gguf.dequantize is own
-    slow = read().state_dict()
+    parsed = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, *args):
+            parsed.append(path)
+            super().__init__(path, *args)
+
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    copy = convert_gguf(path, tmp_path / "bf16", {}, tmp_path / "tokenizer")
+    assert len(parsed) == 1, parsed
+    assert gguf.GGUFReader is CountingReader and gguf.dequantize is own  # both put back
+    monkeypatch.undo()
+    fast = AutoModelForCausalLM.from_pretrained(str(copy), dtype=torch.bfloat16).state_dict()
+    slow = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.bfloat16).state_dict()
     assert fast.keys() == slow.keys() and all(torch.equal(fast[k], slow[k]) for k in fast)
 
 

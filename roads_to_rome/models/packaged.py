@@ -8,6 +8,7 @@ first time one asks for it (`bf16_dir`), which then loads in about a second.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -212,6 +213,27 @@ def assemble_gguf(model: PackagedModel, progress=QUIET) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def gguf_files_parsed_once():
+    """While open, gguf-py's reader parses each GGUF file once: transformers makes one reader for a file's config
+    and another for its weights, and each parses the whole header in Python (the 150k-token vocabulary: seconds)."""
+    import gguf
+
+    own, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = own(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = own
+
+
 def convert_gguf(gguf_file: Path, out_dir: Path, source: dict, tokenizer_from: Path | None = None) -> Path:
     """Dequantize a GGUF file to a bf16 safetensors directory (model + tokenizer: the one kept in `tokenizer_from`
     where there is one, else the file's own, which transformers reads through seconds of metadata parsing)."""
@@ -219,9 +241,9 @@ def convert_gguf(gguf_file: Path, out_dir: Path, source: dict, tokenizer_from: P
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = (AutoTokenizer.from_pretrained(str(tokenizer_from)) if tokenizer_from else
-                     AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name))
-        with ggml_dequantization():
+        with gguf_files_parsed_once(), ggml_dequantization():
+            tokenizer = (AutoTokenizer.from_pretrained(str(tokenizer_from)) if tokenizer_from else
+                         AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name))
             model = AutoModelForCausalLM.from_pretrained(
                 str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.bfloat16
             )
