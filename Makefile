@@ -14,22 +14,29 @@ DEMO_QUESTION := Natalia sold clips to 48 of her friends in April, and then she 
 # The package and its llama.cpp backend in .venv.
 setup: $(PACKAGE) $(LLAMA)
 
-# The dependencies, once per pyproject.toml: torch first (the CPU build), then every extra but llama.cpp's.
-$(INSTALLED): pyproject.toml
-	@echo "== set-up: $(VENV), torch and the extras' dependencies"
+# The virtualenv and its pip: all that llama.cpp's build needs, so that it starts at once.
+PIP := $(VENV)/.pip
+$(PIP):
+	@echo "== set-up: $(VENV) and its pip"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	touch $@
+
+# The dependencies, once per pyproject.toml: torch first (the CPU build), then every extra but llama.cpp's.
+$(INSTALLED): pyproject.toml $(PIP)
+	@echo "== set-up: torch and the extras' dependencies into $(VENV)"
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet ".[serve,eval,labels,test]"
 	touch $@
 
 # The llama.cpp backend, built for this processor (minutes, once per processor: scripts/install-llama-cpp.sh keeps
 # the wheel). `llama-build` only builds it, writing nothing into .venv, so that `make test` builds it beside the
-# pair's download; $(LLAMA) installs it. If the build fails, say so and go on: torch still works.
+# dependencies' install and the pair's download, at a lower priority than they (nice): they lead to the steps that
+# take longest, the bf16 copies. $(LLAMA) installs it. If the build fails, say so and go on: torch still works.
 LLAMA_FAILED := echo "warning: llama-cpp-python did not build; --backend llamacpp is unavailable, --backend torch works"
-llama-build: $(INSTALLED)
+llama-build: $(PIP)
 	@echo "== set-up: llama-cpp-python built for this processor (skipped where a build for it is kept)"
-	sh scripts/install-llama-cpp.sh $(LLAMA_CPP_VERSION) $(BIN)/pip build || $(LLAMA_FAILED)
+	nice -n 10 sh scripts/install-llama-cpp.sh $(LLAMA_CPP_VERSION) $(BIN)/pip build || $(LLAMA_FAILED)
 
 $(LLAMA): $(INSTALLED)
 	@echo "== set-up: llama-cpp-python installed into $(VENV)"
