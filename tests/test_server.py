@@ -19,6 +19,7 @@ from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.routing.rate import CATCH_UP_TOKENS
 from roads_to_rome.serving.background import BackgroundServer
 from roads_to_rome.serving.limits import SERVER_SCHEDULING, Limits
+from roads_to_rome.serving.metrics import Metrics
 from roads_to_rome.serving.server import create_app
 
 
@@ -684,17 +685,23 @@ def test_priority_orders_waiting_requests_on_a_server_that_schedules_by_it(serve
         return read(*args, **kwargs)
 
     monkeypatch.setattr(slm, "_read", slow)
+    finished, count_step = [], Metrics.step
+
+    def step(self, event, *args):  # the order the engine finishes requests in (its clients may hear it in another)
+        if event.finished:
+            finished.append(event.sequence.request.priority)
+        return count_step(self, event, *args)
+
+    monkeypatch.setattr(Metrics, "step", step)
     engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0))
     app = create_app(engine, "tiny-r2r", Limits(max_batch=1, max_tokens=480, context_length=512),
                      scheduling=dataclasses.replace(SERVER_SCHEDULING, by_priority=True))
     with BackgroundServer(app) as srv:
-        finished = []
 
         def complete(priority):
             r = httpx.post(srv.url + "/v1/completions", timeout=60,
                            json={"prompt": f"priority {priority}", "max_tokens": 2, "priority": priority})
             assert r.status_code == 200, r.text
-            finished.append(priority)
 
         body = {"prompt": "hold the slot", "max_tokens": 480, "ignore_eos": True, "stream": True, "priority": -10}
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
