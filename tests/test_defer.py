@@ -6,6 +6,7 @@ LLM's distribution, and the LLM is called less often. The grouping rule and the 
 
 import pytest
 import torch
+from conftest import ENGINE_LOGIC_BACKENDS, kind_fixture
 from helpers import assert_stream_shows_only_tokens_that_stay, llm_greedy_reference, make_checkpoint
 from tiny import tiny_model, tiny_tokenizer
 
@@ -17,6 +18,8 @@ from roads_to_rome.core.sampling import SamplingParams, sampling_probs
 from roads_to_rome.errors import R2RError
 from roads_to_rome.hardware import has_native_bf16
 from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
+
+kind = kind_fixture(ENGINE_LOGIC_BACKENDS)  # (conftest.ENGINE_LOGIC_BACKENDS: why not torch-static)
 
 PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain.",
            "Natalia sold clips to 48 of her friends in April."]

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from conftest import ENGINE_LOGIC_BACKENDS, kind_fixture
 from helpers import assert_stream_shows_only_tokens_that_stay, llm_greedy_reference, make_checkpoint
 
 from roads_to_rome.core.engine import Engine
@@ -18,6 +19,8 @@ from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import LLMUnavailable, R2RError
 from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
+
+kind = kind_fixture(ENGINE_LOGIC_BACKENDS)  # (conftest.ENGINE_LOGIC_BACKENDS: why not torch-static)
 
 PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain.",
            "Natalia sold clips to 48 of her friends in April."]

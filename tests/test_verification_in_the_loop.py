@@ -3,6 +3,7 @@ the policy and the catch-up interval; strict under sampling follows the LLM's di
 
 import pytest
 import torch
+from conftest import ENGINE_LOGIC_BACKENDS, kind_fixture
 from helpers import assert_stream_shows_only_tokens_that_stay, llm_greedy_reference, make_checkpoint, run_with_joins
 
 from roads_to_rome.core.engine import Engine
@@ -10,6 +11,8 @@ from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.core.sampling import SamplingParams, apply_penalties, parse_verify, sampling_probs
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy
+
+kind = kind_fixture(ENGINE_LOGIC_BACKENDS)  # (conftest.ENGINE_LOGIC_BACKENDS: why not torch-static)
 
 PROMPTS = ["What is 48 / 2?", "def add(a, b):", "Bonjour! Paris is the capital of which country? Explain."]
 N_TOKENS = 24
