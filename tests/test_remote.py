@@ -50,6 +50,12 @@ def server(request, llm_files):
         yield srv
 
 
+# Grouped calls and the two models at once are the engine's logic on the calls every remote test makes: proved on
+# llama.cpp's server; vLLM's protocol (the calls themselves) keeps its own proofs, strict and tolerance verification
+# among them.
+ON_LLAMA_SERVER_ONLY = pytest.mark.parametrize("server", [ENGINES[0]], indirect=True)
+
+
 def served(server, tokenizer, slm, **kw):
     """The remote backend on the module's server, with its key."""
     return remote(server.url, tokenizer, slm, api_key=KEY, **kw)
@@ -104,6 +110,7 @@ def test_r2r_batches_with_the_remote_llm_match_the_same_model_run_locally(server
     assert {s for _, sources in outs["remote"] for s in sources} == {"slm", "llm"}
 
 
+@ON_LLAMA_SERVER_ONLY
 def test_deferred_routing_through_the_remote_llm_gives_lockstep_routings_tokens(server, slm, tokenizer):
     """Grouped LLM calls (--defer) through a serving engine: every row's tokens are those lockstep routing gives it,
     with and without strict verification (whose output is then the server's own greedy one)."""
@@ -124,6 +131,7 @@ def test_deferred_routing_through_the_remote_llm_gives_lockstep_routings_tokens(
     assert deferred > 0
 
 
+@ON_LLAMA_SERVER_ONLY
 def test_overlap_through_the_remote_llm_gives_the_tokens_of_its_calls_in_the_step(server, slm, tokenizer):
     """The LLM's calls beside the SLM's steps, the LLM on a serving engine: every row's tokens are those the calls
     in the step give it (lockstep and grouped), batched and alone; strict verification is the server's own greedy
