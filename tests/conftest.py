@@ -18,6 +18,17 @@ from tiny import save_gguf, tiny_model, tiny_tokenizer  # noqa: E402
 
 from roads_to_rome.backends.torch_backend import TorchBackend  # noqa: E402
 
+# The modules that keep one test process busy for a minute or more (`make test`'s unit phase, on two cores): run
+# first, so that the small ones fill in at the end and the two processes end together (pytest-xdist's
+# --dist loadfile hands out whole modules in the order they are collected: one of these handed out last keeps its
+# process busy long after the other has finished).
+LONGEST_MODULES = ["test_defer.py", "test_remote.py", "test_labels.py", "test_overlap.py", "test_server_hardening.py"]
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: rank for rank, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # (stable: the rest keep their order)
+
 
 @pytest.fixture(autouse=True)
 def one_intra_op_thread(request):
