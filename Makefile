@@ -146,11 +146,12 @@ demo: models $(LLAMA)
 
 # The renderers go into the package first; ruff checks the tree (its rules are in pyproject.toml); pytest (not
 # `python -m pytest`, which would put the checkout on the import path) then tests the installed wheel.
-# The unit tests run in TEST_WORKERS processes, a module to each at a time (they run torch on one thread, so a
-# second process has a core of its own); then, alone on the machine, the fault tests, which hold a stopped or stalled
-# model server to wall-clock bounds, and the end-to-end tests (every core each).
+# The unit tests run in TEST_WORKERS processes, a module to each at a time, the longest first (tests/conftest.py
+# orders them; they run torch on one thread, so a second process has a core of its own); then, alone on the
+# machine, the fault tests, which hold a stopped or stalled model server to wall-clock bounds, and the end-to-end
+# tests (every core each).
 TEST_WORKERS ?= 2
-PARALLEL_TESTS := -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not timed"
+PARALLEL_TESTS := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not e2e and not timed"
 test: web browser
 	@# What does not depend on each other at once: vLLM's venv, the pair's download and bf16 copies, llama.cpp's build.
 	@$(MAKE) --no-print-directory -j3 --output-sync=target vllm models-bf16 llama-build

@@ -18,11 +18,12 @@ from tiny import save_gguf, tiny_model, tiny_tokenizer  # noqa: E402
 
 from roads_to_rome.backends.torch_backend import TorchBackend  # noqa: E402
 
-# The modules that keep one test process busy for a minute or more (`make test`'s unit phase, on two cores): run
-# first, so that the small ones fill in at the end and the two processes end together (pytest-xdist's
-# --dist loadfile hands out whole modules in the order they are collected: one of these handed out last keeps its
-# process busy long after the other has finished).
-LONGEST_MODULES = ["test_defer.py", "test_remote.py", "test_labels.py", "test_overlap.py", "test_server_hardening.py"]
+# The modules that keep one test process busy longest in `make test`'s unit phase (two processes on two cores),
+# longest first: handed out first (the Makefile turns off pytest-xdist's own order, by number of tests), so that the
+# short ones fill in at the end and the two processes end together.
+LONGEST_MODULES = ["test_defer.py", "test_remote.py", "test_labels.py", "test_overlap.py", "test_server_hardening.py",
+                   "test_verification_in_the_loop.py", "test_evaluate.py", "test_server_network.py", "test_cli.py",
+                   "test_every_request.py", "test_server.py"]
 
 
 def pytest_collection_modifyitems(items):
