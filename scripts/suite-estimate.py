@@ -1,7 +1,9 @@
 """What `make test` from a fresh machine would take on the AVX2-only EPYC (Zen 3, no native bf16), from a run on
-another processor: its set-up x 2.36 and unit phase x 1.94 (docs/results/2026-12-05-suite-fresh-xeon.md: the
-ratios of that machine's runs to an AMX Xeon's), and each of the end-to-end phase's 30 slowest steps by the ratio
-earlier pages measured for it (or for the steps it merged), the rest x 1.94.
+the AMX Xeon (family 6 model 167): its set-up x 2.36 and unit phase x 1.94 (docs/results/2026-12-05-suite-fresh-xeon.md:
+the ratios of that machine's runs to the Xeon's), and each of the end-to-end phase's 30 slowest steps by the ratio
+earlier pages measured for it (or for the steps it merged), the rest x 1.94. The ratios are that Xeon's: a run on
+another processor is scaled instead, phase by phase, against a run of a commit whose estimate is known, on that same
+processor (docs/results/2026-12-06-suite-fresh-zen4.md).
 
 The log is `make test`'s output with each line prefixed by the Unix time it was printed:
 
