@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
-from importlib.metadata import PackageNotFoundError, distribution, distributions
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 
@@ -24,12 +24,10 @@ def site_packages(venv: Path) -> Path:
     return Path(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
 
 
-def link_installed(name: str, target: Path, search: list[str] | None = None) -> int:
-    """Links distribution `name`'s recorded files (found on `search`, default sys.path) into the site-packages
-    folder `target`; returns how many."""
-    found = next(iter(distributions(name=name, path=search)), None) if search else distribution(name)
-    if found is None:
-        raise PackageNotFoundError(name)
+def link_installed(name: str, target: Path) -> int:
+    """Links distribution `name`'s recorded files (as this environment has it) into the site-packages folder
+    `target`; returns how many."""
+    found = distribution(name)
     root = Path(found.locate_file("")).resolve()
     linked = 0
     for record in found.files or []:
