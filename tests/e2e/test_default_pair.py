@@ -131,6 +131,46 @@ def test_always_the_llm_and_strict_verification_write_transformers_greedy_output
     assert rollbacks > 0  # the LLM did correct the SLM
 
 
+def test_an_imported_reference_router_routes_as_its_format_says(torch_pair_float32, tmp_path):
+    """A reference-layout router of the real 0.5B's sizes (random weights from a seed), imported as `r2r router
+    import` does and run by the engine, routes exactly the tokens that the format's forward
+    (tests/test_reference_router.py), computed here on the SLM's own features, marks. On torch in float32, where a
+    prefill's features equal the decode steps' to rounding (llama.cpp's depend on the batch's company,
+    docs/backends.md); the float32 pair is the proof's above (the commands' wiring: tests/test_reference_router.py)."""
+    import torch
+    from helpers import format_forward, reference_checkpoint
+
+    from roads_to_rome.routing.policies import router_policy
+    from roads_to_rome.routing.router import import_reference
+
+    slm, llm, tokenizer = torch_pair_float32
+    embedding = slm.embedding_table().float()
+    checkpoint = reference_checkpoint(slm.hidden_size, embedding.shape[1], dims=(256, 256), seed=3)
+    prompt = Engine(slm, llm, tokenizer).prompts.chat(gsm8k_prompt(gsm8k()[0]))
+
+    def scores(ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The format's score at each position from `start` on, with the token the SLM proposes there (greedy)."""
+        logits, hidden = slm.forward_sequence(ids, start)
+        proposals = logits.float().argmax(-1)
+        return format_forward(checkpoint, hidden.float(), embedding[proposals], logits.float()), proposals
+
+    # A threshold that routes some of the prompt's own positions and not others.
+    checkpoint["common_args"]["threshold"] = float(scores(prompt, 0)[0].quantile(0.7))
+    torch.save(checkpoint, tmp_path / "reference.pt")
+    import_reference(tmp_path / "reference.pt", slm, tmp_path / "router")
+    engine = Engine(slm, llm, tokenizer, router_policy(tmp_path / "router", slm))
+    gen = engine.generate([prompt], SamplingParams(max_new_tokens=48))[0]
+    threshold = checkpoint["common_args"]["threshold"]
+    # Without verification nothing is taken back: position j was decided after prompt + the tokens before it.
+    expected, proposals = scores(prompt + gen.token_ids[:-1], len(prompt) - 1)
+    routed = [source == "llm" for source in gen.sources]
+    assert routed == (expected >= threshold).tolist()
+    assert 0 < sum(routed) < len(routed)
+    assert torch.allclose(torch.tensor(gen.scores), expected, atol=1e-4)
+    # Where the SLM kept its token, it is the proposal the features were computed with.
+    assert all(t == p for t, p, r in zip(gen.token_ids, proposals.tolist(), routed) if not r)
+
+
 @pytest.fixture(scope="module")
 def llamacpp_alone(llamacpp_pair) -> dict[str, list[list[int]]]:
     """Each prompt written alone by one model through the engine on llama.cpp (N_TOKENS greedy tokens), by role:
