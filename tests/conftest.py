@@ -170,11 +170,18 @@ def make_backend(kind: str, model, tokenizer, folder, name: str):
     if kind in ("torch", "torch-static"):  # torch-static: the fixed-capacity cache CUDA uses, here on the CPU
         return TorchBackend(model, name=name, vocab_size=len(tokenizer), static=kind == "torch-static",
                             pad_reads=kind == "torch-static")
-    from roads_to_rome.backends.llamacpp import LlamaCppBackend
-
     path = folder / f"{name}.gguf"
     save_gguf(model, tokenizer, path)
-    return LlamaCppBackend(path, name=name, n_ctx=2048, max_rows=8, vocab_size=len(tokenizer))
+    return tiny_llamacpp(path, name=name, n_ctx=2048, max_rows=8, vocab_size=len(tokenizer))
+
+
+def tiny_llamacpp(path, **options):
+    """A tiny GGUF model on llama.cpp, on one thread, as torch runs the tiny models (`one_intra_op_thread`): the
+    threads of a llama.cpp context meet at a barrier in every operation, and with another test process or model
+    on the other core, each meeting waits out a scheduler slice (five times the time in all)."""
+    from roads_to_rome.backends.llamacpp import LlamaCppBackend
+
+    return LlamaCppBackend(path, n_threads=1, **options)
 
 
 def assert_idle_soon(url: str) -> None:

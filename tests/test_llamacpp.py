@@ -7,6 +7,7 @@ import torch
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (its build failed or was skipped)")
 
+from conftest import tiny_llamacpp  # noqa: E402
 from helpers import PROMPTS, run_with_joins  # noqa: E402
 from tiny import save_gguf  # noqa: E402
 
@@ -25,7 +26,7 @@ def gguf_pair(tokenizer, slm, llm, tmp_path_factory):
     for name, torch_backend in (("slm", slm), ("llm", llm)):
         path = folder / f"{name}.gguf"
         save_gguf(torch_backend.model, tokenizer, path)
-        backends.append(LlamaCppBackend(path, name=f"tiny-{name}", n_ctx=2048, max_rows=8))
+        backends.append(tiny_llamacpp(path, name=f"tiny-{name}", n_ctx=2048, max_rows=8))
     return backends
 
 

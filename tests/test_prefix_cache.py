@@ -7,7 +7,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import HAS_LLAMA, make_backend
+from conftest import HAS_LLAMA, make_backend, tiny_llamacpp
 from tiny import save_gguf
 
 from roads_to_rome.core.engine import Engine
@@ -213,13 +213,11 @@ def test_llamacpp_kept_prompts_hold_spare_sequences_and_give_their_kv_room_to_re
     """On llama.cpp a kept prompt holds one of the context's sequences and its cells: the scheduler keeps as many
     prompts as there are sequences beyond its batch's, and lets kept prompts go when a request needs their room
     rather than make it wait for ever."""
-    from roads_to_rome.backends.llamacpp import LlamaCppBackend
-
     models = []
     for name, model in (("slm", slm.model), ("llm", llm.model)):
         save_gguf(model, tokenizer, tmp_path / f"{name}.gguf")
-        models.append(LlamaCppBackend(tmp_path / f"{name}.gguf", name=name, n_ctx=256, max_rows=8,
-                                      vocab_size=len(tokenizer)))
+        models.append(tiny_llamacpp(tmp_path / f"{name}.gguf", name=name, n_ctx=256, max_rows=8,
+                                    vocab_size=len(tokenizer)))
     engine = Engine(*models, tokenizer, RandomPolicy(0.3, seed=0))
     scheduler = engine.scheduler(6, prefill_chunk=16, prefix_tokens=4096)
     assert [p.max_rows for p in scheduler.prefixes] == [2, 2]

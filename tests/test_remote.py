@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 import torch
-from conftest import HAS_LLAMA, LlamaServer, VllmServer, free_port
+from conftest import HAS_LLAMA, LlamaServer, VllmServer, free_port, tiny_llamacpp
 from helpers import NEEDS_LLAMA_SERVER, REMOTE_PROMPTS, remote
 from tiny import save_gguf, tiny_model, tiny_tokenizer
 
@@ -68,9 +68,7 @@ def same_model_here(server, llm_files, tokenizer):
         return TorchBackend(llm_files["model"], name="local", vocab_size=len(tokenizer))
     if not HAS_LLAMA:
         pytest.skip("compares with llama-cpp-python on the same GGUF")
-    from roads_to_rome.backends.llamacpp import LlamaCppBackend
-
-    return LlamaCppBackend(llm_files["gguf"], name="local", n_ctx=2048, max_rows=8, vocab_size=len(tokenizer))
+    return tiny_llamacpp(llm_files["gguf"], name="local", n_ctx=2048, max_rows=8, vocab_size=len(tokenizer))
 
 
 

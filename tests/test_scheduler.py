@@ -4,7 +4,7 @@ import dataclasses
 import gc
 
 import pytest
-from conftest import HAS_LLAMA
+from conftest import HAS_LLAMA, tiny_llamacpp
 from tiny import save_gguf, tiny_model
 
 from roads_to_rome.core.engine import Engine
@@ -256,10 +256,8 @@ def test_a_failed_step_or_read_gives_its_llamacpp_sequences_back_at_once(tokeniz
     """llama.cpp holds a fixed number of sequences. A request that fails (its LLM call, its prompt's read, its
     joining) gives its rows back then, not when the garbage collector gets to the failure's traceback, which
     keeps the batch and its caches: with the collector off, two requests still find two sequences free."""
-    from roads_to_rome.backends.llamacpp import LlamaCppBackend
-
     save_gguf(tiny_model(tokenizer, hidden=32, seed=0), tokenizer, tmp_path / "slm.gguf")
-    slm = LlamaCppBackend(tmp_path / "slm.gguf", name="tiny-slm", n_ctx=1024, max_rows=2, vocab_size=len(tokenizer))
+    slm = tiny_llamacpp(tmp_path / "slm.gguf", name="tiny-slm", n_ctx=1024, max_rows=2, vocab_size=len(tokenizer))
     engine = Engine(slm, llm, tokenizer, AlwaysLLM(), verify="off")
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     prompts = [engine.prompts.chat(p) for p in PROMPTS[:2]]

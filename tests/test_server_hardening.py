@@ -20,7 +20,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from conftest import assert_idle_soon, make_backend
+from conftest import assert_idle_soon, make_backend, tiny_llamacpp
 from helpers import until
 
 from roads_to_rome.core.engine import Engine
@@ -142,9 +142,7 @@ def gguf_files(slm, llm, tokenizer, tmp_path_factory):
 
 
 def gguf_engine(files, tokenizer, n_ctx, max_rows):
-    from roads_to_rome.backends.llamacpp import LlamaCppBackend
-
-    small, large = (LlamaCppBackend(f, name=f.stem, n_ctx=n_ctx, max_rows=max_rows, vocab_size=len(tokenizer))
+    small, large = (tiny_llamacpp(f, name=f.stem, n_ctx=n_ctx, max_rows=max_rows, vocab_size=len(tokenizer))
                     for f in files)
     return Engine(small, large, tokenizer, RandomPolicy(0.3, seed=0))
 

@@ -5,7 +5,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import HAS_LLAMA
+from conftest import HAS_LLAMA, tiny_llamacpp
 from tiny import save_gguf, tiny_model
 
 from roads_to_rome.backends.torch_backend import TorchBackend
@@ -66,9 +66,7 @@ def test_qwen3_shapes_are_torch_only(run_cli, tmp_path):
 
 @needs_llama
 def test_both_backends_run_the_shape_and_pair_it_with_an_slm(shape_file, slm, tokenizer):
-    from roads_to_rome.backends.llamacpp import LlamaCppBackend
-
-    built = LlamaCppBackend(shape_file, name="tiny", vocab_size=len(tokenizer))
+    built = tiny_llamacpp(shape_file, name="tiny", vocab_size=len(tokenizer))
     torch_llm = TorchBackend(shape_models.torch_shape(TINY, "cpu", torch.float32), name="tiny",
                              vocab_size=len(tokenizer))
     prompt = Engine.alone(slm, tokenizer).prompts.chat("What is 48 / 2?")
