@@ -52,6 +52,10 @@ def during(url: str, send, settle: float = 1.0):
     watch.done.set()
     watch.probe.join(30)
     before = watch.rate(begin - settle, begin)
+    # A bystander that has written all its tokens has no rate left to hold up: its rate while `send` ran is counted
+    # up to its last token where it ended first (on a slow machine it can), and /health throughout.
+    if not watch.stream.is_alive() and watch.times[-1] < end:
+        end = watch.times[-1] + 1e-6
     return before, watch.rate(begin, max(end, begin + 0.25)), max(watch.health_s), result
 
 
