@@ -10,7 +10,9 @@ The log is `make test`'s output with each line prefixed by the Unix time it was 
     XDG_CACHE_HOME=$(mktemp -d) make test 2>&1 | while IFS= read -r l; do echo "$(date +%s) $l"; done > test.log
     python scripts/suite-estimate.py test.log
 
-An estimate, not a measurement: a run on that machine is what settles it.
+An estimate, not a measurement, and a high one: the ratios come from an older run on that machine, and the steps
+that changed on both sides since ran faster there than they say (docs/results/2026-12-06-suite-fresh-avx2.md
+measured `make test` on it). A run on that machine is what settles it.
 """
 
 import re
