@@ -178,7 +178,7 @@ def make_backend(kind: str, model, tokenizer, folder, name: str):
 def tiny_llamacpp(path, **options):
     """A tiny GGUF model on llama.cpp, on one thread, as torch runs the tiny models (`one_intra_op_thread`): the
     threads of a llama.cpp context meet at a barrier in every operation, and with another test process or model
-    on the other core, each meeting waits out a scheduler slice (five times the time in all)."""
+    on the other core, each meeting waits out a scheduler slice."""
     from roads_to_rome.backends.llamacpp import LlamaCppBackend
 
     return LlamaCppBackend(path, n_threads=1, **options)
