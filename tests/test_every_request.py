@@ -3,9 +3,11 @@ error that names them, while the rows beside it go on token for token as they wo
 can see is a 400."""
 
 import asyncio
+import functools
 import json
 import re
 import threading
+import time
 
 import httpx
 import pytest
@@ -16,7 +18,7 @@ from helpers import encode
 
 from roads_to_rome.core.chat_template import encode_messages
 from roads_to_rome.core.engine import Engine
-from roads_to_rome.core.grammar import OutputFormat
+from roads_to_rome.core.grammar import OutputFormat, grammar_tokenizer
 from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import LogitRules, NothingToWrite, SamplingParams, adjust_logits
 from roads_to_rome.errors import R2RError
@@ -157,12 +159,51 @@ def big_schema(kib: int) -> dict:
     return {"type": "object", "properties": properties, "required": list(properties)[:50]}
 
 
+def test_a_schema_past_the_compile_limit_is_a_400_naming_it_and_the_compile_lane_stays_bounded(slm, llm, tokenizer,
+                                                                                                 monkeypatch):
+    def slow_to_build(engine):  # (as a 150k vocabulary is: seconds, past the compile limit)
+        time.sleep(1.0)
+        return grammar_tokenizer(engine.tokenizer, engine.writer.vocab_size, engine.eos_ids)
+
+    built_once = functools.cached_property(slow_to_build)
+    built_once.__set_name__(Engine, "grammar_tokenizer")
+    monkeypatch.setattr(Engine, "grammar_tokenizer", built_once)
+    app = create_app(Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0)), "tiny-r2r",
+                     Limits(max_batch=4, max_tokenizing=1, max_compile_seconds=0.25))
+    big = chat("Fill it in.", response_format={"type": "json_schema",
+                                                "json_schema": {"name": "big", "schema": big_schema(500)}})
+    small = chat("Fill it in.", response_format={"type": "json_schema", "json_schema": {
+        "name": "small", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}})
+    with BackgroundServer(app) as srv:
+        # The first schema's time does not count what every compile needs, built once for the server
+        first = httpx.post(srv.url + CHAT, json=small, timeout=60)
+        assert first.status_code == 200, first.text
+        late = httpx.post(srv.url + CHAT, json=big, timeout=60)
+        assert late.status_code == 400, late.text
+        error = late.json()["error"]
+        assert error["code"] == "format_too_complex" and error["param"] == "response_format.json_schema.schema"
+        assert "--max-compile-seconds" in error["message"]
+        # (the late compile goes on in its lane, seconds for 500 KiB: the lane's one place is taken)
+        busy = httpx.post(srv.url + CHAT, json=big, timeout=60)
+        assert busy.status_code == 429 and busy.json()["error"]["code"] == "compiler_busy", busy.text
+        assert httpx.post(srv.url + CHAT, json=chat(), timeout=60).status_code == 200
+        for _ in range(600):  # once the lane is free, a small schema compiles within the limit
+            answer = httpx.post(srv.url + CHAT, json=small, timeout=60)
+            if answer.status_code != 429:
+                break
+            time.sleep(0.1)
+        assert answer.status_code == 200, answer.text
+        assert_idle_soon(srv.url)
+
+
 @pytest.fixture
 def loaded_server(slm, llm, tokenizer, monkeypatch):
-    """A server whose models each take 5 ms more per forward: a bystander stream that lasts seconds."""
+    """A server whose models each take 5 ms more per forward: a bystander stream that lasts seconds. Its compile
+    limit is past any processor's time for a large schema while the bystander shares the cores (the tests here ask
+    whether a compile holds anyone up, not how long it takes; the limit's own refusal is tested below)."""
     slowed((slm, llm), monkeypatch)
     app = create_app(Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0)), "tiny-r2r",
-                     Limits(max_batch=8, max_queue=32, max_tokens=480))
+                     Limits(max_batch=8, max_queue=32, max_tokens=480, max_compile_seconds=100))
     with BackgroundServer(app) as srv:
         yield srv.url
 

@@ -42,6 +42,7 @@ from roads_to_rome.cli.options import (
     MaxBatch,
     MaxBodyBytes,
     MaxBodySeconds,
+    MaxCompileSeconds,
     MaxConnections,
     MaxHeadSeconds,
     MaxNewTokens,
@@ -241,8 +242,8 @@ def serve(
     prefix_cache_tokens: PrefixCacheTokens = 16384, enable_prefix_caching: EnablePrefixCaching = True,
     scheduling_policy: SchedulingPolicyOpt = "fcfs",
     max_stop_strings: MaxStopStrings = 4, max_stop_chars: MaxStopChars = 256, max_tokenizing: MaxTokenizing = 4,
-    max_body_bytes: MaxBodyBytes = 1 << 20, max_head_seconds: MaxHeadSeconds = 10.0,
-    max_body_seconds: MaxBodySeconds = 30.0,
+    max_compile_seconds: MaxCompileSeconds = 10.0, max_body_bytes: MaxBodyBytes = 1 << 20,
+    max_head_seconds: MaxHeadSeconds = 10.0, max_body_seconds: MaxBodySeconds = 30.0,
     max_connections: MaxConnections = 256, max_request_seconds: MaxRequestSeconds = 600.0,
     responses_store_mib: ResponsesStoreMib = 64,
     api_key: ApiKey = None, allow_unauthenticated: AllowUnauthenticated = False, drain_timeout: DrainTimeout = 30.0,
@@ -272,7 +273,8 @@ def serve(
                             by_priority=SchedulingPolicy(scheduling_policy) == SchedulingPolicy.priority)
     limits = Limits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, max_body_bytes=max_body_bytes,
                     max_stop_strings=max_stop_strings, max_stop_chars=max_stop_chars,
-                    max_tokenizing=max_tokenizing, max_head_seconds=max_head_seconds, max_body_seconds=max_body_seconds,
+                    max_tokenizing=max_tokenizing, max_compile_seconds=max_compile_seconds,
+                    max_head_seconds=max_head_seconds, max_body_seconds=max_body_seconds,
                     max_connections=max_connections, max_request_seconds=max_request_seconds,
                     drain_timeout=drain_timeout, responses_store_bytes=responses_store_mib << 20)
     app = server.create_app(engine, model_name, limits, api_key=api_key, loopback_only=is_loopback(host),

@@ -232,6 +232,10 @@ MaxStopChars = Annotated[int, typer.Option("--max-stop-chars", min=1, help="The 
 MaxTokenizing = Annotated[int, typer.Option("--max-tokenizing", min=1, help="Long prompts (over 16k characters) "
                                             "tokenized or waiting to be at once (then 429); short ones have a lane "
                                             "of their own.")]
+MaxCompileSeconds = Annotated[float, typer.Option("--max-compile-seconds", min=0.1, help="Seconds a request's "
+                                                  "structured output (a JSON schema, grammar, regex) may take to "
+                                                  "compile, off the event loop and one at a time (then 400 naming "
+                                                  "the field).")]
 MaxBodyBytes = Annotated[int, typer.Option("--max-body-bytes", min=1, help="A request body's size limit (then 413).")]
 MaxBodySeconds = Annotated[float, typer.Option("--max-body-seconds", min=0.1, help="Seconds a request body may take "
                                                "to arrive (then 408: a trickling client is cut off).")]

@@ -11,6 +11,7 @@ import ipaddress
 import multiprocessing
 import time
 import urllib.parse
+from collections.abc import Callable
 
 from fastapi.responses import JSONResponse, Response
 
@@ -183,11 +184,14 @@ class Compiling:
     """Structured outputs are compiled off the event loop, in a lane of their own (a large schema takes seconds, and
     must hold up neither streams nor prompts being tokenized), once per request, each within `seconds` (then a 400
     naming the field; the compile goes on in its lane, bounded by llguidance's own limits, and at most `limit`
-    compiles wait or run at once: 429 beyond)."""
+    compiles wait or run at once: 429 beyond). `prepare()` runs in the lane once, before the first compile, and
+    counts against no request's time: what every compile needs (the tokenizer as the compiler reads it, seconds for
+    a 150k vocabulary), which would otherwise make the first request's schema late."""
 
-    def __init__(self, seconds: float, limit: int):
+    def __init__(self, seconds: float, limit: int, prepare: Callable[[], object] = lambda: None):
         self.seconds, self.limit, self.in_lane = seconds, limit, 0
         self.lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-compile")
+        self.prepare, self.prepared = prepare, None
 
     async def __call__(self, field: str, what: str, compile_, *args):
         """`compile_(*args)` in the lane; its errors as 400s naming `field`, after `what` (what the field holds)."""
@@ -195,13 +199,23 @@ class Compiling:
             raise APIError(429, f"the server is compiling {self.in_lane} structured outputs, its limit "
                                 "(--max-tokenizing); retry later", code="compiler_busy", kind="rate_limit_error")
         self.in_lane += 1
-        future = asyncio.get_running_loop().run_in_executor(self.lane, compile_, *args)
+        loop = asyncio.get_running_loop()
+        try:
+            if self.prepared is None:
+                self.prepared = loop.run_in_executor(self.lane, self.prepare)
+            await asyncio.shield(self.prepared)
+            future = loop.run_in_executor(self.lane, compile_, *args)
+        except BaseException as e:
+            self.in_lane -= 1
+            if isinstance(e, R2RError):
+                raise APIError(400, f"{what}: {e}", param=field) from None
+            raise
         future.add_done_callback(self._left)
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.seconds)
         except asyncio.TimeoutError:
             raise APIError(400, f"{what}: the structured output was not compiled within {self.seconds:g} s, this "
-                                "server's limit: make it smaller or simpler", param=field,
+                                "server's limit (--max-compile-seconds): make it smaller or simpler", param=field,
                            code="format_too_complex") from None
         except R2RError as e:
             raise APIError(400, f"{what}: {e}", param=field) from None

@@ -30,7 +30,8 @@ class Limits:
     # may offer (OpenAI's limit).
     max_token_ids: int = 16384
     max_tools: int = 128
-    # A structured output is compiled off the event loop, one at a time; past this it is a 400 naming the field.
+    # A structured output is compiled off the event loop, one at a time; past this it is a 400 naming the field (a
+    # 500 KiB schema takes seconds on a server's busy cores).
     max_compile_seconds: float = 10.0
     # A prompt whose log-probabilities are asked for is read whole as it is admitted, holding up the other streams
     # for as long: at most this many tokens (its logits are looked at in chunks, so memory is not what bounds it).

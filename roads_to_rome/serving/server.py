@@ -71,7 +71,8 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     limits.context_length = min(limits.context_length, engine.max_context, engine.kv_capacity or engine.max_context)
     reasoning = parser_for(resolve_parser(reasoning_parser, engine.tokenizer))
     state = ServerState(engine, model_name, limits, EngineThread(engine, limits, scheduling),
-                        Tokenizing(limits.max_tokenizing), Compiling(limits.max_compile_seconds, limits.max_tokenizing),
+                        Tokenizing(limits.max_tokenizing), Compiling(limits.max_compile_seconds, limits.max_tokenizing,
+                                  lambda: engine.grammar_tokenizer),
                         reasoning,
                         resolve_tool_parser(tool_call_parser, engine.tokenizer),
                         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-probe"),
