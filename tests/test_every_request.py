@@ -196,6 +196,26 @@ def test_a_schema_past_the_compile_limit_is_a_400_naming_it_and_the_compile_lane
         assert_idle_soon(srv.url)
 
 
+def test_a_tokenizer_structured_outputs_cannot_read_is_a_400_each_time_and_holds_no_place_in_the_lane(
+        slm, llm, tokenizer, monkeypatch):
+    def unreadable(engine):
+        raise R2RError("structured outputs need a fast (Rust) tokenizer; this one is SlowTokenizer")
+
+    built_once = functools.cached_property(unreadable)
+    built_once.__set_name__(Engine, "grammar_tokenizer")
+    monkeypatch.setattr(Engine, "grammar_tokenizer", built_once)
+    app = create_app(Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0)), "tiny-r2r",
+                     Limits(max_batch=4, max_tokenizing=1))
+    structured = chat(response_format={"type": "json_object"})
+    with BackgroundServer(app) as srv:
+        for _ in range(3):  # (with one place in the lane, a place kept by a failure would make the next a 429)
+            refused = httpx.post(srv.url + CHAT, json=structured, timeout=60)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "response_format" and "fast (Rust)" in refused.text
+        assert httpx.post(srv.url + CHAT, json=chat(), timeout=60).status_code == 200
+        assert_idle_soon(srv.url)
+
+
 @pytest.fixture
 def loaded_server(slm, llm, tokenizer, monkeypatch):
     """A server whose models each take 5 ms more per forward: a bystander stream that lasts seconds. Its compile
