@@ -159,15 +159,20 @@ def big_schema(kib: int) -> dict:
     return {"type": "object", "properties": properties, "required": list(properties)[:50]}
 
 
+def grammar_tokenizer_built_by(build, monkeypatch) -> None:
+    """Engines build the tokenizer as structured outputs read it with `build(engine)`, once each, as they do."""
+    built_once = functools.cached_property(build)
+    built_once.__set_name__(Engine, "grammar_tokenizer")
+    monkeypatch.setattr(Engine, "grammar_tokenizer", built_once)
+
+
 def test_a_schema_past_the_compile_limit_is_a_400_naming_it_and_the_compile_lane_stays_bounded(slm, llm, tokenizer,
                                                                                                  monkeypatch):
     def slow_to_build(engine):  # (as a 150k vocabulary is: seconds, past the compile limit)
         time.sleep(1.0)
         return grammar_tokenizer(engine.tokenizer, engine.writer.vocab_size, engine.eos_ids)
 
-    built_once = functools.cached_property(slow_to_build)
-    built_once.__set_name__(Engine, "grammar_tokenizer")
-    monkeypatch.setattr(Engine, "grammar_tokenizer", built_once)
+    grammar_tokenizer_built_by(slow_to_build, monkeypatch)
     app = create_app(Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0)), "tiny-r2r",
                      Limits(max_batch=4, max_tokenizing=1, max_compile_seconds=0.25))
     big = chat("Fill it in.", response_format={"type": "json_schema",
@@ -201,9 +206,7 @@ def test_a_tokenizer_structured_outputs_cannot_read_is_a_400_each_time_and_holds
     def unreadable(engine):
         raise R2RError("structured outputs need a fast (Rust) tokenizer; this one is SlowTokenizer")
 
-    built_once = functools.cached_property(unreadable)
-    built_once.__set_name__(Engine, "grammar_tokenizer")
-    monkeypatch.setattr(Engine, "grammar_tokenizer", built_once)
+    grammar_tokenizer_built_by(unreadable, monkeypatch)
     app = create_app(Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0)), "tiny-r2r",
                      Limits(max_batch=4, max_tokenizing=1))
     structured = chat(response_format={"type": "json_object"})

@@ -199,19 +199,13 @@ class Compiling:
             raise APIError(429, f"the server is compiling {self.in_lane} structured outputs, its limit "
                                 "(--max-tokenizing); retry later", code="compiler_busy", kind="rate_limit_error")
         self.in_lane += 1
-        loop = asyncio.get_running_loop()
+        loop, future = asyncio.get_running_loop(), None
         try:
             if self.prepared is None:
                 self.prepared = loop.run_in_executor(self.lane, self.prepare)
-            await asyncio.shield(self.prepared)
+            await asyncio.shield(self.prepared)  # (outside the limit)
             future = loop.run_in_executor(self.lane, compile_, *args)
-        except BaseException as e:
-            self.in_lane -= 1
-            if isinstance(e, R2RError):
-                raise APIError(400, f"{what}: {e}", param=field) from None
-            raise
-        future.add_done_callback(self._left)
-        try:
+            future.add_done_callback(self._left)  # (its place is kept until it ends, late or not)
             return await asyncio.wait_for(asyncio.shield(future), self.seconds)
         except asyncio.TimeoutError:
             raise APIError(400, f"{what}: the structured output was not compiled within {self.seconds:g} s, this "
@@ -219,6 +213,9 @@ class Compiling:
                            code="format_too_complex") from None
         except R2RError as e:
             raise APIError(400, f"{what}: {e}", param=field) from None
+        finally:
+            if future is None:  # (the preparation failed, or the client left while it ran)
+                self.in_lane -= 1
 
     def _left(self, _) -> None:
         self.in_lane -= 1
