@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 import torch
-from bystander import during, slowed
+from bystander import Stream, during, slowed
 from conftest import assert_idle_soon
 from helpers import encode
 
@@ -100,28 +100,6 @@ def kind_server(kind_pair, tokenizer):
 
 def chat(content="What is 48 / 2?", **kw):
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0, **kw}
-
-
-class Stream:
-    """A greedy stream in a thread: its text, and the finish_reason of its last chunk."""
-
-    def __init__(self, url, payload):
-        self.text, self.finish_reason, self.error = "", None, None
-        self.thread = threading.Thread(target=self._run, args=(url, payload), daemon=True)
-        self.thread.start()
-
-    def _run(self, url, payload):
-        with httpx.stream("POST", url + CHAT, json={**payload, "stream": True}, timeout=120) as response:
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    self.error = event["error"]
-                    continue
-                for choice in event["choices"]:
-                    self.text += choice["delta"].get("content") or ""
-                    self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
 
 def test_beside_two_streams_each_bad_request_gets_its_own_answer(kind, kind_server, tokenizer):

@@ -20,6 +20,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from bystander import Stream
 from conftest import assert_idle_soon, make_backend, tiny_llamacpp
 from helpers import until
 
@@ -61,38 +62,6 @@ def answer(url, content="What is 48 / 2?", r2r_policy="llm", **kw):
     response = post(url, body(content, r2r_policy=r2r_policy, **kw))
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["message"]["content"]
-
-
-class Stream:
-    """A streaming request in a thread: its text and the arrival time of each token chunk."""
-
-    def __init__(self, url, payload):
-        self.text, self.times, self.error, self.done = "", [], None, threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(url, payload), daemon=True)
-        self.thread.start()
-
-    def _run(self, url, payload):
-        try:
-            with httpx.stream("POST", url + CHAT, json={**payload, "stream": True}, timeout=120) as response:
-                if response.status_code != 200:
-                    self.error = json.loads(response.read())["error"]
-                for line in response.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        self.error = event["error"]
-                    elif event.get("r2r"):
-                        self.times.append(time.monotonic())
-                        self.text += event["choices"][0]["delta"].get("content") or ""
-        except httpx.TransportError as e:  # the server went away mid-stream
-            self.error = {"message": f"connection lost: {e}"}
-        finally:
-            self.done.set()
-
-    def wait(self, timeout=120):
-        assert self.done.wait(timeout)
-        return self
 
 
 LONG_RUNNING = "Bonjour!"  # the tiny SLM answers it with no EOS for 450 tokens
