@@ -7,7 +7,7 @@ from helpers import make_checkpoint
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import R2RError
-from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy, RandomPolicy, entropy
+from roads_to_rome.routing.policies import AlwaysLLM, AlwaysSLM, EntropyPolicy, NeuralPolicy, RandomPolicy, entropy
 from roads_to_rome.routing.router import Router, RouterConfig, load_router, save_router, slm_identity
 
 
@@ -31,6 +31,30 @@ def test_random_policy_hits_its_rate():
         RandomPolicy(1.5)
 
 
+
+
+def test_each_policy_takes_thresholds_in_its_own_range_and_the_engine_checks_a_requests(slm, llm, tokenizer):
+    from roads_to_rome.core.request import Request
+
+    router = NeuralPolicy(make_checkpoint(slm), slm.embed)
+    ranges = [(router, [0.0, 0.5, 1.0], [-0.1, 1.5, float("nan")]),
+              (EntropyPolicy(1.0), [0.0, 3.0, 1e9], [-1.0, float("inf"), float("nan")]),
+              (RandomPolicy(0.2), [0.0, 1.0], [-0.5, 2.0, float("nan")]),
+              (AlwaysSLM(), [], [0.5]), (AlwaysLLM(), [], [0.5])]
+    prompt = tokenizer.encode("hi")
+    for policy, taken, refused in ranges:
+        engine = Engine(slm, llm, tokenizer, policy)
+        for value in taken:
+            assert policy.check_threshold(value) == value
+            engine.sequence(Request(prompt, threshold=value))
+        for value in refused:
+            with pytest.raises(R2RError, match="threshold"):
+                policy.check_threshold(value)
+            with pytest.raises(R2RError, match="threshold"):
+                engine.sequence(Request(prompt, threshold=value))
+            engine.sequence(Request(prompt, threshold=value, force="slm"))  # a forced row reads no threshold
+    with pytest.raises(R2RError, match="LLM rate"):  # and so is a rate they cannot aim at
+        Engine(slm, llm, tokenizer, AlwaysLLM()).sequence(Request(prompt, target_rate=0.2))
 
 
 def test_router_save_load_round_trips_bit_exactly(slm, tmp_path):

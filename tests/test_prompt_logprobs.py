@@ -68,7 +68,7 @@ def test_each_prompt_token_is_scored_by_the_model_its_position_is_routed_to(kind
     assert 0 < expected.count("llm") < len(expected)
     # A request's own threshold, and a target rate read position by position
     assert set(scored(engine, ids, threshold=1e9)[1]) == {"slm"}
-    assert set(scored(engine, ids, threshold=-1.0)[1]) == {"llm"}
+    assert set(scored(engine, ids, threshold=0.0)[1]) == {"llm"}
     assert set(scored(engine, ids, target_rate=0.5)[1]) <= {"slm", "llm"}
 
 

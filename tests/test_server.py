@@ -201,6 +201,8 @@ BAD_REQUESTS = [
      400),
     ("bad routing knob", json.dumps({"messages": [{"role": "user", "content": "hi"}], "r2r_llm_rate": 2}).encode(),
      400),
+    ("threshold outside the policy's range", json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                                         "r2r_threshold": 2}).encode(), 400),
     ("bad verify", json.dumps({"messages": [{"role": "user", "content": "hi"}], "r2r_verify": "always"}).encode(), 400),
     ("negative tolerance", json.dumps({"messages": [{"role": "user", "content": "hi"}], "r2r_verify": -1}).encode(),
      400),

@@ -292,6 +292,18 @@ def test_a_prompt_of_token_ids_beyond_the_vocabulary_is_a_400(server, prompt):
     assert response.status_code == 400 and "the prompt holds token 100000" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("prompt, param, said", [([1, 2, -5], "prompt.2", "greater than or equal to 0"),
+                                                  ([[1, -2]], "prompt.0.1", "greater than or equal to 0"),
+                                                  ([], "prompt", "at least 1 item"),
+                                                  ([[]], "prompt.0", "at least 1 item"),
+                                                  ([1.5], "prompt.0", "fractional part")])
+def test_a_bad_prompt_is_refused_for_what_it_meant_to_be_not_the_unions_first_shape(server, prompt, param, said):
+    """A prompt is text, texts, token ids or lists of them: the error is of the shape it nearly is."""
+    response = httpx.post(server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and said in error["message"], response.text
+
+
 @pytest.mark.parametrize("field,value", [("logit_bias", {"100000": 1}), ("stop_token_ids", [100000]),
                                          ("allowed_token_ids", [3, 100000])])
 def test_token_ids_beyond_the_vocabulary_are_400s_naming_the_field(server, field, value):

@@ -115,6 +115,9 @@ class RouterAtShare(policies.RoutingPolicy):
         self.router, self.draws, self.proposals = router, policies.RandomPolicy(share, seed), proposals
         self.threshold, self.num_params = share, router.num_params
 
+    def check_threshold(self, value: float) -> float:
+        return self.draws.check_threshold(value)
+
     def route(self, logits, hidden, tokens, thresholds=None):
         self.router.route(logits, hidden, tokens)
         if self.proposals is not None:

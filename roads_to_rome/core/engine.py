@@ -94,6 +94,11 @@ class Engine:
             raise R2RError(f"the {self.policy.name!r} policy routes to an LLM, but no LLM is loaded")
         if self.slm is None and request.force == "slm":
             raise R2RError("this request asks for the SLM, but no SLM is loaded")
+        if request.force is None and request.threshold is not None:
+            self.policy.check_threshold(request.threshold)
+        if request.force is None and request.target_rate is not None and self.policy.threshold is None:
+            raise R2RError(f"this request aims at an LLM rate, but the {self.policy.name!r} policy sends every token "
+                           "to one model: leave the rate out, or route with router, entropy or random")
         params = request.params
         if params.reshapes and request.force != "slm" and self.llm is not None and not self.llm.full_logits:
             raise R2RError(f"penalties, a logit bias, allowed tokens and structured outputs change the LLM's whole "

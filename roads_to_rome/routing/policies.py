@@ -15,6 +15,7 @@ entropy.
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import torch
@@ -34,6 +35,12 @@ class RoutingPolicy:
 
     def route(self, logits, hidden, tokens, thresholds=None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def check_threshold(self, value: float) -> float:
+        """`value`, if it can be this policy's threshold (the one it is built with, or one request's); else an error
+        that says what can. A policy without a dial takes none from a request, which would think it routed by it."""
+        raise R2RError(f"the {self.name!r} policy sends every token to one model and has no threshold: leave the "
+                       "threshold out, or route with router, entropy or random")
 
 
 class AlwaysSLM(RoutingPolicy):
@@ -60,15 +67,18 @@ class RandomPolicy(RoutingPolicy):
     threshold_is_rate = True
 
     def __init__(self, rate: float, seed: int | None = None):
-        if not 0.0 <= rate <= 1.0:
-            raise R2RError(f"random routing rate must be in [0, 1], got {rate}")
-        self.rate = rate
+        self.rate = self.check_threshold(rate)
         self.generator = torch.Generator().manual_seed(0 if seed is None else seed)
 
     @property
     def threshold(self) -> float:
         """The contract's dial, which here is the rate: a token is routed when its draw falls below it."""
         return self.rate
+
+    def check_threshold(self, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise R2RError(f"random routing's threshold is its LLM rate and must be in [0, 1], got {value}")
+        return value
 
     def route(self, logits, hidden, tokens, thresholds=None):
         draws = torch.rand(tokens.shape[0], generator=self.generator).to(tokens.device)
@@ -87,9 +97,12 @@ class EntropyPolicy(RoutingPolicy):
     name = "entropy"
 
     def __init__(self, threshold: float):
-        if threshold < 0:
-            raise R2RError(f"entropy threshold is in nats and must be >= 0, got {threshold}")
-        self.threshold = threshold
+        self.threshold = self.check_threshold(threshold)
+
+    def check_threshold(self, value: float) -> float:
+        if not (math.isfinite(value) and value >= 0):
+            raise R2RError(f"entropy threshold is in nats and must be a finite number >= 0, got {value}")
+        return value
 
     def route(self, logits, hidden, tokens, thresholds=None):
         scores = entropy(logits)
@@ -108,9 +121,7 @@ class NeuralPolicy(RoutingPolicy):
                  graphs: bool | None = None):
         self.router = checkpoint.router.to(device).eval()
         self.embed = embed  # the SLM's own frozen token-embedding lookup
-        self.threshold = checkpoint.threshold if threshold is None else threshold
-        if not 0.0 <= self.threshold <= 1.0:
-            raise R2RError(f"router threshold is a probability and must be in [0, 1], got {self.threshold}")
+        self.threshold = self.check_threshold(checkpoint.threshold if threshold is None else threshold)
         self.num_params = sum(p.numel() for p in self.router.parameters())
         self.graphs = torch.device(device).type == "cuda" if graphs is None else graphs
         self.captured: dict[tuple, tuple] = {}  # input shapes and dtypes -> (graph, input buffers, scores buffer)
@@ -121,6 +132,11 @@ class NeuralPolicy(RoutingPolicy):
         demand: generating and serving never ask)."""
         weights = b"".join(t.detach().cpu().float().numpy().tobytes() for t in self.router.state_dict().values())
         return {"weights_sha256": hashlib.sha256(weights).hexdigest()[:16], "threshold": self.threshold}
+
+    def check_threshold(self, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise R2RError(f"router threshold is a probability and must be in [0, 1], got {value}")
+        return value
 
     @torch.inference_mode()
     def route(self, logits, hidden, tokens, thresholds=None):

@@ -4,6 +4,7 @@ Anthropic's (`shaped`); a body that fails validation; a request refused while th
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -67,9 +68,18 @@ def type_label(part) -> bool:
 async def validation_error(http: HTTPRequest, e: RequestValidationError) -> JSONResponse:
     """FastAPI's body validation, as an OpenAI-style 400 naming the bad field: of a value that matches no member of
     a union (text or a list of parts, say), the failure that went deepest into it, which is the one the client
-    meant."""
+    meant; where several went as deep, the one of the member with the fewest failures (token ids with one negative
+    id are a list of ids with one bad id, not a list of texts with no text in it), and then a bad value (too short,
+    out of range) before a value of the wrong type."""
     errors = e.errors()
-    first = max(errors, key=lambda error: sum(not type_label(x) for x in error["loc"]))
+
+    def member(error) -> tuple:  # the union member a failure is of: its location up to the first type tried
+        loc = error["loc"]
+        return loc[:next((i + 1 for i, part in enumerate(loc) if type_label(part)), len(loc))]
+
+    failures = Counter(member(error) for error in errors)
+    first = max(errors, key=lambda error: (sum(not type_label(x) for x in error["loc"]), -failures[member(error)],
+                                           not error["type"].endswith("_type")))
     loc = [str(x) for x in first["loc"] if x != "body" and not type_label(x)]
     param = ".".join(loc) if loc and first["type"] != "json_invalid" else None
     if first["type"] == "json_invalid":
