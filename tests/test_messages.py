@@ -205,6 +205,10 @@ def test_an_output_format_holds_the_text_to_a_schema(srv, slm, llm, tokenizer):
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0"),
     ({"mcp_servers": [{"type": "url", "url": "http://x"}]}, "MCP"),
     ({"tool_choice": {"type": "any"}}, "no tools"),
+    ({"stop_sequences": ["."] * 50}, "stop_sequences holds 50 strings"),  # the request's names, not the chat's
+    ({"output_format": {"type": "json_schema", "schema": {"type": "bogus"}}}, "output_format.schema: "),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "bogus"}}}},
+     "output_config.format.schema: "),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
      "assistant's"),
 ])

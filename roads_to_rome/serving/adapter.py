@@ -81,7 +81,7 @@ def truncated(body: CommonBody, prompt_ids: list[int], limits: Limits) -> list[i
 
 def stop_strings(body: CommonBody, limits: Limits) -> tuple[str, ...]:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    capped_strings(stop, "stop", ("strings", "stop string"), limits.max_stop_strings, limits.max_stop_chars)
+    capped_strings(stop, body.named("stop"), ("strings", "stop string"), limits.max_stop_strings, limits.max_stop_chars)
     return tuple(stop)
 
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from roads_to_rome.serving.chat_schemas import ChatBody
 from roads_to_rome.serving.errors import APIError
-from roads_to_rome.serving.schemas import Number, Text
+from roads_to_rome.serving.schemas import Number, Text, renamed
 
 
 class TextBlock(BaseModel):
@@ -178,11 +178,21 @@ class MessagesBody(BaseModel):
         if self.thinking is not None and self.thinking.type in ("enabled", "disabled"):
             chat["chat_template_kwargs"] = {**(extra.get("chat_template_kwargs") or {}),
                                             "enable_thinking": self.thinking.type == "enabled"}
+        names = self.names()
         try:
-            return ChatBody.model_validate(chat)
+            return ChatBody.model_validate(chat).in_api(names)
         except ValidationError as e:
-            raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in e.errors()]) \
-                from None
+            raise RequestValidationError([{**error, "loc": ("body", *renamed(".".join(map(str, error["loc"])),
+                                                                             names).split("."))}
+                                          for error in e.errors()]) from None
+
+    def names(self) -> dict[str, tuple[str, bool]]:
+        """Chat fields as this request named them (`CommonBody.in_api`): its stop sequences, the format it gave
+        (`output_format` or vLLM's `output_config.format`), and its messages, whose indices are not the chat's (a
+        system prompt and tool results are messages of their own there)."""
+        given = "output_format" if self.output_format is not None else "output_config.format"
+        return {"stop": ("stop_sequences", True), "response_format.json_schema.schema": (f"{given}.schema", True),
+                "response_format": (given, False), "messages": ("messages", False)}
 
 
 class CountTokensBody(MessagesBody):
