@@ -202,7 +202,9 @@ def test_an_output_format_holds_the_text_to_a_schema(srv, slm, llm, tokenizer):
     ({"max_tokens": 5000}, "max_tokens is at most 64"),
     ({"model": "nope"}, "does not exist"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages.0.content.0: a content block here is text, tool_use, tool_result or thinking: this server reads no "
+     "images"),
     ({"mcp_servers": [{"type": "url", "url": "http://x"}]}, "MCP"),
     ({"tool_choice": {"type": "any"}}, "no tools"),
     ({"stop_sequences": ["."] * 50}, "stop_sequences holds 50 strings"),  # the request's names, not the chat's

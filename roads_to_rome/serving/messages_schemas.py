@@ -58,7 +58,9 @@ def block_kind(block: Any) -> str | None:
 # Images and documents are refused by their type: this server reads text.
 Block = Annotated[Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
                   | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")],
-                  Discriminator(block_kind)]
+                  Discriminator(block_kind, custom_error_type="block_type",
+                                custom_error_message="a content block here is text, tool_use, tool_result or thinking: "
+                                                     "this server reads no images or documents")]
 
 
 class Message(BaseModel):
