@@ -208,6 +208,9 @@ BAD_REQUESTS = [
      400),
     ("bad verify interval", json.dumps({"messages": [{"role": "user", "content": "hi"}], "r2r_verify": "strict",
                                         "r2r_max_unverified": 0}).encode(), 400),
+    ("a verify interval with verification off", json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                                            "r2r_verify": "off", "r2r_max_unverified": 3}).encode(),
+     400),
 ]
 
 

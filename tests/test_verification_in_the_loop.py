@@ -154,6 +154,27 @@ def test_bad_intervals_and_a_missing_llm_are_refused(slm, llm, tokenizer):
     assert not parse_verify("off").on and parse_verify(parse_verify("1")) == parse_verify(1.0)
 
 
+def test_a_bound_on_unverified_tokens_where_nothing_is_verified_is_refused_not_ignored(slm, llm, tokenizer):
+    from pathlib import Path
+
+    from roads_to_rome import EngineConfig, load_engine
+    from roads_to_rome.core.request import Request
+    from roads_to_rome.eval.evaluate import EvalConfig
+
+    for make in (lambda: load_engine(EngineConfig(verify="off", max_unverified=4)),
+                 lambda: load_engine(EngineConfig(policy="slm", max_unverified=4)),  # one model: unverified
+                 lambda: EvalConfig("gsm8k", ("r2r",), Path("runs"), max_unverified=4)):
+        with pytest.raises(R2RError, match="nothing is checked"):  # before any model loads
+            make()
+    EvalConfig("gsm8k", ("r2r",), Path("runs"), verify=("off", "strict"), max_unverified=4)  # the verified ones
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.3, seed=0), verify=1.0)
+    with pytest.raises(R2RError, match="this request is not verified"):
+        engine.sequence(Request([1, 2], verify=parse_verify("off"), max_unverified=3))
+    with pytest.raises(R2RError, match="this request is not verified"):  # forced onto one model: unverified
+        engine.sequence(Request([1, 2], force="slm", max_unverified=3))
+    assert engine.sequence(Request([1, 2], max_unverified=3)).max_unverified == 3
+
+
 PENALTIES = {"presence_penalty": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.4}
 
 

@@ -127,6 +127,9 @@ class Engine:
         verify = request.verify if request.verify is not None else default_verify(request.force is None, self.verify)
         if verify.on:
             self._check_verifiable(verify, request.params)
+        elif request.max_unverified is not None:
+            raise R2RError("max_unverified bounds the tokens written ahead of the LLM's check, and this request is "
+                           "not verified: verify it (strict or a tolerance) or leave max_unverified out")
         max_unverified = self.max_unverified if request.max_unverified is None else request.max_unverified
         seed = request.params.seed
         generator = None if seed is None else torch.Generator(self.writer.device).manual_seed(seed)

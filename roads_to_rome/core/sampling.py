@@ -214,9 +214,15 @@ def parse_verify(value) -> Verify:
     return Verify(tolerance=tolerance)
 
 
-def check_max_unverified(n: int | None) -> int | None:
+def check_max_unverified(n: int | None, verified: bool = True) -> int | None:
+    """`n` if it can bound the tokens written ahead of the LLM's check, where `verified` says whether anything is
+    checked (with nothing checked, a bound would be silently ignored)."""
     if n is not None and n < 1:
         raise R2RError(f"max unverified tokens must be at least 1 (or no limit), got {n}")
+    if n is not None and not verified:
+        raise R2RError("--max-unverified bounds the tokens written ahead of the LLM's check, and nothing is checked "
+                       "(--verify off, its default for one model alone): give --verify strict or a tolerance, or "
+                       "leave --max-unverified out")
     return n
 
 

@@ -294,7 +294,7 @@ class EvalConfig:
         if not 0 <= self.llm_rate <= 1 or any(not 0 <= v <= 1 for v in self.sweep):
             raise R2RError("--llm-rate and --sweep values must be in [0, 1]")
         object.__setattr__(self, "verify", tuple(parse_verify(v) for v in self.verify))
-        check_max_unverified(self.max_unverified)
+        check_max_unverified(self.max_unverified, any(v.on for v in self.verify))
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", models.read_chat_template(self.chat_template))
 

@@ -352,6 +352,7 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
     config = dataclasses.replace(config or EngineConfig(), **fields)
     kind, router_path = choose_policy(config.policy, config.router_path, config.slm)
     verify = config.verify if config.verify is not None else default_verify(kind not in ("slm", "llm"))
+    check_max_unverified(config.max_unverified, verify.on)
     mode, rule = grouping_rule(config, kind)
     slm_b, llm_b, tokenizer = load_pair(config.slm, config.llm, config.device,
                                         need_llm=kind != "slm" or verify.on,
