@@ -124,6 +124,8 @@ def test_generate_prints_text_and_stats(run_cli, pair):
         (["generate", "hi", "--grammar-file", "no-such.gbnf"], "--grammar-file: no file"),
         (["generate", "hi", "--verify", "-2"], "verify takes off, strict or a tolerance"),
         (["generate", "hi", "--verify", "strict", "--max-unverified", "0"], "at least 1"),
+        (["generate", "hi", "--verify", "off", "--max-unverified", "4"], "and nothing is checked"),
+        (["generate", "hi", "--router", "slm", "--max-unverified", "4"], "and nothing is checked"),
         (["generate", "hi", "--chat-template", "no-such.jinja"], "--chat-template: no file at no-such.jinja"),
         (["generate", "hi", "--chat-template", "{% for m in messages %}{{ m }}"], "--chat-template is not a valid "
                                                                                   "Jinja template (line 1"),

@@ -60,7 +60,7 @@ def bench_compare(
         return
     require_extra("eval", "`r2r bench`")
     from roads_to_rome.bench.measure import compare
-    from roads_to_rome.core.sampling import parse_verify_list
+    from roads_to_rome.core.sampling import check_max_unverified, parse_verify_list
     from roads_to_rome.models.loading import pick_dtype
 
     dtype = pick_dtype(dtype, "cpu")
@@ -69,6 +69,7 @@ def bench_compare(
     if not names or set(names) - set(BACKENDS):
         raise R2RError(f"--backends takes torch, llamacpp or both, got {backends!r}")
     settings = list(parse_verify_list(verify))
+    check_max_unverified(max_unverified, any(v.on for v in settings))
     with Progress(console=console, transient=True) as progress:
         result = compare(prompts, tokens, dtype, router_path, threshold, ks, DEFAULT_ENTROPY_THRESHOLD, progress,
                          settings, max_unverified, tuple(names))
