@@ -1,3 +1,4 @@
+import itertools
 import json
 
 import pytest
@@ -52,9 +53,12 @@ def test_each_policy_takes_thresholds_in_its_own_range_and_the_engine_checks_a_r
                 policy.check_threshold(value)
             with pytest.raises(R2RError, match="threshold"):
                 engine.sequence(Request(prompt, threshold=value))
-            engine.sequence(Request(prompt, threshold=value, force="slm"))  # a forced row reads no threshold
     with pytest.raises(R2RError, match="LLM rate"):  # and so is a rate they cannot aim at
         Engine(slm, llm, tokenizer, AlwaysLLM()).sequence(Request(prompt, target_rate=0.2))
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(0.2))
+    for force, dial in itertools.product(("slm", "llm"), ({"threshold": 0.5}, {"target_rate": 0.2})):
+        with pytest.raises(R2RError, match=f"every token to the {force.upper()}, and a threshold or LLM rate"):
+            engine.sequence(Request(prompt, force=force, **dial))  # a forced row would read neither
 
 
 def test_router_save_load_round_trips_bit_exactly(slm, tmp_path):

@@ -94,6 +94,9 @@ class Engine:
             raise R2RError(f"the {self.policy.name!r} policy routes to an LLM, but no LLM is loaded")
         if self.slm is None and request.force == "slm":
             raise R2RError("this request asks for the SLM, but no SLM is loaded")
+        if request.force is not None and (request.threshold is not None or request.target_rate is not None):
+            raise R2RError(f"this request sends every token to the {request.force.upper()}, and a threshold or LLM "
+                           "rate routes between the two: leave it out, or let the policy route")
         if request.force is None and request.threshold is not None:
             self.policy.check_threshold(request.threshold)
         if request.force is None and request.target_rate is not None and self.policy.threshold is None:
