@@ -211,7 +211,20 @@ BAD_REQUESTS = [
     ("a verify interval with verification off", json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                                             "r2r_verify": "off", "r2r_max_unverified": 3}).encode(),
      400),
+    ("stream_options without a stream", json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                    "stream_options": {"include_usage": True}}).encode(), 400),
 ]
+
+
+def test_an_error_names_the_field_the_client_sent(server):
+    for path, body, param in [
+            ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+            ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
+            ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options")]:
+        prompt = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+        response = httpx.post(server + path, json={**prompt, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        assert param in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("name, body, status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])

@@ -54,6 +54,8 @@ def check_body(body: CommonBody, model_name: str, limits: Limits, by_priority: b
     if body.priority and not by_priority:
         raise APIError(400, "priority orders waiting requests only on a server started with --scheduling-policy "
                             "priority: leave it out (or 0)", param="priority")
+    if body.stream_options is not None and not body.stream:  # (OpenAI's and vLLM's rule: it would be unread)
+        raise APIError(400, "stream_options go with stream: true: stream, or leave them out", param="stream_options")
     stop = stop_strings(body, limits)
     capped_lists(body, limits)
     checked = Checked(None, None, stop, body.top_count(), body.prompt_top_count())
@@ -134,7 +136,7 @@ def make_sequence(body: CommonBody, checked: Checked, prompt_ids: list[int], eng
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if body.prompt_alone():
         max_tokens = 1  # (the reply leaves it out)
-    name = body.named("max_tokens")
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else body.named("max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"{name} must be at least 1 (0 only with echo: the prompt alone), got {max_tokens}",
                        param=name)
