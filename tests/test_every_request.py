@@ -18,7 +18,7 @@ from helpers import encode
 
 from roads_to_rome.core.chat_template import encode_messages
 from roads_to_rome.core.engine import Engine
-from roads_to_rome.core.grammar import OutputFormat, grammar_tokenizer
+from roads_to_rome.core.grammar import FormatTooComplex, OutputFormat, grammar_tokenizer
 from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import LogitRules, NothingToWrite, SamplingParams, adjust_logits
 from roads_to_rome.errors import R2RError
@@ -29,6 +29,11 @@ from roads_to_rome.serving.limits import Limits
 from roads_to_rome.serving.server import create_app
 
 CHAT = "/v1/chat/completions"
+
+
+# A format that compiles but that llguidance cannot follow past its first token: after "w" an Earley row holds every
+# alternative, past its limit of 2,000 items a row.
+OVER_BRANCHING = "root ::= " + " | ".join(f'"w{i}"' for i in range(2001))
 
 
 def only_token(tokenizer, text: str) -> int:
@@ -75,17 +80,23 @@ def test_a_row_its_settings_leave_nothing_fails_alone(kind_pair, tokenizer):
     doomed = Request(prompts[1], SamplingParams(max_new_tokens=12, output_format=OutputFormat("choice", ["a"]),
                                                 bad_words=((a,),)))
     scheduler = engine.scheduler(max_batch=4)
+    # A format the door compiles, and whose walk meets llguidance's limits after its first token.
+    unfollowable = Request(prompts[0], SamplingParams(max_new_tokens=12,
+                                                      output_format=OutputFormat("grammar", OVER_BRANCHING)))
     sequences = [engine.sequence(Request(p, greedy, verify="strict"), i) for i, p in enumerate(prompts)]
-    sequences.insert(1, engine.sequence(doomed, 2))
+    sequences[1:1] = [engine.sequence(doomed, 2), engine.sequence(unfollowable, 3)]
     for s in sequences:
         scheduler.add(s)
     failures = []
     while not scheduler.idle:
         failures += [e for e in scheduler.turn() if isinstance(e, Failure)]
-    assert [f.sequence for f in failures] == [sequences[1]]
+    assert [f.sequence for f in failures] == sequences[1:3]
     assert isinstance(failures[0].error, NothingToWrite)
     assert "bad_words" in str(failures[0].error) and "choice structured output" in str(failures[0].error)
-    assert [sequences[0].generation.token_ids, sequences[2].generation.token_ids] == [g.token_ids for g in alone]
+    assert isinstance(failures[1].error, FormatTooComplex), failures[1].error
+    assert re.fullmatch(r"the grammar structured output could not be followed at output token 0 \(token id \d+\): "
+                        r"Parser Error: Current row has \d+ items; max is 2000;.*; simplify it", str(failures[1].error))
+    assert [sequences[0].generation.token_ids, sequences[3].generation.token_ids] == [g.token_ids for g in alone]
     assert scheduler.kv_in_use == 0
 
 
@@ -119,6 +130,10 @@ def test_beside_two_streams_each_bad_request_gets_its_own_answer(kind, kind_serv
     streamed = Stream(url, doomed)
     streamed.thread.join(60)
     assert streamed.error is not None and "bad_words" in streamed.error["message"]
+    unfollowable = chat(structured_outputs={"grammar": OVER_BRANCHING})
+    whole = httpx.post(url + CHAT, json=unfollowable, timeout=60)
+    assert whole.status_code == 400 and whole.json()["error"]["code"] == "format_too_complex", whole.text
+    assert "could not be followed" in whole.json()["error"]["message"] and len(whole.text) < 1000
     for stream, text in zip(streams, expected):
         stream.thread.join(120)
         assert stream.error is None and stream.finish_reason == "length", stream.error

@@ -219,3 +219,11 @@ def test_a_format_that_cannot_be_followed_is_refused_naming_what_is_wrong(fmt, m
 def test_allowed_tokens_and_a_format_together_are_refused():
     with pytest.raises(R2RError, match="give one of them"):
         SamplingParams(allowed_token_ids=(1, 2), output_format=OutputFormat("json_object")).validate()
+
+
+def test_a_format_llguidance_panics_on_is_refused_in_one_line_without_its_backtrace(ll_tokenizer):
+    with pytest.raises(R2RError) as refused:
+        GrammarWalk(OutputFormat("choice", ["a"] * 100_000), ll_tokenizer)  # past its 65,525 symbols a grammar
+    said = str(refused.value)
+    assert said.startswith("the choice structured output is not valid: panic: ") and "\n" not in said
+    assert "backtrace" not in said and len(said) < 300, said

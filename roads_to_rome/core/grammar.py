@@ -27,6 +27,20 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 KEEP_MASKS = 64  # masks a walk keeps: enough for every token a verification check may look back at
 
 
+class FormatTooComplex(R2RError):
+    """A format that compiled, but that the walk cannot follow: llguidance refused a token its own mask allowed, or
+    could not make the next mask, as its limits on one step's work (which keep a mask to milliseconds: an Earley row
+    of at most 2,000 items, a lexer's fuel) cut it short. The row ends with this error; the rows beside it go on."""
+
+
+def limits():
+    """llguidance's limits on a format's work, its defaults, with errors that leave out its state and the grammar it
+    made (which can be the size of the schema) and hold the reason only."""
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
 @dataclass(frozen=True)
 class OutputFormat:
     """`kind`: json (`spec` a JSON schema, as text), json_object (any JSON object), regex, choice (`spec` a JSON
@@ -92,7 +106,7 @@ class OutputFormat:
         if self.__dict__.get("_valid"):
             return
         try:
-            error = __import__("llguidance").LLMatcher.validate_grammar(self.grammar(), None)
+            error = __import__("llguidance").LLMatcher.validate_grammar(self.grammar(), None, limits=limits())
         except RecursionError:  # a structural tag nested past what a grammar can be built from
             raise R2RError(f"the {self.kind} structured output is nested too deeply: nest it less") from None
         if error:
@@ -102,7 +116,9 @@ class OutputFormat:
 
 def one_line(error: str) -> str:
     """llguidance's error as one line: its source excerpts and carets left out (they point into the grammar it made
-    of the format, not into what the client wrote)."""
+    of the format, not into what the client wrote), and so are a panic's backtrace and the state and grammar it may
+    dump."""
+    error = re.split(r"<(?:backtrace|state|grammar|non-verbose/)>", error, maxsplit=1)[0]
     lines = [line.strip() for line in error.splitlines()]
     kept = [line for line in lines if line and not set(line) <= {"^", " "} and not re.match(r"\d+ \|", line)]
     return " ".join(kept)
@@ -145,7 +161,7 @@ class GrammarWalk:
         which this token closes; the format applies after it."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(tokenizer, output_format.grammar(), log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, output_format.grammar(), log_level=0, limits=limits())
         if matcher.is_error():
             raise R2RError(f"the {output_format.kind} structured output is not valid: {one_line(matcher.get_error())}")
         self._start(output_format, matcher, tokenizer.vocab_size, think_end)
@@ -186,7 +202,10 @@ class GrammarWalk:
         index = len(answer)
         if index not in self.masks or self._shared(answer) < index:
             self._walk_to(answer)
-            self.masks[index] = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
+            mask = self.matcher.compute_bitmask()
+            if self.matcher.is_error():
+                self._failed(f"at output token {index}")
+            self.masks[index] = torch.frombuffer(bytearray(mask), dtype=torch.uint8)
             for old in sorted(self.masks)[:-KEEP_MASKS]:
                 del self.masks[old]
         packed = self.masks[index]
@@ -206,13 +225,18 @@ class GrammarWalk:
             taken = sum(self.consumed[shared:])
             if taken and not self.matcher.rollback(taken):
                 raise R2RError(f"internal: the structured output's matcher could not go back {taken} tokens: "
-                               f"{self.matcher.get_error()}")
+                               f"{one_line(self.matcher.get_error())}")
             del self.tokens[shared:], self.consumed[shared:]
             for old in [k for k in self.masks if k > shared]:
                 del self.masks[old]
         for token in answer[len(self.tokens):]:
             take = not self.matcher.is_stopped()
             if take and not self.matcher.consume_token(token):
-                raise R2RError(f"internal: token {token} breaks the structured output: {self.matcher.get_error()}")
+                self._failed(f"at output token {len(self.tokens)} (token id {token})")
             self.tokens.append(token)
             self.consumed.append(take)
+
+    def _failed(self, where: str):
+        # (every token the walk is given, its masks allowed: a refusal is llguidance's limits, `FormatTooComplex`)
+        raise FormatTooComplex(f"the {self.output_format.kind} structured output could not be followed {where}: "
+                               f"{one_line(self.matcher.get_error())}; simplify it")

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from roads_to_rome.core.engine import Engine
+from roads_to_rome.core.grammar import FormatTooComplex
 from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step
 from roads_to_rome.core.sampling import NothingToWrite
 from roads_to_rome.core.scheduler import Scheduler, Scheduling
@@ -216,6 +217,8 @@ def error_reply(e: Exception, request_id: str) -> ErrorReply:
         return ErrorReply(f"the LLM's server failed this request ({request_ids.details(request_id)})", 502)
     if isinstance(e, NothingToWrite):  # the request's own settings: the client can fix them
         return ErrorReply(str(e), 400, "nothing_to_write")
+    if isinstance(e, FormatTooComplex):  # ... and its format
+        return ErrorReply(str(e), 400, "format_too_complex")
     if isinstance(e, R2RError):
         return ErrorReply(str(e))
     log.exception("engine failure, request %s", request_id, exc_info=e)
