@@ -130,6 +130,7 @@ def test_beside_two_streams_each_bad_request_gets_its_own_answer(kind, kind_serv
     streamed = Stream(url, doomed)
     streamed.thread.join(60)
     assert streamed.error is not None and "bad_words" in streamed.error["message"]
+    assert (streamed.error["type"], streamed.error["code"]) == ("invalid_request_error", "nothing_to_write")
     unfollowable = chat(structured_outputs={"grammar": OVER_BRANCHING})
     whole = httpx.post(url + CHAT, json=unfollowable, timeout=60)
     assert whole.status_code == 400 and whole.json()["error"]["code"] == "format_too_complex", whole.text

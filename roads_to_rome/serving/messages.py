@@ -161,7 +161,8 @@ async def message_events(job: Job, reply: Reply, draft: MessageDraft):
             if isinstance(delta, StreamFailure):
                 for chunk in events.close():
                     yield chunk
-                yield events.event("error", error={"type": "api_error", "message": delta.message})
+                kind = "api_error" if delta.status >= 500 else "invalid_request_error"  # (Anthropic's types)
+                yield events.event("error", error={"type": kind, "message": delta.message})
                 return
             pieces = []
             if delta.thinking:

@@ -121,6 +121,7 @@ class StreamFailure:
     code: str | None
     token_ids: list[int]
     text: str
+    status: int = 500  # what a whole reply would have answered: below 500, the request's own settings failed it
 
 
 async def choice_deltas(job: Job, reply: Reply):
@@ -149,7 +150,7 @@ async def _deltas(job: Job, reply: Reply):
     while True:
         event = await job.events.get()
         if isinstance(event, ErrorReply):
-            yield StreamFailure(event.message, event.code, gen.token_ids[:streamed], text[:sent])
+            yield StreamFailure(event.message, event.code, gen.token_ids[:streamed], text[:sent], event.status)
             return
         for n, (token, source, score) in enumerate(event.final, 1):
             finished = event.finished and n == len(event.final)
@@ -228,7 +229,8 @@ async def choice_chunks(job: Job, reply: ChatReply | CompletionReply, index: int
     async with aclosing(choice_deltas(job, reply)) as deltas:
         async for delta in deltas:
             if isinstance(delta, StreamFailure):
-                error = {"error": {"message": delta.message, "type": "server_error", "param": None, "code": delta.code,
+                kind = "server_error" if delta.status >= 500 else "invalid_request_error"
+                error = {"error": {"message": delta.message, "type": kind, "param": None, "code": delta.code,
                                    "r2r": {"index": index, "token_ids": delta.token_ids, "text": delta.text}}}
                 yield f"data: {json.dumps(error)}\n\n"
                 yield ChoiceEnd(index, failed=True)
