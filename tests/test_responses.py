@@ -524,3 +524,23 @@ def test_the_stores_budget_counts_what_the_responses_hold_in_memory():
     tracemalloc.stop()
     assert held <= 1.1 * store.size, f"the store holds {held} bytes and counts {store.size}"
     assert store.stored("resp_7").response["output"][0]["content"][0]["text"] == "the"
+
+
+def test_a_response_its_own_settings_end_fails_with_their_reason_streamed_and_in_the_background(client):
+    """A format whose only answer bad_words bans: the door cannot see it, the first step can. A stream and a
+    background response fail with the code its 400 would give, not as a server error."""
+    doomed = {"model": "tiny", "input": "48 / 2?", "max_output_tokens": 8, **GREEDY,
+              "extra_body": {"structured_outputs": {"choice": ["a"]}, "bad_words": ["a"]}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**doomed)
+    assert refused.value.code == "nothing_to_write"
+    events = events_of(client.responses.create(stream=True, **doomed))
+    assert events[-1].type == "response.failed" and events[-1].response.error.code == "nothing_to_write"
+    assert "bad_words" in events[-1].response.error.message
+    queued = client.responses.create(background=True, **doomed)
+    for _ in range(600):
+        fetched = client.responses.retrieve(queued.id)
+        if fetched.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    assert fetched.status == "failed" and fetched.error.code == "nothing_to_write", fetched

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from roads_to_rome.serving.engine_thread import ErrorReply, Job
 from roads_to_rome.serving.errors import APIError
 from roads_to_rome.serving.replies import Reply, new_id
-from roads_to_rome.serving.responses import Draft, whole_response
+from roads_to_rome.serving.responses import Draft, failure, whole_response
 
 
 def listed_items(given: list) -> list[dict]:
@@ -99,7 +99,7 @@ class ResponseStore:
             while True:
                 event = await job.events.get()
                 if isinstance(event, ErrorReply):
-                    self.put(draft.response("failed", [], error={"code": "server_error", "message": event.message}),
+                    self.put(draft.response("failed", [], error=failure(event.message, event.status, event.code)),
                              draft)
                     return
                 if shown["status"] != "in_progress":  # (what a GET meanwhile shows)

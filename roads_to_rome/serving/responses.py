@@ -57,6 +57,12 @@ class Draft:
         return out
 
 
+def failure(message: str, status: int, code: str | None) -> dict:
+    """A failed response's error: the reason a request's own settings ended it (below 500, as its 400 would say),
+    else a server error."""
+    return {"code": code if status < 500 and code else "server_error", "message": message}
+
+
 def response_usage(chat: dict) -> dict:
     """A chat reply's usage as the Responses API counts it, R2R's figures beside."""
     details = chat.pop("completion_tokens_details", None) or {}
@@ -223,8 +229,8 @@ async def response_events(job: Job, reply: Reply, draft: Draft, keep: Callable[[
             if isinstance(delta, StreamFailure):
                 for chunk in events.close("incomplete"):
                     yield chunk
-                failed = draft.response("failed", events.output, error={
-                    "code": "server_error", "message": delta.message})
+                failed = draft.response("failed", events.output, error=failure(delta.message, delta.status,
+                                                                                  delta.code))
                 yield events.event("response.failed", response=failed)
                 return
             if delta.thinking:
