@@ -419,6 +419,8 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(srv,
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format.schema",
      ""),
     ({"tool_choice": "required"}, "tool_choice", "no tools"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 items"),  # OpenAI's limits
+    ({"metadata": {"k": "v" * 513}}, "metadata.k", "at most 512 characters"),
 ])
 def test_what_cannot_be_done_is_a_400_naming_the_field(srv, client, fields, param, says):
     body = {"model": "tiny", "input": "Hi", **fields}

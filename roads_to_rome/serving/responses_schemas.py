@@ -163,7 +163,9 @@ class ResponsesBody(BaseModel):
     store: bool = True
     background: bool = False  # answered at once, queued; the client fetches the response (GET) once it is done
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    # OpenAI's limits: kept with the response and sent back with it
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     user: str | None = None
 
