@@ -285,8 +285,8 @@ def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, mon
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(threshold=1.0))
     prompt = encode(engine)[0]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    alone = [Engine(slm, llm, tokenizer, policy).generate([prompt], params)[0].token_ids
-             for policy in (AlwaysLLM(), AlwaysSLM())]
+    alone = [Engine.alone(model, tokenizer, role).generate([prompt], params)[0].token_ids
+             for model, role in ((llm, "llm"), (slm, "slm"))]
     calls = []
     forward = slm.forward
     monkeypatch.setattr(slm, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
@@ -303,6 +303,27 @@ def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, mon
     assert calls
     assert [llm_row.generation.token_ids, slm_row.generation.token_ids] == alone
     assert llm_row.generation.sources == ["llm"] * 12 and slm_row.generation.sources == ["slm"] * 12
+
+
+def test_a_pairs_policy_of_one_model_runs_that_model_alone(slm, llm, tokenizer, monkeypatch):
+    """`--router llm` is the LLM alone, `--router slm` unverified the SLM alone: the other model reads nothing, the
+    prompt included (the SLM proposed every token for the LLM to replace, at the SLM's cost)."""
+    prompt = encode(Engine(slm, llm, tokenizer))[0]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    reads = {}
+    for model in (slm, llm):
+        for name in ("forward", "forward_all", "read"):
+            method = getattr(model, name)
+            monkeypatch.setattr(model, name, lambda *a, _m=method, _n=model.name, **k:
+                                reads.__setitem__(_n, reads.get(_n, 0) + 1) or _m(*a, **k))
+    for policy, model, role in ((AlwaysLLM(), llm, "llm"), (AlwaysSLM(), slm, "slm")):
+        reads.clear()
+        alone = Engine.alone(model, tokenizer, role).generate([prompt], params)[0]
+        assert set(reads) == {model.name}
+        reads.clear()
+        through_pair = Engine(slm, llm, tokenizer, policy).generate([prompt], params)[0]
+        assert set(reads) == {model.name}, reads
+        assert through_pair.token_ids == alone.token_ids and through_pair.sources == [role] * 10
 
 
 def test_target_llm_rate_is_tracked_per_request(slm, llm, tokenizer):

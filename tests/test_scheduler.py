@@ -258,7 +258,7 @@ def test_a_failed_step_or_read_gives_its_llamacpp_sequences_back_at_once(tokeniz
     keeps the batch and its caches: with the collector off, two requests still find two sequences free."""
     save_gguf(tiny_model(tokenizer, hidden=32, seed=0), tokenizer, tmp_path / "slm.gguf")
     slm = tiny_llamacpp(tmp_path / "slm.gguf", name="tiny-slm", n_ctx=1024, max_rows=2, vocab_size=len(tokenizer))
-    engine = Engine(slm, llm, tokenizer, AlwaysLLM(), verify="off")
+    engine = Engine(slm, llm, tokenizer, RandomPolicy(1.0, seed=0), verify="off")  # the SLM reads, the LLM writes
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     prompts = [engine.prompts.chat(p) for p in PROMPTS[:2]]
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]

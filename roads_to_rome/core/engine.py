@@ -108,10 +108,12 @@ class Engine:
                            f"distribution; {self.llm.name} gives its top tokens only: leave presence, frequency and "
                            "repetition penalties at 0, 0 and 1, and logit_bias, allowed_token_ids and the output's "
                            "format out")
+        # A policy that sends every token to one model makes its rows that model's (`Sequence.policy_alone`)
+        alone = self.policy.alone if self.routes and request.force is None else None
         if request.prompt_logprobs is not None:  # the models that may score the prompt (core/scoring.py)
-            if not self.routes or request.force == "slm" or (request.force is None and not self.policy.routes_to_llm):
+            if not self.routes or (request.force or alone) == "slm":
                 readers = [self.writer]
-            elif request.force == "llm":
+            elif (request.force or alone) == "llm":
                 readers = [self.llm]
             else:
                 readers = [self.slm, self.llm]
@@ -142,7 +144,7 @@ class Engine:
         if params.output_format is not None:
             grammar = (compiled or self.compile_format(params.output_format)).copy(request.thinking_until)
         return Sequence(request, verify=verify, max_unverified=max_unverified, index=index, generator=generator,
-                        ending_ids=frozenset(ending), grammar=grammar,
+                        ending_ids=frozenset(ending), grammar=grammar, policy_alone=alone,
                         generation=Generation(list(request.prompt_ids), params_b=self.params_b,
                                               logprobs=None if request.params.logprobs is None else []))
 

@@ -238,6 +238,9 @@ class Sequence:
     grammar: GrammarWalk | None = None  # its walk through the structured output it asks for (core/grammar.py)
     arrival: int = 0  # its place in the order sequences reached the scheduler
     preemptions: int = 0  # times the scheduler took it out of the batch for a more urgent one (it reads on later)
+    # the model the engine's policy sends every token to (`RoutingPolicy.alone`): the sequence is that model's, as
+    # if its request forced it (not the SLM's proposals each replaced by the LLM's token: "LLM alone" costs the LLM)
+    policy_alone: str | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -255,7 +258,8 @@ class Sequence:
 
     @property
     def force(self) -> str | None:
-        return self.request.force
+        """The one model this sequence is written by, if one: its request's choice, else its engine policy's."""
+        return self.request.force or self.policy_alone
 
     @property
     def pending(self) -> bool:

@@ -364,7 +364,7 @@ class PromptRead:
 def scoring_key(s: Sequence) -> tuple:
     """What a prompt's entries depend on (`score_prompt`): sequences that agree on it get the same entries."""
     r = s.request
-    return r.prompt_ids, r.prompt_logprobs, r.force, r.threshold, r.target_rate
+    return r.prompt_ids, r.prompt_logprobs, s.force, r.threshold, r.target_rate
 
 
 def urgency(s: Sequence) -> tuple[int, int]:

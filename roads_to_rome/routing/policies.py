@@ -31,7 +31,12 @@ class RoutingPolicy:
     num_params = 0  # parameters the policy itself activates per token
     threshold: float | None = None  # route when the score is at least this (None: the policy has no dial)
     threshold_is_rate = False  # whether the threshold is the share of tokens routed (random draws), not a score
-    routes_to_llm = True  # whether it ever sends a token to the LLM
+    alone: str | None = None  # "slm" or "llm": the model it sends every token to, as a request forcing it would
+
+    @property
+    def routes_to_llm(self) -> bool:
+        """Whether it ever sends a token to the LLM."""
+        return self.alone != "slm"
 
     def route(self, logits, hidden, tokens, thresholds=None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -45,7 +50,7 @@ class RoutingPolicy:
 
 class AlwaysSLM(RoutingPolicy):
     name = "slm"
-    routes_to_llm = False
+    alone = "slm"
 
     def route(self, logits, hidden, tokens, thresholds=None):
         zeros = torch.zeros(tokens.shape[0], device=tokens.device)
@@ -54,6 +59,7 @@ class AlwaysSLM(RoutingPolicy):
 
 class AlwaysLLM(RoutingPolicy):
     name = "llm"
+    alone = "llm"
 
     def route(self, logits, hidden, tokens, thresholds=None):
         ones = torch.ones(tokens.shape[0], device=tokens.device)
