@@ -136,7 +136,11 @@ def test_knobs_change_the_request_the_page_sends(page):
                            "s.textContent.startsWith('finished in'))")
     slm_alone, r2r, llm_alone = bodies[-3:]  # one after another, in pane order
     assert (slm_alone["r2r_policy"], slm_alone["r2r_verify"]) == ("slm", "off")
-    assert (r2r["r2r_policy"], r2r["r2r_verify"], r2r["r2r_llm_rate"]) == ("llm", "strict", 0.3)  # the knobs
+    assert (r2r["r2r_policy"], r2r["r2r_verify"], r2r["r2r_max_unverified"]) == ("llm", "strict", 4)  # the knobs
+    # ... but not a rate beside one model alone (the server refuses it): its input is disabled
+    assert "r2r_llm_rate" not in r2r and page.is_disabled("#routeValue") and page.is_disabled("#routeBy")
+    page.select_option("#verify", "off")
+    assert page.is_disabled("#maxUnverified") and page.is_disabled("#tolerance")
     assert (llm_alone["r2r_policy"], llm_alone["r2r_verify"]) == ("llm", "off")
     assert "r2r_llm_rate" not in slm_alone and "r2r_llm_rate" not in llm_alone  # knobs are the R2R pane's
 

@@ -110,19 +110,8 @@ class Engine:
                            "format out")
         # A policy that sends every token to one model makes its rows that model's (`Sequence.policy_alone`)
         alone = self.policy.alone if self.routes and request.force is None else None
-        if request.prompt_logprobs is not None:  # the models that may score the prompt (core/scoring.py)
-            if not self.routes or (request.force or alone) == "slm":
-                readers = [self.writer]
-            elif (request.force or alone) == "llm":
-                readers = [self.llm]
-            else:
-                readers = [self.slm, self.llm]
-            unable = [m.name for m in readers if not m.scores_prompts]
-            if unable:
-                raise R2RError(f"the prompt's log-probabilities need each model's distribution over it; "
-                               f"{unable[0]} gives its top tokens only, and no prompt log-probabilities (llama.cpp's "
-                               "server; vLLM's gives them): leave echo with logprobs (prompt_logprobs) out, or force "
-                               "the SLM")
+        if request.prompt_logprobs is not None:
+            self._check_scorable(request.force or alone)
         vocab = self.writer.vocab_size
         if not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocab:
             bad = next(t for t in request.prompt_ids if not 0 <= t < vocab)
@@ -170,6 +159,20 @@ class Engine:
     def grammar_tokenizer(self):
         """The tokenizer as structured outputs read it (built at the first request that asks for one)."""
         return grammar_tokenizer(self.tokenizer, self.writer.vocab_size, self.eos_ids)
+
+    def _check_scorable(self, force: str | None) -> None:
+        """Whether the models that score a prompt for a row written by `force` (None: routed) can (core/scoring.py)."""
+        if not self.routes or force == "slm":
+            readers = [self.writer]
+        elif force == "llm":
+            readers = [self.llm]
+        else:
+            readers = [self.slm, self.llm]
+        unable = [m.name for m in readers if not m.scores_prompts]
+        if unable:
+            raise R2RError(f"the prompt's log-probabilities need each model's distribution over it; {unable[0]} gives "
+                           "its top tokens only, and no prompt log-probabilities (llama.cpp's server; vLLM's gives "
+                           "them): leave echo with logprobs (prompt_logprobs) out, or force the SLM")
 
     def _check_verifiable(self, verify: Verify, params: SamplingParams | None = None) -> None:
         if not self.routes:
