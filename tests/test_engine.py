@@ -307,7 +307,10 @@ def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, mon
 
 def test_a_pairs_policy_of_one_model_runs_that_model_alone(slm, llm, tokenizer, monkeypatch):
     """`--router llm` is the LLM alone, `--router slm` unverified the SLM alone: the other model reads nothing, the
-    prompt included (the SLM proposed every token for the LLM to replace, at the SLM's cost)."""
+    prompt included (the SLM proposed every token for the LLM to replace, at the SLM's cost), and the parameters
+    counted are that model's."""
+    from roads_to_rome.core.request import Request
+
     prompt = encode(Engine(slm, llm, tokenizer))[0]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     reads = {}
@@ -324,6 +327,9 @@ def test_a_pairs_policy_of_one_model_runs_that_model_alone(slm, llm, tokenizer, 
         through_pair = Engine(slm, llm, tokenizer, policy).generate([prompt], params)[0]
         assert set(reads) == {model.name}, reads
         assert through_pair.token_ids == alone.token_ids and through_pair.sources == [role] * 10
+        assert through_pair.avg_params_b == pytest.approx(model.num_params / 1e9)  # that model's parameters only
+    forced = Engine(slm, llm, tokenizer, RandomPolicy(0.5, seed=0)).run([Request(prompt, params, force="llm")])[0]
+    assert forced.avg_params_b == pytest.approx(llm.num_params / 1e9)  # a request forcing it alike
 
 
 def test_target_llm_rate_is_tracked_per_request(slm, llm, tokenizer):

@@ -134,7 +134,8 @@ class Engine:
             grammar = (compiled or self.compile_format(params.output_format)).copy(request.thinking_until)
         return Sequence(request, verify=verify, max_unverified=max_unverified, index=index, generator=generator,
                         ending_ids=frozenset(ending), grammar=grammar, policy_alone=alone,
-                        generation=Generation(list(request.prompt_ids), params_b=self.params_b,
+                        generation=Generation(list(request.prompt_ids), params_b=self._params_b(
+                            request.force or alone, verify),
                                               logprobs=None if request.params.logprobs is None else []))
 
     @property
@@ -159,6 +160,14 @@ class Engine:
     def grammar_tokenizer(self):
         """The tokenizer as structured outputs read it (built at the first request that asks for one)."""
         return grammar_tokenizer(self.tokenizer, self.writer.vocab_size, self.eos_ids)
+
+    def _params_b(self, force: str | None, verify: Verify) -> tuple[float, float, float]:
+        """The parameters a row's tokens activate (`Generation.avg_params_b`): a row written by one model alone, and
+        unverified, counts that model's alone; a routed row the pair's and the router's."""
+        slm, router, llm = self.params_b
+        if force == "llm":
+            return 0.0, 0.0, llm
+        return (slm, 0.0, 0.0) if force == "slm" and not verify.on else (slm, router, llm)
 
     def _check_scorable(self, force: str | None) -> None:
         """Whether the models that score a prompt for a row written by `force` (None: routed) can (core/scoring.py)."""
