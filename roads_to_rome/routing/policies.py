@@ -48,22 +48,20 @@ class RoutingPolicy:
                        "threshold out, or route with router, entropy or random")
 
 
-class AlwaysSLM(RoutingPolicy):
-    name = "slm"
-    alone = "slm"
+class OneModel(RoutingPolicy):
+    """Every token to one model (`alone`), scored 1 where that is the LLM."""
 
     def route(self, logits, hidden, tokens, thresholds=None):
-        zeros = torch.zeros(tokens.shape[0], device=tokens.device)
-        return zeros.bool(), zeros
+        to_llm = torch.full((tokens.shape[0],), self.alone == "llm", dtype=torch.bool, device=tokens.device)
+        return to_llm, to_llm.float()
 
 
-class AlwaysLLM(RoutingPolicy):
-    name = "llm"
-    alone = "llm"
+class AlwaysSLM(OneModel):
+    name = alone = "slm"
 
-    def route(self, logits, hidden, tokens, thresholds=None):
-        ones = torch.ones(tokens.shape[0], device=tokens.device)
-        return ones.bool(), ones
+
+class AlwaysLLM(OneModel):
+    name = alone = "llm"
 
 
 class RandomPolicy(RoutingPolicy):
