@@ -110,8 +110,9 @@ class Engine:
                            "format out")
         # A policy that sends every token to one model makes its rows that model's (`Sequence.policy_alone`)
         alone = self.policy.alone if self.routes and request.force is None else None
+        force = request.force or alone
         if request.prompt_logprobs is not None:
-            self._check_scorable(request.force or alone)
+            self._check_scorable(force)
         vocab = self.writer.vocab_size
         if not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocab:
             bad = next(t for t in request.prompt_ids if not 0 <= t < vocab)
@@ -134,8 +135,7 @@ class Engine:
             grammar = (compiled or self.compile_format(params.output_format)).copy(request.thinking_until)
         return Sequence(request, verify=verify, max_unverified=max_unverified, index=index, generator=generator,
                         ending_ids=frozenset(ending), grammar=grammar, policy_alone=alone,
-                        generation=Generation(list(request.prompt_ids), params_b=self._params_b(
-                            request.force or alone, verify),
+                        generation=Generation(list(request.prompt_ids), params_b=self._params_b(force, verify),
                                               logprobs=None if request.params.logprobs is None else []))
 
     @property

@@ -31,6 +31,11 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API (serving/messages.py), whose errors have its shape
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error type for a status: the server's fault from 500 on, else the request's."""
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                          404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
                          429: "rate_limit_error", 503: "overloaded_error"}

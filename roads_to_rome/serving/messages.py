@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from roads_to_rome.core.request import Generation
 from roads_to_rome.serving.engine_thread import Job
+from roads_to_rome.serving.errors import ANTHROPIC_ERROR_TYPES
 from roads_to_rome.serving.replies import Reply, new_id, provenance, usage
 from roads_to_rome.serving.streams import StreamFailure, choice_deltas
 
@@ -161,7 +162,7 @@ async def message_events(job: Job, reply: Reply, draft: MessageDraft):
             if isinstance(delta, StreamFailure):
                 for chunk in events.close():
                     yield chunk
-                kind = "api_error" if delta.status >= 500 else "invalid_request_error"  # (Anthropic's types)
+                kind = ANTHROPIC_ERROR_TYPES.get(delta.status, "api_error")  # (as the whole reply's error says)
                 yield events.event("error", error={"type": kind, "message": delta.message})
                 return
             pieces = []

@@ -22,7 +22,7 @@ from openai.types.completion_choice import Logprobs
 from roads_to_rome.core.request import Generation
 from roads_to_rome.reasoning import Reasoned, prompt_start
 from roads_to_rome.serving.engine_thread import ErrorReply, Job
-from roads_to_rome.serving.errors import APIError, llm_away
+from roads_to_rome.serving.errors import APIError, error_type, llm_away
 from roads_to_rome.serving.replies import ChatReply, CompletionReply, Reply, TextOffsets, finish_reason, usage
 from roads_to_rome.text import Detokenizer
 from roads_to_rome.tool_calls import CallStream, ToolParser, ToolSplit
@@ -55,7 +55,7 @@ async def finished_generations(http, jobs: list[Job], seconds: float) -> list[Ge
                     if event.code == "llm_unavailable":
                         raise llm_away()
                     raise APIError(event.status, event.message, code=event.code,
-                                   kind="server_error" if event.status >= 500 else "invalid_request_error")
+                                   kind=error_type(event.status))
                 if event is not None and event.finished:
                     break
                 if time.monotonic() >= deadline:
@@ -229,8 +229,8 @@ async def choice_chunks(job: Job, reply: ChatReply | CompletionReply, index: int
     async with aclosing(choice_deltas(job, reply)) as deltas:
         async for delta in deltas:
             if isinstance(delta, StreamFailure):
-                kind = "server_error" if delta.status >= 500 else "invalid_request_error"
-                error = {"error": {"message": delta.message, "type": kind, "param": None, "code": delta.code,
+                error = {"error": {"message": delta.message, "type": error_type(delta.status), "param": None,
+                                   "code": delta.code,
                                    "r2r": {"index": index, "token_ids": delta.token_ids, "text": delta.text}}}
                 yield f"data: {json.dumps(error)}\n\n"
                 yield ChoiceEnd(index, failed=True)
