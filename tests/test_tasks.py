@@ -109,6 +109,9 @@ def test_item_selection():
     for bad in ("x", "5-1000000", "-3"):
         with pytest.raises(R2RError):
             b.select(items, bad)
+    # A backwards range is a typo, not an empty choice: "0-9,20-12" would quietly leave 12-20 out.
+    with pytest.raises(R2RError, match="backwards; write it as 12-20"):
+        b.select(items, "0-9,20-12")
 
 
 def code_answer(body: str) -> str:

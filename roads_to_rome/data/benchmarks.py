@@ -147,7 +147,10 @@ def select(items: list[Item], ids: str | None) -> list[Item]:
     try:
         for part in ids.split(","):
             lo, _, hi = part.partition("-")
-            chosen.extend(range(int(lo), int(hi or lo) + 1))
+            lo, hi = int(lo), int(hi or lo)
+            if hi < lo:
+                raise R2RError(f"--ids {ids}: the range {part} runs backwards; write it as {hi}-{lo}")
+            chosen.extend(range(lo, hi + 1))
     except ValueError:
         raise R2RError(f"--ids takes ranges like 0-199 or 0,5,9-12, got {ids!r}") from None
     if not chosen or min(chosen) < 0 or max(chosen) >= len(items):
