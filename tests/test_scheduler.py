@@ -168,8 +168,13 @@ def test_admission_waits_for_kv_room_and_refuses_what_can_never_fit(slm, llm, to
         assert scheduler.admitted <= 1 and scheduler.kv_in_use <= engine.kv_capacity
     assert [s.generation.token_ids for s in sequences] == [g.token_ids for g in alone]
     too_long = Request(prompts[0], SamplingParams(max_new_tokens=engine.kv_capacity))
-    with pytest.raises(R2RError, match="KV-cache tokens"):
+    room = engine.kv_capacity - len(prompts[0])
+    with pytest.raises(R2RError, match=f"KV-cache tokens.*ask for at most {room} new tokens"):
         engine.run([too_long])
+    # Where the prompt alone is too long, fewer new tokens would not help: the advice is to shorten it.
+    engine.kv_capacity = len(prompts[0]) - 1
+    with pytest.raises(R2RError, match=f"shorten the prompt \\({len(prompts[0])} tokens\\)"):
+        engine.run([Request(prompts[0], SamplingParams(max_new_tokens=1))])
 
 
 def test_cancelled_sequences_leave_with_a_failure_waiting_or_running(engine):

@@ -14,7 +14,7 @@ import torch
 from roads_to_rome.core.batch import Batch
 from roads_to_rome.core.layout import NO_ROWS
 from roads_to_rome.core.prefix_cache import PrefixCache, common_prefix, kept_prompt_rows
-from roads_to_rome.core.request import Cancelled, Failure, Sequence, Step
+from roads_to_rome.core.request import Cancelled, Failure, Request, Sequence, Step
 from roads_to_rome.core.scoring import score_prompt
 from roads_to_rome.errors import R2RError
 
@@ -35,6 +35,15 @@ class Scheduling:
     # Waiting sequences are admitted by their request's priority (lower first), then in arrival order, and one that
     # finds no room preempts less urgent admitted ones (vLLM's priority scheduling: `_preempt_for`)
     by_priority: bool = False
+
+
+def too_long(request: Request, capacity: int) -> R2RError:
+    """The advice depends on which part does not fit: fewer new tokens only help a prompt that fits."""
+    prompt = len(request.prompt_ids)
+    fix = (f"shorten the prompt ({prompt} tokens) below {capacity}" if prompt >= capacity
+           else f"ask for at most {capacity - prompt} new tokens")
+    return R2RError(f"this request needs {request.kv_tokens} KV-cache tokens (prompt and max new tokens), more than "
+                    f"the {capacity} the cache holds: {fix}")
 
 
 class Scheduler:
@@ -105,9 +114,7 @@ class Scheduler:
             need = s.request.kv_tokens
             if s.cancelled or (capacity is not None and need > capacity):
                 self.waiting.popleft()
-                left.append(Failure(s, Cancelled() if s.cancelled else R2RError(
-                    f"this request needs {need} KV-cache tokens (prompt and max new tokens), more than the "
-                    f"{capacity} the cache holds: ask for fewer new tokens")))
+                left.append(Failure(s, Cancelled() if s.cancelled else too_long(s.request, capacity)))
                 continue
             full = self.max_batch is not None and self.admitted >= self.max_batch
             if full or (capacity is not None and self.kv_in_use + need > capacity):
