@@ -481,6 +481,23 @@ def test_a_connection_cut_mid_answer_is_retried_and_garbled_answers_are_clear_er
             mock_client(lambda r, text=text: httpx.Response(200, text=text)).get("/x")
 
 
+def test_an_openai_base_url_names_the_server_and_a_missing_path_says_what_address_to_give():
+    asked = []
+
+    def models_only(request):
+        asked.append(request.url.path)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": []})
+        return httpx.Response(404, text="<html>\n<h1>Not Found</h1>\n</html>")
+
+    for url in ("http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1/", "http://127.0.0.1:9"):
+        client = mock_client(models_only, url=url)
+        assert client.url == "http://127.0.0.1:9" and client.get("/v1/models") == {"data": []}
+    with pytest.raises(RemoteError, match="has no /tokenize .*address of a vLLM or llama.cpp server") as missing:
+        client.post("/tokenize", {"content": "x"})
+    assert "<html>" not in str(missing.value) and asked == ["/v1/models"] * 3 + ["/tokenize"]
+
+
 def test_credentials_in_the_llm_address_are_sent_but_never_shown():
     seen = []
 

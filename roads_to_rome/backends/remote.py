@@ -205,7 +205,10 @@ class Client:
     server counts as down (`down_since`) until a call or a probe (`reachable`) gets through."""
 
     def __init__(self, url: str, timeout: float, retry: float, api_key: str | None = None):
-        parts = urllib.parse.urlsplit(url.rstrip("/"))
+        # An OpenAI client's base URL (http://host:port/v1) names the same server: every call here adds /v1 itself,
+        # and llama-server's /tokenize and vLLM's /metrics live at the root.
+        url = url.rstrip("/").removesuffix("/v1")
+        parts = urllib.parse.urlsplit(url)
         auth, headers = None, {}
         if parts.username is not None or parts.password is not None:
             if api_key is not None:
@@ -214,7 +217,7 @@ class Client:
                                    urllib.parse.unquote(parts.password or ""))
         if api_key is not None:
             headers["Authorization"] = f"Bearer {api_key}"
-        self.url, self.retry = without_credentials(url.rstrip("/")), retry
+        self.url, self.retry = without_credentials(url), retry
         self.http = httpx.Client(base_url=self.url, timeout=timeout, limits=httpx.Limits(max_connections=64),
                                  auth=auth, headers=headers)
         self.down_since: float | None = None
@@ -294,6 +297,9 @@ class Client:
             said = "refused the key" if sent_key else "needs an API key"
             raise RemoteError(f"the LLM server at {self.url} {said} (it answered {response.status_code}): give the "
                               "key it was started with (--api-key there) as --llm-api-key or $R2R_LLM_API_KEY")
+        if response.status_code == 404:
+            raise RemoteError(f"the LLM server at {self.url} has no {path} (it answered 404): give the address of a "
+                              "vLLM or llama.cpp server, http://host:port")
         if response.status_code != 200:
             try:
                 message = response.json()["error"]["message"]
