@@ -48,6 +48,21 @@ def test_load_engine_builds_what_a_config_says_and_fields_override_it(tmp_path):
     assert load_engine(config, dtype="bfloat16").deferral.mode == ("continue" if has_native_bf16() else "off")
     rule = load_engine(config, defer="continue", defer_group=0.5, defer_steps=4).deferral
     assert (rule.mode, rule.group, rule.steps) == ("continue", 0.5, 4)
-    assert load_engine(config, policy="llm", defer=None).deferral.mode == "off"
+    assert load_engine(config, policy="llm", threshold=None, defer=None).deferral.mode == "off"
+    # where one model writes every token, a setting of routed tokens would be read by nothing: refused, not ignored
+    with pytest.raises(R2RError, match="--threshold sets how routed tokens go to the LLM; --router llm"):
+        load_engine(config, policy="llm")
+    with pytest.raises(R2RError, match="--defer, --defer-steps, --overlap set .* --router slm .* leave them out"):
+        load_engine(config, policy="slm", threshold=None, defer="continue", defer_steps=3, overlap="on")
+    assert load_engine(config, policy="slm", threshold=None, defer="off", overlap="auto").policy.name == "slm"
+    # ... but the SLM drafting alone for the LLM to check (speculative decoding) overlaps the two as asked
+    spec = load_engine(config, policy="slm", threshold=None, verify="strict", max_unverified=4, overlap="on")
+    assert spec.overlap and not load_engine(config, policy="slm", threshold=None, verify="strict").overlap
+    with pytest.raises(R2RError, match="--overlap sets .* --router llm"):
+        load_engine(config, policy="llm", threshold=None, overlap="on")
+    with pytest.raises(R2RError, match="--overlap sets .* --router slm .* or have the LLM check the SLM's tokens"):
+        load_engine(config, policy="slm", threshold=None, overlap="on")
+    with pytest.raises(R2RError, match="nothing for it to check"):  # the LLM would read every token twice
+        load_engine(config, policy="llm", threshold=None, verify="strict")
     with pytest.raises(R2RError, match="defer takes"):
         load_engine(config, defer="sometimes", slm="/nowhere")

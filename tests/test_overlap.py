@@ -18,7 +18,7 @@ from roads_to_rome.core.llm_calls import Deferral, resolve_overlap
 from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import LLMUnavailable, R2RError
-from roads_to_rome.routing.policies import EntropyPolicy, NeuralPolicy
+from roads_to_rome.routing.policies import AlwaysSLM, EntropyPolicy, NeuralPolicy
 
 kind = kind_fixture(ENGINE_LOGIC_BACKENDS)  # (conftest.ENGINE_LOGIC_BACKENDS: why not torch-static)
 
@@ -144,9 +144,10 @@ def test_strict_verification_with_overlap_is_the_llms_greedy_output(kind_pair, t
         engine = Engine(slm, SlowLLM(llm, 0.01), tokenizer, EntropyPolicy(3.0), verify="strict", max_unverified=n,
                         overlap=True)
         assert [g.token_ids for g in engine.generate(prompts, params)] == expected, n
-    spec = Engine(slm, SlowLLM(llm, 0.01), tokenizer, EntropyPolicy(1e9), verify="strict", max_unverified=4,
-                  overlap=True)  # the SLM alone drafts: speculative decoding, the next drafts written while it checks
-    assert [g.token_ids for g in spec.generate(prompts, params)] == expected
+    for drafts in (EntropyPolicy(1e9), AlwaysSLM()):  # the SLM alone drafts: speculative decoding, the next drafts
+        spec = Engine(slm, SlowLLM(llm, 0.01), tokenizer, drafts, verify="strict", max_unverified=4,
+                      overlap=True)  # written while the LLM checks
+        assert [g.token_ids for g in spec.generate(prompts, params)] == expected, drafts.name
 
 
 def test_a_stream_with_overlap_shows_only_tokens_that_stay(kind_pair, tokenizer):

@@ -353,6 +353,7 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
     kind, router_path = choose_policy(config.policy, config.router_path, config.slm)
     verify = config.verify if config.verify is not None else default_verify(kind not in ("slm", "llm"))
     check_max_unverified(config.max_unverified, verify.on)
+    check_routing_settings(config, kind, verify)
     mode, rule = grouping_rule(config, kind)
     slm_b, llm_b, tokenizer = load_pair(config.slm, config.llm, config.device,
                                         need_llm=kind != "slm" or verify.on,
@@ -360,9 +361,36 @@ def load_engine(config: EngineConfig | None = None, **fields) -> Engine:
                                         llm_retry=config.llm_retry, threads=config.threads,
                                         llm_api_key=config.llm_api_key, chat_template=config.chat_template)
     deferral = dataclasses.replace(rule, mode=resolve_defer(mode, llm_b))
-    overlap = resolve_overlap(config.overlap if kind not in ("slm", "llm") else "off", slm_b, llm_b)
+    overlap = resolve_overlap(config.overlap if overlaps(kind, verify) else "off", slm_b, llm_b)
     return systems.routed(slm_b, llm_b, tokenizer, kind, config.threshold, router_path, config.seed, verify,
                           config.max_unverified, deferral, overlap, config.threads.get("llm"))
+
+
+def overlaps(kind: str, verify: Verify) -> bool:
+    """Whether the LLM's calls can run beside the SLM's steps: where tokens are routed, or where the SLM drafts
+    alone and the LLM checks (speculative decoding), not where one model writes alone."""
+    return kind not in ("slm", "llm") or (kind == "slm" and verify.on)
+
+
+def check_routing_settings(config: EngineConfig, kind: str, verify: Verify) -> None:
+    """Settings of routed tokens are refused where one model writes every token: none of them would be read, and a
+    run that silently ignored --threshold would be taken for one that used it."""
+    if kind not in ("slm", "llm"):
+        return
+    given = {"--threshold": config.threshold is not None, "--defer": config.defer not in (None, "off", "auto"),
+             "--defer-group": config.defer_group is not None, "--defer-steps": config.defer_steps is not None}
+    if not overlaps(kind, verify):
+        given |= {"--overlap": config.overlap == "on", "--overlap-ahead": config.overlap_ahead is not None}
+    unread = [flag for flag, set_ in given.items() if set_]
+    if unread:
+        drafts = ", or have the LLM check the SLM's tokens (--verify)" if kind == "slm" and not verify.on else ""
+        raise R2RError(f"{', '.join(unread)} {'sets' if len(unread) == 1 else 'set'} how routed tokens go to the "
+                       f"LLM; --router {kind} writes every token with the {kind.upper()}"
+                       f"{' (the LLM checks them)' if verify.on else ''}: leave {'it' if len(unread) == 1 else 'them'}"
+                       f" out, or route (--router router, entropy or random){drafts}")
+    if kind == "llm" and verify.on:
+        raise R2RError("--router llm writes every token with the LLM: there is nothing for it to check, so leave "
+                       "--verify out (--router slm --verify strict is speculative decoding)")
 
 
 def grouping_rule(config: EngineConfig, kind: str) -> tuple[str, Deferral]:
