@@ -274,6 +274,11 @@ def test_per_request_forced_model_and_threshold(slm, llm, tokenizer):
     gens = verifying.run(forced)
     assert gens[0].token_ids == slm_only.token_ids
     assert gens[1].token_ids == llm_only.token_ids  # the SLM drafts, the LLM checks: speculative
+    # The LLM writing alone has nothing to check: asked for, it is refused; an engine's setting leaves its rows alone
+    with pytest.raises(R2RError, match="nothing for it to check"):
+        verifying.sequence(Request(prompt, params, force="llm", verify="strict"))
+    assert not Engine(slm, llm, tokenizer, AlwaysLLM(), verify="strict").sequence(Request(prompt, params)).verify.on
+    assert Engine(slm, llm, tokenizer, AlwaysSLM(), verify="strict").sequence(Request(prompt, params)).verify.on
 
 
 def test_rows_that_all_force_the_llm_leave_the_slm_idle(slm, llm, tokenizer, monkeypatch):

@@ -211,6 +211,8 @@ BAD_REQUESTS = [
     ("a verify interval with verification off", json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                                             "r2r_verify": "off", "r2r_max_unverified": 3}).encode(),
      400),
+    ("the LLM alone verified", json.dumps({"messages": [{"role": "user", "content": "hi"}], "r2r_policy": "llm",
+                                           "r2r_verify": "strict"}).encode(), 400),
     ("stream_options without a stream", json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                     "stream_options": {"include_usage": True}}).encode(), 400),
 ]

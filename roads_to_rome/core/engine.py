@@ -118,8 +118,13 @@ class Engine:
             bad = next(t for t in request.prompt_ids if not 0 <= t < vocab)
             raise R2RError(f"the prompt holds token {bad}, beyond the vocabulary: ids are 0 to {vocab - 1}")
         params.check_vocabulary(vocab)
-        # The engine's setting is for routed rows: a row forced onto one model is that model alone unless it asks.
-        verify = request.verify if request.verify is not None else default_verify(request.force is None, self.verify)
+        # The engine's setting is for routed rows and the slm policy's drafts (speculative decoding): a request forced
+        # onto one model, or the llm policy's row, is that model alone unless it asks.
+        checked = request.force is None and alone != "llm"
+        verify = request.verify if request.verify is not None else default_verify(checked, self.verify)
+        if verify.on and force == "llm":
+            raise R2RError("this request's every token is the LLM's: there is nothing for it to check, so leave "
+                           "verification out (the SLM's tokens verified strictly is speculative decoding)")
         if verify.on:
             self._check_verifiable(verify, request.params)
         elif request.max_unverified is not None:
