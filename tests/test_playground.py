@@ -128,19 +128,29 @@ def test_knobs_change_the_request_the_page_sends(page):
     assert body["r2r_verify"] == 1.5 and body["r2r_max_unverified"] == 4
     assert body["max_tokens"] == 6 and body["temperature"] == 0.7
     assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]  # the conversation goes on
-    page.select_option("#policy", "llm")
     page.select_option("#verify", "strict")
+    page.select_option("#policy", "slm")
     page.check("#compare")
     ask(page, "Once more", 4)
     page.wait_for_function("[...document.querySelectorAll('.pane .status')].every(s => "
                            "s.textContent.startsWith('finished in'))")
     slm_alone, r2r, llm_alone = bodies[-3:]  # one after another, in pane order
     assert (slm_alone["r2r_policy"], slm_alone["r2r_verify"]) == ("slm", "off")
-    assert (r2r["r2r_policy"], r2r["r2r_verify"], r2r["r2r_max_unverified"]) == ("llm", "strict", 4)  # the knobs
+    assert (r2r["r2r_policy"], r2r["r2r_verify"], r2r["r2r_max_unverified"]) == ("slm", "strict", 4)  # the knobs
     # ... but not a rate beside one model alone (the server refuses it): its input is disabled
     assert "r2r_llm_rate" not in r2r and page.is_disabled("#routeValue") and page.is_disabled("#routeBy")
     page.select_option("#verify", "off")
     assert page.is_disabled("#maxUnverified") and page.is_disabled("#tolerance")
+    page.select_option("#verify", "")  # one model at the server's setting is not verified: no bound to send
+    assert page.is_disabled("#maxUnverified")
+    page.select_option("#verify", "strict")
+    page.select_option("#policy", "llm")  # the LLM alone has nothing to check
+    assert page.is_disabled("#verify") and page.is_disabled("#maxUnverified") and page.is_disabled("#tolerance")
+    page.uncheck("#compare")
+    ask(page, "And again", 3)
+    page.wait_for_function("[...document.querySelectorAll('.pane .status')].every(s => "
+                           "s.textContent.startsWith('finished in'))")
+    assert bodies[-1]["r2r_policy"] == "llm" and "r2r_verify" not in bodies[-1] and "r2r_max_unverified" not in bodies[-1]
     assert (llm_alone["r2r_policy"], llm_alone["r2r_verify"]) == ("llm", "off")
     assert "r2r_llm_rate" not in slm_alone and "r2r_llm_rate" not in llm_alone  # knobs are the R2R pane's
 
