@@ -33,6 +33,17 @@ def test_unknown_model_path_and_bad_files(tmp_path):
         models.load_pair(str(tmp_path / "broken.gguf"), None, "cpu", need_llm=False, backend="torch")
     with pytest.raises(R2RError, match="cannot (load|read the tokenizer of) SLM"):  # auto: llama.cpp where installed
         models.load_pair(str(tmp_path / "broken.gguf"), None, "cpu", need_llm=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(R2RError, match="holds no config.json and no tokenizer files"):
+        models.load_pair(str(empty), None, "cpu", need_llm=False, backend="torch")
+    (empty / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(R2RError, match=r"holds no tokenizer files \(tokenizer.json,"):
+        models.load_pair(str(empty), None, "cpu", need_llm=False, backend="torch")
+    (empty / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(R2RError, match="cannot load SLM") as unreadable:  # transformers' word, on one line
+        models.load_pair(str(empty), None, "cpu", need_llm=False, backend="torch")
+    assert "\n" not in str(unreadable.value)
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(R2RError, match="not a .gguf file"):
         models.load_pair(str(tmp_path / "weights.bin"), None, "cpu", need_llm=False)

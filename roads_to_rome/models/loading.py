@@ -63,16 +63,32 @@ def _load_one(spec: str, role: str, device: str, dtype):
         raise R2RError(f"{role} model path {spec} does not exist")
     if path.is_file() and path.suffix != ".gguf":
         raise R2RError(f"{role} model {spec} is a file but not a .gguf file: give a model directory or a GGUF file")
+    if path.is_dir():
+        check_model_dir(path, role)
     kwargs = {"gguf_file": path.name} if path.is_file() else {}
     source = str(path.parent if path.is_file() else (path if looks_local else spec))
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except Exception as e:  # transformers raises OSError, ValueError, gguf reader errors...
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        said = " ".join(str(e).split())[:400] or type(e).__name__  # its messages run over several lines
         hint = "" if looks_local else " (not a local path, so it was tried as a hub id)"
-        raise R2RError(f"cannot load {role} model {spec!r}{hint}: {first_line}") from None
+        raise R2RError(f"cannot load {role} model {spec!r}{hint}: {said}") from None
     return model.to(device), tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def check_model_dir(path: Path, role: str) -> None:
+    """A model directory holds a config and a tokenizer: said by name before transformers says it less plainly."""
+    tokenizer = f"tokenizer files ({', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]})"
+    missing = [what for what, present in (("config.json", (path / "config.json").exists()),
+                                          (tokenizer, any((path / name).exists() for name in TOKENIZER_FILES)))
+               if not present]
+    if missing:
+        raise R2RError(f"{role} model directory {path} holds no {' and no '.join(missing)}: give a transformers model "
+                       "directory (as save_pretrained writes it) or a .gguf file")
 
 
 PADDING_TOKEN = re.compile(r"\[PAD\d+\]")  # what converters name the rows an embedding has beyond the vocabulary
