@@ -167,8 +167,12 @@ def test_rollouts_run_to_the_end_of_the_answer_or_until_they_rejoin_the_response
     for key, c in early.items():
         if not c["rejoined"]:
             assert c["slm_branch"] == full[key]["slm_branch"]
-    with pytest.raises(R2RError, match="use another --out"):  # one output directory, one kind of branch
+    # one output directory, one kind of branch; the refusal names the judge that makes the difference, not a field
+    with pytest.raises(R2RError, match=r"made with rollouts to the answer's end \(--judge answer\) = on, not off: .*"
+                                       "use another --out"):
         labels.step_continuations(llm_engine, tmp_path / "early", max_new_tokens=8)
+    with pytest.raises(R2RError, match="made with --rejoin-tokens = 2, not 3"):
+        labels.step_continuations(llm_engine, tmp_path / "early", max_new_tokens=8, rollout=True, rejoin_tokens=3)
 
 
 def test_responses_stating_no_answer_get_no_rollouts(tmp_path, slm, llm, tokenizer, monkeypatch):
@@ -600,7 +604,7 @@ def test_label_cli(run_cli, tmp_path):
     written = AutoTokenizer.from_pretrained(slm_dir).encode(f"Q: {PROMPTS[0]['prompt']}\nA:")
     assert labels.Parts(tmp_path / "t", "responses").rows()[0]["prompt_ids"] == written
     code, out, err = run_cli(*args)
-    assert code != 0 and "made with chat_template" in err
+    assert code != 0 and "made with --chat-template" in err
     for bad, says in ((["--margin", "-1"], "must be above 0"), (["--writer", "slm"], "needs --judge margin")):
         code, out, err = run_cli("label", prompts, "--out", tmp_path / "n", "--judge", "margin" if bad[0] ==
                                  "--margin" else "facts", *bad, *pair)
@@ -709,9 +713,9 @@ def test_a_resume_with_other_settings_is_refused_naming_the_setting(tmp_path, sl
     out = tmp_path / "run"
     run_pipeline(out, slm, llm, tokenizer)
     llm_engine = Engine.alone(llm, tokenizer)
-    with pytest.raises(R2RError, match="max_new_tokens = 24, not 48"):  # responses of two lengths would mix
+    with pytest.raises(R2RError, match="made with --max-new-tokens = 24, not 48"):  # responses of two lengths would mix
         labels.step_responses(PROMPTS, llm_engine, out, max_new_tokens=48, batch_size=2)
-    with pytest.raises(R2RError, match='judge = "stub", not "answer"'):  # verdicts of two judges would mix
+    with pytest.raises(R2RError, match='made with --judge = "stub", not "answer"'):  # verdicts of two judges would mix
         labels.step_judgements(judges.AnswerJudge(), out, batch_size=4)
     labels.step_responses(PROMPTS, llm_engine, out, max_new_tokens=24, batch_size=2)  # the same settings resume
 

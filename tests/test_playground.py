@@ -150,7 +150,8 @@ def test_knobs_change_the_request_the_page_sends(page):
     ask(page, "And again", 3)
     page.wait_for_function("[...document.querySelectorAll('.pane .status')].every(s => "
                            "s.textContent.startsWith('finished in'))")
-    assert bodies[-1]["r2r_policy"] == "llm" and "r2r_verify" not in bodies[-1] and "r2r_max_unverified" not in bodies[-1]
+    last = bodies[-1]
+    assert last["r2r_policy"] == "llm" and "r2r_verify" not in last and "r2r_max_unverified" not in last
     assert (llm_alone["r2r_policy"], llm_alone["r2r_verify"]) == ("llm", "off")
     assert "r2r_llm_rate" not in slm_alone and "r2r_llm_rate" not in llm_alone  # knobs are the R2R pane's
 

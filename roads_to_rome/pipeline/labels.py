@@ -108,17 +108,33 @@ def to_sentence_end(text: str) -> str:
 
 # ---- the steps -----------------------------------------------------------------------------------
 
+# How `r2r label` is given each setting a step records, for a refused resume to name what to change.
+SETTINGS = {"writer": "--writer", "max_new_tokens": "--max-new-tokens", "chat_template": "--chat-template",
+            "llm_reads": "the LLM reading each response (--judge margin, --writer slm)", "judge": "--judge",
+            "rollout": "rollouts to the answer's end (--judge answer)", "rejoin_tokens": "--rejoin-tokens",
+            "positions_per_response": "--positions-per-response"}
+STEP_SETTINGS = {("continuations", "max_new_tokens"): "--continuation-tokens"}
+
+
 def same_mode(out: Path, step: str, mode: dict) -> None:
     """A step's parts are all made one way (OUT/<step>.json says which): refuse to add parts made another way, naming
     the setting that differs. A setting the run did not record yet (made before it was) is recorded from now on."""
     file = out / f"{step}.json"
     made = json.loads(file.read_text()) if file.exists() else {}
-    for setting in sorted(made.keys() | mode.keys()):
+    for setting in [*mode, *(s for s in made if s not in mode)]:  # the step's own order: the cause before its effects
         if setting in made and made[setting] != mode.get(setting):
-            raise R2RError(f"{out}'s {step} step was made with {setting} = {json.dumps(made[setting])}, not "
-                           f"{json.dumps(mode.get(setting))}: resume it with the same setting, or use another --out")
+            name = STEP_SETTINGS.get((step, setting), SETTINGS.get(setting, setting))
+            raise R2RError(f"{out}'s {step} step was made with {name} = {shown(made[setting])}, not "
+                           f"{shown(mode.get(setting))}: resume it with the same setting, or use another --out")
     out.mkdir(parents=True, exist_ok=True)
     files.write_text(file, json.dumps({**made, **mode}))
+
+
+def shown(value) -> str:
+    """A recorded setting as a person reads it: none, on or off, a number, a quoted string."""
+    if value is None or isinstance(value, bool):
+        return {None: "none", True: "on", False: "off"}[value]
+    return json.dumps(value)
 
 
 def writer_of(out: Path) -> str:
