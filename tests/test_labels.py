@@ -605,7 +605,9 @@ def test_label_cli(run_cli, tmp_path):
     assert labels.Parts(tmp_path / "t", "responses").rows()[0]["prompt_ids"] == written
     code, out, err = run_cli(*args)
     assert code != 0 and "made with --chat-template" in err
-    for bad, says in ((["--margin", "-1"], "must be above 0"), (["--writer", "slm"], "needs --judge margin")):
+    for bad, says in ((["--margin", "-1"], "must be above 0"), (["--writer", "slm"], "needs --judge margin"),
+                      (["--judge-url", "http://127.0.0.1:9/v1"], "which --judge facts does not ask"),
+                      (["--rejoin-tokens", "2"], "--judge facts makes none")):
         code, out, err = run_cli("label", prompts, "--out", tmp_path / "n", "--judge", "margin" if bad[0] ==
                                  "--margin" else "facts", *bad, *pair)
         assert code != 0 and says in err and "Traceback" not in err

@@ -241,8 +241,9 @@ def label_run(
     def judge_for(llm_alone):
         return judges.build(judge, lambda: llm_alone, judge_url, judge_model, device, margin)
 
-    if judge == "margin":
-        judges.MarginJudge(margin)  # a bad --margin is refused before any model loads
+    judges.check_settings(judge, judge_url, judge_model, margin)  # before any model loads
+    if rejoin_tokens and judge != "answer":
+        raise R2RError(f"--rejoin-tokens stops the answer judge's rollouts; --judge {judge} makes none: leave it out")
 
     with progress_bar(RateColumn(), TimeRemainingColumn()) as progress:
         dataset = labels.run(prompts, out, steps,

@@ -284,10 +284,24 @@ class MarginJudge:
 JUDGES = ("local", "remote", "semantic", "facts", "answer", "margin")
 
 
+def check_settings(kind: str, url: str | None = None, model: str | None = None, margin: float = 1.0) -> None:
+    """A judge's settings, refused before any model loads: an endpoint is the remote judge's alone."""
+    if kind not in JUDGES:
+        raise R2RError(f"unknown judge {kind!r}: use one of {', '.join(JUDGES)}")
+    if kind == "remote" and (not url or not model):
+        raise R2RError("--judge remote needs --judge-url and --judge-model (and OPENAI_API_KEY if it wants one)")
+    if kind != "remote" and (url or model):
+        raise R2RError(f"--judge-url and --judge-model name the remote judge's endpoint, which --judge {kind} does not "
+                       "ask: add --judge remote, or leave them out")
+    if kind == "margin":
+        MarginJudge(margin)
+
+
 def build(kind: str, llm_engine=None, url: str | None = None, model: str | None = None, device: str = "cpu",
           margin: float = 1.0):
     """A judge by name. `llm_engine`: a function giving the LLM alone (`Engine.alone`), called only
     for the local judge, so the others load no model."""
+    check_settings(kind, url, model, margin)
     if kind == "margin":
         return MarginJudge(margin)
     if kind == "local":
@@ -298,8 +312,4 @@ def build(kind: str, llm_engine=None, url: str | None = None, model: str | None 
         return FactsJudge()
     if kind == "answer":
         return AnswerJudge()
-    if kind == "remote":
-        if not url or not model:
-            raise R2RError("--judge remote needs --judge-url and --judge-model (and OPENAI_API_KEY if it wants one)")
-        return RemoteJudge(url, model, os.environ.get("OPENAI_API_KEY", "unused"))
-    raise R2RError(f"unknown judge {kind!r}: use one of {', '.join(JUDGES)}")
+    return RemoteJudge(url, model, os.environ.get("OPENAI_API_KEY", "unused"))
