@@ -87,6 +87,12 @@ def test_eval_humaneval_and_errors(run_cli, pair, tmp_path):
         (["--systems", "gpt"], "--systems"),
         (["--benchmark", "mmlu"], "unknown benchmark"),
         (["--ids", "0-99999"], "outside"),
+        # a setting no chosen system reads: refused, not left out of a table that looks made with it
+        (["--threshold", "0.3"], "--threshold is r2r's, and --systems slm does not read it"),
+        (["--spec-k", "3"], "--spec-k is the spec system's"),
+        (["--systems", "r2r,random", "--llm-rate", "0.2"], "beside r2r they match its rate"),
+        (["--router-path", "somewhere"], "--router-path is r2r's and --sweep's"),
+        (["--verify", "1"], "--systems slm has none: add one, or leave --verify out"),
     ]:
         base = {"--benchmark": "gsm8k", "--systems": "slm", "--ids": "0"}
         for k, v in zip(args[::2], args[1::2]):

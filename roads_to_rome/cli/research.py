@@ -91,14 +91,16 @@ def eval_command(
     router_path: RouterPath = None,
     threshold: float | None = typer.Option(None, "--threshold",
                                            help="r2r: the router's threshold (default: its calibrated one)."),
-    llm_rate: float = typer.Option(0.15, "--llm-rate", min=0, max=1,
-                                   help="entropy/random target LLM rate when r2r is not among the systems."),
+    llm_rate: float | None = typer.Option(None, "--llm-rate", min=0, max=1,
+                                          help="entropy/random target LLM rate when r2r is not among the systems "
+                                          "(default 0.15).", show_default=False),
     sweep: str | None = typer.Option(None, "--sweep",
                                      help="Comma-separated r2r thresholds (or entropy LLM rates without a router)."),
     batch_size: int = count(1, "--batch-size", help="Items decoded together."),
     verify: VerifyList = "off",  # for r2r, entropy and random: one system each, e.g. r2r+verify=1
     max_unverified: MaxUnverified = None,
-    spec_k: int = count(4, "--spec-k", help="Draft tokens per check for the spec system."),
+    spec_k: int | None = typer.Option(None, "--spec-k", min=1, help="Draft tokens per check for the spec system "
+                                      "(default 4).", show_default=False),
     chat_template: ChatTemplateOpt = None,
     slm: Slm = None, llm: Llm = None, device: Device = "auto", dtype: Dtype = "auto", backend: BackendOpt = "auto",
 ):

@@ -260,6 +260,10 @@ def highlight(row: dict, tokenizer) -> str:
                    for p, s in zip(pieces, row["sources"]))
 
 
+DEFAULT_LLM_RATE = 0.15
+DEFAULT_SPEC_K = 4
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """One `r2r eval` run: the systems, the items, the pair they share, and how the routed systems are set up.
@@ -278,25 +282,46 @@ class EvalConfig:
     backend: str = "auto"
     router_path: Path | None = None  # None: the shipped router for the default SLM
     threshold: float | None = None  # r2r's threshold (None: the router's calibrated one)
-    llm_rate: float = 0.15  # entropy and random's target LLM rate when r2r is not among the systems
+    llm_rate: float | None = None  # entropy and random's target LLM rate when r2r is not among the systems (None: 0.15)
     sweep: tuple[float, ...] = ()  # r2r thresholds (or entropy LLM rates without a router), one system each
     verify: tuple[str | float, ...] = ("off",)  # verification settings of the routed systems, one system each
     max_unverified: int | None = None
-    spec_k: int = 4  # the spec system's draft tokens per check
+    spec_k: int | None = None  # the spec system's draft tokens per check (None: 4)
     chat_template: str | None = None  # a Jinja chat template, or a file holding one, for the tokenizer's own
 
     def __post_init__(self):
         unknown = [s for s in self.systems if s not in SYSTEMS]
         if not self.systems or unknown:
             raise R2RError(f"--systems takes a comma-separated subset of {','.join(SYSTEMS)}; unknown: {unknown}")
+        self._check_unread()
+        object.__setattr__(self, "llm_rate", DEFAULT_LLM_RATE if self.llm_rate is None else self.llm_rate)
+        object.__setattr__(self, "spec_k", DEFAULT_SPEC_K if self.spec_k is None else self.spec_k)
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.spec_k < 1:
             raise R2RError("--max-new-tokens, --batch-size and --spec-k must be at least 1")
         if not 0 <= self.llm_rate <= 1 or any(not 0 <= v <= 1 for v in self.sweep):
             raise R2RError("--llm-rate and --sweep values must be in [0, 1]")
         object.__setattr__(self, "verify", tuple(parse_verify(v) for v in self.verify))
         check_max_unverified(self.max_unverified, any(v.on for v in self.verify))
+        if any(v.on for v in self.verify) and not (set(self.systems) & set(ROUTED) or self.sweep):
+            raise R2RError(f"--verify makes verified copies of r2r, entropy and random (and --sweep's systems), and "
+                           f"--systems {','.join(self.systems)} has none: add one, or leave --verify out")
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", models.read_chat_template(self.chat_template))
+
+    def _check_unread(self) -> None:
+        """A setting no chosen system reads is refused: a table made without it would be taken for one made with it."""
+        given = set(self.systems)
+        unread = [(option, reader) for option, value, reader, read in (
+            ("--threshold", self.threshold, "r2r's", "r2r" in given),
+            ("--router-path", self.router_path, "r2r's and --sweep's", "r2r" in given or bool(self.sweep)),
+            ("--spec-k", self.spec_k, "the spec system's", "spec" in given),
+            ("--llm-rate", self.llm_rate, "entropy's and random's where r2r is not run (beside r2r they match its "
+             "rate)", bool(given & {"entropy", "random"}) and "r2r" not in given))
+            if value is not None and not read]
+        if unread:
+            option, reader = unread[0]
+            raise R2RError(f"{option} is {reader}, and --systems {','.join(self.systems)} does not read it: choose "
+                           "the systems it is for, or leave it out")
 
 
 def entropy_at_rate(slm, tokenizer, items: list[benchmarks.Item], rows: list[dict], rate: float) -> float:
