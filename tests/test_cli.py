@@ -231,6 +231,10 @@ def test_serving_benchmark_runs(run_cli, pair, tmp_path):
         assert code == 2 and "--systems" in err, bad
     code, out, err = run_cli("bench", "serve", "--systems", "llm-direct", *pair)  # needs the LLM on a server
     assert code == 2 and "--llm http://" in err
+    for systems, option in (("llm,slm", "--threshold 0.3"), ("r2r,r2r+overlap", "--defer-group 0.5"),
+                            ("r2r,r2r+defer=park", "--overlap-ahead 3"), ("r2r,llm", "--defer-steps 4")):
+        code, out, err = run_cli("bench", "serve", "--systems", systems, *option.split(), *pair)  # read by none
+        assert code == 2 and f"{option.split()[0]} is for" in err and "leave it out" in err, (systems, err)
 
 
 def test_prefix_benchmark_shares_a_system_message_between_clients(run_cli, pair, tmp_path):

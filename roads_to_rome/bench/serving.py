@@ -78,13 +78,24 @@ class ServedSystem:
         return cls(name.strip(), kind, **fields)
 
     @classmethod
-    def check(cls, names: list[str], llm: str | None) -> list[ServedSystem]:
-        """The systems of --systems, checked before anything loads."""
+    def check(cls, names: list[str], llm: str | None, threshold: float | None = None, defer_group: float | None = None,
+              defer_steps: int | None = None, overlap_ahead: int | None = None) -> list[ServedSystem]:
+        """The systems of --systems, checked before anything loads, with the settings only some systems read (None:
+        not given)."""
         chosen = [cls.parse(name) for name in names]
         if len({s.name for s in chosen}) < len(chosen):
             raise R2RError(f"--systems names a system twice: {', '.join(names)}")
         if any(s.kind == "llm-direct" for s in chosen) and not is_remote(llm):
             raise R2RError("--systems llm-direct asks the LLM's own server: give it with --llm http://...")
+        grouped, overlapped = any(s.defer != "off" for s in chosen), any(s.overlap for s in chosen)
+        for option, value, reader, read in (
+                ("--threshold", threshold, "r2r", any(s.kind == "r2r" for s in chosen)),
+                ("--defer-group", defer_group, "r2r+defer=...", grouped),
+                ("--defer-steps", defer_steps, "r2r+defer=... or +overlap", grouped or overlapped),
+                ("--overlap-ahead", overlap_ahead, "+overlap", overlapped)):
+            if value is not None and not read:
+                raise R2RError(f"{option} is for {reader} systems, and --systems {','.join(names)} has none: add one, "
+                               "or leave it out")
         return chosen
 
     def engine(self, slm, llm, tokenizer, policy, rule: Deferral) -> Engine | None:

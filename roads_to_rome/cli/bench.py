@@ -171,7 +171,7 @@ def bench_serve(
     if not counts or not names:
         raise R2RError(f"--clients takes whole numbers and --systems names; got --clients {clients!r} --systems "
                        f"{systems!r}")
-    ServedSystem.check(names, llm)
+    ServedSystem.check(names, llm, threshold, defer_group, defer_steps, overlap_ahead)
     rule = Deferral.of("off", defer_group, defer_steps, overlap_ahead)
     dtype = pick_dtype(dtype, device)
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console, transient=True) as progress:
