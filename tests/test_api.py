@@ -48,6 +48,8 @@ def test_load_engine_builds_what_a_config_says_and_fields_override_it(tmp_path):
     assert load_engine(config, dtype="bfloat16").deferral.mode == ("continue" if has_native_bf16() else "off")
     rule = load_engine(config, defer="continue", defer_group=0.5, defer_steps=4).deferral
     assert (rule.mode, rule.group, rule.steps) == ("continue", 0.5, 4)
+    with pytest.raises(R2RError, match="--defer off groups none"):  # a share of rows where nothing is grouped
+        load_engine(config, defer="off", defer_group=0.5)
     assert load_engine(config, policy="llm", threshold=None, defer=None).deferral.mode == "off"
     # where one model writes every token, a setting of routed tokens would be read by nothing: refused, not ignored
     with pytest.raises(R2RError, match="--threshold sets how routed tokens go to the LLM; --router llm"):

@@ -390,8 +390,12 @@ def overlaps(kind: str, verify: Verify) -> bool:
 
 def check_routing_settings(config: EngineConfig, kind: str, verify: Verify) -> None:
     """Settings of routed tokens are refused where one model writes every token: none of them would be read, and a
-    run that silently ignored --threshold would be taken for one that used it."""
+    run that silently ignored --threshold would be taken for one that used it. Likewise a grouping share where
+    nothing is grouped."""
     if kind not in ("slm", "llm"):
+        if config.defer == "off" and config.defer_group is not None:
+            raise R2RError("--defer-group is the share of a batch's rows that wait for one grouped LLM call, and "
+                           "--defer off groups none: leave it out, or group (--defer continue, park or auto)")
         return
     given = {"--threshold": config.threshold is not None, "--defer": config.defer not in (None, "off", "auto"),
              "--defer-group": config.defer_group is not None, "--defer-steps": config.defer_steps is not None}
