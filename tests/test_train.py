@@ -133,6 +133,11 @@ def test_train_and_calibrate_cli(run_cli, dataset, tmp_path):
     assert every["own_threshold"]["threshold"] == load_router(tmp_path / "router").threshold
     code, out, err = run_cli("train", tmp_path, "--slm", slm_dir)
     assert code == 2 and "not a label dataset" in err
+    for targets, says in ((["--target-rate", "0.2", "--target-recall", "0.5"], "not both"),  # one threshold, one target
+                          (["--write"], "--write needs --target-rate or --target-recall"),
+                          (["--target-recall", "1"], "strictly between 0 and 1")):
+        code, out, err = run_cli("calibrate", tmp_path / "router", dataset, "--slm", slm_dir, *targets)
+        assert code == 2 and says in err, err
 
 
 def test_a_judge_that_calls_nothing_divergent_still_gives_the_ablation_table(run_cli, dataset, tmp_path):

@@ -179,11 +179,7 @@ def calibrate(
     require_extra("labels", "`r2r calibrate`")
     from roads_to_rome.training import train as training
 
-    for name, v in (("--target-rate", target_rate), ("--target-recall", target_recall)):
-        if v is not None and not 0 < v < 1:
-            raise R2RError(f"{name} must be strictly between 0 and 1")
-    if write and (target_rate is None) == (target_recall is None):
-        raise R2RError("--write needs exactly one of --target-rate or --target-recall")
+    training.check_targets(target_rate, target_recall, write)  # before the SLM loads
     slm_engine = load_alone(slm, "slm", device, dtype, backend)
     result = training.calibrate(router_path, dataset, slm_engine.slm, target_rate, target_recall, write, all_prompts)
     if as_json:

@@ -363,6 +363,17 @@ def run_result(router, held_out, lookup, measured: str, inputs: str, objective: 
             **info, "threshold": threshold_at_rate(scores, target_rate)}
 
 
+def check_targets(target_rate: float | None, target_recall: float | None, write: bool) -> None:
+    """One threshold is chosen for one target: a rate or a recall, each strictly between 0 and 1."""
+    for name, value in (("--target-rate", target_rate), ("--target-recall", target_recall)):
+        if value is not None and not 0 < value < 1:
+            raise R2RError(f"{name} must be strictly between 0 and 1")
+    if target_rate is not None and target_recall is not None:
+        raise R2RError("give --target-rate or --target-recall, not both: one threshold is chosen for one target")
+    if write and target_rate is None and target_recall is None:
+        raise R2RError("--write needs --target-rate or --target-recall: it stores the threshold that reaches it")
+
+
 def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None = None,
               target_recall: float | None = None, write: bool = False, all_prompts: bool = False) -> dict:
     """Sweep a router's threshold on the validation prompts it was trained without: recall of divergent
@@ -372,8 +383,7 @@ def calibrate(router_path: Path, dataset: Path, slm, target_rate: float | None =
     router never saw (how its recall carries over to other prompts, an evaluation set's say)."""
     plt = pyplot()
 
-    if write and (target_rate is None) == (target_recall is None):
-        raise R2RError("--write needs exactly one of --target-rate or --target-recall")
+    check_targets(target_rate, target_recall, write)
     ckpt = load_router(router_path, slm_identity(slm))
     embed = slm.embedding_table().float().cpu()
     seed = ckpt.extra.get("training", {}).get("seed", 0)
