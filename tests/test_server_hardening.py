@@ -302,6 +302,27 @@ def test_9_non_finite_and_out_of_range_values_are_400s(server, expected, field, 
     unharmed(server, expected)
 
 
+# A field sent as null takes its default (OpenAI declares them nullable, vLLM reads them so), and vLLM's top_k -1
+# is no cut, as 0; a required field sent as null is still refused.
+def test_9_null_fields_take_their_default_on_every_api(server, expected):
+    nulls = dict.fromkeys(("top_p", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                           "min_tokens", "logprobs", "top_logprobs", "stream", "stream_options", "parallel_tool_calls",
+                           "echo", "seed", "stop", "ignore_eos", "add_generation_prompt", "priority"))
+    assert answer(server, **nulls, top_k=-1) == expected
+    assert post(server, body(temperature=None, r2r_policy="llm")).status_code == 200
+    reply = httpx.post(server + "/v1/responses", json={
+        "input": "What is 48 / 2?", "max_output_tokens": 8, "temperature": 0, "r2r_policy": "llm", "top_k": -1,
+        **dict.fromkeys(("stream", "store", "background", "parallel_tool_calls", "top_p"))}, timeout=60)
+    assert reply.status_code == 200 and reply.json()["output"][0]["content"][0]["text"] == expected, reply.text
+    message = {"messages": [{"role": "user", "content": "What is 48 / 2?"}], "max_tokens": 8, "temperature": 0,
+               "r2r_policy": "llm", "top_k": -1, "stream": None, "top_p": None}
+    reply = httpx.post(server + "/v1/messages", json=message, timeout=60)
+    assert reply.status_code == 200 and reply.json()["content"][0]["text"] == expected, reply.text
+    reply = httpx.post(server + "/v1/messages", json={**message, "max_tokens": None}, timeout=60)
+    assert reply.status_code == 400 and "max_tokens" in reply.json()["error"]["message"]
+    assert post(server, body(top_k=-2)).status_code == 400
+
+
 # 10. Access: API key, Host and Origin on a loopback server, JSON-only posts, no docs unless asked.
 def test_10_api_key_host_origin_content_type_and_docs(engine):
     app = create_app(engine, "tiny-r2r", Limits(max_tokens=16, context_length=512), api_key="sesame")

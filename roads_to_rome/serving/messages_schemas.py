@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from roads_to_rome.serving.chat_schemas import ChatBody
 from roads_to_rome.serving.errors import APIError
-from roads_to_rome.serving.schemas import Number, Text, renamed
+from roads_to_rome.serving.schemas import NullIsDefault, Number, Text, renamed
 
 
 class TextBlock(BaseModel):
@@ -116,7 +116,7 @@ UNDONE = {"mcp_servers": "MCP servers (give the tools themselves)", "container":
           "context_management": "context editing (send the conversation as it should be read)"}
 
 
-class MessagesBody(BaseModel):
+class MessagesBody(NullIsDefault):
     """A Messages request. Fields it does not name are vLLM's and R2R's extras (seed, min_p, r2r_policy, ...) and go
     to the chat path as they are."""
 

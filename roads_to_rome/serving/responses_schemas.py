@@ -11,7 +11,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Dis
 
 from roads_to_rome.serving.chat_schemas import ChatBody, json_object_text
 from roads_to_rome.serving.errors import APIError
-from roads_to_rome.serving.schemas import Number, Text, renamed
+from roads_to_rome.serving.schemas import NullIsDefault, Number, Text, renamed
 
 LOGPROBS = "message.output_text.logprobs"  # what `include` names to get the answer's log-probabilities
 
@@ -141,7 +141,7 @@ UNDONE = {"prompt": "stored prompt templates (give the input itself)",
           "max_tool_calls": "a cap on hosted tool calls (this server runs no hosted tools)"}
 
 
-class ResponsesBody(BaseModel):
+class ResponsesBody(NullIsDefault):
     """A Responses request. Fields it does not name are vLLM's and R2R's extras (top_k, seed, stop, r2r_policy, ...)
     and go to the chat path as they are."""
 

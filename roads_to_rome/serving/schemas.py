@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from roads_to_rome.core.grammar import OutputFormat
 from roads_to_rome.core.sampling import (
@@ -118,7 +118,21 @@ class StructuredOutputs(BaseModel):
             raise APIError(400, str(e), param=f"structured_outputs.{kind}") from None
 
 
-class CommonBody(BaseModel):
+class NullIsDefault(BaseModel):
+    """A request body whose optional fields, sent as null, take their default: OpenAI's API declares them nullable,
+    vLLM reads them so, and clients written against either send `"temperature": null` for "unset"."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = {key for name, field in cls.model_fields.items() if not field.is_required()
+                     and field.default is not None for key in (name, field.alias) if key}
+        return {key: value for key, value in data.items() if value is not None or key not in defaulted}
+
+
+class CommonBody(NullIsDefault):
     model_config = ConfigDict(extra="allow")  # kept, to refuse the unsupported ones by name (`check_body`)
     # The fields as the client's API names them, where it made this body from its own (`named`)
     _names: dict[str, tuple[str, bool]] = PrivateAttr(default_factory=dict)
@@ -128,7 +142,7 @@ class CommonBody(BaseModel):
     n: int = Field(1, ge=1)  # choices per prompt, each its own sequence
     temperature: Number = Field(1.0, ge=0, le=2)  # OpenAI's range
     top_p: Number = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=-1)  # 0 or vLLM's -1: no top-k cut
     presence_penalty: Number = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)  # OpenAI's range
     frequency_penalty: Number = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: Number = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])  # vLLM's
@@ -167,6 +181,11 @@ class CommonBody(BaseModel):
     r2r_policy: Literal["slm", "llm"] | None = None
     r2r_verify: VerifySetting | None = None  # off, strict or a tolerance in nats (default: the server's)
     r2r_max_unverified: int | None = Field(None, ge=1)
+
+    @field_validator("top_k")
+    @classmethod
+    def top_k_off(cls, value: int) -> int:
+        return max(value, 0)
 
     def top_count(self) -> int | None:
         """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
