@@ -229,6 +229,29 @@ def test_an_error_names_the_field_the_client_sent(server):
         assert param in response.json()["error"]["message"]
 
 
+def test_content_parts_are_read_as_text_and_a_part_no_model_here_reads_is_named(server):
+    """Text parts join into the message's text, and an assistant's refusal handed back reads as its text (vLLM's
+    rule); an image or audio part is a 400 that names its type, not a schema dump."""
+    def tokens(user, assistant):
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": assistant},
+                    {"role": "user", "content": "Why?"}]
+        return httpx.post(server + "/tokenize", json={"messages": messages})
+    plain = tokens("What is 48 / 2?", "I cannot say.")
+    parts = tokens([{"type": "text", "text": "What is "}, {"type": "text", "text": "48 / 2?"}],
+                   [{"type": "refusal", "refusal": "I cannot say."}])
+    assert plain.status_code == parts.status_code == 200 and plain.json()["tokens"] == parts.json()["tokens"]
+    for part in ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                 {"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}):
+        response = httpx.post(server + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": [part]}], "max_tokens": 2})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "messages.0.content.0", response.text
+        assert repr(part["type"]) in error["message"] and "text only" in error["message"]
+    response = httpx.post(server + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "text"}]}], "max_tokens": 2})
+    assert response.status_code == 400 and "holds its text" in response.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("name, body, status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, name, body, status):
     response = httpx.post(server + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})

@@ -19,10 +19,30 @@ from roads_to_rome.tool_calls import CLOSE, ToolParser, call_format
 
 
 class TextPart(BaseModel):
-    """A message's content given as parts: this server reads text only (an image part is a 400 naming it)."""
+    """A message's content given as parts: text, or an assistant's refusal handed back (read as its text, as vLLM
+    reads it). This server's models read text: an image, audio or file part is a 400 naming its type."""
 
-    type: Literal["text"]
-    text: Text
+    type: Literal["text", "refusal"]
+    text: Text | None = None
+    refusal: Text | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def text_only(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind not in ("text", "refusal"):
+            raise ValueError(f"a part of type {kind[:40]!r}: this server's models read text only, so a part is of "
+                             "type text (or an assistant's refusal)")
+        return data
+
+    @model_validator(mode="after")
+    def given(self):
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a part of type {self.type} holds its {self.type}")
+        return self
+
+    def value(self) -> str:
+        return getattr(self, self.type)
 
 
 def json_object_text(text: str) -> str:
@@ -71,7 +91,7 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.value() for part in self.content)
         return self.content
 
     def for_template(self) -> dict:
