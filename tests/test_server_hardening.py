@@ -29,9 +29,12 @@ from roads_to_rome.core.request import Request, Sequence
 from roads_to_rome.core.scheduler import Scheduler, Scheduling
 from roads_to_rome.errors import R2RError
 from roads_to_rome.routing.policies import RandomPolicy
+from roads_to_rome.serving import bodies
 from roads_to_rome.serving.background import BackgroundServer
 from roads_to_rome.serving.engine_thread import Job
 from roads_to_rome.serving.limits import Limits
+from roads_to_rome.serving.messages_schemas import CountTokensBody, MessagesBody
+from roads_to_rome.serving.responses_schemas import ResponsesBody
 from roads_to_rome.serving.server import create_app
 
 CHAT = "/v1/chat/completions"
@@ -203,6 +206,43 @@ def test_5_bodies_over_the_limit_are_413_and_health_answers_while_bodies_are_tok
         finally:
             released.set()
         assert all(p.result().status_code == 400 for p in posts)
+    monkeypatch.undo()
+    unharmed(server, expected)
+
+
+MESSAGE = {"messages": [{"role": "user", "content": "What is 48 / 2?"}], "max_tokens": 8, "temperature": 0}
+
+
+# A body is parsed and validated off the event loop (its time grows with it), and so is a Responses or Messages
+# body's conversion to a chat: each is held until /health has answered, which it could not do from the loop.
+@pytest.mark.parametrize("path, payload, held", [
+    (CHAT, body(), (bodies, "validated")), ("/v1/completions", {"prompt": "48 / 2 =", "max_tokens": 4},
+                                            (bodies, "validated")),
+    ("/v1/responses", {"input": "What is 48 / 2?", "max_output_tokens": 8}, (ResponsesBody, "chat_request")),
+    ("/v1/messages", MESSAGE, (MessagesBody, "chat_request")), ("/v1/messages/count_tokens", MESSAGE,
+                                                              (CountTokensBody, "chat_request"))],
+    ids=["chat", "completions", "responses", "messages", "count_tokens"])
+def test_5_bodies_are_read_off_the_event_loop(server, expected, monkeypatch, path, payload, held):
+    entered, released, threads = threading.Event(), threading.Event(), []
+    owner, name = held
+    work = getattr(owner, name)
+
+    def holding(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        entered.set()
+        released.wait(timeout=60)
+        return work(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, holding)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, server + path, json=payload, timeout=60)
+        assert entered.wait(timeout=60), f"{path}: the body was not read"
+        try:
+            assert httpx.get(server + "/health", timeout=20).status_code == 200
+        finally:
+            released.set()
+        assert reply.result().status_code == 200, reply.result().text
+    assert threads and all(thread.startswith("r2r-tokenize") for thread in threads), threads
     monkeypatch.undo()
     unharmed(server, expected)
 

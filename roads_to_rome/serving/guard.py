@@ -153,8 +153,9 @@ def replay(body: bytes, receive):
 
 
 class Tokenizing:
-    """Prompts are tokenized off the event loop, short ones and long ones in lanes of their own; at most
-    `max_tokenizing` long ones wait or run at once, and the next gets 429 before anything else is spent on it."""
+    """Prompts are tokenized, and request bodies read (serving/bodies.py), off the event loop, short ones and long
+    ones in lanes of their own; at most `max_tokenizing` long ones wait or run at once, and the next gets 429 before
+    anything else is spent on it."""
 
     def __init__(self, limit: int):
         self.limit, self.long_ones = limit, 0
@@ -163,15 +164,19 @@ class Tokenizing:
         self.long = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r2r-tokenize-long")
 
     async def __call__(self, chars: int, encode, *args) -> list[int]:
+        return await self.run(chars > SHORT_PROMPT_CHARS, encode, *args)
+
+    async def run(self, long: bool, work, *args):
+        """`work(*args)` in the long lane or the short one."""
         loop = asyncio.get_running_loop()
-        if chars <= SHORT_PROMPT_CHARS:
-            return await loop.run_in_executor(self.short, encode, *args)
+        if not long:
+            return await loop.run_in_executor(self.short, work, *args)
         if self.long_ones >= self.limit:
-            raise APIError(429, f"the server is tokenizing {self.long_ones} long prompts, its limit "
+            raise APIError(429, f"the server is reading {self.long_ones} long prompts or large bodies, its limit "
                                 "(--max-tokenizing); retry later", code="tokenizer_busy", kind="rate_limit_error")
         self.long_ones += 1
         try:
-            return await loop.run_in_executor(self.long, encode, *args)
+            return await loop.run_in_executor(self.long, work, *args)
         finally:
             self.long_ones -= 1
 

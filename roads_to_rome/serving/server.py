@@ -17,12 +17,11 @@ import logging
 from typing import Annotated, Any, Literal
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, Query
+from fastapi import APIRouter, Depends, FastAPI, Query
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.staticfiles import StaticFiles
 
@@ -32,6 +31,7 @@ from roads_to_rome.errors import R2RError
 from roads_to_rome.reasoning import parser_for, resolve_parser
 from roads_to_rome.serving import request_ids
 from roads_to_rome.serving.adapter import check_body, check_model, truncated
+from roads_to_rome.serving.bodies import body_of, documented, off_loop, validated, with_body_schemas
 from roads_to_rome.serving.chat_schemas import ChatBody, TokenizeChat
 from roads_to_rome.serving.connections import uvicorn_config
 from roads_to_rome.serving.engine_thread import EngineThread
@@ -101,6 +101,7 @@ def create_app(engine: Engine, model_name: str = "r2r", limits: Limits | None = 
     app.add_middleware(Guard, api_key=api_key, loopback_only=loopback_only, limits=limits)
     app.add_middleware(request_ids.RequestIds)  # (the last added is the outermost)
     app.include_router(routes)
+    with_body_schemas(app, [ChatBody, CompletionBody, ResponsesBody, MessagesBody, CountTokensBody, DetokenizeBody])
     # The playground's renderers (`make web` puts them there; without them the page shows plain text).
     static = importlib.resources.files(__package__).joinpath("static")
     app.mount("/static", StaticFiles(directory=str(static), check_dir=False), name="static")
@@ -174,20 +175,20 @@ async def favicon():
     return Response(status_code=204)
 
 
-@routes.post("/v1/chat/completions")
-async def chat_completions(body: ChatBody, http: HTTPRequest):
+@routes.post("/v1/chat/completions", openapi_extra=documented(ChatBody))
+async def chat_completions(http: HTTPRequest, body: ChatBody = Depends(body_of(ChatBody))):
     s = server(http)
     request_ids.name(body.request_id)
     prompt_ids, checked, tools = await checked_chat(s, body)
     return await respond(http, s, body, checked, [prompt_ids], chat=True, tools=tools, echo=body.echoed())
 
 
-@routes.post("/v1/responses")
-async def create_response(body: ResponsesBody, http: HTTPRequest):
+@routes.post("/v1/responses", openapi_extra=documented(ResponsesBody))
+async def create_response(http: HTTPRequest, body: ResponsesBody = Depends(body_of(ResponsesBody))):
     """OpenAI's Responses API: the input as a chat, answered as output items (serving/responses.py)."""
     s = server(http)
     body.checked()
-    chat, conversation = body.chat_request(s.responses.history(body.previous_response_id))
+    chat, conversation = await off_loop(http, body.chat_request, s.responses.history(body.previous_response_id))
     jobs, reply, _ = await queue_chat(s, chat, fit=body.truncation == "auto")
     draft = Draft(body, chat, conversation, s.model_name, jobs[0].sequence.params.max_new_tokens)
     if body.background:
@@ -207,7 +208,7 @@ async def create_response(body: ResponsesBody, http: HTTPRequest):
 
 @routes.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, http: HTTPRequest):
-    return server(http).responses.stored(response_id).response
+    return JSONResponse(server(http).responses.stored(response_id).response)  # (not walked by FastAPI's encoder)
 
 
 @routes.get("/v1/responses/{response_id}/input_items")
@@ -221,8 +222,8 @@ async def list_input_items(response_id: str, http: HTTPRequest, order: Literal["
         raise APIError(400, f"after names {after!r}, which is not one of this response's input items", param="after")
     start = ids.index(after) + 1 if after is not None else 0
     page = items[start:start + limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)})
 
 
 @routes.post("/v1/responses/{response_id}/cancel")
@@ -239,12 +240,12 @@ async def delete_response(response_id: str, http: HTTPRequest):
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-@routes.post("/v1/messages")
-async def create_message(body: MessagesBody, http: HTTPRequest):
+@routes.post("/v1/messages", openapi_extra=documented(MessagesBody))
+async def create_message(http: HTTPRequest, body: MessagesBody = Depends(body_of(MessagesBody))):
     """Anthropic's Messages API: the messages as a chat, answered as content blocks (serving/messages.py)."""
     s = server(http)
     body.checked()
-    jobs, reply, prompt_ids = await queue_chat(s, body.chat_request())
+    jobs, reply, prompt_ids = await queue_chat(s, await off_loop(http, body.chat_request))
     draft = MessageDraft(s.model_name, len(prompt_ids), tuple(body.stop_sequences or ()))
     if body.stream:
         return StreamingResponse(message_events(jobs[0], reply, draft), media_type="text/event-stream")
@@ -252,19 +253,19 @@ async def create_message(body: MessagesBody, http: HTTPRequest):
                               lambda gens: whole_message(draft, reply, gens[0]))
 
 
-@routes.post("/v1/messages/count_tokens")
-async def count_message_tokens(body: CountTokensBody, http: HTTPRequest):
+@routes.post("/v1/messages/count_tokens", openapi_extra=documented(CountTokensBody))
+async def count_message_tokens(http: HTTPRequest, body: CountTokensBody = Depends(body_of(CountTokensBody))):
     """The prompt tokens a Messages request would take."""
     s = server(http)
     body.checked()
-    chat = body.chat_request(stream=False)
+    chat = await off_loop(http, body.chat_request, False)
     check_model(chat.requested, s.model_name)
     tools = chat.tool_use(s.tool_parser)
     return {"input_tokens": len(await chat_prompt(s, chat, tools.prompt_tools))}
 
 
-@routes.post("/v1/completions")
-async def completions(body: CompletionBody, http: HTTPRequest):
+@routes.post("/v1/completions", openapi_extra=documented(CompletionBody))
+async def completions(http: HTTPRequest, body: CompletionBody = Depends(body_of(CompletionBody))):
     s = server(http)
     request_ids.name(body.request_id)
     checked = check_body(body, s.model_name, s.limits, s.scheduling.by_priority)
@@ -286,7 +287,7 @@ async def tokenize_prompt(body: dict[str, Any], http: HTTPRequest):
     """vLLM's: a text's tokens, or a chat's (`messages`) as a chat request's prompt holds them."""
     s = server(http)
     chat = "messages" in body
-    asked = validated(TokenizeChat if chat else TokenizeText, body)
+    asked = await off_loop(http, validated, TokenizeChat if chat else TokenizeText, body)
     check_model(asked.requested, s.model_name)
     if chat:
         ids = await chat_prompt(s, asked, asked.template_tools())
@@ -296,11 +297,13 @@ async def tokenize_prompt(body: dict[str, Any], http: HTTPRequest):
         encode = functools.partial(s.engine.tokenizer.encode, add_special_tokens=asked.add_special_tokens)
         ids = await tokenize(s, len(asked.prompt), encode, asked.prompt)
     strings = s.engine.tokenizer.convert_ids_to_tokens(ids) if asked.return_token_strs else None
-    return {"count": len(ids), "max_model_len": s.limits.context_length, "tokens": ids, "token_strs": strings}
+    # JSONResponse: FastAPI's encoder would walk every token on the event loop
+    return JSONResponse({"count": len(ids), "max_model_len": s.limits.context_length, "tokens": ids,
+                         "token_strs": strings})
 
 
-@routes.post("/detokenize")
-async def detokenize(body: DetokenizeBody, http: HTTPRequest):
+@routes.post("/detokenize", openapi_extra=documented(DetokenizeBody))
+async def detokenize(http: HTTPRequest, body: DetokenizeBody = Depends(body_of(DetokenizeBody))):
     """vLLM's: the text of token ids."""
     s = server(http)
     check_model(body.requested, s.model_name)
@@ -309,14 +312,6 @@ async def detokenize(body: DetokenizeBody, http: HTTPRequest):
         raise APIError(400, f"tokens holds {max(body.tokens)}, beyond the vocabulary: ids are 0 to {vocab - 1}",
                        param="tokens")
     return {"prompt": await tokenize(s, 4 * len(body.tokens), s.engine.tokenizer.decode, body.tokens)}
-
-
-def validated(model: type[BaseModel], body: dict):
-    """The body as `model`, or the 400 FastAPI's own validation gives."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in e.errors()]) from None
 
 
 def run(app: FastAPI, host: str, port: int) -> int:
