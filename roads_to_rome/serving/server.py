@@ -176,7 +176,7 @@ async def favicon():
 
 
 @routes.post("/v1/chat/completions", openapi_extra=documented(ChatBody))
-async def chat_completions(http: HTTPRequest, body: ChatBody = Depends(body_of(ChatBody))):
+async def chat_completions(body: Annotated[ChatBody, Depends(body_of(ChatBody))], http: HTTPRequest):
     s = server(http)
     request_ids.name(body.request_id)
     prompt_ids, checked, tools = await checked_chat(s, body)
@@ -184,7 +184,7 @@ async def chat_completions(http: HTTPRequest, body: ChatBody = Depends(body_of(C
 
 
 @routes.post("/v1/responses", openapi_extra=documented(ResponsesBody))
-async def create_response(http: HTTPRequest, body: ResponsesBody = Depends(body_of(ResponsesBody))):
+async def create_response(body: Annotated[ResponsesBody, Depends(body_of(ResponsesBody))], http: HTTPRequest):
     """OpenAI's Responses API: the input as a chat, answered as output items (serving/responses.py)."""
     s = server(http)
     body.checked()
@@ -241,7 +241,7 @@ async def delete_response(response_id: str, http: HTTPRequest):
 
 
 @routes.post("/v1/messages", openapi_extra=documented(MessagesBody))
-async def create_message(http: HTTPRequest, body: MessagesBody = Depends(body_of(MessagesBody))):
+async def create_message(body: Annotated[MessagesBody, Depends(body_of(MessagesBody))], http: HTTPRequest):
     """Anthropic's Messages API: the messages as a chat, answered as content blocks (serving/messages.py)."""
     s = server(http)
     body.checked()
@@ -254,7 +254,7 @@ async def create_message(http: HTTPRequest, body: MessagesBody = Depends(body_of
 
 
 @routes.post("/v1/messages/count_tokens", openapi_extra=documented(CountTokensBody))
-async def count_message_tokens(http: HTTPRequest, body: CountTokensBody = Depends(body_of(CountTokensBody))):
+async def count_message_tokens(body: Annotated[CountTokensBody, Depends(body_of(CountTokensBody))], http: HTTPRequest):
     """The prompt tokens a Messages request would take."""
     s = server(http)
     body.checked()
@@ -265,7 +265,7 @@ async def count_message_tokens(http: HTTPRequest, body: CountTokensBody = Depend
 
 
 @routes.post("/v1/completions", openapi_extra=documented(CompletionBody))
-async def completions(http: HTTPRequest, body: CompletionBody = Depends(body_of(CompletionBody))):
+async def completions(body: Annotated[CompletionBody, Depends(body_of(CompletionBody))], http: HTTPRequest):
     s = server(http)
     request_ids.name(body.request_id)
     checked = check_body(body, s.model_name, s.limits, s.scheduling.by_priority)
@@ -303,7 +303,7 @@ async def tokenize_prompt(body: dict[str, Any], http: HTTPRequest):
 
 
 @routes.post("/detokenize", openapi_extra=documented(DetokenizeBody))
-async def detokenize(http: HTTPRequest, body: DetokenizeBody = Depends(body_of(DetokenizeBody))):
+async def detokenize(body: Annotated[DetokenizeBody, Depends(body_of(DetokenizeBody))], http: HTTPRequest):
     """vLLM's: the text of token ids."""
     s = server(http)
     check_model(body.requested, s.model_name)
