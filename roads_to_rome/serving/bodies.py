@@ -1,5 +1,5 @@
-"""Request bodies parsed and validated off the event loop. The time a body takes to validate grows with it (a
-megabyte of messages or tools takes a large part of a second), and on the loop it would hold up every stream: so a
+"""Request bodies parsed and validated off the event loop. The time a body takes to validate grows with the objects
+it holds (messages, parts, tools), and on the loop it would hold up every stream: so a
 route's body is read in the tokenizer's lanes (guard.Tokenizing: bodies of a few objects in one, those of many in
 the other, at most --max-tokenizing of them at once), and the route declares it for /openapi.json itself
 (`documented`)."""
