@@ -1,8 +1,7 @@
 """Request bodies parsed and validated off the event loop. The time a body takes to validate grows with the objects
-it holds (messages, parts, tools), and on the loop it would hold up every stream: so a
-route's body is read in the tokenizer's lanes (guard.Tokenizing: bodies of a few objects in one, those of many in
-the other, at most --max-tokenizing of them at once), and the route declares it for /openapi.json itself
-(`documented`)."""
+it holds (messages, parts, tools), and on the loop it would hold up every stream: so a route's body is read in the
+tokenizer's lanes (guard.Tokenizing: bodies of a few objects in one, those of many in the other, at most
+--max-tokenizing of them at once), and the route declares it for /openapi.json itself (`documented`)."""
 
 from __future__ import annotations
 
