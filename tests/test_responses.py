@@ -416,6 +416,7 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(srv,
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
      "input.0.function_call.arguments", "JSON object"),
     ({"top_logprobs": 2}, "top_logprobs", "include"),
+    ({"include": ["message.output_text.logprob"]}, "include.0", "message.output_text.logprobs"),  # misspelt
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format.schema",
      ""),
     ({"tool_choice": "required"}, "tool_choice", "no tools"),

@@ -14,6 +14,12 @@ from roads_to_rome.serving.errors import APIError
 from roads_to_rome.serving.schemas import NullIsDefault, Number, Text, renamed
 
 LOGPROBS = "message.output_text.logprobs"  # what `include` names to get the answer's log-probabilities
+# What else `include` may name (OpenAI's values): outputs of hosted tools and images this server does not make, and
+# encrypted thinking it does not keep (its reasoning items carry the thinking itself), so there is nothing to add. A
+# value not among them is a 400 listing them: a misspelt one would otherwise leave out what was asked for.
+Included = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                   "web_search_call.results", "web_search_call.action.sources", "code_interpreter_call.outputs",
+                   "computer_call_output.output.image_url", "message.input_image.image_url"]
 
 
 class ContentPart(BaseModel):
@@ -157,7 +163,7 @@ class ResponsesBody(NullIsDefault):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    include: list[str] | None = None
+    include: list[Included] | None = None
     top_logprobs: int | None = None
     stream: bool = False
     store: bool = True
