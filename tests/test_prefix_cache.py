@@ -308,8 +308,9 @@ def test_a_request_shares_kept_prompts_only_with_requests_of_its_cache_salt(serv
     body = {"model": "tiny-r2r", "max_tokens": 2, "system": system["content"], "cache_salt": "carol-secret",
             "messages": [{"role": "user", "content": "Pyrenees?"}]}
     assert httpx.post(server.url + "/v1/messages", json=body).json()["usage"]["cache_read_input_tokens"] > 40
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": ""})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    for salt in ("", "s" * 1025):  # empty, or longer than a kept prompt should carry
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": salt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
 def test_the_prefix_bench_pairs_each_turn_with_its_twin_and_finds_where_answers_part():

@@ -168,8 +168,9 @@ class CommonBody(NullIsDefault):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities name tokens `token_id:N`, not their text
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
-    # vLLM's: prompts kept for prefix caching are shared only with requests that give the same salt
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM's: prompts kept for prefix caching are shared only with requests that give the same salt (kept with them:
+    # a bound, far above a secret's length)
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower is admitted first (--scheduling-policy priority)
     # vLLM's: names the request in the log and the reply's id where the client sends no X-Request-Id
     request_id: Annotated[str, Field(pattern=f"^{request_ids.USABLE.pattern}$")] | None = None
