@@ -249,8 +249,9 @@ def test_5_bodies_are_read_off_the_event_loop(server, expected, monkeypatch, pat
 
 # 6. Unhandled errors are JSON: lone surrogates and deep nesting are 400s, anything else a 500 without internals.
 @pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "\\ud800x"}], "max_tokens": 4}',
-                                 b'{"prompt": "ok", "stop": ["\\udfff"]}', b"[" * 30_000 + b"]" * 30_000],
-                         ids=["lone surrogate", "surrogate in stop", "nested 100k deep"])
+                                 b'{"prompt": "ok", "stop": ["\\udfff"]}', b"[" * 30_000 + b"]" * 30_000,
+                                 b'{"prompt": "ok \xff"}'],
+                         ids=["lone surrogate", "surrogate in stop", "nested 100k deep", "not UTF-8"])
 def test_6_malformed_text_and_deep_json_are_400s(server, expected, raw):
     path = "/v1/completions" if b"prompt" in raw else CHAT
     response = httpx.post(server + path, content=raw, headers={"content-type": "application/json"})

@@ -37,7 +37,8 @@ def parsed(model: type[Body], raw: bytes) -> Body:
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
-        error = e.msg if isinstance(e, json.JSONDecodeError) else "it nests too deeply"
+        error = e.msg if isinstance(e, json.JSONDecodeError) else "it nests too deeply" \
+            if isinstance(e, RecursionError) else f"it is not UTF-8 text ({e})"
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": error}}]) from None
     return validated(model, body)
