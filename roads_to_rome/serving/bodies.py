@@ -36,12 +36,19 @@ def validated(model: type[Body], body: Any) -> Body:
 def parsed(model: type[Body], raw: bytes) -> Body:
     try:
         body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        error = e.msg if isinstance(e, json.JSONDecodeError) else "it nests too deeply" \
-            if isinstance(e, RecursionError) else f"it is not UTF-8 text ({e})"
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
-                                       "input": {}, "ctx": {"error": error}}]) from None
+    except json.JSONDecodeError as e:
+        raise not_json(e.msg) from None
+    except UnicodeDecodeError as e:
+        raise not_json(f"it is not UTF-8 text ({e})") from None
+    except RecursionError:
+        raise not_json("it nests too deeply") from None
     return validated(model, body)
+
+
+def not_json(why: str) -> RequestValidationError:
+    """The 400 FastAPI gives a body that is not JSON (serving/errors.validation_error says `why`)."""
+    return RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": {},
+                                    "ctx": {"error": why}}])
 
 
 async def off_loop(http: HTTPRequest, work: Callable[..., Result], *args) -> Result:
