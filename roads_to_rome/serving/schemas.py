@@ -50,6 +50,10 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 VerifySetting = Annotated[Number | str, AfterValidator(verify_setting)]
 
 
+# A salt is kept with the prompts it fences (prefix caching): a bound far above a secret's length
+MAX_CACHE_SALT_CHARS = 1024
+
+
 # Fields of OpenAI's API (and vLLM's extras) that would change the answer and that this server does not do, with
 # the value that changes nothing: a request that sets one otherwise is refused, naming it, rather than answered as if
 # it had not been sent.
@@ -168,9 +172,8 @@ class CommonBody(NullIsDefault):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities name tokens `token_id:N`, not their text
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
-    # vLLM's: prompts kept for prefix caching are shared only with requests that give the same salt (kept with them:
-    # a bound, far above a secret's length)
-    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    # vLLM's: prompts kept for prefix caching are shared only with requests that give the same salt
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower is admitted first (--scheduling-policy priority)
     # vLLM's: names the request in the log and the reply's id where the client sends no X-Request-Id
     request_id: Annotated[str, Field(pattern=f"^{request_ids.USABLE.pattern}$")] | None = None
