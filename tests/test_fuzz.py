@@ -18,6 +18,7 @@ from roads_to_rome.core.engine import Engine
 from roads_to_rome.routing.policies import RandomPolicy
 from roads_to_rome.serving.background import BackgroundServer
 from roads_to_rome.serving.limits import Limits
+from roads_to_rome.serving.schemas import MAX_CACHE_SALT_CHARS
 from roads_to_rome.serving.server import create_app
 
 EXAMPLES = int(os.environ.get("R2R_FUZZ_EXAMPLES", "50"))  # per operation and mode
@@ -143,7 +144,8 @@ def capped(limits: Limits, vocab: int) -> list[tuple[str, object, list[object]]]
             ("allowed_token_ids", ids, [ids + [1]]),
             ("stop_token_ids", ids, [ids + [1]]),
             ("logit_bias", {str(i): 1 for i in range(vocab)}, [{str(i): 1 for i in range(limits.max_token_ids + 1)}]),
-            ("tools", tools, [tools + tools[:1]])]
+            ("tools", tools, [tools + tools[:1]]),
+            ("cache_salt", "s" * MAX_CACHE_SALT_CHARS, ["s" * (MAX_CACHE_SALT_CHARS + 1)])]
 
 
 @pytest.fixture
