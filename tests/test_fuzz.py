@@ -75,8 +75,8 @@ def reach_the_engine(body: dict) -> None:
     strings and sizes would all be refused before the engine)."""
     body["model"] = "tiny-r2r"
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        if isinstance(body.get(name), int):
-            body[name] = 1 + abs(body[name]) % 32
+        if isinstance(body.get(name), (int, float)) and not isinstance(body[name], bool):  # (JSON's 7.0 is an integer)
+            body[name] = 1 + int(abs(body[name])) % 32
     body.pop("n", None)
     # Token ids as this tiny vocabulary has them, and no more tokens required than asked for.
     vocab = 300
@@ -120,6 +120,11 @@ def reach_the_engine(body: dict) -> None:
                 message.pop("tool_calls", None)
             if message.get("content") is None and not calls:
                 message["content"] = "hi"
+            # (a Messages request's: a user's message answers calls, an assistant's makes them)
+            misplaced = "tool_use" if message.get("role") == "user" else "tool_result"
+            if isinstance(message.get("content"), list):
+                kept = [b for b in message["content"] if not (isinstance(b, dict) and b.get("type") == misplaced)]
+                message["content"] = kept or "hi"
             for call in calls or []:
                 if isinstance(call, dict) and isinstance(call.get("function"), dict):
                     call["function"]["arguments"] = "{}"
