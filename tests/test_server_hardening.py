@@ -8,6 +8,7 @@ import gc
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -391,7 +392,15 @@ def test_10_api_key_host_origin_content_type_and_docs(engine):
         assert post(url, body(), headers={**good, "origin": url}).status_code == 200  # the playground itself
         assert httpx.get(url + "/docs").status_code == 404 and httpx.get(url + "/openapi.json").status_code == 404
     with BackgroundServer(create_app(engine, "tiny-r2r", docs=True)) as srv:
-        assert httpx.get(srv.url + "/openapi.json").status_code == 200
+        document = httpx.get(srv.url + "/openapi.json")
+        assert document.status_code == 200
+        # each body a route reads itself is declared, and every schema it names is in the document
+        named = set(re.findall(r'"#/components/schemas/([^"]+)"', document.text))
+        assert named and named <= set(document.json()["components"]["schemas"]), named
+        with_body = {path for path, operation in document.json()["paths"].items()
+                     if "requestBody" in operation.get("post", {})}
+        assert {CHAT, "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
+                "/detokenize"} <= with_body, with_body
 
 
 def test_10_a_server_bound_to_all_interfaces_answers_other_host_names(engine):
