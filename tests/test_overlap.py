@@ -14,7 +14,7 @@ from conftest import ENGINE_LOGIC_BACKENDS, kind_fixture
 from helpers import assert_stream_shows_only_tokens_that_stay, llm_greedy_reference, make_checkpoint
 
 from roads_to_rome.core.engine import Engine
-from roads_to_rome.core.llm_calls import Deferral, resolve_overlap
+from roads_to_rome.core.llm_calls import Deferral, Worker, resolve_overlap
 from roads_to_rome.core.request import Failure, Request
 from roads_to_rome.core.sampling import SamplingParams
 from roads_to_rome.errors import LLMUnavailable, R2RError
@@ -155,6 +155,28 @@ def test_a_stream_with_overlap_shows_only_tokens_that_stay(kind_pair, tokenizer)
     engine = Engine(slm, SlowLLM(llm, 0.01), tokenizer, EntropyPolicy(3.0), overlap=True)
     results = assert_stream_shows_only_tokens_that_stay(engine, [engine.prompts.chat(p) for p in PROMPTS], N_TOKENS)
     assert sum(g.deferred_replaced for g in results) > 0
+
+
+def test_a_run_with_overlap_returns_with_the_llms_rows_given_back(kind_pair, tokenizer, monkeypatch):
+    """`Engine.run` returns once what its LLM's worker queued has run: another engine on the same llama.cpp backend
+    (whose sequences are the backend's, not an engine's) finds every one free, however late the worker is."""
+    slm, llm = kind_pair
+    if llm.max_rows is None:
+        pytest.skip("only a backend with a fixed number of rows can run out of them")
+    submit = Worker.submit
+
+    def late(self, fn, *args):
+        def slowly(*a):
+            time.sleep(0.02)
+            return fn(*a)
+        return submit(self, slowly, *args)
+
+    monkeypatch.setattr(Worker, "submit", late)
+    engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), overlap=True)
+    prompts, params = [engine.prompts.chat(p) for p in PROMPTS * 2], SamplingParams(max_new_tokens=4)
+    assert len(prompts) == llm.max_rows  # every sequence the backend has
+    engine.generate(prompts, params)
+    assert len(Engine.alone(llm, tokenizer).generate(prompts, params)) == len(prompts)
 
 
 def test_a_stalled_llm_holds_only_the_rows_that_wait_for_it_and_a_failed_one_fails_only_them(slm, llm, tokenizer):

@@ -36,6 +36,15 @@ def drive(scheduler, requests, engine):
     return gens
 
 
+def settle(scheduler, engine) -> None:
+    """Before another engine runs on the same backends: the scheduler lets its kept prompts go, and what its LLM's
+    worker still has queued (rows given back) has run. A llama.cpp backend's sequences are shared by the engines on
+    it."""
+    scheduler.forget_kept()
+    if engine.llm_side is not None:
+        engine.llm_side.wait_idle()
+
+
 def columns_read(model, monkeypatch) -> list[int]:
     """Each read's new columns, as the model is handed them from now on (a local model's `read` is its forward)."""
     read = []
@@ -83,6 +92,7 @@ def test_a_prompt_that_begins_as_an_earlier_one_reads_only_the_rest_and_answers_
     gens += drive(scheduler, [Request(third, params), Request(second, params, force="slm")], engine)
     assert gens[2].cached_tokens == common_prefix(np.asarray(first), np.asarray(third)) > 0
     assert gens[3].cached_tokens == len(second) - 1  # the SLM's own kept read
+    settle(scheduler, engine)
     assert [g.token_ids for g in gens[:3]] == [g.token_ids for g in
                                                alone.generate([first, second, third], params)]
     assert gens[3].token_ids == Engine(slm, llm, tokenizer, AlwaysSLM()).generate([second], params)[0].token_ids
@@ -123,6 +133,7 @@ def test_requests_arriving_together_with_one_prompt_read_it_once(kind_pair, toke
     assert cached[:4] == [0, goal, goal, goal] and cached[4:] == [0, 0]
     # Each model read the prompt once, the longer one's rest, the apart one whole, the salted one whole
     assert sum(read) == 2 * (goal + (len(longer) - 1 - goal) + (len(apart) - 1) + goal)
+    settle(scheduler, engine)
     expected = Engine(slm, llm, tokenizer, AlwaysLLM()).generate([prompt, longer, apart], params)
     assert [s.generation.token_ids for s in sequences] == [expected[i].token_ids for i in (0, 0, 0, 1, 2, 0)]
 
@@ -146,6 +157,7 @@ def test_a_finished_row_kept_out_of_a_padded_batch_answers_as_read_afresh(kind_p
     follow = short + answer + engine.prompts.raw(" and back")
     gens = drive(scheduler, [Request(follow, params), Request(follow + [5], params, force="slm")], engine)
     assert gens[0].cached_tokens >= len(short) + len(answer) - 3 and gens[1].cached_tokens >= len(follow) - 1
+    settle(scheduler, engine)
     assert gens[0].token_ids == Engine(slm, llm, tokenizer, AlwaysLLM()).generate([follow], params)[0].token_ids
     assert gens[1].token_ids == Engine(slm, llm, tokenizer, AlwaysSLM()).generate([follow + [5]],
                                                                                   params)[0].token_ids

@@ -142,8 +142,9 @@ class LlamaCppBackend(LocalBackend):
     def _ensure_rows(self, cache: LlamaCache, rows: int) -> None:
         while len(cache.seqs) < rows:
             if not self._free_seqs:
-                raise R2RError(f"the llama.cpp backend of {self.name} holds at most "
-                               f"{len(cache.seqs)} sequences at once: lower the batch size")
+                raise R2RError(f"the llama.cpp backend of {self.name} has no sequence free for a row of {rows}: it "
+                               f"holds {self.max_rows}, {self.max_rows - len(cache.seqs)} of them in use elsewhere; "
+                               "lower the batch size")
             cache.seqs.append(self._free_seqs.pop())
             cache.pads.append(0)
 

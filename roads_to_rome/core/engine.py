@@ -227,15 +227,20 @@ class Engine:
     def _decode(self, sequences: list[Sequence], scheduler: Scheduler | None = None):
         """The offline client of the scheduler: every sequence queued at once, turns to the end; an error is raised."""
         # (more sequences than the backend holds wait)
-        scheduler = scheduler if scheduler is not None else self.scheduler(self.max_rows)
+        own = scheduler is None
+        scheduler = self.scheduler(self.max_rows) if own else scheduler
         for s in sequences:
             scheduler.add(s)
-        while not scheduler.idle:
-            events = scheduler.turn()
-            failed = next((e for e in events if isinstance(e, Failure)), None)
-            if failed is not None:
-                raise failed.error
-            yield events
+        try:
+            while not scheduler.idle:
+                events = scheduler.turn()
+                failed = next((e for e in events if isinstance(e, Failure)), None)
+                if failed is not None:
+                    raise failed.error
+                yield events
+        finally:
+            if own and self.llm_side is not None:  # its rows given back before the caller goes on (overlap: queued)
+                self.llm_side.wait_idle()
 
 
 def check_writable(params: SamplingParams, ending: set[int], vocab_size: int) -> None:

@@ -336,6 +336,11 @@ class LLMCalls:
     def shift_rows(self, cache: QueuedCache, shifts: list[int]) -> None:
         self._settle(self._queue(cache, self.backend.shift_rows, list(shifts)))
 
+    def wait_idle(self) -> None:
+        """Return once every operation queued so far has run: rows given back included, so that the next user of the
+        backend (another engine: llama.cpp's sequences are the backend's, not the engine's) finds them free."""
+        self.runner.submit(lambda: None).result()
+
     def _settle(self, future: Future) -> None:
         """An operation nobody waits for: inline, its error is raised here (as the backend's own would be); queued,
         it is kept on its cache for the next call."""
