@@ -179,6 +179,57 @@ def test_a_run_with_overlap_returns_with_the_llms_rows_given_back(kind_pair, tok
     assert len(Engine.alone(llm, tokenizer).generate(prompts, params)) == len(prompts)
 
 
+def test_two_engines_on_one_llamacpp_backend_never_call_it_at_once(kind, kind_pair, tokenizer, monkeypatch):
+    """An engine driven by its own scheduler (a server's) leaves its LLM's worker giving rows back after its last
+    turn; another engine on the same llama.cpp backend that reads meanwhile takes turns with it: a llama.cpp context
+    is not thread-safe (two threads in it at once aborted the process)."""
+    if kind != "llamacpp":
+        pytest.skip("a torch model is read by several threads at once safely")
+    from roads_to_rome.backends import llamacpp
+
+    slm, llm = kind_pair
+    inside, most, guard = [0], [0], threading.Lock()
+
+    def counted(name):
+        native = getattr(llamacpp.llama_cpp, name)
+
+        def call(handle, *args):
+            if handle is not llm._ctx and handle is not llm._memory:  # (the SLM's context is another)
+                return native(handle, *args)
+            with guard:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.002)
+            try:
+                return native(handle, *args)
+            finally:
+                with guard:
+                    inside[0] -= 1
+        return call
+
+    for name in ("llama_decode", "llama_memory_seq_rm", "llama_memory_seq_cp"):
+        monkeypatch.setattr(llamacpp.llama_cpp, name, counted(name))
+    submit = Worker.submit
+
+    def late(self, fn, *args):
+        def slowly(*a):
+            time.sleep(0.01)
+            return fn(*a)
+        return submit(self, slowly, *args)
+
+    monkeypatch.setattr(Worker, "submit", late)
+    engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), overlap=True)
+    prompts, params = [engine.prompts.chat(p) for p in PROMPTS], SamplingParams(max_new_tokens=6)
+    scheduler = engine.scheduler(4)
+    for i, p in enumerate(prompts):
+        scheduler.add(engine.sequence(Request(p, params), i))
+    while not scheduler.idle:
+        assert not [e for e in scheduler.turn() if isinstance(e, Failure)]
+    Engine.alone(llm, tokenizer).generate(prompts, params)  # while the worker gives the rows back
+    engine.llm_side.wait_idle()
+    assert most[0] == 1
+
+
 def test_a_stalled_llm_holds_only_the_rows_that_wait_for_it_and_a_failed_one_fails_only_them(slm, llm, tokenizer):
     slow = SlowLLM(llm)
     engine = Engine(slm, slow, tokenizer, EntropyPolicy(0.5), verify=1.0, overlap=True)

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,20 @@ class LlamaCache:
     seqs: list[int] = field(default_factory=list)  # row -> llama.cpp sequence id
     pads: list[int] = field(default_factory=list)  # row -> left-padding columns before its first token
     length: int = 0  # columns of the token streams already read
+
+
+def serialized(method):
+    """A method of the backend that touches its llama.cpp context, run by one thread at a time. The context, its KV
+    memory and its one batch buffer are not thread-safe, and two threads can reach them: an engine whose LLM runs on a
+    worker (--overlap) finishes what it queued (rows given back) while another engine on the same backend reads, and a
+    dropped cache gives its sequences back in whichever thread drops it."""
+
+    @functools.wraps(method)
+    def one_at_a_time(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return one_at_a_time
 
 
 @functools.cache  # the build a process loaded does not change
@@ -125,6 +140,7 @@ class LlamaCppBackend(LocalBackend):
         self.eos_ids = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)}
         self._free_seqs = list(range(max_rows))[::-1]
         self._embedding_table = None
+        self._lock = threading.RLock()  # (`serialized`; reentrant: a cache dropped inside a call gives its rows back)
 
     # --- caches: rows are llama.cpp sequences -------------------------------------------------
     def new_cache(self) -> LlamaCache:
@@ -133,6 +149,7 @@ class LlamaCppBackend(LocalBackend):
         weakref.finalize(cache, self._release, cache.seqs)
         return cache
 
+    @serialized
     def _release(self, seqs: list[int]) -> None:
         for s in seqs:
             llama_cpp.llama_memory_seq_rm(self._memory, s, -1, -1)
@@ -148,6 +165,7 @@ class LlamaCppBackend(LocalBackend):
             cache.seqs.append(self._free_seqs.pop())
             cache.pads.append(0)
 
+    @serialized
     def select_rows(self, cache: LlamaCache, rows: torch.Tensor) -> None:
         if not cache.seqs:  # nothing read yet: its rows come with its first read
             return
@@ -158,6 +176,7 @@ class LlamaCppBackend(LocalBackend):
         cache.pads[:] = [cache.pads[i] for i in keep]
         self._release(dropped)
 
+    @serialized
     def copy_rows(self, cache: LlamaCache, rows: list[int]) -> LlamaCache:
         # The pool is unified: a copied sequence shares the source's KV cells, nothing is recomputed or moved.
         new = self.new_cache()
@@ -168,6 +187,7 @@ class LlamaCppBackend(LocalBackend):
         new.length = cache.length
         return new
 
+    @serialized
     def append_rows(self, cache: LlamaCache, other: LlamaCache) -> None:
         assert cache.length == other.length, "caches must cover the same columns"
         cache.seqs += other.seqs
@@ -180,6 +200,7 @@ class LlamaCppBackend(LocalBackend):
             cache.pads[:] = [p + n for p in cache.pads]
             cache.length += n
 
+    @serialized
     def truncate(self, cache: LlamaCache, length: int) -> None:
         if length < cache.length:
             for seq, pad in zip(cache.seqs, cache.pads):
@@ -192,6 +213,7 @@ class LlamaCppBackend(LocalBackend):
             cache.pads[:] = [p - n for p in cache.pads]
             cache.length -= n
 
+    @serialized
     def shift_rows(self, cache: LlamaCache, shifts: list[int]) -> None:
         # A row's column c sits at position c - pad: one more padding column per shift keeps every kept
         # token's position, so only the dropped tail leaves the sequence.
@@ -224,6 +246,7 @@ class LlamaCppBackend(LocalBackend):
             yield out_index, row, column
         cache.length = start + n_new
 
+    @serialized
     def forward(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor):
         """Logits [B, V] f32 and hidden [B, H] at each row's last real token (zeros for a row with none yet)."""
         logits = torch.zeros(new_ids.shape[0], self.vocab_size)
@@ -233,6 +256,7 @@ class LlamaCppBackend(LocalBackend):
             hidden[row] = self._hidden(out_index)
         return logits, hidden
 
+    @serialized
     def forward_all(self, cache: LlamaCache, new_ids: torch.Tensor, attention_mask: torch.Tensor,
                     keep_last: int | None = None, row_keep: list[int] | None = None) -> torch.Tensor:
         skip = 0 if keep_last is None else new_ids.shape[1] - keep_last  # new columns whose logits nobody wants
@@ -241,6 +265,7 @@ class LlamaCppBackend(LocalBackend):
             logits[row, column - skip] = self._logits(out_index)
         return logits
 
+    @serialized
     def forward_sequence(self, ids: list[int], start: int = 0):
         cache = self.new_cache()
         self._ensure_rows(cache, 1)
@@ -253,6 +278,7 @@ class LlamaCppBackend(LocalBackend):
         cache.length = len(ids)
         return logits, hidden
 
+    @serialized
     def score_sequence(self, ids: list[int], cache: LlamaCache, each_chunk: ChunkVisitor) -> None:
         self._ensure_rows(cache, 1)
         seq, size = cache.seqs[0], min(len(ids), SCORE_CHUNK)
