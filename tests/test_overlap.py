@@ -55,6 +55,20 @@ class SlowLLM:
         return self.backend.forward_all(*args)
 
 
+def late_worker(monkeypatch, seconds: float) -> None:
+    """Every operation the LLM's worker runs starts `seconds` late: what it has queued is still to run when the
+    batch's last turn is over."""
+    submit = Worker.submit
+
+    def late(self, fn, *args):
+        def slowly(*a):
+            time.sleep(seconds)
+            return fn(*a)
+        return submit(self, slowly, *args)
+
+    monkeypatch.setattr(Worker, "submit", late)
+
+
 def outputs(gens):
     return [(g.token_ids, g.sources) for g in gens]
 
@@ -163,15 +177,7 @@ def test_a_run_with_overlap_returns_with_the_llms_rows_given_back(kind_pair, tok
     slm, llm = kind_pair
     if llm.max_rows is None:
         pytest.skip("only a backend with a fixed number of rows can run out of them")
-    submit = Worker.submit
-
-    def late(self, fn, *args):
-        def slowly(*a):
-            time.sleep(0.02)
-            return fn(*a)
-        return submit(self, slowly, *args)
-
-    monkeypatch.setattr(Worker, "submit", late)
+    late_worker(monkeypatch, 0.02)
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), overlap=True)
     prompts, params = [engine.prompts.chat(p) for p in PROMPTS * 2], SamplingParams(max_new_tokens=4)
     assert len(prompts) == llm.max_rows  # every sequence the backend has
@@ -209,15 +215,7 @@ def test_two_engines_on_one_llamacpp_backend_never_call_it_at_once(kind, kind_pa
 
     for name in ("llama_decode", "llama_memory_seq_rm", "llama_memory_seq_cp"):
         monkeypatch.setattr(llamacpp.llama_cpp, name, counted(name))
-    submit = Worker.submit
-
-    def late(self, fn, *args):
-        def slowly(*a):
-            time.sleep(0.01)
-            return fn(*a)
-        return submit(self, slowly, *args)
-
-    monkeypatch.setattr(Worker, "submit", late)
+    late_worker(monkeypatch, 0.01)
     engine = Engine(slm, llm, tokenizer, EntropyPolicy(3.0), overlap=True)
     prompts, params = [engine.prompts.chat(p) for p in PROMPTS], SamplingParams(max_new_tokens=6)
     scheduler = engine.scheduler(4)
