@@ -5,6 +5,7 @@ crash or Ctrl-C finds the old file or the new one, never half of either. And fil
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import uuid
@@ -43,6 +44,14 @@ def exclusive(path: str | Path, busy: Callable[[], object]):
         except BlockingIOError:
             busy()
             fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in NO_LOCKS:
+                raise
+            # A file system without locks (some network and FUSE mounts): the work goes on unguarded, as it would
+            # without this lock, rather than not at all.
         yield
     finally:
         os.close(fd)
+
+
+NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}

@@ -278,3 +278,24 @@ def test_an_assembled_file_is_trusted_by_its_hash_not_its_size(tmp_path, monkeyp
     assert not packaged.is_verified(fake)
     models.assemble_gguf(fake)
     assert packaged.is_verified(fake)
+
+
+def test_where_the_file_system_has_no_locks_the_work_goes_on_unguarded(tmp_path, monkeypatch):
+    import errno
+
+    from roads_to_rome import files
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(files.fcntl, "flock", no_locks)
+    with files.exclusive(tmp_path / "results.json", busy=lambda: pytest.fail("nobody holds it")):
+        pass
+
+    def broken(fd, operation):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(files.fcntl, "flock", broken)
+    with pytest.raises(OSError, match="Bad file descriptor"):  # any other failure is not taken for "no locks"
+        with files.exclusive(tmp_path / "results.json", busy=lambda: None):
+            pass
