@@ -338,6 +338,18 @@ def test_serving_anyone_on_a_network_is_said_out_loud(capsys):
     assert (out.out + out.err).count("anyone who reaches the port") == 1
 
 
+def test_serve_says_its_port_is_taken_before_loading_anything(run_cli):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        code, out, err = run_cli("serve", "--port", port, "--slm", "/nowhere", "--llm", "/nowhere")
+    assert code != 0 and f"cannot listen on 127.0.0.1:{port}" in err and "give another --port" in err, err
+    assert "/nowhere" not in err and "Traceback" not in err  # (the models would have failed next)
+
+
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 def test_help_names_every_option_whole_at_80_columns_in_its_panel(command):
     import typer

@@ -259,6 +259,7 @@ def serve(
     from roads_to_rome.models.loading import llama_rows
     from roads_to_rome.reasoning import check_parser
     from roads_to_rome.serving import server
+    from roads_to_rome.serving.connections import listening_socket
     from roads_to_rome.serving.guard import is_loopback
     from roads_to_rome.serving.limits import Limits
     from roads_to_rome.tool_calls import check_tool_parser
@@ -266,6 +267,8 @@ def serve(
     check_parser(reasoning_parser)
     check_tool_parser(tool_call_parser)
     check_exposure(host, api_key, allow_unauthenticated)
+    sock = listening_socket(host, port)
+    port = sock.getsockname()[1]  # (--port 0: the one the system gave)
     prefix_cache_tokens = prefix_cache_tokens if enable_prefix_caching else 0
     llama = {"max_rows": llama_rows(max_batch, prefix_cache_tokens > 0), "n_ctx": kv_cache_tokens or max_batch * 4096}
     engine = load_engine(engine_config(options, llama=llama))
@@ -281,7 +284,7 @@ def serve(
                             docs=docs, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
                             trust_request_chat_template=trust_request_chat_template, scheduling=scheduling)
     console.print(f"R2R serving {model_name!r} on http://{host}:{port}  (playground at /)")
-    status = server.run(app, host, port)
+    status = server.run(app, host, port, sock)
     if status:
         console.print("[red]the engine failed (the log above has why): exiting for a supervisor to restart r2r[/]")
         raise typer.Exit(status)

@@ -3,17 +3,20 @@ connection that sends nothing, or trickles its request line and headers, open fo
 them, each holding a file descriptor. Here a request's head must arrive within `--max-head-seconds` (then 408 and
 the connection is closed; one that sent nothing is closed without a word), and at most twice `--max-connections`
 connections are open at once: past that a new one is closed as it opens, while up to that the surplus still reads
-a 429 from the guard (and a supervisor's /health its answer)."""
+a 429 from the guard (and a supervisor's /health its answer). The server's socket is bound before the models load
+(`listening_socket`)."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import h11
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from roads_to_rome.errors import R2RError
 from roads_to_rome.serving.errors import error_response
 from roads_to_rome.serving.limits import Limits
 
@@ -24,6 +27,21 @@ def uvicorn_config(app: FastAPI, host: str, port: int, **options) -> uvicorn.Con
     state = getattr(app.state, "r2r", None)
     limits = state.limits if state is not None else Limits()
     return uvicorn.Config(app, host=host, port=port, log_level="warning", http=guarded_protocol(limits), **options)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound at once (as vLLM binds before it loads its engine): a port already in use, or an
+    address this machine does not have, is said before the models load for seconds to minutes, not after."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # (uvicorn's rule)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise R2RError(f"cannot listen on {host}:{port}: {e.strerror or e}. Another process may hold the port: give "
+                       "another --port, or stop that process") from None
+    return sock
 
 
 def guarded_protocol(limits: Limits) -> type[asyncio.Protocol]:

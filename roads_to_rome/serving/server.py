@@ -14,6 +14,7 @@ import functools
 import html
 import importlib.resources
 import logging
+import socket
 from typing import Annotated, Any, Literal
 
 import uvicorn
@@ -314,11 +315,11 @@ async def detokenize(body: Annotated[DetokenizeBody, Depends(body_of(DetokenizeB
     return {"prompt": await tokenize(s, 4 * len(body.tokens), s.engine.tokenizer.decode, body.tokens)}
 
 
-def run(app: FastAPI, host: str, port: int) -> int:
+def run(app: FastAPI, host: str, port: int, sock: socket.socket | None = None) -> int:
     """Serve until SIGINT/SIGTERM, or until the engine's thread fails; returns the exit status (1 after a failure, for
     a supervisor to start a fresh process). The first signal stops admitting new requests (503) and gives those in
     flight the drain timeout to finish (then they are cut with an error a client can read; at once while the LLM's
-    server does not answer); a second exits at once."""
+    server does not answer); a second exits at once. `sock`: the socket, bound already (`listening_socket`)."""
     state = app.state.r2r
 
     def llm_stalled() -> bool:
@@ -336,5 +337,5 @@ def run(app: FastAPI, host: str, port: int) -> int:
     drain = state.limits.drain_timeout
     uvicorn_server = Server(uvicorn_config(app, host, port, timeout_graceful_shutdown=drain + 5))
     state.engine_thread.on_failure = lambda _: setattr(uvicorn_server, "should_exit", True)
-    uvicorn_server.run()
+    uvicorn_server.run(sockets=[sock] if sock is not None else None)
     return 1 if state.engine_thread.failed is not None else 0
