@@ -268,7 +268,6 @@ def serve(
     check_tool_parser(tool_call_parser)
     check_exposure(host, api_key, allow_unauthenticated)
     sock = listening_socket(host, port)
-    port = sock.getsockname()[1]  # (--port 0: the one the system gave)
     prefix_cache_tokens = prefix_cache_tokens if enable_prefix_caching else 0
     llama = {"max_rows": llama_rows(max_batch, prefix_cache_tokens > 0), "n_ctx": kv_cache_tokens or max_batch * 4096}
     engine = load_engine(engine_config(options, llama=llama))
