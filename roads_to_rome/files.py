@@ -30,6 +30,9 @@ def write_text(path: str | Path, text: str) -> Path:
     return write_atomically(path, lambda tmp: tmp.write_text(text))
 
 
+NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # flock's errors where a file system has none
+
+
 @contextlib.contextmanager
 def exclusive(path: str | Path, busy: Callable[[], object]):
     """Held by one process at a time while the block runs: an advisory lock (flock) on `path` itself, a file (made
@@ -52,6 +55,3 @@ def exclusive(path: str | Path, busy: Callable[[], object]):
         yield
     finally:
         os.close(fd)
-
-
-NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
