@@ -9,7 +9,8 @@ from tiny import save_pair, tiny_tokenizer
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    slm_dir, llm_dir = save_pair(tmp_path_factory.mktemp("pair"))
+    # Room for a chat prompt and the commands' default 512 new tokens, in the tiny tokenizer's tokens
+    slm_dir, llm_dir = save_pair(tmp_path_factory.mktemp("pair"), max_positions=4096)
     return ["--slm", slm_dir, "--llm", llm_dir, "--device", "cpu"]
 
 
@@ -178,6 +179,26 @@ def test_chat_streams_and_quits_on_empty_line(run_cli, pair, monkeypatch):
     assert len(kept) == 1 and 0 < int(kept[0][1]) < int(kept[0][0])
 
 
+def test_chat_past_the_models_context_leaves_its_first_exchanges_out(run_cli, tmp_path, monkeypatch):
+    """A conversation past what the models read (64 positions here) goes on without its oldest exchanges, and a message
+    that alone does not fit is refused with what to cut, the chat going on; `generate` refuses such a prompt (torch ran
+    it past the models' positions without a word)."""
+    import io
+
+    slm_dir, llm_dir = save_pair(tmp_path, max_positions=64)
+    pair = ["--slm", slm_dir, "--llm", llm_dir, "--device", "cpu", "--router", "random", "--max-new-tokens", "10"]
+    long = "this one message is long enough by itself to be past every position the tiny models read " * 2
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"hello there friend\nsecond message is here\n{long}\nfourth\n\n"))
+    code, out, err = run_cli("chat", *pair)
+    assert code == 0, err
+    assert out.count("LLM rate") == 3  # every turn but the long one's
+    assert "first exchange left out" in re.sub(r"\s+", " ", out)
+    assert re.search(r"more than the 64 the models read at most \(their context length\): shorten the prompt",
+                     re.sub(r"\s+", " ", out))
+    code, out, err = run_cli("generate", long, *pair)
+    assert code == 2 and "their context length" in err
+
+
 def test_benchmarks_run_and_report_ratios(run_cli, pair, tmp_path):
     slm_args = pair[:2] + pair[4:]
     code, out, err = run_cli("bench", "overhead", "--tokens", "6", "--rounds", "1", "--out", tmp_path / "o.json",
@@ -241,10 +262,10 @@ def test_prefix_benchmark_shares_a_system_message_between_clients(run_cli, pair,
     """`r2r bench prefix --shots N`: every conversation opens with the same worked examples and the clients arrive
     one after another, so that each after the first finds them kept; the server without prefix caching finds
     nothing."""
-    code, out, err = run_cli("bench", "prefix", "--clients", "1", "--turns", "1", "--shots", "1", *pair)
+    slm_dir, llm_dir = save_pair(tmp_path, max_positions=512)  # the tiny tokenizer writes a token per few letters
+    code, out, err = run_cli("bench", "prefix", "--clients", "1", "--turns", "1", "--shots", "1", "--slm", slm_dir,
+                             "--llm", llm_dir, "--device", "cpu")
     assert code == 2 and "the server refused a turn" in err and "tokens per request" in err  # a 512-token context
-    slm_dir, llm_dir = save_pair(tmp_path, max_positions=4096)  # the tiny tokenizer writes a token per few letters
-    pair = ["--slm", slm_dir, "--llm", llm_dir, "--device", "cpu"]
     code, out, err = run_cli("bench", "prefix", "--clients", "2", "--turns", "2", "--tokens", "3", "--shots", "2",
                              "--out", tmp_path / "p.json", *pair)
     assert code == 0, err

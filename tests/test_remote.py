@@ -5,6 +5,7 @@ match the same model run locally, and the faults a user meets (no server, a serv
 a wrong model name, another tokenizer)."""
 
 import dataclasses
+import gc
 import json
 import os
 import threading
@@ -195,6 +196,30 @@ def test_the_remote_backends_pool_threads_start_no_threads_of_their_own(server, 
     assert llm.forward_all(cache, ids, mask, keep_last=4).shape == (3, 4, 151_936)
     assert llm.forward(cache, ids[:, -1:] * 0 + 5, torch.ones(3, width + 1, dtype=torch.long))[0].shape[0] == 3
     assert process.num_threads() - threading.active_count() <= native_before
+
+
+@ON_LLAMA_SERVER_ONLY
+def test_a_request_past_the_servers_context_is_refused_before_any_call(server, slm, tokenizer):
+    """The server's context (llama.cpp's per-slot n_ctx, vLLM's max_model_len) bounds a request as the models' own
+    does: refused with what to cut before the SLM reads it, not by the server's 400 once the first routed token
+    asks (the whole prompt read by then)."""
+    engine = Engine(slm, served(server, tokenizer, slm), tokenizer, AlwaysLLM())
+    assert engine.max_context == server.ctx
+    prompt = engine.prompts.chat("a long question " * 200)
+    assert len(prompt) > server.ctx
+    with pytest.raises(R2RError, match=f"more than the {server.ctx} the models read at most.*shorten the prompt"):
+        engine.run([Request(prompt, SamplingParams(max_new_tokens=8))])
+    assert engine.counters.llm_calls == 0
+
+
+def test_a_remote_backends_pool_is_closed_with_it(server, slm, tokenizer):
+    """Not left to the interpreter's teardown, where its pipe may close before its own finalizer writes to it: a
+    traceback printed after an error's message (`r2r generate` with a server that refused a request)."""
+    llm = served(server, tokenizer, slm)
+    pool = llm.pool
+    del llm
+    gc.collect()
+    assert pool._state == "CLOSE"
 
 
 def test_sampled_strict_verification_is_refused_with_a_remote_llm(server, slm, tokenizer):

@@ -169,12 +169,29 @@ def test_admission_waits_for_kv_room_and_refuses_what_can_never_fit(slm, llm, to
     assert [s.generation.token_ids for s in sequences] == [g.token_ids for g in alone]
     too_long = Request(prompts[0], SamplingParams(max_new_tokens=engine.kv_capacity))
     room = engine.kv_capacity - len(prompts[0])
-    with pytest.raises(R2RError, match=f"KV-cache tokens.*ask for at most {room} new tokens"):
+    with pytest.raises(R2RError, match=f"the KV cache holds: ask for at most {room} new tokens"):
         engine.run([too_long])
     # Where the prompt alone is too long, fewer new tokens would not help: the advice is to shorten it.
     engine.kv_capacity = len(prompts[0]) - 1
     with pytest.raises(R2RError, match=f"shorten the prompt \\({len(prompts[0])} tokens\\)"):
         engine.run([Request(prompts[0], SamplingParams(max_new_tokens=1))])
+
+
+def test_a_request_past_the_models_context_is_refused_with_what_to_cut(slm, llm, tokenizer):
+    """Past their trained context a model's positions mean nothing, and torch would run on without a word: a request
+    that needs more tokens than the models read is refused as one past the KV cache is, whatever the cache holds."""
+    engine = Engine(slm, llm, tokenizer, AlwaysLLM())
+    assert engine.kv_capacity is None and engine.max_context == 512  # the tiny models' trained context
+    prompt = engine.prompts.chat(PROMPTS[0])
+    engine.max_context = len(prompt) + 4
+    fits = engine.run([Request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))])[0]
+    assert len(fits.token_ids) == 4
+    with pytest.raises(R2RError, match="the models read at most \\(their context length\\): ask for at most 4 new "
+                                       "tokens"):
+        engine.run([Request(prompt, SamplingParams(max_new_tokens=5))])
+    engine.kv_capacity = len(prompt) + 2  # the smaller bound is the one named
+    with pytest.raises(R2RError, match="the KV cache holds: ask for at most 2 new tokens"):
+        engine.run([Request(prompt, SamplingParams(max_new_tokens=5))])
 
 
 def test_cancelled_sequences_leave_with_a_failure_waiting_or_running(engine):

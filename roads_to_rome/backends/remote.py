@@ -22,6 +22,7 @@ import re
 import threading
 import time
 import urllib.parse
+import weakref
 from dataclasses import dataclass, field
 
 import httpx
@@ -363,6 +364,9 @@ class RemoteBackend:
             raise R2RError(f"--llm {shown}: params= takes a number of parameters, e.g. params=1.5e9") from None
         # Daemon threads: a call waiting on a server that stopped answering must not keep the process from exiting.
         self.pool = multiprocessing.pool.ThreadPool(max(8, self.api.slots))
+        # Closed with the backend or at exit, not left to the interpreter's teardown: there the pool's own finalizer
+        # writes to a pipe already closed, a traceback printed after an error's message.
+        weakref.finalize(self, self.pool.close)
         self._check_tokenizer(tokenizer)
 
     def health(self) -> dict | None:

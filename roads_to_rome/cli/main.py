@@ -194,12 +194,39 @@ def chat(
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        results = print_turn(engine, session, engine.prompts.messages(messages), params, parser)
+        try:
+            prompt_ids = fit_conversation(engine, messages, params)
+        except R2RError as e:  # the message alone does not fit: the chat goes on without it
+            messages.pop()
+            console.print(f"[red]{e}[/]")
+            continue
+        results = print_turn(engine, session, prompt_ids, params, parser)
         if results:
             reasoned = reasoning.reason(parser, engine.tokenizer, results[0]) if parser else None
             console.print(tables.stats(results[0], engine, console.is_terminal, reasoned))
             # The answer only: reasoning models' templates leave earlier turns' thinking out.
             messages.append({"role": "assistant", "content": reasoned.content if reasoned else results[0].text})
+
+
+def fit_conversation(engine, messages: list[dict], params) -> list[int]:
+    """The chat's prompt for its next turn, with room for the turn's new tokens in the models' context: the oldest
+    exchanges are left out of `messages` where the whole conversation does not fit (as ollama's chat does), with a
+    line that says so. The error if the latest message alone does not."""
+    from roads_to_rome.core.request import Request
+    from roads_to_rome.core.scheduler import too_long
+
+    first = 0
+    while (error := too_long(Request(prompt_ids := engine.prompts.messages(messages[first:]), params),
+                             engine.context)) is not None:
+        if first + 1 >= len(messages):
+            raise error
+        first += 2  # a user's message and its answer
+    if first:
+        del messages[:first]
+        left_out = "first exchange" if first == 2 else f"first {first // 2} exchanges"
+        console.print(f"[dim](the conversation's {left_out} left out: with room for the answer, the whole of "
+                      "it no longer fits)[/]")
+    return prompt_ids
 
 
 def print_turn(engine, session, prompt_ids: list[int], params, parser) -> list:

@@ -27,6 +27,7 @@ class Context:
     tokenizer: object  # (decodes an output's tail for its stop strings)
     pad_id: int
     counters: Counters
+    max_context: int  # the tokens one sequence may hold, prompt and output: the models' context length
     kv_capacity: int | None  # the KV tokens every row's caches hold together (None: no limit)
     max_rows: int | None  # the rows the models hold at once (None: no limit)
     sync: Callable[[], None]  # waits for the writer's queued kernels (CUDA), to time a step's phases

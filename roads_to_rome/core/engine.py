@@ -64,7 +64,8 @@ class Engine:
         # The tokenizer's EOS plus what each model itself knows ends a generation.
         self.eos_ids = eos_token_ids(tokenizer).union(*(m.eos_ids for m in models))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
-        self.max_context = min(m.max_context for m in models)
+        # The tokens one sequence may hold: the smallest model's context (a server that does not say has no bound here).
+        self.max_context = min((m.max_context for m in models if m.max_context), default=1 << 31)
         # The tokens every row's caches hold together, and how many rows: what the server admits against.
         self.kv_capacity = min((m.kv_capacity for m in models if m.kv_capacity is not None), default=None)
         self.max_rows = min((m.max_rows for m in models if m.max_rows is not None), default=None)
@@ -147,7 +148,8 @@ class Engine:
     def context(self) -> Context:
         """What this engine's batches run with (core/context.py), as the engine is set now."""
         return Context(self.writer, self.writer_source, self.llm_side, self.policy, self.deferral, self.overlap,
-                       self.tokenizer, self.pad_id, self.counters, self.kv_capacity, self.max_rows, self.sync)
+                       self.tokenizer, self.pad_id, self.counters, self.max_context, self.kv_capacity, self.max_rows,
+                       self.sync)
 
     def scheduler(self, max_batch: int | None = None, prefill_chunk: int | None = None, prefix_tokens: int = 0,
                   by_priority: bool = False) -> Scheduler:

@@ -37,13 +37,20 @@ class Scheduling:
     by_priority: bool = False
 
 
-def too_long(request: Request, capacity: int) -> R2RError:
-    """The advice depends on which part does not fit: fewer new tokens only help a prompt that fits."""
-    prompt = len(request.prompt_ids)
-    fix = (f"shorten the prompt ({prompt} tokens) below {capacity}" if prompt >= capacity
-           else f"ask for at most {capacity - prompt} new tokens")
-    return R2RError(f"this request needs {request.kv_tokens} KV-cache tokens (prompt and max new tokens), more than "
-                    f"the {capacity} the cache holds: {fix}")
+def too_long(request: Request, context: Context) -> R2RError | None:
+    """Why a request can never run here, or None: its prompt and new tokens past the tokens one sequence may hold (the
+    models' context length, or a server's) or past what the KV cache holds for every row together. The advice
+    depends on which part does not fit: fewer new tokens only help a prompt that fits."""
+    need, prompt = request.kv_tokens, len(request.prompt_ids)
+    limits = [(n, what) for n, what in ((context.max_context, "the models read at most (their context length)"),
+                                        (context.kv_capacity, "the KV cache holds")) if n is not None and need > n]
+    if not limits:
+        return None
+    limit, what = min(limits)
+    fix = (f"shorten the prompt ({prompt} tokens) below {limit}" if prompt >= limit
+           else f"ask for at most {limit - prompt} new tokens")
+    return R2RError(f"this request needs {need} tokens (prompt and max new tokens), more than the {limit} {what}: "
+                    f"{fix}")
 
 
 class Scheduler:
@@ -111,10 +118,10 @@ class Scheduler:
         prefixes = [p for p in self.prefixes if p is not None and p.model.kv_capacity is not None]
         while self.waiting:
             s = self.waiting[0]
-            need = s.request.kv_tokens
-            if s.cancelled or (capacity is not None and need > capacity):
+            need, refusal = s.request.kv_tokens, Cancelled() if s.cancelled else too_long(s.request, self.context)
+            if refusal is not None:
                 self.waiting.popleft()
-                left.append(Failure(s, Cancelled() if s.cancelled else too_long(s.request, capacity)))
+                left.append(Failure(s, refusal))
                 continue
             full = self.max_batch is not None and self.admitted >= self.max_batch
             if full or (capacity is not None and self.kv_in_use + need > capacity):
