@@ -9,11 +9,11 @@ the items on which each rolls back less per token, with an exact sign test.
 A system may be given as DIR:SYSTEM to take its results from another results directory (the same benchmark:
 items are matched by id); slm and llm come from RESULTS_DIR.
 """
-import json
 import sys
 from pathlib import Path
 
 from roads_to_rome.data.stats import sign_test
+from roads_to_rome.eval.evaluate import read_results
 
 
 def load(results_dir: Path, system: str) -> dict[str, dict]:
@@ -23,7 +23,7 @@ def load(results_dir: Path, system: str) -> dict[str, dict]:
     path = results_dir / f"{system}.jsonl"
     if not path.is_file():
         sys.exit(f"error: {path} not found: give an `r2r eval` results directory holding {system}, slm and llm")
-    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+    return {r["id"]: r for r in read_results(path)}  # (a line a kill cut off, or an eval still writing, left out)
 
 
 def compare(rows: dict[str, dict], a: str, b: str, ids: list[str]) -> str:

@@ -246,6 +246,8 @@ def test_paired_counts_and_the_speed_pareto_scripts(tmp_path):
         (tmp_path / f"{system}.jsonl").write_text("".join(json.dumps(
             {"id": str(i), "correct": bool(c), "tokens": 100, "llm_tokens": 0 if system == "slm" else 10})
             + "\n" for i, c in enumerate(marks)))
+    with (tmp_path / "r2r.jsonl").open("a") as f:
+        f.write('{"id": "10", "correct": tr')  # a line an eval still running (or killed) has not finished
     out = subprocess.run([sys.executable, scripts / "paired.py", tmp_path, "r2r+verify=1", "r2r"],
                          capture_output=True, text=True, check=True).stdout
     # verify=1 alone right on items 2-8 (7), r2r alone on none: p = 2 * 0.5^7
