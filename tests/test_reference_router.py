@@ -78,7 +78,8 @@ class Payload:
     ("missing weights", "missing backbone.input_projection.bias"),
     ("position", "position embeddings"),
     ("a list", "holds a list"),
-    ("code", "loads safely"),
+    ("code", "loads safely (tensors and plain values only): Trying to load unsupported GLOBAL posix.mkdir"),
+    ("not a pickle", "loads safely (tensors and plain values only): not a file torch.save wrote"),
     ("huge", "more than a router's limit"),
     ("wrong shape", "has the wrong shape"),
 ])
@@ -98,13 +99,16 @@ def test_refusals(slm, tmp_path, run_cli, change, message):
         checkpoint = [checkpoint]
     elif change == "code":
         checkpoint["model_specific_args"] = {"hook": Payload(str(tmp_path / "ran"))}
-    else:
+    elif change != "not a pickle":
         checkpoint.update(change)
     torch.save(checkpoint, tmp_path / "router.pt")
+    if change == "not a pickle":
+        (tmp_path / "router.pt").write_text("a router, in words\n")
     with pytest.raises(Exception) as refused:
         import_reference(tmp_path / "router.pt", slm, tmp_path / "out")
     assert type(refused.value).__name__ == "R2RError" and message in str(refused.value)
     assert "\n" not in str(refused.value)
+    assert "weights_only" not in str(refused.value)  # (torch's advice to load it unsafely, which r2r never does)
     assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()
 
 

@@ -15,6 +15,8 @@ it runs). It is a pickle: it is read with `weights_only` loading, which builds t
 from __future__ import annotations
 
 import math
+import pickle
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,19 +132,35 @@ def read_reference(path: Path, hidden_size: int, embed_size: int) -> tuple[Refer
     return router.eval(), threshold, dict(init)
 
 
+def unpickler_detail(error: Exception) -> str:
+    """Why torch's safe loader refused a file, on one line: not a file `torch.save` wrote, or what it holds that the
+    loader does not build (an object of a class, a function), without torch's advice to load it unsafely or to allow
+    the class, which r2r never does."""
+    text = " ".join(str(error).split())
+    if isinstance(error, pickle.UnpicklingError):
+        text = text.split("WeightsUnpickler error:")[-1].split("trusted source.")[-1]
+        for advice in ("Please use `torch.serialization", "Check the documentation of torch.load"):
+            text = text.split(advice)[0]
+        text = text.strip()
+        if not text.startswith("Unsupported operand"):  # (a pickle instruction it does not know: not a checkpoint)
+            return text or type(error).__name__
+    return f"not a file torch.save wrote ({text or type(error).__name__})"
+
+
 def _load_checkpoint(path: Path) -> dict:
     """The file's dict, loaded safely (tensors and plain values only), with the reference's keys and model type."""
     if path.exists() and path.stat().st_size > MAX_FILE_BYTES:
         raise R2RError(f"{path} has {path.stat().st_size:,} bytes, more than a router's limit of {MAX_FILE_BYTES:,}: "
                        "it is not a router checkpoint")
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # (a pickle of another protocol: torch warns, then reads it or says why not)
+            warnings.simplefilter("ignore")
+            saved = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise R2RError(f"{path}: no such file") from None
     except Exception as e:  # weights_only refuses any class it does not know: nothing in the file runs
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise R2RError(f"{path} is not a router checkpoint that loads safely (tensors and plain values only): "
-                       f"{first}") from None
+                       f"{unpickler_detail(e)}") from None
     if not isinstance(saved, dict):
         raise R2RError(f"{path} is not a reference router checkpoint: it holds a {type(saved).__name__}, not a dict")
     missing = [key for key in ("model_type", "init_args", "common_args", "state_dict") if key not in saved]
