@@ -343,9 +343,14 @@ def test_generate_with_verification_reports_fixes(run_cli, pair):
     (["--host", "192.168.1.20"], "--allow-unauthenticated"),
     (["--api-key", ""], "is empty"),
     (["--api-key", "  "], "is empty"),
+    # Model directories run on torch, whose caches grow with each request: llama.cpp's pool size would be ignored
+    (["--kv-cache-tokens", "8192", "--backend", "torch"], "no model runs on llama.cpp here (the SLM on torch, the "
+                                                          "LLM on torch): leave it out"),
+    (["--kv-cache-tokens", "8192", "--backend", "torch", "--llm", "http://127.0.0.1:9"], "the LLM on a server"),
 ])
 def test_serve_refuses_an_open_network_bind_and_an_empty_key_before_loading_anything(run_cli, args, says):
-    code, out, err = run_cli("serve", *args, "--slm", "/nowhere", "--llm", "/nowhere")  # refused before loading
+    models = [x for option in ("--slm", "--llm") if option not in args for x in (option, "/nowhere")]
+    code, out, err = run_cli("serve", *args, *models)  # refused before loading
     assert code != 0 and says in err + out, err + out
 
 

@@ -163,6 +163,15 @@ def auto_backend(spec: str | None, device: str) -> str:
     return "llamacpp" if spec is None or str(spec).endswith(".gguf") else "torch"
 
 
+def backend_for(spec: str | None, role: str, device: str = "auto", backend: str = "auto") -> str:
+    """What runs a role's model ("slm" or "llm"), known before it loads: "torch", "llamacpp", or "remote" (an LLM
+    on a serving engine)."""
+    if role == "llm" and is_remote(spec):
+        return "remote"
+    name = parse_backends(backend)[role]
+    return auto_backend(spec, parse_devices(device)[role]) if name == AUTO else name
+
+
 def _load_llamacpp(spec: str | None, default: PackagedModel, role: str, llama: dict, vocab_size: int | None):
     """(backend, tokenizer) for a GGUF file run by llama.cpp; the tokenizer comes from transformers. `llama`:
     the context's sizes (`n_ctx`, `max_rows`) when not llama.cpp's defaults here."""
@@ -203,11 +212,9 @@ def load_model(spec: str | None, role: str, device: str = "auto", dtype: str = "
     model (torch's are the process's, or the LLM worker's: `Engine`)."""
     import torch
 
+    name = backend_for(spec, role, device, backend)
     device = parse_devices(device)[role]
     dtype = pick_dtype(dtype, device)
-    name = parse_backends(backend)[role]
-    if name == AUTO:
-        name = auto_backend(spec, device)
     default, label = ROLES[role], role.upper()
     if name == "llamacpp":
         return _load_llamacpp(spec, default, label, {**(llama or {}), **({"n_threads": threads} if threads else {})},
