@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import threading
 import time
 
@@ -374,6 +375,34 @@ def test_r2r_serve_keeps_serving_when_its_remote_llm_fails_a_request(llm_files, 
             assert again.status_code == 200
             assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
             assert httpx.post(chat, json=body, timeout=60).json()["usage"]["llm_tokens"] > 0  # R2R routes again
+
+
+@NEEDS_LLAMA_SERVER
+def test_r2r_chat_goes_on_when_its_remote_llm_fails_a_turn(llm_files, tokenizer, run_cli, monkeypatch, tmp_path):
+    """A turn whose LLM server is away fails alone: the chat says why, and once the server is back the next turn
+    answers, the conversation kept (the chat ended, and the conversation with it)."""
+    import io
+
+    tiny_model(tokenizer, seed=0).save_pretrained(tmp_path / "slm")
+    tokenizer.save_pretrained(tmp_path / "slm")
+    with LlamaServer(llm_files["gguf"], slots=2) as srv:
+
+        class Turns(io.StringIO):
+            """The user's lines; the server stops before the second and is back before the third."""
+
+            lines = iter([(None, "What is 48 / 2?"), (srv.stop, "And 48 / 3?"), (srv.start, "And 48 / 4?"), (None, "")])
+
+            def readline(self, *_):
+                disturb, line = next(self.lines)
+                if disturb:
+                    disturb()
+                return line + "\n"
+
+        monkeypatch.setattr("sys.stdin", Turns())
+        code, out, err = run_cli("chat", "--slm", tmp_path / "slm", "--llm", srv.url, "--router", "llm",
+                                 "--llm-retry", "0", "--max-new-tokens", "4", "--device", "cpu")
+    assert code == 0, err
+    assert out.count("LLM rate") == 2 and "is unavailable" in re.sub(r"\s+", " ", out), out
 
 
 def test_what_the_server_writes_itself_equals_the_engines_token_by_token_greedy(server, slm, tokenizer):

@@ -195,12 +195,11 @@ def chat(
             break
         messages.append({"role": "user", "content": user})
         try:
-            prompt_ids = fit_conversation(engine, messages, params)
-        except R2RError as e:  # the message alone does not fit: the chat goes on without it
-            messages.pop()
+            results = print_turn(engine, session, fit_conversation(engine, messages, params), params, parser)
+        except R2RError as e:  # this turn alone fails (its message does not fit, the LLM's server is away): the
+            messages.pop()  # chat goes on without it
             console.print(f"[red]{e}[/]")
             continue
-        results = print_turn(engine, session, prompt_ids, params, parser)
         if results:
             reasoned = reasoning.reason(parser, engine.tokenizer, results[0]) if parser else None
             console.print(tables.stats(results[0], engine, console.is_terminal, reasoned))
