@@ -282,7 +282,7 @@ def serve(
     require_extra("serve", "`r2r serve`")
     from roads_to_rome.core.scheduler import Scheduling
     from roads_to_rome.models import load_engine
-    from roads_to_rome.models.loading import backend_for, llama_rows
+    from roads_to_rome.models.loading import llama_rows
     from roads_to_rome.reasoning import check_parser
     from roads_to_rome.serving import server
     from roads_to_rome.serving.connections import listening_socket
@@ -293,11 +293,8 @@ def serve(
     check_parser(reasoning_parser)
     check_tool_parser(tool_call_parser)
     check_exposure(host, api_key, allow_unauthenticated)
-    runs_on = {role: backend_for(spec, role, device, backend) for role, spec in (("slm", slm), ("llm", llm))}
-    if kv_cache_tokens is not None and "llamacpp" not in runs_on.values():
-        where = {"torch": "torch", "remote": "a server"}
-        raise R2RError(f"--kv-cache-tokens sizes llama.cpp's KV pool, and no model runs on llama.cpp here (the SLM on "
-                       f"{where[runs_on['slm']]}, the LLM on {where[runs_on['llm']]}): leave it out")
+    if kv_cache_tokens is not None:
+        check_llamacpp_runs(slm, llm, device, backend)
     sock = listening_socket(host, port)
     prefix_cache_tokens = prefix_cache_tokens if enable_prefix_caching else 0
     llama = {"max_rows": llama_rows(max_batch, prefix_cache_tokens > 0), "n_ctx": kv_cache_tokens or max_batch * 4096}
@@ -318,6 +315,18 @@ def serve(
     if status:
         console.print("[red]the engine failed (the log above has why): exiting for a supervisor to restart r2r[/]")
         raise typer.Exit(status)
+
+
+def check_llamacpp_runs(slm: str | None, llm: str | None, device: str, backend: str) -> None:
+    """`--kv-cache-tokens` sizes llama.cpp's KV pool: refused where no model runs on llama.cpp (torch's caches grow
+    with each request, a server has its own), as it would be ignored."""
+    from roads_to_rome.models.loading import backend_for
+
+    runs_on = {role: backend_for(spec, role, device, backend) for role, spec in (("slm", slm), ("llm", llm))}
+    if "llamacpp" not in runs_on.values():
+        where = {"torch": "torch", "remote": "a server"}
+        raise R2RError(f"--kv-cache-tokens sizes llama.cpp's KV pool, and no model runs on llama.cpp here (the SLM on "
+                       f"{where[runs_on['slm']]}, the LLM on {where[runs_on['llm']]}): leave it out")
 
 
 def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
