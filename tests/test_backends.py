@@ -54,6 +54,25 @@ def close(a, b, kind):
     return torch.allclose(a.float(), b.float(), atol=TOLERANCE[kind], rtol=0)
 
 
+@pytest.mark.parametrize("rope, length", [
+    (None, 512),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, 1024),  # Qwen2.5's long contexts
+    ({"rope_type": "dynamic", "factor": 2.0}, 1024),
+    ({"rope_type": "linear", "factor": 2.0}, 1024),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 128}, 512),  # Llama 3's scaling is counted in its positions already
+])
+def test_a_torch_models_context_is_its_positions_times_its_rope_scaling(rope, length):
+    """As vLLM derives max_model_len: a model extended by RoPE scaling reads past `max_position_embeddings`, and
+    requests up to the extended length are not refused."""
+    from transformers import Qwen2Config
+
+    from roads_to_rome.backends.torch_backend import context_length
+
+    config = Qwen2Config(max_position_embeddings=512, **({"rope_scaling": rope} if rope else {}))
+    assert context_length(config) == length
+
+
 def test_it_implements_the_protocol(backend, tokenizer):
     assert isinstance(backend, Backend)
     assert backend.vocab_size == len(tokenizer) and backend.hidden_size == 32

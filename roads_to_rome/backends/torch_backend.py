@@ -190,6 +190,20 @@ def symbolic_sizes(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tenso
             torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
+def context_length(config) -> int:
+    """The positions a model reads, prompt and output, as vLLM derives its max_model_len: `max_position_embeddings`,
+    times a RoPE scaling's factor (YaRN's from its original length); Llama 3's and LongRoPE's scaling are counted in
+    it already."""
+    length = getattr(config, "max_position_embeddings", None) or 1 << 31
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "su", "longrope", "llama3"):
+        if kind == "yarn" and rope.get("original_max_position_embeddings"):
+            length = rope["original_max_position_embeddings"]
+        length = int(length * (rope.get("factor") or 1.0))
+    return length
+
+
 class TorchBackend(LocalBackend):
     max_rows = None  # only memory limits a batch
     kv_capacity = None  # each row has its own cache columns
@@ -212,7 +226,7 @@ class TorchBackend(LocalBackend):
         self.num_params = sum(p.numel() for p in model.parameters())
         config = model.config.get_text_config()
         self.hidden_size = config.hidden_size
-        self.max_context = getattr(config, "max_position_embeddings", None) or 1 << 31
+        self.max_context = context_length(config)
         head_rows = self.head.weight.shape[0]
         self.vocab_size = min(vocab_size or head_rows, head_rows)
         eos = getattr(model.generation_config, "eos_token_id", None)
